@@ -1,0 +1,159 @@
+"""Build LNS GPT models (one module per virtual-pipeline chunk) from a typed config."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import init_method_normal, scaled_init_method_normal
+
+from megatron_lns.runtime import ParallelLayout
+from megatron_lns.scaling import NormScaling
+from megatron_lns.specs import get_lns_block_spec
+
+Precision = Literal["fp32", "bf16", "fp16"]
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel: int, divisible_by: int = 128) -> int:
+    """Megatron-LM's vocab padding: a multiple of ``divisible_by * tensor_parallel``."""
+    multiple = divisible_by * tensor_parallel
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+@dataclass
+class GPTModelConfig:
+    """Architecture of a decoder-only GPT / LLaMA / OLMo model with optional LNS.
+
+    ``output_layer_init`` picks the init of the residual-branch output projections
+    (attention ``linear_proj`` and MLP ``linear_fc2``): ``"normal"`` is plain
+    N(0, init_method_std), which the LNS paper recommends; ``"scaled"`` is megatron's
+    default N(0, init_method_std / sqrt(2 * num_layers)). ``None`` follows the paper
+    with LNS and megatron's default without it.
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    seq_length: int
+    ffn_hidden_size: int | None = None
+    num_query_groups: int | None = None
+    max_position_embeddings: int | None = None
+    norm_scaling: NormScaling = "lns"
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    norm_affine: bool = True
+    layernorm_epsilon: float = 1e-5
+    layernorm_zero_centered_gamma: bool = False
+    activation: Literal["swiglu", "gelu"] = "swiglu"
+    bias: bool = False
+    position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
+    rotary_base: int = 10000
+    share_embeddings_and_output_weights: bool = False
+    init_method_std: float = 0.02
+    output_layer_init: Literal["normal", "scaled"] | None = None
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    precision: Precision = "fp32"
+    backend: Literal["local", "te"] = "local"
+    qk_layernorm: bool = False
+    extra_transformer_config: dict = field(default_factory=dict)
+
+    def resolved_output_layer_init(self) -> str:
+        if self.output_layer_init is not None:
+            return self.output_layer_init
+        return "normal" if self.norm_scaling == "lns" else "scaled"
+
+    def transformer_config(
+        self, layout: ParallelLayout = ParallelLayout(), cpu_init: bool | None = None
+    ) -> TransformerConfig:
+        """The megatron ``TransformerConfig`` for this architecture and parallel layout."""
+        if cpu_init is None:
+            cpu_init = not torch.cuda.is_available()
+        dtype = _DTYPES[self.precision]
+        if self.resolved_output_layer_init() == "normal":
+            output_init = init_method_normal(self.init_method_std)
+        else:
+            output_init = scaled_init_method_normal(self.init_method_std, self.num_layers)
+        swiglu = self.activation == "swiglu"
+        return TransformerConfig(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            ffn_hidden_size=self.ffn_hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_query_groups,
+            normalization=self.normalization,
+            layernorm_epsilon=self.layernorm_epsilon,
+            layernorm_zero_centered_gamma=self.layernorm_zero_centered_gamma,
+            gated_linear_unit=swiglu,
+            activation_func=F.silu if swiglu else F.gelu,
+            add_bias_linear=self.bias,
+            add_qkv_bias=self.bias,
+            qk_layernorm=self.qk_layernorm,
+            init_method_std=self.init_method_std,
+            output_layer_init_method=output_init,
+            hidden_dropout=self.hidden_dropout,
+            attention_dropout=self.attention_dropout,
+            bias_dropout_fusion=False,
+            masked_softmax_fusion=False,
+            apply_rope_fusion=False,
+            persist_layer_norm=False,
+            tensor_model_parallel_size=layout.tensor,
+            pipeline_model_parallel_size=layout.pipeline,
+            virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
+            sequence_parallel=layout.sequence_parallel,
+            params_dtype=dtype,
+            pipeline_dtype=dtype,
+            bf16=self.precision == "bf16",
+            fp16=self.precision == "fp16",
+            use_cpu_initialization=cpu_init,
+            **self.extra_transformer_config,
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def build_model(
+    config: GPTModelConfig,
+    layout: ParallelLayout = ParallelLayout(),
+    device: torch.device | str | None = None,
+) -> list[GPTModel]:
+    """This rank's model chunks: one ``GPTModel`` per virtual-pipeline stage.
+
+    Requires megatron's parallel state to be initialised (see ``runtime.init_distributed``).
+    """
+    tf_config = config.transformer_config(layout)
+    num_chunks = layout.virtual_pipeline or 1
+    chunks = []
+    for vp_stage in range(num_chunks):
+        vp = vp_stage if layout.virtual_pipeline else None
+        model = GPTModel(
+            config=tf_config,
+            transformer_layer_spec=get_lns_block_spec(
+                tf_config,
+                norm_scaling=config.norm_scaling,
+                backend=config.backend,
+                norm_affine=config.norm_affine,
+                qk_layernorm=config.qk_layernorm,
+                vp_stage=vp,
+            ),
+            vocab_size=config.vocab_size,
+            max_sequence_length=config.max_position_embeddings or config.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=config.share_embeddings_and_output_weights,
+            position_embedding_type=config.position_embedding_type,
+            rotary_base=config.rotary_base,
+            vp_stage=vp,
+        )
+        if device is not None:
+            model = model.to(device)
+        chunks.append(model)
+    return chunks

@@ -1,0 +1,20 @@
+"""Device selection and process-group setup; the CPU compatibility layer for megatron-core."""
+
+from megatron_lns.runtime.cpu import cpu_compat_installed, install_cpu_compat
+from megatron_lns.runtime.distributed import (
+    ParallelLayout,
+    destroy_distributed,
+    init_distributed,
+    resolve_device,
+    spawn_local,
+)
+
+__all__ = [
+    "ParallelLayout",
+    "cpu_compat_installed",
+    "destroy_distributed",
+    "init_distributed",
+    "install_cpu_compat",
+    "resolve_device",
+    "spawn_local",
+]

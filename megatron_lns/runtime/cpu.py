@@ -1,0 +1,187 @@
+"""Run megatron-core 0.19 on a CPU-only machine with the gloo backend.
+
+megatron-core is written for CUDA: it allocates with ``device="cuda"`` or
+``torch.cuda.current_device()``, keeps CUDA RNG states, and checks tensor types by
+their CUDA names. None of that is about the maths, so on a machine without CUDA we
+stand in for each CUDA touch point with its CPU equivalent. Every stand-in below
+names the megatron code it serves. Nothing here is installed when CUDA is available
+unless explicitly requested, and nothing in megatron's source is edited.
+
+The stand-ins:
+
+* :class:`CudaToCpuMode` - a ``TorchFunctionMode`` that maps CUDA devices in tensor
+  factories and ``Tensor.to`` / ``Tensor.cuda`` to the CPU, and answers
+  ``Tensor.type()`` with the CUDA type name. Serves: RoPE ``inv_freq``, the default
+  causal mask, pipeline ``total_num_tokens`` and p2p receive buffers, DDP grad
+  buffers, ``FP32Optimizer._scale``, checkpoint preloading (devices), and the type
+  assertions in ``clip_grad_by_total_norm_fp32``, ``DistributedOptimizer`` and
+  ``Float16OptimizerWithFloat16Params``.
+* ``torch.cuda.current_device`` / ``synchronize`` / ``empty_cache`` /
+  ``current_stream`` stand-ins: used for device selection and stream sync all over
+  megatron (pipeline schedules, DDP, timers).
+* :class:`CpuRNGStatesTracker` - megatron's ``CudaRNGStatesTracker`` forks CUDA
+  generator states (``torch.cuda.get_rng_state``) for tensor-parallel dropout and
+  weight init; here the named states are CPU generator states.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger(__name__)
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
+
+_CPU = torch.device("cpu")
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare int is how torch spells "cuda:<int>" (torch.cuda.current_device() returns one).
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _cpu_if_cuda(device: Any) -> Any:
+    return _CPU if _is_cuda_device(device) else device
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Redirect CUDA placements to the CPU for every torch call made while active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+            return args[0]
+        if func is torch.Tensor.record_stream:
+            return None
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            tensor = args[0]
+            if tensor.device.type == "cpu" and tensor.dtype in _CUDA_TYPE_NAMES:
+                return _CUDA_TYPE_NAMES[tensor.dtype]
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_if_cuda(kwargs["device"])
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+class CpuRNGStatesTracker:
+    """CPU twin of megatron's ``CudaRNGStatesTracker`` (tensor_parallel/random.py).
+
+    Same interface (``add``, ``fork``, ``get_states``, ``set_states``, ``reset``,
+    ``is_initialized``) with named CPU generator states, so tensor-parallel dropout
+    and ``get_cuda_rng_tracker().fork()`` work and RNG checkpointing round-trips.
+    """
+
+    def __init__(self, *_, **__):
+        self.use_cudagraphable_rng = False
+        self.is_inference_rng_tracker = False
+        self.reset()
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def reset(self) -> None:
+        self._is_initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = dict(states)
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise ValueError(f"seed {seed} already exists")
+        if name in self.states_:
+            raise ValueError(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise KeyError(f"rng state {name} is not added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+_active_mode: CudaToCpuMode | None = None
+
+
+def _install_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    def initialize_rng_tracker(*_, force_reset: bool = False, **__) -> None:
+        if force_reset or not isinstance(mcore_random._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker):
+            mcore_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+        mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+    mcore_random.initialize_rng_tracker = initialize_rng_tracker
+    # model_parallel_cuda_manual_seed seeds the (lazy) CUDA generator first; on CPU the
+    # data-parallel default state is the CPU generator, seeded by the caller.
+    torch.cuda.manual_seed = lambda seed: None
+    torch.cuda.manual_seed_all = lambda seed: None
+    initialize_rng_tracker(force_reset=True)
+
+
+def install_cpu_compat() -> None:
+    """Install the CPU stand-ins for this process (idempotent)."""
+    global _active_mode
+    if _active_mode is not None:
+        return
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.empty_cache = lambda: None
+    torch.cuda.current_stream = lambda device=None: _NullStream()
+    torch.cuda.device_count = lambda: 0
+    _install_rng_tracker()
+    _active_mode = CudaToCpuMode()
+    _active_mode.__enter__()
+    logger.info("megatron-core CPU compatibility layer installed")
+
+
+def cpu_compat_installed() -> bool:
+    return _active_mode is not None
+
+
+class _NullStream:
+    """Stands in for a CUDA stream: CPU work is synchronous."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, _stream: Any) -> None:
+        pass
+
+    def wait_event(self, _event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> Any:
+        return event

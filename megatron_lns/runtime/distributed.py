@@ -1,0 +1,123 @@
+"""Process groups and megatron's model-parallel state, on CPU (gloo) or CUDA (nccl).
+
+Works the same whether the process was started by ``torchrun``, by SLURM's ``srun``
+(which sets ``RANK``/``WORLD_SIZE`` through our launcher), or by :func:`spawn_local`
+for tests and the CPU demo.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from megatron_lns.runtime.cpu import install_cpu_compat
+
+Device = Literal["auto", "cpu", "cuda"]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Model-parallel sizes; data parallel is whatever the world size leaves."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    virtual_pipeline: int | None = None
+    sequence_parallel: bool = False
+
+    def data_parallel(self, world_size: int) -> int:
+        model_parallel = self.tensor * self.pipeline
+        if world_size % model_parallel:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor_model_parallel_size "
+                f"({self.tensor}) x pipeline_model_parallel_size ({self.pipeline})"
+            )
+        return world_size // model_parallel
+
+
+def resolve_device(device: Device = "auto") -> torch.device:
+    """Pick the compute device; on CPU, install megatron's CPU compatibility layer."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device='cuda' was requested but CUDA is not available")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    install_cpu_compat()
+    return torch.device("cpu")
+
+
+def init_distributed(
+    layout: ParallelLayout = ParallelLayout(), device: Device = "auto", seed: int = 1234
+) -> torch.device:
+    """Create the default process group and megatron's parallel state, and seed RNGs."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    dev = resolve_device(device)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        dist.init_process_group(
+            backend="nccl" if dev.type == "cuda" else "gloo",
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+        )
+    layout.data_parallel(dist.get_world_size())
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tensor,
+        pipeline_model_parallel_size=layout.pipeline,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
+    )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return dev
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawn_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    try:
+        fn(*args)
+    finally:
+        destroy_distributed()
+
+
+def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+    """Run ``fn(*args)`` in ``world_size`` fresh processes on this machine.
+
+    Each process gets the torchrun environment (RANK, WORLD_SIZE, MASTER_*), so ``fn``
+    calls :func:`init_distributed` exactly as it would under torchrun or SLURM. A
+    failure in any rank is re-raised here.
+    """
+    import torch.multiprocessing as mp
+
+    mp.spawn(_spawn_entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True)

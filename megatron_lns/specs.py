@@ -1,0 +1,91 @@
+"""megatron ``ModuleSpec``s for LNS layers.
+
+The layer spec is megatron's own local GPT layer spec (``get_gpt_layer_local_submodules``)
+with two substitutions: the layer class is :class:`LNSTransformerLayer` and the norms are
+:class:`LocalNorm`. Everything else (attention, MLP, ``sharded_state_dict_keys_map``)
+is megatron's, so parameter names and checkpoint keys are exactly those of a plain
+Pre-LN model built from megatron's local spec, and checkpoints move between the two.
+
+With ``norm_scaling="none"`` the result is an ordinary Pre-LN layer.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_lns.layer import LNSTransformerLayer
+from megatron_lns.norms import LocalNorm
+from megatron_lns.scaling import NORM_SCALING_CHOICES, NormScaling
+
+BACKENDS = ("local", "te")
+
+
+def local_norm_builder(affine: bool = True) -> partial:
+    """A megatron ``LayerNormBuilder`` for :class:`LocalNorm`."""
+    return partial(LocalNorm, affine=affine)
+
+
+def get_lns_layer_spec(
+    norm_scaling: NormScaling = "lns",
+    backend: str = "local",
+    norm_affine: bool = True,
+    qk_layernorm: bool = False,
+) -> ModuleSpec:
+    """Spec of one transformer layer with LayerNorm Scaling (or plain Pre-LN)."""
+    if norm_scaling not in NORM_SCALING_CHOICES:
+        raise ValueError(
+            f"norm_scaling must be one of {NORM_SCALING_CHOICES}, got {norm_scaling!r}"
+        )
+    if backend == "te":
+        from megatron_lns.te import get_te_lns_layer_spec
+
+        return get_te_lns_layer_spec(
+            norm_scaling, norm_affine=norm_affine, qk_layernorm=qk_layernorm
+        )
+    if backend != "local":
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+    norm = local_norm_builder(norm_affine)
+    submodules = get_gpt_layer_local_submodules(qk_layernorm=qk_layernorm)
+    submodules.input_layernorm = norm
+    submodules.pre_mlp_layernorm = norm
+    if qk_layernorm:
+        attention = submodules.self_attention.submodules
+        attention.q_layernorm = local_norm_builder(True)
+        attention.k_layernorm = local_norm_builder(True)
+    return ModuleSpec(
+        module=LNSTransformerLayer, submodules=submodules, params={"norm_scaling": norm_scaling}
+    )
+
+
+def get_lns_block_spec(
+    config: TransformerConfig,
+    norm_scaling: NormScaling = "lns",
+    backend: str = "local",
+    norm_affine: bool = True,
+    qk_layernorm: bool = False,
+    vp_stage: int | None = None,
+) -> TransformerBlockSubmodules:
+    """Spec of this pipeline stage's (or virtual chunk's) share of the decoder.
+
+    A block spec rather than a bare layer spec so that the final norm is a
+    :class:`LocalNorm` too: megatron's default final norm without apex cannot do
+    sequence parallelism or parameter-free LayerNorm. The final norm is never scaled.
+    """
+    layer_spec = get_lns_layer_spec(norm_scaling, backend, norm_affine, qk_layernorm)
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    if backend == "te":
+        from megatron_lns.te import te_final_norm_builder
+
+        final_norm = te_final_norm_builder(norm_affine)
+    else:
+        final_norm = local_norm_builder(norm_affine)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=final_norm)

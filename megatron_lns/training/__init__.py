@@ -1,0 +1,1 @@
+"""The training loop's building blocks, all megatron-core parts wired together."""

@@ -1,0 +1,147 @@
+"""One optimizer step through megatron's pipeline schedules.
+
+``get_forward_backward_func`` picks megatron's no-pipelining, 1F1B or interleaved
+(virtual pipeline) schedule from the parallel state; the same code runs at any
+TP/PP/VP. Loss is the token-mean masked cross-entropy, reported on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
+
+Batch = dict[str, torch.Tensor]
+
+
+def make_batch(tokens: torch.Tensor) -> Batch:
+    """A language-modelling batch from ``[b, s+1]`` token ids: inputs, next-token labels."""
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    positions = torch.arange(inputs.shape[1], device=inputs.device).unsqueeze(0).expand_as(inputs)
+    return {
+        "tokens": inputs,
+        "labels": labels,
+        "loss_mask": torch.ones_like(labels, dtype=torch.float),
+        "position_ids": positions,
+    }
+
+
+def _masked_token_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = (per_token_loss.float().reshape(-1) * mask).sum()
+    num_tokens = mask.sum().to(torch.int)
+    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
+
+
+def lm_forward_step(data_iterator: Iterator[Batch], model: GPTModel):
+    """megatron ``forward_step_func``: run one micro-batch, return (output, loss_func)."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_masked_token_loss, batch["loss_mask"])
+
+
+def wrap_with_ddp(
+    chunks: Sequence[GPTModel], ddp_config: DistributedDataParallelConfig | None = None
+) -> list[DistributedDataParallel]:
+    """megatron DDP around each model chunk (contiguous grad buffers, bucketed all-reduce)."""
+    ddp_config = ddp_config or DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    return [
+        DistributedDataParallel(
+            config=chunk.config,
+            ddp_config=ddp_config,
+            module=chunk,
+            # Only the first chunk's grads overlap with the backward of later ones.
+            disable_bucketing=index > 0,
+        )
+        for index, chunk in enumerate(chunks)
+    ]
+
+
+def build_optimizer(
+    model: Sequence[DistributedDataParallel], optimizer_config: OptimizerConfig
+) -> MegatronOptimizer:
+    """megatron's optimizer, with the model config hooks the pipeline schedules use."""
+    optimizer = get_megatron_optimizer(optimizer_config, list(model))
+    config = get_model_config(model[0])
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    no_sync = [chunk.no_sync for chunk in model]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    return optimizer
+
+
+@dataclass
+class StepResult:
+    loss: float
+    num_tokens: int
+    grad_norm: float | None = None
+    update_successful: bool = True
+
+
+def forward_backward(
+    model: Sequence[torch.nn.Module],
+    microbatches: Sequence[Batch],
+    forward_only: bool = False,
+) -> StepResult:
+    """Run every micro-batch through the pipeline; returns the token-mean loss.
+
+    All ranks get the same loss: it is summed over data-parallel ranks on the last
+    pipeline stage and broadcast from there.
+    """
+    first = microbatches[0]["tokens"]
+    num_chunks = len(model)
+    iterators = [iter(microbatches) for _ in range(num_chunks)]
+    losses = get_forward_backward_func()(
+        forward_step_func=lm_forward_step,
+        data_iterator=iterators if num_chunks > 1 else iterators[0],
+        model=list(model) if num_chunks > 1 else model[0],
+        num_microbatches=len(microbatches),
+        seq_length=first.shape[1],
+        micro_batch_size=first.shape[0],
+        forward_only=forward_only,
+    )
+    totals = torch.zeros(2, dtype=torch.float64)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        for reported in losses:
+            totals += reported["lm loss"].detach().to(torch.float64).cpu()
+        device_totals = totals.to(first.device)
+        dist.all_reduce(device_totals, group=parallel_state.get_data_parallel_group())
+        totals = device_totals.cpu()
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        device_totals = totals.to(first.device)
+        last = parallel_state.get_pipeline_model_parallel_last_rank()
+        dist.broadcast(
+            device_totals, src=last, group=parallel_state.get_pipeline_model_parallel_group()
+        )
+        totals = device_totals.cpu()
+    loss_sum, tokens = totals.tolist()
+    return StepResult(loss=loss_sum / max(tokens, 1.0), num_tokens=int(tokens))
+
+
+def train_step(
+    model: Sequence[DistributedDataParallel],
+    optimizer: MegatronOptimizer,
+    microbatches: Sequence[Batch],
+) -> StepResult:
+    """Zero grads, forward/backward every micro-batch, optimizer step (with clipping)."""
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    result = forward_backward(model, microbatches)
+    update_successful, grad_norm, _ = optimizer.step()
+    result.grad_norm = None if grad_norm is None else float(grad_norm)
+    result.update_successful = bool(update_successful)
+    return result

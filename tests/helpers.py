@@ -1,0 +1,67 @@
+"""Shared test helpers: spawning real gloo process groups, small model configs."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_lns.model import GPTModelConfig
+from megatron_lns.runtime import spawn_local
+
+
+def _run_and_record(fn: Callable[..., Any], out_dir: str, args: tuple) -> None:
+    result = fn(*args)
+    rank = int(os.environ["RANK"])
+    with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: Any
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` real processes (gloo); return each rank's result."""
+    out_dir = tmp_path / "rank_results"
+    out_dir.mkdir(exist_ok=True)
+    spawn_local(_run_and_record, world_size, fn, str(out_dir), args)
+    results = []
+    for rank in range(world_size):
+        with open(out_dir / f"rank{rank}.pkl", "rb") as f:
+            results.append(pickle.load(f))
+    return results
+
+
+def tiny_config(**overrides: Any) -> GPTModelConfig:
+    """A 4-layer LLaMA-style model small enough for multi-process CPU tests."""
+    values: dict[str, Any] = dict(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=96,
+        vocab_size=128,
+        seq_length=16,
+        init_method_std=0.05,
+    )
+    values.update(overrides)
+    return GPTModelConfig(**values)
+
+
+def fixed_microbatches(
+    vocab_size: int,
+    seq_length: int,
+    num_microbatches: int = 2,
+    micro_batch_size: int = 2,
+    seed: int = 0,
+):
+    from megatron_lns.training.step import make_batch
+
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        make_batch(torch.randint(0, vocab_size, (micro_batch_size, seq_length + 1), generator=gen))
+        for _ in range(num_microbatches)
+    ]

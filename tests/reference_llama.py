@@ -1,0 +1,122 @@
+"""An independent plain-PyTorch LLaMA with LNS, written from the paper, not from megatron.
+
+Norm outputs are multiplied by ``1/sqrt(l)`` explicitly after the norm (the
+reference implementation's way), so comparing it with megatron_lns checks the
+folding, the layer numbering and megatron's wiring all at once. Weights are taken
+from a megatron GPTModel state dict (TP=1, PP=1) under megatron's parameter names;
+fused tensors are split here with our own reading of megatron's layout
+(``linear_qkv`` rows grouped per query group as [q heads | k | v], ``linear_fc1`` rows
+[gate | up]).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ReferenceLlama(nn.Module):
+    def __init__(
+        self,
+        num_layers: int,
+        hidden_size: int,
+        num_heads: int,
+        num_query_groups: int,
+        ffn_hidden_size: int,
+        vocab_size: int,
+        lns: bool,
+        normalization: str = "RMSNorm",
+        eps: float = 1e-5,
+        rotary_base: int = 10000,
+    ):
+        super().__init__()
+        self.num_layers, self.hidden = num_layers, hidden_size
+        self.heads, self.groups = num_heads, num_query_groups
+        self.head_dim = hidden_size // num_heads
+        self.lns, self.normalization, self.eps = lns, normalization, eps
+        self.rotary_base = rotary_base
+        qkv_rows = (num_heads + 2 * num_query_groups) * self.head_dim
+        p: dict[str, nn.Parameter] = {}
+        p["embedding.word_embeddings.weight"] = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        for i in range(num_layers):
+            pre = f"decoder.layers.{i}."
+            p[pre + "input_layernorm.weight"] = nn.Parameter(torch.ones(hidden_size))
+            p[pre + "self_attention.linear_qkv.weight"] = nn.Parameter(
+                torch.empty(qkv_rows, hidden_size)
+            )
+            p[pre + "self_attention.linear_proj.weight"] = nn.Parameter(
+                torch.empty(hidden_size, hidden_size)
+            )
+            p[pre + "pre_mlp_layernorm.weight"] = nn.Parameter(torch.ones(hidden_size))
+            p[pre + "mlp.linear_fc1.weight"] = nn.Parameter(
+                torch.empty(2 * ffn_hidden_size, hidden_size)
+            )
+            p[pre + "mlp.linear_fc2.weight"] = nn.Parameter(
+                torch.empty(hidden_size, ffn_hidden_size)
+            )
+        p["decoder.final_layernorm.weight"] = nn.Parameter(torch.ones(hidden_size))
+        p["output_layer.weight"] = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        # ParameterDict keys cannot contain dots; keep megatron's names in a view.
+        self.params = nn.ParameterDict({name.replace(".", "/"): t for name, t in p.items()})
+        self.p = {name: self.params[name.replace(".", "/")] for name in p}
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.normalization == "RMSNorm":
+            normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        else:
+            normed = (x - x.mean(-1, keepdim=True)) * torch.rsqrt(
+                x.var(-1, keepdim=True, unbiased=False) + self.eps
+            )
+        return normed * weight
+
+    def _rope(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [b, heads, s, d]; rotate-half (non-interleaved), as Hugging Face Llama.
+        seq, dim = x.shape[2], x.shape[3]
+        inv_freq = 1.0 / (self.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv_freq)
+        cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
+        sin = torch.cat([angles.sin(), angles.sin()], dim=-1)
+        x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+    def _attention(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        b, s, _ = x.shape
+        hd, groups = self.head_dim, self.groups
+        per_group = self.heads // groups
+        qkv = x @ self.p[f"decoder.layers.{i}.self_attention.linear_qkv.weight"].T
+        qkv = qkv.view(b, s, groups, (per_group + 2) * hd)
+        q, k, v = qkv.split([per_group * hd, hd, hd], dim=-1)
+        q = q.reshape(b, s, self.heads, hd).transpose(1, 2)
+        k = k.reshape(b, s, groups, hd).transpose(1, 2).repeat_interleave(per_group, dim=1)
+        v = v.reshape(b, s, groups, hd).transpose(1, 2).repeat_interleave(per_group, dim=1)
+        q, k = self._rope(q), self._rope(k)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+        causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+        probs = scores.masked_fill(causal, float("-inf")).softmax(-1)
+        out = (probs @ v).transpose(1, 2).reshape(b, s, self.hidden)
+        return out @ self.p[f"decoder.layers.{i}.self_attention.linear_proj.weight"].T
+
+    def _mlp(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        gate, up = (x @ self.p[f"decoder.layers.{i}.mlp.linear_fc1.weight"].T).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ self.p[f"decoder.layers.{i}.mlp.linear_fc2.weight"].T
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits ``[b, s, vocab]``."""
+        h = F.embedding(tokens, self.p["embedding.word_embeddings.weight"])
+        for i in range(self.num_layers):
+            scale = 1.0 / math.sqrt(i + 1) if self.lns else 1.0
+            pre = f"decoder.layers.{i}."
+            h = h + self._attention(
+                self._norm(h, self.p[pre + "input_layernorm.weight"]) * scale, i
+            )
+            h = h + self._mlp(self._norm(h, self.p[pre + "pre_mlp_layernorm.weight"]) * scale, i)
+        h = self._norm(h, self.p["decoder.final_layernorm.weight"])
+        return h @ self.p["output_layer.weight"].T
+
+    def load_megatron_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, param in self.p.items():
+                param.copy_(state_dict[name])

@@ -1,0 +1,172 @@
+"""Single-process model tests: LNS against an independent reference, Pre-LN against megatron."""
+
+import math
+
+import pytest
+import torch
+from helpers import tiny_config
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from reference_llama import ReferenceLlama
+
+from megatron_lns.layer import LNSTransformerLayer
+from megatron_lns.model import build_model
+
+
+def _inputs(cfg, batch=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), generator=gen)
+    positions = torch.arange(cfg.seq_length).unsqueeze(0).expand(batch, -1)
+    return tokens, positions
+
+
+def _randomise_norms(model, seed=1):
+    """Norm weights start at 1; perturb them so the folding is actually exercised."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layernorm" in name:
+                param.add_(0.3 * torch.randn(param.shape, generator=gen))
+
+
+def _checkpoint_keys(model):
+    """dist_checkpointing keys and global shapes of a model's sharded state dict."""
+    return {
+        t.key: tuple(t.global_shape)
+        for t in model.sharded_state_dict().values()
+        if hasattr(t, "global_shape")
+    }
+
+
+def _reference_for(cfg, lns):
+    return ReferenceLlama(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups or cfg.num_attention_heads,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        vocab_size=cfg.vocab_size,
+        lns=lns,
+        normalization=cfg.normalization,
+        eps=cfg.layernorm_epsilon,
+    ).double()
+
+
+@pytest.mark.parametrize("norm_scaling", ["lns", "none"])
+def test_logits_and_gradients_match_independent_reference(seeded, norm_scaling):
+    cfg = tiny_config(norm_scaling=norm_scaling, num_layers=6)
+    model = build_model(cfg)[0].double()
+    _randomise_norms(model)
+    reference = _reference_for(cfg, lns=norm_scaling == "lns")
+    reference.load_megatron_state_dict(model.state_dict())
+
+    tokens, positions = _inputs(cfg)
+    logits = model(tokens, positions, None)
+    expected = reference(tokens)
+    torch.testing.assert_close(logits, expected, rtol=1e-9, atol=1e-9)
+
+    targets = torch.randint(0, cfg.vocab_size, tokens.shape)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    ref_loss = torch.nn.functional.cross_entropy(expected.flatten(0, 1), targets.flatten())
+    loss.backward()
+    ref_loss.backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(
+            param.grad, reference.p[name].grad, rtol=1e-8, atol=1e-10, msg=name
+        )
+
+
+def test_lns_changes_the_function(seeded):
+    """Guard against a silently disabled LNS path (the paper repo's own bug)."""
+    cfg = tiny_config(num_layers=4)
+    lns = build_model(cfg)[0]
+    plain = build_model(tiny_config(num_layers=4, norm_scaling="none"))[0]
+    plain.load_state_dict(lns.state_dict())
+    tokens, positions = _inputs(cfg)
+    assert not torch.allclose(lns(tokens, positions, None), plain(tokens, positions, None))
+
+
+def test_every_pre_norm_gets_its_layer_factor_and_final_norm_none(seeded):
+    model = build_model(tiny_config(num_layers=5))[0]
+    for layer in model.decoder.layers:
+        assert isinstance(layer, LNSTransformerLayer)
+        expected = 1 / math.sqrt(layer.layer_number)
+        assert layer.input_layernorm.output_scale == expected
+        assert layer.pre_mlp_layernorm.output_scale == expected
+    assert [layer.layer_number for layer in model.decoder.layers] == [1, 2, 3, 4, 5]
+    assert model.decoder.final_layernorm.output_scale == 1.0
+
+
+def test_pre_ln_mode_is_identical_to_megatron_local_spec(seeded):
+    cfg = tiny_config(norm_scaling="none")
+    ours = build_model(cfg)[0]
+    tf_config = cfg.transformer_config()
+    megatron_model = GPTModel(
+        config=tf_config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization=cfg.normalization),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.seq_length,
+        position_embedding_type="rope",
+    )
+    # Same parameter names and checkpoint keys as megatron's own spec.
+    assert ours.state_dict().keys() == megatron_model.state_dict().keys()
+    assert _checkpoint_keys(ours) == _checkpoint_keys(megatron_model)
+    assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in _checkpoint_keys(ours)
+    _randomise_norms(ours)
+    megatron_model.load_state_dict(ours.state_dict())
+    tokens, positions = _inputs(cfg)
+    assert torch.equal(ours(tokens, positions, None), megatron_model(tokens, positions, None))
+
+
+def test_pre_ln_checkpoint_loads_into_lns_model_and_back(seeded):
+    lns = build_model(tiny_config())[0]
+    plain = build_model(tiny_config(norm_scaling="none"))[0]
+    lns.load_state_dict(plain.state_dict(), strict=True)
+    plain.load_state_dict(lns.state_dict(), strict=True)
+    assert _checkpoint_keys(lns) == _checkpoint_keys(plain)
+
+
+def test_factor_survives_meta_init_to_empty_and_load_state_dict(seeded):
+    cfg = tiny_config(num_layers=4)
+    eager = build_model(cfg)[0]
+    _randomise_norms(eager)
+    with torch.device("meta"):
+        lazy = build_model(cfg)[0]
+    assert all(p.is_meta for p in lazy.parameters())
+    lazy = lazy.to_empty(device="cpu")
+    lazy.load_state_dict(eager.state_dict())
+    for layer in lazy.decoder.layers:
+        assert layer.input_layernorm.output_scale == 1 / math.sqrt(layer.layer_number)
+    tokens, positions = _inputs(cfg)
+    torch.testing.assert_close(lazy(tokens, positions, None), eager(tokens, positions, None))
+
+
+def test_lns_defaults_to_plain_normal_output_init_scaled_is_opt_in():
+    lns, plain = tiny_config(), tiny_config(norm_scaling="none")
+    assert lns.resolved_output_layer_init() == "normal"
+    assert plain.resolved_output_layer_init() == "scaled"
+    assert tiny_config(output_layer_init="scaled").resolved_output_layer_init() == "scaled"
+    std = lns.init_method_std
+    assert lns.transformer_config(cpu_init=True).output_layer_init_method.keywords["std"] == std
+    scaled = tiny_config(output_layer_init="scaled").transformer_config(cpu_init=True)
+    assert scaled.output_layer_init_method.keywords["std"] == pytest.approx(
+        std / math.sqrt(2 * lns.num_layers)
+    )
+
+
+def test_output_projection_init_follows_the_choice(seeded):
+    cfg = tiny_config(num_layers=8, hidden_size=128, ffn_hidden_size=256, init_method_std=0.02)
+    normal = build_model(cfg)[0]
+    scaled = build_model(
+        tiny_config(
+            num_layers=8,
+            hidden_size=128,
+            ffn_hidden_size=256,
+            init_method_std=0.02,
+            output_layer_init="scaled",
+        )
+    )[0]
+    std_normal = normal.decoder.layers[0].mlp.linear_fc2.weight.std().item()
+    std_scaled = scaled.decoder.layers[0].mlp.linear_fc2.weight.std().item()
+    assert std_normal == pytest.approx(0.02, rel=0.1)
+    assert std_scaled == pytest.approx(0.02 / 4, rel=0.1)
