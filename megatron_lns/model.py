@@ -13,7 +13,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
-from megatron_lns.runtime import ParallelLayout
+from megatron_lns.runtime import ParallelLayout, uses_gloo
 from megatron_lns.scaling import NormScaling
 from megatron_lns.specs import get_lns_block_spec
 
@@ -113,6 +113,7 @@ class GPTModelConfig:
             bf16=self.precision == "bf16",
             fp16=self.precision == "fp16",
             use_cpu_initialization=cpu_init,
+            batch_p2p_comm=not uses_gloo(),
             **self.extra_transformer_config,
         )
 

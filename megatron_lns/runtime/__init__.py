@@ -7,6 +7,7 @@ from megatron_lns.runtime.distributed import (
     init_distributed,
     resolve_device,
     spawn_local,
+    uses_gloo,
 )
 
 __all__ = [
@@ -17,4 +18,5 @@ __all__ = [
     "install_cpu_compat",
     "resolve_device",
     "spawn_local",
+    "uses_gloo",
 ]

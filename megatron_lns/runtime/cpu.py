@@ -18,7 +18,9 @@ The stand-ins:
   ``Float16OptimizerWithFloat16Params``.
 * ``torch.cuda.current_device`` / ``synchronize`` / ``empty_cache`` /
   ``current_stream`` stand-ins: used for device selection and stream sync all over
-  megatron (pipeline schedules, DDP, timers).
+  megatron (pipeline schedules, DDP, timers). ``current_device`` returns the CPU
+  device itself, because torch function modes are not active inside autograd
+  backward, where tensor-parallel layers allocate their gradient buffers.
 * :class:`CpuRNGStatesTracker` - megatron's ``CudaRNGStatesTracker`` forks CUDA
   generator states (``torch.cuda.get_rng_state``) for tensor-parallel dropout and
   weight init; here the named states are CPU generator states.
@@ -156,7 +158,10 @@ def install_cpu_compat() -> None:
     global _active_mode
     if _active_mode is not None:
         return
-    torch.cuda.current_device = lambda: 0
+    # A device object rather than an index: backward passes (autograd Functions in
+    # tensor_parallel) allocate with device=torch.cuda.current_device(), and torch
+    # function modes are not active inside autograd backward.
+    torch.cuda.current_device = lambda: _CPU
     torch.cuda.synchronize = lambda device=None: None
     torch.cuda.empty_cache = lambda: None
     torch.cuda.current_stream = lambda device=None: _NullStream()

@@ -83,6 +83,19 @@ def init_distributed(
     return dev
 
 
+def uses_gloo() -> bool:
+    """Whether the default process group is gloo (the CPU backend).
+
+    megatron's batched p2p (``batch_p2p_comm=True``) posts sends and receives to the
+    same peer with one tag in an order NCCL groups correctly but gloo matches FIFO;
+    with PP=2 and a virtual pipeline, forward activations and backward gradients
+    travel between the same two ranks in one batch and gloo can swap them (both have
+    the same shape, so nothing fails: the loss is silently wrong). megatron's
+    unbatched path orders sends and receives by rank parity and is correct on gloo.
+    """
+    return dist.is_initialized() and dist.get_backend() == "gloo"
+
+
 def destroy_distributed() -> None:
     from megatron.core import parallel_state
 

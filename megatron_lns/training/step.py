@@ -56,9 +56,14 @@ def lm_forward_step(data_iterator: Iterator[Batch], model: GPTModel):
 def wrap_with_ddp(
     chunks: Sequence[GPTModel], ddp_config: DistributedDataParallelConfig | None = None
 ) -> list[DistributedDataParallel]:
-    """megatron DDP around each model chunk (contiguous grad buffers, bucketed all-reduce)."""
+    """megatron DDP around each model chunk (contiguous grad buffers, bucketed all-reduce).
+
+    Also installs the model-config hooks the pipeline schedules call after backward:
+    ``finalize_model_grads`` (data-parallel grad sync, sequence-parallel norm-grad
+    all-reduce across TP, tied-embedding grads across pipeline stages) and ``no_sync``.
+    """
     ddp_config = ddp_config or DistributedDataParallelConfig(grad_reduce_in_fp32=True)
-    return [
+    model = [
         DistributedDataParallel(
             config=chunk.config,
             ddp_config=ddp_config,
@@ -68,18 +73,19 @@ def wrap_with_ddp(
         )
         for index, chunk in enumerate(chunks)
     ]
+    config = get_model_config(model[0])
+    config.finalize_model_grads_func = finalize_model_grads
+    no_sync = [chunk.no_sync for chunk in model]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    return model
 
 
 def build_optimizer(
     model: Sequence[DistributedDataParallel], optimizer_config: OptimizerConfig
 ) -> MegatronOptimizer:
-    """megatron's optimizer, with the model config hooks the pipeline schedules use."""
+    """megatron's optimizer; its loss scaling is hooked into the pipeline schedules."""
     optimizer = get_megatron_optimizer(optimizer_config, list(model))
-    config = get_model_config(model[0])
-    config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = optimizer.scale_loss
-    no_sync = [chunk.no_sync for chunk in model]
-    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    get_model_config(model[0]).grad_scale_func = optimizer.scale_loss
     return optimizer
 
 
