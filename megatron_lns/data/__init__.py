@@ -1,0 +1,1 @@
+"""Tokenizers, corpora and datasets."""

@@ -1,0 +1,78 @@
+"""Optimizer and learning-rate schedule from megatron-core."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_lns.training.step import build_optimizer
+
+
+@dataclass
+class OptimSettings:
+    """AdamW/SGD with warmup + decay; the subset of knobs LNS recipes use."""
+
+    name: Literal["adam", "sgd"] = "adam"
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    decay_steps: int | None = None
+    decay_style: Literal["cosine", "linear", "constant", "WSD", "inverse-square-root"] = "cosine"
+    use_distributed_optimizer: bool = False
+
+    def megatron_config(self, params_dtype: torch.dtype = torch.float32) -> OptimizerConfig:
+        return OptimizerConfig(
+            optimizer=self.name,
+            lr=self.lr,
+            min_lr=self.min_lr,
+            weight_decay=self.weight_decay,
+            adam_beta1=self.betas[0],
+            adam_beta2=self.betas[1],
+            adam_eps=self.eps,
+            sgd_momentum=0.0,
+            clip_grad=self.clip_grad,
+            bf16=params_dtype == torch.bfloat16,
+            fp16=params_dtype == torch.float16,
+            params_dtype=params_dtype,
+            use_distributed_optimizer=self.use_distributed_optimizer,
+        )
+
+
+def build_optimizer_and_scheduler(
+    model: Sequence[DistributedDataParallel],
+    settings: OptimSettings,
+    total_steps: int,
+    params_dtype: torch.dtype = torch.float32,
+) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
+    """megatron optimizer + ``OptimizerParamScheduler``; the schedule counts optimizer steps."""
+    decay_steps = settings.decay_steps or total_steps
+    if settings.decay_style != "constant" and settings.warmup_steps >= decay_steps:
+        raise ValueError(
+            f"warmup_steps ({settings.warmup_steps}) must be smaller than the lr decay steps "
+            f"({decay_steps}); shorten the warmup or train longer"
+        )
+    optimizer = build_optimizer(model, settings.megatron_config(params_dtype))
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if settings.warmup_steps else settings.lr,
+        max_lr=settings.lr,
+        min_lr=settings.min_lr,
+        lr_warmup_steps=settings.warmup_steps,
+        lr_decay_steps=max(decay_steps, settings.warmup_steps + 1),
+        lr_decay_style=settings.decay_style,
+        start_wd=settings.weight_decay,
+        end_wd=settings.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
