@@ -22,8 +22,15 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel: int, divisible_by: int = 128) -> int:
-    """Megatron-LM's vocab padding: a multiple of ``divisible_by * tensor_parallel``."""
-    multiple = divisible_by * tensor_parallel
+    """The embedding size: ``vocab_size`` rounded up to a multiple of ``divisible_by`` and
+    of ``tensor_parallel``.
+
+    Megatron-LM pads to a multiple of ``divisible_by * tensor_parallel``, which makes the
+    embedding shape depend on TP and a checkpoint unloadable at another TP size. Padding
+    to the least common multiple keeps the shape the same for every TP size that divides
+    ``divisible_by``, so checkpoints reshard freely.
+    """
+    multiple = math.lcm(divisible_by, tensor_parallel)
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 

@@ -26,7 +26,7 @@ def run_distributed(
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` real processes (gloo); return each rank's result."""
     out_dir = tmp_path / "rank_results"
-    out_dir.mkdir(exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
     spawn_local(_run_and_record, world_size, fn, str(out_dir), args)
     results = []
     for rank in range(world_size):

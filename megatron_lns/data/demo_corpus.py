@@ -1,69 +1,45 @@
 """The embedded demo corpus: English prose that ships with every CPython.
 
-``pydoc_data.topics`` holds the text of the Python language reference (about 0.7M
-characters), so the demo needs no download. Tokens are UTF-8 bytes (ids 0-255)
-with an end-of-document id after each topic: a tokenizer with nothing to train and
-nothing to get wrong.
+``pydoc_data.topics`` holds the text of the Python language reference (about 0.5M
+characters), so the demo needs no download. Each paragraph is a document. The corpus
+goes through the same ``preprocess`` path as any user data and is cached as a
+megatron indexed dataset, keyed by the tokenizer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import os
+from pathlib import Path
 
-import numpy as np
-import torch
+from megatron_lns.data.preprocess import DatasetMetadata, preprocess
 
-BYTE_VOCAB_SIZE = 256
-EOD_ID = 256
-VOCAB_SIZE = BYTE_VOCAB_SIZE + 1
+BUILTIN_CORPORA = ("pydoc",)
 
 
 def demo_documents() -> list[str]:
-    """Every topic of ``pydoc_data.topics``, in a fixed order."""
+    """Paragraphs of every ``pydoc_data.topics`` entry, in a fixed order."""
     from pydoc_data.topics import topics
 
-    return [topics[key] for key in sorted(topics)]
+    documents = []
+    for key in sorted(topics):
+        documents.extend(p.strip() for p in topics[key].split("\n\n") if p.strip())
+    return documents
 
 
-def encode_bytes(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
+def cache_dir() -> Path:
+    root = os.environ.get("MEGATRON_LNS_CACHE") or Path.home() / ".cache" / "megatron_lns"
+    return Path(root)
 
 
-def decode_bytes(ids: list[int]) -> str:
-    return bytes(i for i in ids if i < BYTE_VOCAB_SIZE).decode("utf-8", errors="replace")
-
-
-@dataclass(frozen=True)
-class TokenSplits:
-    train: np.ndarray
-    valid: np.ndarray
-
-
-def demo_token_splits(valid_fraction: float = 0.05) -> TokenSplits:
-    """Byte tokens of the corpus; the last ``valid_fraction`` of the stream is held out."""
-    ids: list[int] = []
-    for doc in demo_documents():
-        ids.extend(encode_bytes(doc))
-        ids.append(EOD_ID)
-    tokens = np.asarray(ids, dtype=np.int64)
-    split = int(len(tokens) * (1 - valid_fraction))
-    return TokenSplits(train=tokens[:split], valid=tokens[split:])
-
-
-class RandomWindows:
-    """Random ``seq_length + 1`` token windows from a token stream, reproducibly seeded."""
-
-    def __init__(self, tokens: np.ndarray, seq_length: int, seed: int) -> None:
-        if len(tokens) <= seq_length + 1:
-            raise ValueError(
-                f"corpus of {len(tokens)} tokens is too short for seq_length {seq_length}"
-            )
-        self.tokens = torch.from_numpy(tokens)
-        self.seq_length = seq_length
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def sample(self, batch_size: int) -> torch.Tensor:
-        high = len(self.tokens) - self.seq_length - 1
-        starts = torch.randint(0, high, (batch_size,), generator=self.generator)
-        offsets = torch.arange(self.seq_length + 1)
-        return self.tokens[starts[:, None] + offsets[None, :]]
+def builtin_dataset_prefix(
+    name: str, library: str, tokenizer_type: str | None, tokenizer_model: str | None
+) -> Path:
+    """Prefix of the prepared built-in corpus, preprocessing it on first use."""
+    if name not in BUILTIN_CORPORA:
+        raise ValueError(f"unknown built-in corpus 'builtin:{name}'; available: {BUILTIN_CORPORA}")
+    key = hashlib.sha256(f"{library}|{tokenizer_type}|{tokenizer_model}".encode()).hexdigest()[:12]
+    prefix = cache_dir() / f"{name}_{library}_{key}"
+    if DatasetMetadata.load(prefix) is None or not Path(f"{prefix}.idx").is_file():
+        preprocess(demo_documents(), prefix, library, tokenizer_type, tokenizer_model)
+    return prefix

@@ -1,18 +1,44 @@
-"""Model weights through megatron's ``dist_checkpointing`` (torch_dist format).
+"""Checkpoints through megatron's ``dist_checkpointing`` (torch_dist format).
 
-Sharded tensors carry global keys and offsets, so a checkpoint written at one
-TP/PP/VP layout loads at any other. Each virtual-pipeline chunk is stored under
-``model{i}`` as Megatron-LM does; the keys inside are global, so the chunk count
-may differ between save and load.
+Layout under the experiment directory::
+
+    checkpoints/iter_0000100/           a complete checkpoint
+        (dist_checkpointing shards)     model, optimizer, scheduler, RNG, data position
+        config.yaml                     the resolved experiment config
+        complete.json                   written last: the commit marker
+    checkpoints/iter_0000200.partial/   a save in progress (or one that was killed)
+
+A save writes into ``iter_N.partial`` and, once every rank has finished, rank 0 adds
+``complete.json`` and renames the directory to ``iter_N``: a killed job can only
+leave a ``.partial`` directory behind, which resume never picks. Sharded tensors carry
+global keys and offsets, so a checkpoint written at one TP/PP/VP layout loads at any
+other. Each virtual-pipeline chunk is stored under ``model{i}`` as Megatron-LM does.
 """
 
 from __future__ import annotations
 
+import json
+import random
+import re
+import shutil
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
-from megatron.core import dist_checkpointing
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from torch.distributed.checkpoint.api import CheckpointException
+
+CHECKPOINT_DIR_RE = re.compile(r"^iter_(\d{7})$")
+COMPLETE_MARKER = "complete.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, partial, or does not fit this run."""
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -27,15 +53,182 @@ def model_sharded_state_dict(model: Sequence[torch.nn.Module]) -> dict:
 
 
 def save_model_weights(model: Sequence[torch.nn.Module], directory: str | Path) -> None:
-    """Write this rank's shards of every chunk; all ranks must call it."""
+    """Write this rank's shards of every chunk (weights only); all ranks must call it."""
     Path(directory).mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(model_sharded_state_dict(model), str(directory))
+
+
+def check_shapes_match(template: dict, directory: str | Path) -> None:
+    """Refuse a checkpoint whose tensors have other global shapes than this model's.
+
+    ``dist_checkpointing`` would load the overlapping part of a differently shaped
+    tensor (say, an embedding padded for another vocabulary) without complaint.
+    """
+    saved = dist_checkpointing.load_tensors_metadata(str(directory))
+    for tensor in nested_values(template):
+        if not isinstance(tensor, ShardedTensor) or tensor.key not in saved:
+            continue
+        saved_shape = tuple(saved[tensor.key].global_shape)
+        if saved_shape != tuple(tensor.global_shape):
+            raise CheckpointError(
+                f"checkpoint {directory}: '{tensor.key}' has shape {saved_shape}, this model "
+                f"expects {tuple(tensor.global_shape)} (different architecture or vocabulary)"
+            )
 
 
 def load_model_weights(model: Sequence[torch.nn.Module], directory: str | Path) -> None:
     """Load weights saved at any parallel layout into this rank's chunks (strict)."""
     if not dist_checkpointing.check_is_distributed_checkpoint(str(directory)):
-        raise FileNotFoundError(f"{directory} is not a complete megatron distributed checkpoint")
-    loaded = dist_checkpointing.load(model_sharded_state_dict(model), str(directory))
+        raise CheckpointError(f"{directory} is not a megatron distributed checkpoint")
+    template = model_sharded_state_dict(model)
+    check_shapes_match(template, directory)
+    loaded = dist_checkpointing.load(template, str(directory))
     for i, chunk in enumerate(model):
         unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
+
+
+def _layout() -> dict[str, int]:
+    return {
+        "tensor": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
+        "data": parallel_state.get_data_parallel_world_size(),
+    }
+
+
+def _rng_state() -> ShardedObject:
+    """This rank's RNG states; one object per (pipeline, tensor, data) rank."""
+    state = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    layout = _layout()
+    return ShardedObject(
+        "rng_state",
+        state,
+        (layout["pipeline"], layout["tensor"], layout["data"]),
+        (
+            parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_data_parallel_rank(),
+        ),
+        replica_id=0,
+    )
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+@dataclass
+class TrainingState:
+    """What a checkpoint restores besides weights and optimizer."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+def _state_dict(
+    model, optimizer, scheduler, state: TrainingState, with_rng: bool, is_loading: bool = False
+) -> dict:
+    sharded = model_sharded_state_dict(model)
+    # is_loading makes a fresh optimizer allocate its state (Adam moments), so the
+    # template asks the checkpoint for it.
+    sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=is_loading)
+    sharded["scheduler"] = scheduler.state_dict()
+    sharded["iteration"] = state.iteration
+    sharded["consumed_samples"] = state.consumed_samples
+    sharded["parallel_layout"] = _layout()
+    if with_rng:
+        sharded["rng_state"] = _rng_state()
+    return sharded
+
+
+def checkpoint_path(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def save_checkpoint(
+    root: str | Path,
+    model,
+    optimizer,
+    scheduler,
+    state: TrainingState,
+    config_yaml: str,
+) -> Path:
+    """Save everything needed to resume; returns the committed directory."""
+    final = checkpoint_path(root, state.iteration)
+    partial = final.with_name(final.name + ".partial")
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # left by a killed save of this step
+        partial.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(_state_dict(model, optimizer, scheduler, state, True), str(partial))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (partial / "config.yaml").write_text(config_yaml)
+        marker = {"iteration": state.iteration, "consumed_samples": state.consumed_samples}
+        (partial / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        partial.rename(final)
+    dist.barrier()
+    return final
+
+
+def is_complete(path: Path) -> bool:
+    return (
+        CHECKPOINT_DIR_RE.match(path.name) is not None
+        and (path / COMPLETE_MARKER).is_file()
+        and dist_checkpointing.check_is_distributed_checkpoint(str(path))
+    )
+
+
+def latest_complete_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root``; partial ones are never chosen."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    candidates = sorted(
+        (p for p in root.iterdir() if p.is_dir() and CHECKPOINT_DIR_RE.match(p.name)),
+        key=lambda p: int(CHECKPOINT_DIR_RE.match(p.name).group(1)),
+        reverse=True,
+    )
+    return next((p for p in candidates if is_complete(p)), None)
+
+
+def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> TrainingState:
+    """Restore model, optimizer, scheduler, RNG (same layout only) and data position."""
+    path = Path(path)
+    if not is_complete(path):
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} or missing shards)"
+        )
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(path))
+        same_layout = common.get("parallel_layout") == _layout()
+        template = _state_dict(
+            model, optimizer, scheduler, TrainingState(), with_rng=same_layout, is_loading=True
+        )
+        check_shapes_match(template, path)
+        loaded = dist_checkpointing.load(template, str(path))
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as err:
+        # torch's CheckpointException derives from BaseException; name the checkpoint.
+        cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"could not load checkpoint {path}: {cause}") from err
+    for i, chunk in enumerate(model):
+        unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
+    optimizer.load_state_dict(loaded["optimizer"])
+    scheduler.load_state_dict(loaded["scheduler"])
+    if same_layout:
+        _set_rng_state(loaded["rng_state"])
+    return TrainingState(iteration=loaded["iteration"], consumed_samples=loaded["consumed_samples"])

@@ -1,0 +1,147 @@
+"""megatron ``GPTDataset`` splits through ``BlendedMegatronDatasetBuilder``, and the
+per-data-parallel-rank micro-batch stream that feeds the training loop.
+
+Sample order is a pure function of (seed, blend, split, sequence length, sample
+count), and the loader position is one integer (``consumed_samples``), so a resumed
+run sees exactly the samples the uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+from megatron_lns.data.preprocess import DatasetMetadata
+from megatron_lns.data.tokenizer import Tokenizer
+
+
+class DataMismatchError(ValueError):
+    """A dataset that does not belong to this tokenizer or model vocabulary."""
+
+
+def check_dataset_fits(prefix: str, tokenizer: Tokenizer, model_vocab_size: int) -> None:
+    """Refuse data made with another tokenizer or with ids the model cannot embed."""
+    metadata = DatasetMetadata.load(prefix)
+    if metadata is not None:
+        if metadata.tokenizer != tokenizer.name or metadata.vocab_size != tokenizer.vocab_size:
+            raise DataMismatchError(
+                f"dataset {prefix} was tokenized with {metadata.tokenizer} (vocab "
+                f"{metadata.vocab_size}) but model.tokenizer is {tokenizer.name} (vocab "
+                f"{tokenizer.vocab_size})"
+            )
+        max_id = metadata.max_token_id
+    else:
+        # Prepared elsewhere (e.g. Megatron-LM's tools): scan the memory-mapped tokens.
+        tokens = np.memmap(f"{prefix}.bin", dtype=IndexedDataset(prefix).index.dtype, mode="r")
+        max_id = int(tokens.max()) if tokens.size else -1
+    if max_id >= model_vocab_size:
+        raise DataMismatchError(
+            f"dataset {prefix} contains token id {max_id}, which does not fit the model's "
+            f"vocabulary of {model_vocab_size} (tokenizer vocab {tokenizer.vocab_size})"
+        )
+
+
+@dataclass
+class DataSplits:
+    train: GPTDataset
+    valid: GPTDataset | None
+
+
+def build_gpt_datasets(
+    prefixes: list[str],
+    weights: list[float] | None,
+    split: str,
+    seq_length: int,
+    tokenizer: Tokenizer,
+    seed: int,
+    num_train_samples: int,
+    num_valid_samples: int,
+    cache_dir: str | None = None,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
+) -> DataSplits:
+    """Train/valid ``GPTDataset``s (blended with ``weights``, split by ``split``)."""
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=(prefixes, weights),
+        split=split,
+        path_to_cache=cache_dir,
+        tokenizer=tokenizer,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+        create_attention_mask=False,
+    )
+    train, valid, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [num_train_samples, num_valid_samples, 0], lambda: True, config
+    ).build()
+    if train is None:
+        raise ValueError(f"the split '{split}' leaves no training data in {prefixes}")
+    return DataSplits(train=train, valid=valid)
+
+
+def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+    keys = ("tokens", "labels", "loss_mask", "position_ids")
+    batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in keys}
+    batch["loss_mask"] = batch["loss_mask"].float()
+    return batch
+
+
+class PretrainingBatchSampler:
+    """Index lists of one data-parallel rank's micro-batches, from ``consumed_samples`` on.
+
+    Within each step of ``M * D`` samples (``M`` micro batch size, ``D`` data-parallel
+    size), rank ``r`` takes ``[r*M, (r+1)*M)``: the layout of Megatron-LM's pretraining
+    sampler. The position is a single integer, which is what a checkpoint stores.
+    """
+
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_size: int,
+        data_parallel_rank: int,
+    ) -> None:
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.dp_size = data_parallel_size
+        self.dp_rank = data_parallel_rank
+
+    def __iter__(self) -> Iterator[list[int]]:
+        position = self.consumed_samples
+        while True:
+            start = position + self.dp_rank * self.micro_batch_size
+            yield [(start + i) % self.total_samples for i in range(self.micro_batch_size)]
+            position += self.micro_batch_size * self.dp_size
+
+
+def micro_batch_loader(
+    dataset: torch.utils.data.Dataset,
+    consumed_samples: int,
+    micro_batch_size: int,
+    data_parallel_size: int,
+    data_parallel_rank: int,
+    num_workers: int = 0,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """An endless iterator of this rank's micro-batches (``torch`` DataLoader workers)."""
+    sampler = PretrainingBatchSampler(
+        len(dataset), consumed_samples, micro_batch_size, data_parallel_size, data_parallel_rank
+    )
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        collate_fn=_collate,
+        persistent_workers=num_workers > 0,
+    )
+    return iter(loader)

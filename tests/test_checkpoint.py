@@ -1,0 +1,72 @@
+"""Checkpoint commit protocol and refusal of partial, corrupt or mismatched checkpoints."""
+
+import shutil
+
+import pytest
+from helpers import fixed_microbatches, tiny_config
+
+from megatron_lns.model import build_model
+from megatron_lns.training.checkpoint import (
+    CheckpointError,
+    TrainingState,
+    latest_complete_checkpoint,
+    load_checkpoint,
+    load_model_weights,
+    save_checkpoint,
+    save_model_weights,
+)
+from megatron_lns.training.optim import OptimSettings, build_optimizer_and_scheduler
+from megatron_lns.training.step import train_step, wrap_with_ddp
+
+
+def _setup(**overrides):
+    cfg = tiny_config(**overrides)
+    model = wrap_with_ddp(build_model(cfg))
+    optimizer, scheduler = build_optimizer_and_scheduler(model, OptimSettings(warmup_steps=1), 10)
+    return cfg, model, optimizer, scheduler
+
+
+def test_save_commits_atomically_and_latest_skips_partial(seeded, tmp_path):
+    cfg, model, optimizer, scheduler = _setup()
+    train_step(model, optimizer, fixed_microbatches(cfg.vocab_size, cfg.seq_length))
+    path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainingState(1, 4), "a: 1\n")
+    assert path.name == "iter_0000001"
+    assert (path / "complete.json").is_file() and (path / "config.yaml").read_text() == "a: 1\n"
+    # A later save that died before its commit: a .partial directory, never chosen.
+    partial = tmp_path / "iter_0000002.partial"
+    shutil.copytree(path, partial)
+    (partial / "complete.json").unlink()
+    # A complete-looking directory without the marker is not chosen either.
+    unmarked = tmp_path / "iter_0000003"
+    shutil.copytree(path, unmarked)
+    (unmarked / "complete.json").unlink()
+    assert latest_complete_checkpoint(tmp_path) == path
+    with pytest.raises(CheckpointError, match="iter_0000003 is not a complete checkpoint"):
+        load_checkpoint(unmarked, model, optimizer, scheduler)
+    state = load_checkpoint(path, model, optimizer, scheduler)
+    assert (state.iteration, state.consumed_samples) == (1, 4)
+
+
+def test_corrupt_checkpoint_is_a_clear_error(seeded, tmp_path):
+    _, model, optimizer, scheduler = _setup()
+    path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainingState(1, 4), "")
+    for shard in path.glob("*.distcp"):
+        shard.write_bytes(b"truncated")
+    with pytest.raises(CheckpointError, match=f"could not load checkpoint {path}"):
+        load_checkpoint(path, model, optimizer, scheduler)
+
+
+def test_checkpoint_of_another_shape_is_refused_not_partially_loaded(seeded, tmp_path):
+    small = build_model(tiny_config(vocab_size=128))
+    save_model_weights(small, tmp_path / "w")
+    with pytest.raises(
+        CheckpointError,
+        match=r"'embedding.word_embeddings.weight' has shape \(128, 64\), this model expects \(256, 64\)",
+    ):
+        load_model_weights(build_model(tiny_config(vocab_size=256)), tmp_path / "w")
+
+
+def test_not_a_checkpoint(seeded, tmp_path):
+    with pytest.raises(CheckpointError, match="is not a megatron distributed checkpoint"):
+        load_model_weights(build_model(tiny_config()), tmp_path)
+    assert latest_complete_checkpoint(tmp_path / "missing") is None

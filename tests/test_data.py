@@ -1,0 +1,186 @@
+"""Preprocessing round trips through megatron's indexed dataset, and data checks."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+from megatron_lns.data.datasets import (
+    DataMismatchError,
+    PretrainingBatchSampler,
+    build_gpt_datasets,
+    check_dataset_fits,
+)
+from megatron_lns.data.demo_corpus import demo_documents
+from megatron_lns.data.preprocess import DatasetMetadata, preprocess, read_documents
+from megatron_lns.data.tokenizer import ByteTokenizer, build_tokenizer
+
+DOCS = demo_documents()[:200]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer_dir(tmp_path_factory):
+    """A real Hugging Face tokenizer, trained here (no download) and saved to disk."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(
+        DOCS, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "</s>"])
+    )
+    path = tmp_path_factory.mktemp("hf_tok")
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="</s>"
+    ).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory):
+    import sentencepiece
+
+    path = tmp_path_factory.mktemp("sp")
+    corpus = path / "corpus.txt"
+    corpus.write_text("\n".join(DOCS))
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(path / "sp"), vocab_size=300, minloglevel=2
+    )
+    return str(path / "sp.model")
+
+
+def _read_back(prefix):
+    dataset = IndexedDataset(str(prefix))
+    return [dataset[i].tolist() for i in range(len(dataset))]
+
+
+@pytest.mark.parametrize("library", ["byte", "huggingface", "sentencepiece"])
+def test_round_trip_through_megatron_indexed_dataset(tmp_path, library, hf_tokenizer_dir, sp_model):
+    kwargs = {
+        "huggingface": {"tokenizer_type": hf_tokenizer_dir},
+        "sentencepiece": {"tokenizer_model": sp_model},
+    }
+    metadata = preprocess(
+        DOCS[:50],
+        tmp_path / "data",
+        library,
+        workers=2 if library == "huggingface" else 1,
+        **kwargs.get(library, {}),
+    )
+    tokenizer = build_tokenizer(
+        library,
+        kwargs.get(library, {}).get("tokenizer_type"),
+        kwargs.get(library, {}).get("tokenizer_model"),
+    )
+    expected = [[*tokenizer.encode(doc), tokenizer.eod] for doc in DOCS[:50]]
+    assert _read_back(tmp_path / "data") == expected
+    assert metadata.num_documents == 50
+    assert metadata.num_tokens == sum(map(len, expected))
+    assert metadata.max_token_id == max(max(e) for e in expected)
+    assert DatasetMetadata.load(tmp_path / "data") == metadata
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_large_vocab_is_stored_as_int32_not_wrapped(tmp_path):
+    ids = [70_000, 65_535, 3]
+
+    class Fake:
+        name, vocab_size, eod, unique_identifiers = "fake", 80_000, 79_999, {}
+
+        def encode(self, text):
+            return ids
+
+    import megatron_lns.data.preprocess as pre
+
+    original = pre.build_tokenizer
+    pre.build_tokenizer = lambda *a, **k: Fake()
+    try:
+        preprocess(["x"], tmp_path / "wide", workers=1)
+    finally:
+        pre.build_tokenizer = original
+    assert _read_back(tmp_path / "wide") == [[*ids, 79_999]]
+    assert IndexedDataset(str(tmp_path / "wide")).index.dtype == np.int32
+
+
+def test_jsonl_and_text_inputs(tmp_path):
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text(
+        json.dumps({"text": "first doc"}) + "\n\n" + json.dumps({"text": "second"}) + "\n"
+    )
+    text = tmp_path / "b.txt"
+    text.write_text("line one\n\nline two\n")
+    assert list(read_documents([jsonl, text])) == ["first doc", "second", "line one", "line two"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"txt": "no key"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: no 'text' key"):
+        list(read_documents([bad]))
+    with pytest.raises(FileNotFoundError, match=r"missing\.jsonl does not exist"):
+        list(read_documents([tmp_path / "missing.jsonl"]))
+
+
+def test_dataset_from_another_tokenizer_is_refused(tmp_path, hf_tokenizer_dir):
+    preprocess(DOCS[:20], tmp_path / "hf", "huggingface", tokenizer_type=hf_tokenizer_dir)
+    with pytest.raises(
+        DataMismatchError, match=r"tokenized with huggingface:.*but model.tokenizer is byte"
+    ):
+        check_dataset_fits(str(tmp_path / "hf"), ByteTokenizer(), model_vocab_size=384)
+
+
+def test_ids_beyond_model_vocab_are_refused_even_without_metadata(tmp_path, hf_tokenizer_dir):
+    preprocess(DOCS[:20], tmp_path / "hf", "huggingface", tokenizer_type=hf_tokenizer_dir)
+    tokenizer = build_tokenizer("huggingface", hf_tokenizer_dir)
+    check_dataset_fits(str(tmp_path / "hf"), tokenizer, model_vocab_size=512)
+    DatasetMetadata.path_for(tmp_path / "hf").unlink()  # as if prepared by other tools
+    with pytest.raises(
+        DataMismatchError,
+        match=r"contains token id \d+, which does not fit the model's vocabulary of 256",
+    ):
+        check_dataset_fits(str(tmp_path / "hf"), tokenizer, model_vocab_size=256)
+
+
+def test_gpt_dataset_samples_are_windows_of_the_token_stream(tmp_path):
+    preprocess(DOCS, tmp_path / "bytes", "byte")
+    stream = np.concatenate([np.asarray(d) for d in _read_back(tmp_path / "bytes")])
+    splits = build_gpt_datasets(
+        [str(tmp_path / "bytes")],
+        None,
+        "90,10,0",
+        32,
+        ByteTokenizer(),
+        seed=3,
+        num_train_samples=40,
+        num_valid_samples=8,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    assert splits.valid is not None
+    text = stream.tobytes()
+    eod = ByteTokenizer().eod
+    for i in range(5):
+        sample = splits.train[i]
+        tokens = np.asarray(sample["tokens"]).astype(stream.dtype)
+        # GPTDataset concatenates shuffled documents: each piece between EODs is a
+        # contiguous run of one document.
+        pieces = np.split(tokens, np.flatnonzero(tokens == eod) + 1)
+        assert all(piece.tobytes() in text for piece in pieces if len(piece))
+        assert torch.equal(
+            torch.as_tensor(sample["labels"][:-1]), torch.as_tensor(sample["tokens"][1:])
+        )
+
+
+def test_batch_sampler_layout_and_resume():
+    def take(sampler, n):
+        it = iter(sampler)
+        return [next(it) for _ in range(n)]
+
+    # Global batch of 8 = 2 micro-batches x micro 2 x DP 2.
+    rank0 = take(PretrainingBatchSampler(100, 0, 2, 2, 0), 4)
+    rank1 = take(PretrainingBatchSampler(100, 0, 2, 2, 1), 4)
+    assert rank0 == [[0, 1], [4, 5], [8, 9], [12, 13]]
+    assert rank1 == [[2, 3], [6, 7], [10, 11], [14, 15]]
+    assert take(PretrainingBatchSampler(100, 8, 2, 2, 0), 2) == rank0[2:]
+    assert take(PretrainingBatchSampler(10, 8, 2, 1, 0), 2) == [
+        [8, 9],
+        [0, 1],
+    ]  # wraps, never stops
