@@ -1,55 +1,59 @@
-"""Short training runs: loss goes down with clipping on; the demo works at PP=2."""
+"""The side-by-side demo end to end: both arms train, loss falls with clipping on,
+and the summary, TensorBoard logs and loss-curve PNG are written."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
-from helpers import run_distributed
 
-from megatron_lns.demo import DemoSettings, run_demo
-from megatron_lns.runtime import ParallelLayout
-from megatron_lns.training.optim import OptimSettings
+from helpers import run_distributed
+from megatron_lns.config import load_config, validate
 
 pytestmark = pytest.mark.slow
 
+DEMO = Path(__file__).resolve().parents[1] / "nemo_configs" / "tiny_cpu_demo.yaml"
 
-def _tiny_demo(layout=ParallelLayout(), steps=40) -> DemoSettings:
-    return DemoSettings(
-        num_layers=4,
-        hidden_size=64,
-        num_attention_heads=4,
-        ffn_hidden_size=128,
-        seq_length=64,
-        micro_batch_size=4,
-        num_microbatches=2,
-        steps=steps,
-        eval_batches=2,
-        log_every=1,
-        optim=OptimSettings(lr=3e-3, min_lr=3e-4, warmup_steps=min(5, steps - 1), clip_grad=0.5),
-        layout=layout,
+
+def _demo(cfg):
+    from megatron_lns.demo import run_demo
+
+    results = run_demo(cfg, stamp="test")
+    return [
+        (label, run.train_losses, run.valid_loss, [s.layer_number for s in run.layer_stats])
+        for label, run in results
+    ]
+
+
+def test_demo_trains_both_arms_and_writes_its_outputs(tmp_path, tmp_path_factory, monkeypatch, capfd):
+    monkeypatch.setenv("MEGATRON_LNS_CACHE", str(tmp_path_factory.getbasetemp() / "corpus_cache"))
+    cfg = load_config(
+        DEMO,
+        [
+            "model.num_layers=4", "model.hidden_size=64", "model.ffn_hidden_size=128",
+            "model.encoder_seq_length=64", "trainer.max_steps=40", "trainer.val_check_interval=20",
+            "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1",
+            "trainer.gradient_clip_val=0.5", "model.optim.sched.warmup_steps=5",
+            "exp_manager.checkpoint_callback_params.every_n_train_steps=20",
+            f"exp_manager.exp_dir={tmp_path}",
+        ],
     )
-
-
-def test_short_run_lowers_loss_with_clipping(megatron_world1, capsys):
-    results = run_demo(_tiny_demo())
-    logged = capsys.readouterr().out
-    first = float(logged.split("step     1  loss ")[1].split()[0])
-    for arm in results:
-        assert arm.train_loss < first - 1.0, (arm.name, first, arm.train_loss)
-        assert math.isfinite(arm.valid_loss) and arm.valid_loss < first
-        assert [s.layer_number for s in arm.layer_stats] == [1, 2, 3, 4]
-    # Clipping was active at least once early in training (grad norm above the 0.5 bound).
-    norms = [float(x.split()[0]) for x in logged.split("grad_norm ")[1:]]
-    assert max(norms) > 0.5
-
-
-def _demo_worker(settings):
-    results = run_demo(settings)
-    return [(r.name, r.valid_loss, [s.layer_number for s in r.layer_stats]) for r in results]
-
-
-def test_demo_runs_pipeline_parallel(tmp_path):
-    results = run_distributed(_demo_worker, 2, tmp_path, _tiny_demo(ParallelLayout(pipeline=2), 5))
-    assert results[0] == results[1]  # every rank reports the same table
-    for name, valid_loss, layers in results[0]:
-        assert layers == [1, 2, 3, 4], name
-        assert math.isfinite(valid_loss)
+    validate(cfg)
+    arms = run_distributed(_demo, 1, tmp_path, cfg)[0]
+    out = capfd.readouterr().out
+    assert [label for label, *_ in arms] == ["LNS", "Pre-LN"]
+    for label, losses, valid_loss, layers in arms:
+        values = [loss for _, loss in losses]
+        assert len(values) == 40
+        assert sum(values[-5:]) / 5 < values[0] - 1.0, label
+        assert math.isfinite(valid_loss) and valid_loss < values[0]
+        assert layers == [1, 2, 3, 4]
+    run_root = tmp_path / "test"
+    for arm in ("lns", "preln"):
+        records = [json.loads(x) for x in (run_root / arm / "metrics.jsonl").read_text().splitlines()]
+        norms = [r["grad_norm"] for r in records if "grad_norm" in r]
+        assert max(norms) > 0.5  # clipping at 0.5 was active
+        assert list((run_root / arm / "tensorboard").glob("events.out.tfevents.*"))
+    png = run_root / "loss_curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "var growth L/1" in out and "held-out loss" in out
