@@ -59,8 +59,9 @@ def _launch(cfg, job: Callable[..., Any], *args: Any) -> None:
         spawn_local(job, world, cfg, *args)
 
 
-def _load(config: str | Path, overrides: list[str]):
+def _load(config: str | Path, overrides: list[str], dry_run: bool = False):
     from megatron_lns.config import load_config, validate
+    from megatron_lns.config.validate import check_environment
 
     cfg = load_config(config, overrides)
     env_world = os.environ.get("WORLD_SIZE")
@@ -73,6 +74,8 @@ def _load(config: str | Path, overrides: list[str]):
             f"trainer.devices = {cfg.trainer.num_nodes} x {cfg.trainer.devices}"
         )
     validate(cfg, world)
+    if not dry_run:
+        check_environment(cfg)
     return cfg
 
 
@@ -84,7 +87,7 @@ def _print_config(cfg) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    cfg = _load(args.config, args.overrides)
+    cfg = _load(args.config, args.overrides, args.dry_run)
     _print_config(cfg)
     if args.dry_run:
         return 0
@@ -96,7 +99,7 @@ def _demo(args: argparse.Namespace) -> int:
     config = Path(args.config) if args.config else DEMO_CONFIG
     if not config.is_file():
         raise SystemExit(f"error: demo config {config} not found; pass --config PATH")
-    cfg = _load(config, args.overrides)
+    cfg = _load(config, args.overrides, args.dry_run)
     if args.dry_run:
         _print_config(cfg)
         return 0

@@ -20,11 +20,46 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from torch import Tensor
 
-from megatron_lns.scaling import NormScaling, norm_output_scale
+from megatron_lns.scaling import (
+    NormScaling,
+    fold_scale_into_beta,
+    fold_scale_into_gamma,
+    norm_output_scale,
+)
+
+
+@torch.no_grad()
+def bake_scale_into_parameters(owner: torch.nn.Module, scale: float) -> None:
+    """Fold ``scale`` into a norm owner's affine parameters in place."""
+    fused = hasattr(owner, "lns_zero_centered_gamma")
+    weight_name, bias_name = (
+        ("layer_norm_weight", "layer_norm_bias") if fused else ("weight", "bias")
+    )
+    weight = owner._parameters.get(weight_name)
+    if weight is None or (fused and not owner.norm_affine):
+        raise ValueError(
+            f"{type(owner).__name__} has no affine norm weight to bake the LNS factor into "
+            "(parameter-free norm); export it with an explicit scale instead"
+        )
+    zero_centered = owner.lns_zero_centered_gamma if fused else owner.zero_centered_gamma
+    weight.copy_(fold_scale_into_gamma(weight, scale, zero_centered))
+    bias = owner._parameters.get(bias_name)
+    if bias is not None:
+        bias.copy_(fold_scale_into_beta(bias, scale))
+
+
+def bake_norm_scaling(model: torch.nn.Module) -> torch.nn.Module:
+    """Bake LNS into the norm weights of every layer of ``model`` (see the method)."""
+    for module in model.modules():
+        if isinstance(module, LNSTransformerLayer):
+            module.bake_norm_scaling()
+    return model
 
 
 class LNSTransformerLayer(TransformerLayer):
@@ -49,6 +84,40 @@ class LNSTransformerLayer(TransformerLayer):
                     "with megatron_lns.specs.get_lns_layer_spec so its norms support LNS"
                 )
             owner.output_scale = scale
+
+    def get_qkv_layer_norm_weights(self) -> Tensor:
+        """The fused QKV norm weight with the LNS factor folded in.
+
+        megatron's inference fused-communication path reads this instead of running the
+        module's forward, so it must not see the raw parameter.
+        """
+        return self._folded_norm_weight(getattr(self.self_attention, "linear_qkv", None))
+
+    def get_mlp_layer_norm_weights(self) -> Tensor:
+        """The fused FC1 norm weight with the LNS factor folded in (see above)."""
+        return self._folded_norm_weight(getattr(self.mlp, "linear_fc1", None))
+
+    @staticmethod
+    def _folded_norm_weight(owner: Any) -> Tensor:
+        if owner is None or not hasattr(owner, "folded_layer_norm_weight"):
+            raise AttributeError(
+                "this layer has no fused norm + linear; its norms are separate modules"
+            )
+        return owner.folded_layer_norm_weight()
+
+    def bake_norm_scaling(self) -> None:
+        """Multiply the factor into the norm parameters for good and stop applying it.
+
+        For exporters that read raw weights (modelopt / TRT-LLM, Hugging Face): afterwards
+        the layer is an ordinary Pre-LN layer with the same function.
+        """
+        scale = self.norm_output_scale
+        if scale == 1.0:
+            return
+        for owner in self.pre_norm_owners():
+            bake_scale_into_parameters(owner, scale)
+            owner.output_scale = 1.0
+        self.norm_scaling = "none"
 
     @property
     def norm_output_scale(self) -> float:

@@ -70,6 +70,12 @@ class GPTModelConfig:
     precision: Precision = "fp32"
     backend: Literal["local", "te"] = "local"
     qk_layernorm: bool = False
+    fp8: str | None = None  # recipe: delayed | tensorwise | blockwise | mxfp8
+    fp8_format: Literal["hybrid", "e4m3"] = "hybrid"
+    fp8_param: bool = False
+    fp8_margin: int = 0
+    fp8_amax_history_len: int = 1024
+    fp8_amax_compute_algo: Literal["max", "most_recent"] = "max"
     extra_transformer_config: dict = field(default_factory=dict)
 
     def resolved_output_layer_init(self) -> str:
@@ -121,7 +127,20 @@ class GPTModelConfig:
             fp16=self.precision == "fp16",
             use_cpu_initialization=cpu_init,
             batch_p2p_comm=not uses_gloo(),
+            **self._fp8_settings(),
             **self.extra_transformer_config,
+        )
+
+    def _fp8_settings(self) -> dict:
+        if self.fp8 is None:
+            return {}
+        return dict(
+            fp8=self.fp8_format,
+            fp8_recipe=self.fp8,
+            fp8_param=self.fp8_param,
+            fp8_margin=self.fp8_margin,
+            fp8_amax_history_len=self.fp8_amax_history_len,
+            fp8_amax_compute_algo=self.fp8_amax_compute_algo,
         )
 
     def to_dict(self) -> dict:

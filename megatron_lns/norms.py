@@ -106,3 +106,20 @@ class LocalNorm(torch.nn.Module):
             f"{self.normalization}({self.hidden_size}, eps={self.eps}, affine={self.affine}, "
             f"zero_centered_gamma={self.zero_centered_gamma}, output_scale={self.output_scale:.6g})"
         )
+
+
+class MultiplyAfterNorm(LocalNorm):
+    """Reference implementation: the norm, then a separate multiply by ``output_scale``.
+
+    This is how the paper's code applies LNS. It costs an extra elementwise pass over
+    the activations (forward and backward); it exists only as a reference for tests
+    and for ``benchmarks/lns_overhead.py``, never in a training spec.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale, self.output_scale = self.output_scale, 1.0
+        try:
+            normed = super().forward(x)
+        finally:
+            self.output_scale = scale
+        return normed * scale if scale != 1.0 else normed

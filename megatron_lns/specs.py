@@ -14,13 +14,16 @@ from __future__ import annotations
 from functools import partial
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
+from megatron_lns.fused_norm import with_norm_scaling
 from megatron_lns.layer import LNSTransformerLayer
 from megatron_lns.norms import LocalNorm
 from megatron_lns.scaling import NORM_SCALING_CHOICES, NormScaling
@@ -61,6 +64,39 @@ def get_lns_layer_spec(
         attention = submodules.self_attention.submodules
         attention.q_layernorm = local_norm_builder(True)
         attention.k_layernorm = local_norm_builder(True)
+    return ModuleSpec(
+        module=LNSTransformerLayer, submodules=submodules, params={"norm_scaling": norm_scaling}
+    )
+
+
+def fused_norm_layer_spec(
+    submodules: TransformerLayerSubmodules, norm_scaling: NormScaling, norm_affine: bool = True
+) -> ModuleSpec:
+    """An LNS layer spec from submodules whose pre-norms are fused into the next linear.
+
+    ``linear_qkv`` and the MLP's ``linear_fc1`` classes (Transformer Engine's
+    ``TELayerNormColumnParallelLinear``, or any module that reads
+    ``self.layer_norm_weight`` in forward) get :class:`FusedNormScaling` mixed in.
+    Parameter names, checkpoint keys and the ``sequence_parallel`` attributes stay as
+    the wrapped class makes them.
+    """
+    if not (
+        submodules.input_layernorm is IdentityOp and submodules.pre_mlp_layernorm is IdentityOp
+    ):
+        raise ValueError(
+            "fused_norm_layer_spec expects the norms fused into linear_qkv / linear_fc1"
+        )
+    attention = submodules.self_attention.submodules
+    attention.linear_qkv = with_norm_scaling(attention.linear_qkv, norm_affine)
+    mlp = submodules.mlp
+    mlp_class = getattr(getattr(mlp, "func", None), "__self__", None)
+    if mlp_class is not None and mlp_class.__name__.startswith("TEFused"):
+        raise ValueError(
+            "the Transformer Engine op fuser (TEFusedMLP) reads the raw pre-MLP norm weight, "
+            "so LNS cannot be folded into it; build the spec without use_te_op_fuser"
+        )
+    mlp_submodules = mlp.keywords["submodules"]
+    mlp_submodules.linear_fc1 = with_norm_scaling(mlp_submodules.linear_fc1, norm_affine)
     return ModuleSpec(
         module=LNSTransformerLayer, submodules=submodules, params={"norm_scaling": norm_scaling}
     )

@@ -1,5 +1,6 @@
 """NeMo-style config: loading, overrides, validation errors, dry run, round trip."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -258,3 +259,65 @@ def test_cli_reports_config_errors_in_one_line():
         .splitlines()[-1]
         .startswith("error: model.num_layers (5) is not divisible")
     )
+
+
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "nemo_configs").glob("*.yaml")), ids=lambda p: p.stem
+)
+def test_shipped_configs_load_and_validate(path):
+    raw = OmegaConf.load(path)
+    overrides = []
+    if OmegaConf.is_missing(raw.model.data, "data_prefix"):
+        overrides.append("model.data.data_prefix=[/data/corpus_text_document]")
+    for key in raw.model.tokenizer.keys():  # noqa: SIM118 - `in` skips ??? values
+        if OmegaConf.is_missing(raw.model.tokenizer, key):
+            overrides.append(f"model.tokenizer.{key}=/models/tokenizer")
+    cfg = load_config(path, overrides)
+    validate(cfg, check_files=False)
+    assert cfg.model.norm_scaling == "lns"
+    assert cfg.model.output_layer_init == "normal"  # same init for the Pre-LN override
+    # The Pre-LN baseline is one override away.
+    validate(load_config(path, [*overrides, "model.norm_scaling=none"]), check_files=False)
+
+
+def test_paper_recipes_match_the_reference_table():
+    expected = {  # hidden, layers, heads, ffn, lr, steps, warmup (REFERENCE.md)
+        "llama_130m": (768, 12, 12, 2048, 1e-3, 20_000, 2_000),
+        "llama_250m": (768, 24, 16, 2560, 1e-3, 40_000, 4_000),
+        "llama_350m": (1024, 24, 16, 2736, 5e-4, 60_000, 6_000),
+        "llama_1b": (2048, 24, 32, 5461, 5e-4, 100_000, 1_000),
+    }
+    for name, values in expected.items():
+        cfg = load_config(
+            ROOT / "nemo_configs" / f"{name}.yaml",
+            ["model.data.data_prefix=[/d]", "model.tokenizer.model=/t"],
+        )
+        m = cfg.model
+        assert (
+            m.hidden_size,
+            m.num_layers,
+            m.num_attention_heads,
+            m.ffn_hidden_size,
+            m.optim.lr,
+            cfg.trainer.max_steps,
+            m.optim.sched.warmup_steps,
+        ) == values
+        assert (m.encoder_seq_length, m.global_batch_size, m.optim.weight_decay) == (256, 512, 0.0)
+        assert m.optim.sched.min_lr == pytest.approx(m.optim.lr / 10)
+        assert cfg.trainer.gradient_clip_val == 0.0 and cfg.trainer.precision == "bf16-mixed"
+
+
+def test_every_schema_key_is_documented():
+    from megatron_lns.config.loader import SCHEMA_PATHS
+
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    defaults = OmegaConf.structured(
+        __import__("megatron_lns.config.schema", fromlist=["x"]).ExperimentConfig
+    )
+    leaves = [
+        p
+        for p, free in SCHEMA_PATHS.items()
+        if free or not OmegaConf.is_dict(OmegaConf.select(defaults, p))
+    ]
+    missing = [p for p in leaves if f"`{p}`" not in doc]
+    assert not missing, missing

@@ -83,3 +83,20 @@ def test_output_scale_is_not_in_state_dict():
     norm = LocalNorm(_config(), 8)
     norm.output_scale = 0.25
     assert set(norm.state_dict()) == {"weight", "bias"}
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_folding_matches_the_multiply_after_norm_reference(affine):
+    from megatron_lns.norms import MultiplyAfterNorm
+
+    torch.manual_seed(0)
+    cfg = _config(normalization="RMSNorm")
+    folded, reference = LocalNorm(cfg, 8, affine=affine), MultiplyAfterNorm(cfg, 8, affine=affine)
+    if affine:
+        with torch.no_grad():
+            folded.weight.normal_()
+        reference.load_state_dict(folded.state_dict())
+    folded.output_scale = reference.output_scale = 1 / math.sqrt(3)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(folded(x), reference(x))
+    assert reference.output_scale == 1 / math.sqrt(3)

@@ -6,8 +6,8 @@ import math
 from pathlib import Path
 
 import pytest
-
 from helpers import run_distributed
+
 from megatron_lns.config import load_config, validate
 
 pytestmark = pytest.mark.slow
@@ -25,15 +25,23 @@ def _demo(cfg):
     ]
 
 
-def test_demo_trains_both_arms_and_writes_its_outputs(tmp_path, tmp_path_factory, monkeypatch, capfd):
+def test_demo_trains_both_arms_and_writes_its_outputs(
+    tmp_path, tmp_path_factory, monkeypatch, capfd
+):
     monkeypatch.setenv("MEGATRON_LNS_CACHE", str(tmp_path_factory.getbasetemp() / "corpus_cache"))
     cfg = load_config(
         DEMO,
         [
-            "model.num_layers=4", "model.hidden_size=64", "model.ffn_hidden_size=128",
-            "model.encoder_seq_length=64", "trainer.max_steps=40", "trainer.val_check_interval=20",
-            "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1",
-            "trainer.gradient_clip_val=0.5", "model.optim.sched.warmup_steps=5",
+            "model.num_layers=4",
+            "model.hidden_size=64",
+            "model.ffn_hidden_size=128",
+            "model.encoder_seq_length=64",
+            "trainer.max_steps=40",
+            "trainer.val_check_interval=20",
+            "trainer.limit_val_batches=2",
+            "trainer.log_every_n_steps=1",
+            "trainer.gradient_clip_val=0.5",
+            "model.optim.sched.warmup_steps=5",
             "exp_manager.checkpoint_callback_params.every_n_train_steps=20",
             f"exp_manager.exp_dir={tmp_path}",
         ],
@@ -50,7 +58,9 @@ def test_demo_trains_both_arms_and_writes_its_outputs(tmp_path, tmp_path_factory
         assert layers == [1, 2, 3, 4]
     run_root = tmp_path / "test"
     for arm in ("lns", "preln"):
-        records = [json.loads(x) for x in (run_root / arm / "metrics.jsonl").read_text().splitlines()]
+        records = [
+            json.loads(x) for x in (run_root / arm / "metrics.jsonl").read_text().splitlines()
+        ]
         norms = [r["grad_norm"] for r in records if "grad_norm" in r]
         assert max(norms) > 0.5  # clipping at 0.5 was active
         assert list((run_root / arm / "tensorboard").glob("events.out.tfevents.*"))

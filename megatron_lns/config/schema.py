@@ -123,7 +123,9 @@ class ModelConfig:
 
     # Transformer Engine and FP8 (GPU only).
     transformer_engine: bool = False
-    fp8: str | None = None  # null | delayed | tensorwise | mxfp8
+    fp8: str | None = None  # null | delayed | tensorwise | blockwise | mxfp8
+    fp8_format: str = "hybrid"  # hybrid (E4M3 forward, E5M2 gradients) | e4m3
+    fp8_param: bool = False  # keep weights in FP8 too (else bf16 weights, fp32 main copy)
     fp8_margin: int = 0
     fp8_amax_history_len: int = 1024
     fp8_amax_compute_algo: str = "max"

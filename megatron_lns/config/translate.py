@@ -55,6 +55,12 @@ def model_config(cfg: ExperimentConfig, tokenizer_vocab_size: int) -> GPTModelCo
         attention_dropout=m.attention_dropout,
         precision=precision(cfg),
         backend="te" if m.transformer_engine else "local",
+        fp8=m.fp8,
+        fp8_format=m.fp8_format,
+        fp8_param=m.fp8_param,
+        fp8_margin=m.fp8_margin,
+        fp8_amax_history_len=m.fp8_amax_history_len,
+        fp8_amax_compute_algo=m.fp8_amax_compute_algo,
     )
 
 

@@ -24,7 +24,14 @@ POSITION_EMBEDDINGS = ("rope", "learned_absolute")
 TOKENIZER_LIBRARIES = ("byte", "huggingface", "sentencepiece")
 OPTIMIZERS = ("fused_adam", "adam", "adamw", "distributed_fused_adam", "sgd")
 SCHEDULES = ("CosineAnnealing", "LinearAnnealing", "Constant")
-FP8_RECIPES = ("delayed", "tensorwise", "mxfp8")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+# Minimum CUDA compute capability per FP8 recipe (Ada/Hopper for FP8, Blackwell for MXFP8).
+FP8_MIN_CAPABILITY = {
+    "delayed": (8, 9),
+    "tensorwise": (8, 9),
+    "blockwise": (9, 0),
+    "mxfp8": (10, 0),
+}
 BUILTIN_PREFIX = "builtin:"
 
 
@@ -145,6 +152,13 @@ def validate(
             raise ConfigError(
                 "model.fp8 needs model.transformer_engine=true (FP8 runs in Transformer Engine)"
             )
+        _choice("model.fp8_format", m.fp8_format, ("hybrid", "e4m3"))
+        _choice("model.fp8_amax_compute_algo", m.fp8_amax_compute_algo, ("max", "most_recent"))
+        if PRECISIONS[str(t.precision)] != "bf16":
+            raise ConfigError(
+                f"model.fp8 needs trainer.precision=bf16-mixed (got {t.precision}): FP8 GEMMs "
+                "run inside bf16 mixed precision"
+            )
 
     world = world_size if world_size is not None else t.num_nodes * t.devices
     if world % (tp * pp):
@@ -190,3 +204,37 @@ def validate(
             for suffix in (".bin", ".idx"):
                 if not Path(prefix + suffix).is_file():
                     raise ConfigError(f"model.data.data_prefix: {prefix}{suffix} does not exist")
+
+
+def check_environment(cfg: ExperimentConfig) -> None:
+    """What the machine must offer for this config (CUDA, Transformer Engine, FP8 support).
+
+    Separate from :func:`validate` so a config can be checked on any machine; the
+    launcher runs both before any process starts.
+    """
+    import torch
+
+    m = cfg.model
+    cuda = torch.cuda.is_available()
+    if cfg.trainer.accelerator == "gpu" and not cuda:
+        raise ConfigError("trainer.accelerator=gpu but CUDA is not available on this machine")
+    if m.transformer_engine:
+        from megatron_lns.te import INSTALL_HINT, te_available
+
+        if not cuda:
+            raise ConfigError("model.transformer_engine=true needs a CUDA GPU")
+        if not te_available():
+            raise ConfigError(f"model.transformer_engine=true: {INSTALL_HINT}")
+    if m.fp8 is not None:
+        needed = FP8_MIN_CAPABILITY[m.fp8]
+        capability = torch.cuda.get_device_capability() if cuda else None
+        if capability is None or tuple(capability) < needed:
+            if capability is None:
+                have = "no CUDA GPU"
+            else:
+                major, minor = capability
+                have = f"{torch.cuda.get_device_name()} (compute capability {major}.{minor})"
+            raise ConfigError(
+                f"model.fp8={m.fp8} needs compute capability >= {needed[0]}.{needed[1]}, "
+                f"this machine has {have}"
+            )

@@ -1,0 +1,61 @@
+"""Transformer Engine backend for LNS; imported only when asked for.
+
+megatron's own TE layer spec fuses each pre-norm into the GEMM that follows it
+(``TELayerNormColumnParallelLinear`` for ``linear_qkv`` and ``linear_fc1``); the LNS
+factor is folded into those fused norms at forward time (``fused_norm.py``), so the
+fusion and its FP8 cast stay intact and no kernel is added.
+"""
+
+from __future__ import annotations
+
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_lns.scaling import NormScaling
+
+INSTALL_HINT = (
+    "Transformer Engine is not installed (it needs CUDA): install it with "
+    "`pip install 'megatron-lns[te]'` on a CUDA machine or use an NGC PyTorch container, "
+    "or set model.transformer_engine=false for the local backend"
+)
+
+
+class TransformerEngineUnavailable(ImportError):
+    pass
+
+
+def te_available() -> bool:
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    return bool(HAVE_TE)
+
+
+def require_te() -> None:
+    if not te_available():
+        raise TransformerEngineUnavailable(INSTALL_HINT)
+
+
+def get_te_lns_layer_spec(
+    norm_scaling: NormScaling = "lns", norm_affine: bool = True, qk_layernorm: bool = False
+) -> ModuleSpec:
+    """megatron's TE GPT layer spec with LNS folded into its fused norms."""
+    require_te()
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_submodules,
+    )
+
+    from megatron_lns.specs import fused_norm_layer_spec
+
+    submodules = get_gpt_layer_with_transformer_engine_submodules(qk_layernorm=qk_layernorm)
+    return fused_norm_layer_spec(submodules, norm_scaling, norm_affine)
+
+
+def te_final_norm_builder(norm_affine: bool = True):
+    """TE's fused norm for the (never scaled) final norm; parameter-free falls back to local."""
+    require_te()
+    if not norm_affine:
+        from megatron_lns.specs import local_norm_builder
+
+        return local_norm_builder(affine=False)
+    from megatron.core.extensions.transformer_engine import TENorm
+
+    return TENorm

@@ -1,0 +1,232 @@
+"""LNS folded into a fused norm + linear (the Transformer Engine path), on CPU.
+
+Uses a faithful stand-in for TE's LayerNormLinear (tests/te_standin.py); the real TE
+checks are the GPU-marked tests in tests/gpu/.
+"""
+
+import math
+from functools import partial
+
+import pytest
+import torch
+from helpers import tiny_config
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from te_standin import StandInLayerNormColumnParallelLinear as StandIn
+
+from megatron_lns.fused_norm import FusedNormScaling, folded_norm_parameters, with_norm_scaling
+from megatron_lns.layer import bake_norm_scaling
+from megatron_lns.model import build_model
+from megatron_lns.specs import fused_norm_layer_spec, local_norm_builder
+
+
+def _fused_spec(norm_scaling="lns", norm_affine=True):
+    submodules = get_gpt_layer_local_submodules()
+    submodules.input_layernorm = IdentityOp
+    submodules.pre_mlp_layernorm = IdentityOp
+    submodules.self_attention.submodules.linear_qkv = StandIn
+    linear_fc2 = submodules.mlp.keywords["submodules"].linear_fc2
+    submodules.mlp = partial(
+        MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=StandIn, linear_fc2=linear_fc2)
+    )
+    submodules.sharded_state_dict_keys_map = {}
+    return fused_norm_layer_spec(submodules, norm_scaling, norm_affine)
+
+
+def _fused_model(cfg):
+    tf = cfg.transformer_config()
+    block = TransformerBlockSubmodules(
+        layer_specs=[_fused_spec(cfg.norm_scaling, cfg.norm_affine)] * cfg.num_layers,
+        layer_norm=local_norm_builder(cfg.norm_affine),
+    )
+    return GPTModel(
+        config=tf,
+        transformer_layer_spec=block,
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.seq_length,
+        position_embedding_type="rope",
+    )
+
+
+def _local_to_fused(state_dict):
+    renamed = {}
+    for key, value in state_dict.items():
+        key = key.replace("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight")
+        key = key.replace("input_layernorm.bias", "self_attention.linear_qkv.layer_norm_bias")
+        key = key.replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
+        key = key.replace("pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias")
+        renamed[key] = value
+    return renamed
+
+
+def _perturb_norms(model, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layernorm" in name or "layer_norm" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
+
+
+def _checkpoint_keys(model):
+    return {
+        t.key: tuple(t.global_shape)
+        for t in model.sharded_state_dict().values()
+        if hasattr(t, "global_shape")
+    }
+
+
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_fused_module_folding_matches_explicit_multiply(seeded, normalization, zero_centered):
+    cfg = tiny_config(normalization=normalization, layernorm_zero_centered_gamma=zero_centered)
+    tf = cfg.transformer_config()
+    init = torch.nn.init.normal_
+    plain = StandIn(
+        64, 48, config=tf, init_method=init, gather_output=False, bias=False, skip_bias_add=False
+    )
+    scaled = with_norm_scaling(StandIn)(
+        64, 48, config=tf, init_method=init, gather_output=False, bias=False, skip_bias_add=False
+    )
+    _perturb_norms(plain)
+    scaled.load_state_dict(plain.state_dict())
+    scaled.output_scale = 1 / math.sqrt(7)
+    x = torch.randn(5, 2, 64, requires_grad=True)
+
+    # Reference: explicit multiply after the norm, then the same GEMM.
+    w = plain.layer_norm_weight
+    gamma = w + 1 if zero_centered else w
+    if normalization == "RMSNorm":
+        normed = torch.nn.functional.rms_norm(x, (64,), gamma, tf.layernorm_epsilon)
+    else:
+        normed = torch.nn.functional.layer_norm(
+            x, (64,), gamma, plain.layer_norm_bias, tf.layernorm_epsilon
+        )
+    expected, _ = ColumnParallelLinear.forward(plain, normed * scaled.output_scale)
+    out, _ = scaled(x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, [x, *scaled.parameters()], grad)
+    want = torch.autograd.grad(expected, [x, *plain.parameters()], grad)
+    for g, w_ in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w_, rtol=1e-5, atol=1e-6)
+
+    # The real parameters are untouched, still registered, still marked for SP.
+    assert set(scaled.state_dict()) == set(plain.state_dict())
+    assert isinstance(scaled.layer_norm_weight, torch.nn.Parameter)
+    assert "layer_norm_weight" not in scaled.__dict__
+    assert hasattr(scaled.layer_norm_weight, "sequence_parallel")
+
+
+def test_shadow_is_removed_even_when_forward_fails(seeded):
+    module = with_norm_scaling(StandIn)(
+        64,
+        48,
+        config=tiny_config().transformer_config(),
+        init_method=torch.nn.init.normal_,
+        gather_output=False,
+        bias=False,
+        skip_bias_add=False,
+    )
+    module.output_scale = 0.5
+    with pytest.raises(RuntimeError):
+        module(torch.randn(3, 2, 7))  # wrong hidden size
+    assert "layer_norm_weight" not in module.__dict__
+    with folded_norm_parameters(module, 0.5, False):
+        torch.testing.assert_close(
+            module.layer_norm_weight, module._parameters["layer_norm_weight"] * 0.5
+        )
+    assert module.layer_norm_weight is module._parameters["layer_norm_weight"]
+
+
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+def test_fused_lns_model_equals_local_lns_model(seeded, normalization):
+    cfg = tiny_config(num_layers=5, normalization=normalization)
+    local = build_model(cfg)[0]
+    _perturb_norms(local)
+    fused = _fused_model(cfg)
+    fused.load_state_dict(_local_to_fused(local.state_dict()))
+    for layer in fused.decoder.layers:
+        assert isinstance(layer.self_attention.linear_qkv, FusedNormScaling)
+        assert layer.self_attention.linear_qkv.output_scale == 1 / math.sqrt(layer.layer_number)
+        assert layer.mlp.linear_fc1.output_scale == 1 / math.sqrt(layer.layer_number)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
+    positions = torch.arange(cfg.seq_length).expand(2, -1)
+    out_local, out_fused = local(tokens, positions, None), fused(tokens, positions, None)
+    torch.testing.assert_close(out_fused, out_local, rtol=1e-5, atol=1e-5)
+    out_local.square().mean().backward()
+    out_fused.square().mean().backward()
+    fused_grads = dict(fused.named_parameters())
+    for name, param in _local_to_fused(dict(local.named_parameters())).items():
+        torch.testing.assert_close(
+            fused_grads[name].grad, param.grad, rtol=1e-4, atol=1e-6, msg=name
+        )
+
+
+def test_fused_and_local_checkpoint_keys_map_onto_each_other(seeded):
+    cfg = tiny_config()
+    assert _checkpoint_keys(_fused_model(cfg)) == _checkpoint_keys(build_model(cfg)[0])
+
+
+def test_inference_norm_weight_getters_return_folded_weights(seeded):
+    fused = _fused_model(tiny_config(num_layers=4))
+    _perturb_norms(fused)
+    layer = fused.decoder.layers[3]
+    raw = layer.self_attention.linear_qkv.layer_norm_weight
+    torch.testing.assert_close(layer.get_qkv_layer_norm_weights(), raw.data * 0.5)
+    torch.testing.assert_close(
+        layer.get_mlp_layer_norm_weights(), layer.mlp.linear_fc1.layer_norm_weight.data * 0.5
+    )
+    local_layer = build_model(tiny_config())[0].decoder.layers[0]
+    with pytest.raises(AttributeError, match="no fused norm"):
+        local_layer.get_qkv_layer_norm_weights()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_baking_makes_an_equivalent_plain_pre_ln_model(seeded, fused):
+    cfg = tiny_config(num_layers=4, normalization="LayerNorm")
+    model = _fused_model(cfg) if fused else build_model(cfg)[0]
+    _perturb_norms(model)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
+    positions = torch.arange(cfg.seq_length).expand(2, -1)
+    before = model(tokens, positions, None)
+    bake_norm_scaling(model)
+    assert all(layer.norm_output_scale == 1.0 for layer in model.decoder.layers)
+    torch.testing.assert_close(model(tokens, positions, None), before, rtol=1e-5, atol=1e-5)
+
+
+def test_non_affine_fused_norm_is_constant_and_out_of_checkpoints(seeded):
+    cfg = tiny_config(normalization="LayerNorm", norm_affine=False)
+    fused = _fused_model(cfg)
+    local = build_model(cfg)[0]
+    assert _checkpoint_keys(fused) == _checkpoint_keys(local)
+    assert not any("layer_norm" in k for k in fused.state_dict())
+    assert all("layer_norm" not in n for n, p in fused.named_parameters() if p.requires_grad)
+    fused.load_state_dict(local.state_dict())
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
+    positions = torch.arange(cfg.seq_length).expand(2, -1)
+    torch.testing.assert_close(
+        fused(tokens, positions, None), local(tokens, positions, None), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_op_fuser_mlp_is_refused():
+    class TEFusedMLP:
+        @classmethod
+        def as_mlp_submodule(cls, **kwargs):
+            raise AssertionError
+
+    submodules = get_gpt_layer_local_submodules()
+    submodules.input_layernorm = IdentityOp
+    submodules.pre_mlp_layernorm = IdentityOp
+    submodules.self_attention.submodules.linear_qkv = StandIn
+    submodules.mlp = partial(
+        TEFusedMLP.as_mlp_submodule,
+        submodules=MLPSubmodules(linear_fc1=StandIn, linear_fc2=RowParallelLinear),
+    )
+    with pytest.raises(ValueError, match="op fuser"):
+        fused_norm_layer_spec(submodules, "lns")

@@ -1,0 +1,123 @@
+"""Transformer Engine and FP8 without a GPU: clear errors, and config checks."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_lns.config import ConfigError, load_config, validate
+from megatron_lns.config.validate import check_environment
+from megatron_lns.model import GPTModelConfig
+from megatron_lns.te import TransformerEngineUnavailable, te_available
+
+DEMO = Path(__file__).resolve().parents[1] / "nemo_configs" / "tiny_cpu_demo.yaml"
+TE_FP8 = [
+    "model.transformer_engine=true",
+    "model.fp8=delayed",
+    "trainer.precision=bf16-mixed",
+    "trainer.accelerator=gpu",
+]
+
+
+@pytest.mark.skipif(te_available(), reason="Transformer Engine is installed")
+def test_te_spec_without_te_says_how_to_install():
+    from megatron_lns.specs import get_lns_layer_spec
+
+    with pytest.raises(
+        TransformerEngineUnavailable, match=r"pip install 'megatron-lns\[te\]'.*NGC"
+    ):
+        get_lns_layer_spec(backend="te")
+
+
+def test_unknown_backend_is_a_clear_error():
+    from megatron_lns.specs import get_lns_layer_spec
+
+    with pytest.raises(ValueError, match="backend must be one of"):
+        get_lns_layer_spec(backend="apex")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["model.fp8=delayed"], "model.fp8 needs model.transformer_engine=true"),
+        (["model.transformer_engine=true", "model.fp8=fp4"], "model.fp8='fp4' is not one of"),
+        (
+            ["model.transformer_engine=true", "model.fp8=delayed", "trainer.precision=32"],
+            "model.fp8 needs trainer.precision=bf16-mixed (got 32)",
+        ),
+        (
+            [
+                "model.transformer_engine=true",
+                "model.fp8=delayed",
+                "trainer.precision=bf16-mixed",
+                "model.fp8_format=e5m2",
+            ],
+            "model.fp8_format='e5m2' is not one of",
+        ),
+    ],
+)
+def test_fp8_config_validation(overrides, expected):
+    with pytest.raises(ConfigError, match=None) as info:
+        validate(load_config(DEMO, overrides))
+    assert expected in str(info.value)
+
+
+def test_fp8_maps_onto_megatron_transformer_config():
+    cfg = GPTModelConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        vocab_size=128,
+        seq_length=16,
+        precision="bf16",
+        fp8="tensorwise",
+        fp8_margin=1,
+        fp8_amax_history_len=16,
+        fp8_amax_compute_algo="most_recent",
+    )
+    tf = cfg.transformer_config(cpu_init=True)
+    assert (
+        tf.fp8,
+        tf.fp8_recipe,
+        tf.fp8_margin,
+        tf.fp8_amax_history_len,
+        tf.fp8_amax_compute_algo,
+        tf.fp8_param,
+        tf.bf16,
+    ) == ("hybrid", "tensorwise", 1, 16, "most_recent", False, True)
+
+
+def test_environment_check_without_cuda():
+    cfg = load_config(DEMO, TE_FP8)
+    validate(cfg)
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match=r"trainer\.accelerator=gpu but CUDA is not available"):
+        check_environment(cfg)
+    with pytest.raises(ConfigError, match=r"model\.transformer_engine=true needs a CUDA GPU"):
+        check_environment(load_config(DEMO, [*TE_FP8[:-1], "trainer.accelerator=auto"]))
+
+
+def test_environment_check_rejects_te_missing_and_old_gpus(monkeypatch):
+    import megatron_lns.te as te
+
+    cfg = load_config(DEMO, TE_FP8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(te, "te_available", lambda: False)
+    with pytest.raises(
+        ConfigError, match=r"model.transformer_engine=true: Transformer Engine is not installed"
+    ):
+        check_environment(cfg)
+
+    monkeypatch.setattr(te, "te_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")
+    with pytest.raises(
+        ConfigError,
+        match=r"model.fp8=delayed needs compute capability >= 8.9, this machine has NVIDIA A100 \(compute capability 8.0\)",
+    ):
+        check_environment(cfg)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    check_environment(cfg)  # H100: delayed scaling is fine
+    with pytest.raises(ConfigError, match=r"model.fp8=mxfp8 needs compute capability >= 10.0"):
+        check_environment(load_config(DEMO, [*TE_FP8, "model.fp8=mxfp8"]))
