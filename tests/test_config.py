@@ -227,12 +227,15 @@ def test_resolved_config_round_trips(tmp_path):
 
 
 def _cli(*args):
+    # A fresh launch: no torchrun variables (in-process tests may have set them).
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     return subprocess.run(
         [sys.executable, "-m", "megatron_lns.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=ROOT,
+        env=env,
     )
 
 
