@@ -125,3 +125,26 @@ def get_lns_block_spec(
     else:
         final_norm = local_norm_builder(norm_affine)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=final_norm)
+
+
+# Local-backend norm parameter names -> the fused (Transformer Engine) names. Checkpoints
+# already agree (megatron's local spec saves its norms under the fused names); this is
+# for plain ``state_dict`` transfers between the two backends.
+LOCAL_TO_FUSED_NORM_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
+}
+
+
+def local_to_fused_state_dict(state_dict: dict) -> dict:
+    """A local-backend model's ``state_dict`` under fused-norm (TE) parameter names."""
+    renamed = {}
+    for key, value in state_dict.items():
+        for local, fused in LOCAL_TO_FUSED_NORM_NAMES.items():
+            if key.endswith("." + local):
+                key = key[: -len(local)] + fused
+                break
+        renamed[key] = value
+    return renamed

@@ -21,7 +21,7 @@ from te_standin import StandInLayerNormColumnParallelLinear as StandIn
 from megatron_lns.fused_norm import FusedNormScaling, folded_norm_parameters, with_norm_scaling
 from megatron_lns.layer import bake_norm_scaling
 from megatron_lns.model import build_model
-from megatron_lns.specs import fused_norm_layer_spec, local_norm_builder
+from megatron_lns.specs import fused_norm_layer_spec, local_norm_builder, local_to_fused_state_dict
 
 
 def _fused_spec(norm_scaling="lns", norm_affine=True):
@@ -50,17 +50,6 @@ def _fused_model(cfg):
         max_sequence_length=cfg.seq_length,
         position_embedding_type="rope",
     )
-
-
-def _local_to_fused(state_dict):
-    renamed = {}
-    for key, value in state_dict.items():
-        key = key.replace("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight")
-        key = key.replace("input_layernorm.bias", "self_attention.linear_qkv.layer_norm_bias")
-        key = key.replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
-        key = key.replace("pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias")
-        renamed[key] = value
-    return renamed
 
 
 def _perturb_norms(model, seed=3):
@@ -149,7 +138,7 @@ def test_fused_lns_model_equals_local_lns_model(seeded, normalization):
     local = build_model(cfg)[0]
     _perturb_norms(local)
     fused = _fused_model(cfg)
-    fused.load_state_dict(_local_to_fused(local.state_dict()))
+    fused.load_state_dict(local_to_fused_state_dict(local.state_dict()))
     for layer in fused.decoder.layers:
         assert isinstance(layer.self_attention.linear_qkv, FusedNormScaling)
         assert layer.self_attention.linear_qkv.output_scale == 1 / math.sqrt(layer.layer_number)
@@ -161,7 +150,7 @@ def test_fused_lns_model_equals_local_lns_model(seeded, normalization):
     out_local.square().mean().backward()
     out_fused.square().mean().backward()
     fused_grads = dict(fused.named_parameters())
-    for name, param in _local_to_fused(dict(local.named_parameters())).items():
+    for name, param in local_to_fused_state_dict(dict(local.named_parameters())).items():
         torch.testing.assert_close(
             fused_grads[name].grad, param.grad, rtol=1e-4, atol=1e-6, msg=name
         )

@@ -1,0 +1,193 @@
+"""GPU checks (marked ``gpu``; skipped without CUDA, the TE ones also without TE).
+
+Each test runs in a fresh process so the CPU compatibility layer that CPU tests may
+have installed in the pytest process cannot leak into CUDA runs.
+"""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import run_distributed, tiny_config
+
+pytestmark = pytest.mark.gpu
+
+
+def _te_available() -> bool:
+    from megatron_lns.te import te_available
+
+    return te_available()
+
+
+def _fp8_capable() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+needs_te = pytest.mark.skipif(not _te_available(), reason="needs Transformer Engine")
+
+
+def _logits(model, tokens):
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    return model(tokens, positions, None)
+
+
+def _local_backend_on_cuda_worker():
+    from megatron_lns.model import build_model
+    from megatron_lns.runtime import ParallelLayout, init_distributed
+    from megatron_lns.runtime.cpu import cpu_compat_installed
+
+    device = init_distributed(ParallelLayout(), device="cuda")
+    assert not cpu_compat_installed()
+    cfg = tiny_config(num_layers=6)
+    gpu_model = build_model(cfg, device=device)[0]
+    cpu_copy = build_model(cfg)[0].to(device)
+    cpu_copy.load_state_dict(gpu_model.state_dict())
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), device=device)
+    return (_logits(gpu_model, tokens) - _logits(cpu_copy, tokens)).abs().max().item()
+
+
+def test_local_backend_runs_on_cuda(tmp_path):
+    assert run_distributed(_local_backend_on_cuda_worker, 1, tmp_path)[0] < 1e-5
+
+
+def _te_vs_local_worker():
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_lns.model import build_model
+    from megatron_lns.runtime import ParallelLayout, init_distributed
+    from megatron_lns.specs import local_to_fused_state_dict
+
+    device = init_distributed(ParallelLayout(), device="cuda")
+    results = {}
+    for normalization in ("RMSNorm", "LayerNorm"):
+        cfg = tiny_config(
+            num_layers=8,
+            hidden_size=256,
+            num_attention_heads=8,
+            ffn_hidden_size=512,
+            vocab_size=512,
+            seq_length=128,
+            normalization=normalization,
+            precision="bf16",
+        )
+        local = build_model(cfg, device=device)[0]
+        with torch.no_grad():
+            for name, p in local.named_parameters():
+                if "layernorm" in name:
+                    p.add_(0.2 * torch.randn_like(p))
+        te_cfg = tiny_config(**{**cfg.to_dict(), "backend": "te"})
+        te_model = build_model(te_cfg, device=device)[0]
+        result = te_model.load_state_dict(
+            local_to_fused_state_dict(local.state_dict()), strict=False
+        )
+        stray = [
+            k
+            for k in result.missing_keys + result.unexpected_keys
+            if not k.endswith("_extra_state")
+        ]
+        assert not stray, stray
+        tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), device=device)
+        a = _logits(Float16Module(local.config, local), tokens).float()
+        b = _logits(Float16Module(te_model.config, te_model), tokens).float()
+        results[normalization] = ((a - b).abs().max().item(), a.abs().max().item())
+    return results
+
+
+@needs_te
+def test_te_lns_matches_local_lns_in_bf16(tmp_path):
+    for normalization, (max_diff, scale) in run_distributed(_te_vs_local_worker, 1, tmp_path)[
+        0
+    ].items():
+        assert max_diff < 0.05 * scale, (normalization, max_diff, scale)
+
+
+def _fp8_training_worker(steps):
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_lns.data.datasets import build_gpt_datasets, micro_batch_loader
+    from megatron_lns.data.demo_corpus import builtin_dataset_prefix
+    from megatron_lns.data.tokenizer import ByteTokenizer
+    from megatron_lns.model import build_model
+    from megatron_lns.runtime import ParallelLayout, init_distributed
+    from megatron_lns.training.optim import OptimSettings, build_optimizer_and_scheduler
+    from megatron_lns.training.step import train_step, wrap_with_ddp
+
+    device = init_distributed(ParallelLayout(), device="cuda")
+    cfg = tiny_config(
+        num_layers=4,
+        hidden_size=256,
+        num_attention_heads=8,
+        ffn_hidden_size=512,
+        vocab_size=384,
+        seq_length=128,
+        backend="te",
+        precision="bf16",
+        fp8="delayed",
+        fp8_amax_history_len=16,
+    )
+    chunks = [Float16Module(c.config, c) for c in build_model(cfg, device=device)]
+    model = wrap_with_ddp(chunks)
+    optimizer, scheduler = build_optimizer_and_scheduler(
+        model, OptimSettings(lr=1e-3, min_lr=1e-4, warmup_steps=20), steps, torch.bfloat16
+    )
+    splits = build_gpt_datasets(
+        [str(builtin_dataset_prefix("pydoc", "byte", None, None))],
+        None,
+        "100,0,0",
+        128,
+        ByteTokenizer(),
+        0,
+        steps * 16,
+        0,
+    )
+    loader = micro_batch_loader(splits.train, 0, 16, 1, 0)
+    losses = []
+    for _ in range(steps):
+        batch = {k: v.to(device) for k, v in next(loader).items()}
+        losses.append(train_step(model, optimizer, [batch]).loss)
+        scheduler.step(1)
+    return losses
+
+
+@needs_te
+@pytest.mark.skipif(not _fp8_capable(), reason="FP8 needs compute capability >= 8.9")
+def test_fp8_training_lowers_the_loss(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRON_LNS_CACHE", str(tmp_path / "cache"))
+    losses = run_distributed(_fp8_training_worker, 1, tmp_path, 300)[0]
+    assert all(math.isfinite(x) for x in losses)
+    assert sum(losses[-20:]) / 20 < sum(losses[:20]) / 20 - 1.0
+
+
+def _step_time_worker(backend):
+    from megatron_lns.runtime import ParallelLayout, init_distributed
+    from megatron_lns.training.benchmark import build_trainable, compare_step_times
+
+    device = init_distributed(ParallelLayout(), device="cuda")
+    base = dict(
+        num_layers=8,
+        hidden_size=1024,
+        num_attention_heads=16,
+        ffn_hidden_size=2816,
+        vocab_size=32000,
+        seq_length=2048,
+        precision="bf16",
+        backend=backend,
+    )
+    variants = {
+        scaling: build_trainable(
+            tiny_config(**base, norm_scaling=scaling), ParallelLayout(), device
+        )
+        for scaling in ("none", "lns")
+    }
+    times = compare_step_times(variants, 2, 2, 2048, 32000, device, rounds=7, steps_per_round=5)
+    return times["lns"].median / times["none"].median
+
+
+@needs_te
+def test_te_lns_step_time_within_one_percent_of_pre_ln(tmp_path):
+    ratio = run_distributed(_step_time_worker, 1, tmp_path, "te")[0]
+    assert ratio < 1.01, ratio
