@@ -21,6 +21,20 @@ def _run_and_record(fn: Callable[..., Any], out_dir: str, args: tuple) -> None:
         pickle.dump(result, f)
 
 
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def fresh_launch_env(**extra: str) -> dict[str, str]:
+    """The environment of a new top-level launch: no torchrun variables.
+
+    In-process tests initialise a world of one and leave RANK, MASTER_PORT etc. in
+    ``os.environ``; a subprocess inheriting them would try to join that world.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
+    env.update(extra)
+    return env
+
+
 def run_distributed(
     fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: Any
 ) -> list[Any]:

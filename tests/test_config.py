@@ -1,11 +1,11 @@
 """NeMo-style config: loading, overrides, validation errors, dry run, round trip."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import fresh_launch_env
 from omegaconf import OmegaConf
 
 from megatron_lns.config import ConfigError, load_config, to_yaml, validate
@@ -227,15 +227,13 @@ def test_resolved_config_round_trips(tmp_path):
 
 
 def _cli(*args):
-    # A fresh launch: no torchrun variables (in-process tests may have set them).
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     return subprocess.run(
         [sys.executable, "-m", "megatron_lns.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=ROOT,
-        env=env,
+        env=fresh_launch_env(),
     )
 
 

@@ -3,7 +3,6 @@ and a job killed in the middle of a checkpoint save."""
 
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import run_distributed
+from helpers import fresh_launch_env, run_distributed
 
 from megatron_lns.config import load_config, validate
 from megatron_lns.training.checkpoint import latest_complete_checkpoint
@@ -144,7 +143,7 @@ KILL_DURING_SAVE = textwrap.dedent(
 
 def test_job_killed_during_checkpoint_save_resumes_from_previous_complete(tmp_path):
     overrides = [*TINY, "exp_manager.checkpoint_callback_params.every_n_train_steps=2"]
-    env = {**os.environ, "MEGATRON_LNS_CACHE": os.environ["MEGATRON_LNS_CACHE"]}
+    env = fresh_launch_env()
     marker = tmp_path / "marker"
     args = ["train", str(DEMO), *overrides, f"exp_manager.exp_dir={tmp_path}"]
     proc = subprocess.Popen(
