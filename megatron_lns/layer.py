@@ -11,9 +11,10 @@ hands ``1/sqrt(l)`` to whichever modules own its two pre-norms:
 * Transformer Engine backend: the norms fused into ``linear_qkv`` / ``linear_fc1``
   (see ``megatron_lns.te``).
 
-The forward pass is megatron's, untouched. The factor is recomputed from the layer
-number whenever it is needed, so meta-device init, ``to_empty``, ``load_state_dict``
-and resharding cannot lose or corrupt it.
+The forward pass is megatron's, untouched. The factor is derived from the layer
+number at construction and handed to the norm owners as a plain float attribute:
+never a buffer or parameter, never in a state dict, so meta-device init,
+``to_empty``, ``load_state_dict`` and resharding cannot lose or corrupt it.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from te_standin import StandInLayerNormColumnParallelLinear as StandIn
 from megatron_lns.fused_norm import FusedNormScaling, folded_norm_parameters, with_norm_scaling
 from megatron_lns.layer import bake_norm_scaling
 from megatron_lns.model import build_model
+from megatron_lns.runtime import ParallelLayout
 from megatron_lns.specs import fused_norm_layer_spec, local_norm_builder, local_to_fused_state_dict
 
 
@@ -37,8 +38,8 @@ def _fused_spec(norm_scaling="lns", norm_affine=True):
     return fused_norm_layer_spec(submodules, norm_scaling, norm_affine)
 
 
-def _fused_model(cfg):
-    tf = cfg.transformer_config()
+def _fused_model(cfg, layout=ParallelLayout()):
+    tf = cfg.transformer_config(layout)
     block = TransformerBlockSubmodules(
         layer_specs=[_fused_spec(cfg.norm_scaling, cfg.norm_affine)] * cfg.num_layers,
         layer_norm=local_norm_builder(cfg.norm_affine),

@@ -214,3 +214,46 @@ def test_every_rank_and_chunk_uses_its_global_layer_factor(pp_results, layout):
             assert entry["attn"] == entry["mlp"] == 1 / math.sqrt(number)
             seen.append(number)
     assert sorted(seen) == [1, 2, 3, 4]
+
+
+def fused_norm_sequence_parallel_worker(tmp: str):
+    """The fused-norm (TE-style) path under TP=2 + SP equals TP=1: loss and gradients."""
+    from test_fused_norm import _fused_model
+
+    from megatron_lns.fused_norm import FusedNormScaling
+
+    cfg = tiny_config(normalization="LayerNorm")
+    batches = fixed_microbatches(cfg.vocab_size, cfg.seq_length)
+    out = {}
+    for name, layout in {
+        "tp1": ParallelLayout(),
+        "tp2_sp": ParallelLayout(tensor=2, sequence_parallel=True),
+    }.items():
+        init_distributed(layout, device="cpu")
+        layout_cfg = tiny_config(normalization="LayerNorm")
+        chunk = _fused_model(layout_cfg, layout)
+        model = wrap_with_ddp([chunk])
+        if name == "tp1":
+            save_model_weights(model, f"{tmp}/fused")
+        else:
+            load_model_weights(model, f"{tmp}/fused")
+        loss = forward_backward(model, batches).loss
+        out[name] = (loss, _full_grads(model, gated=True))
+        owners = [m for m in chunk.modules() if isinstance(m, FusedNormScaling)]
+        out[name + "_sp_attr"] = all(
+            getattr(m.layer_norm_weight, "sequence_parallel", None) == layout.sequence_parallel
+            for m in owners
+        )
+    return out
+
+
+def test_fused_norm_path_under_sequence_parallelism(tmp_path):
+    for rank_result in run_distributed(
+        fused_norm_sequence_parallel_worker, 2, tmp_path, str(tmp_path)
+    ):
+        base_loss, base_grads = rank_result["tp1"]
+        loss, grads = rank_result["tp2_sp"]
+        assert loss == pytest.approx(base_loss, rel=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, base_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+        assert rank_result["tp1_sp_attr"] and rank_result["tp2_sp_sp_attr"]
