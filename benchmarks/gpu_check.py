@@ -39,9 +39,7 @@ def _run_gpu_tests() -> dict:
 
 
 def _time_setting(backend: str, fp8: str | None) -> dict:
-    from megatron_lns.model import GPTModelConfig
-    from megatron_lns.runtime import ParallelLayout
-    from megatron_lns.training.benchmark import build_trainable, compare_step_times
+    from megatron_lns.training.benchmark import lns_vs_pre_ln
 
     base = dict(
         num_layers=12,
@@ -56,20 +54,9 @@ def _time_setting(backend: str, fp8: str | None) -> dict:
         output_layer_init="normal",
     )
     device = torch.device("cuda", torch.cuda.current_device())
-    variants = {
-        "pre_ln": build_trainable(
-            GPTModelConfig(norm_scaling="none", **base), ParallelLayout(), device
-        ),
-        "lns": build_trainable(
-            GPTModelConfig(norm_scaling="lns", **base), ParallelLayout(), device
-        ),
-    }
-    times = compare_step_times(
-        variants, 2, 4, 2048, 32000, device, warmup=5, rounds=7, steps_per_round=5
-    )
+    times = lns_vs_pre_ln(base, device, 2, 4, warmup=5, rounds=7, steps_per_round=5)
     result = {name: t.median for name, t in times.items()}
     result["ratio_lns_to_pre_ln"] = times["lns"].median / times["pre_ln"].median
-    del variants
     torch.cuda.empty_cache()
     return result
 

@@ -79,3 +79,21 @@ def fixed_microbatches(
         make_batch(torch.randint(0, vocab_size, (micro_batch_size, seq_length + 1), generator=gen))
         for _ in range(num_microbatches)
     ]
+
+
+def perturb_norm_weights(model: torch.nn.Module, seed: int = 1) -> None:
+    """Norm weights start at the identity; perturb them so folding is really exercised."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layernorm" in name or "layer_norm" in name:
+                param.add_(0.3 * torch.randn(param.shape, generator=gen))
+
+
+def checkpoint_keys(model: torch.nn.Module) -> dict[str, tuple]:
+    """dist_checkpointing keys and global shapes of a model's sharded state dict."""
+    return {
+        t.key: tuple(t.global_shape)
+        for t in model.sharded_state_dict().values()
+        if hasattr(t, "global_shape")
+    }

@@ -9,7 +9,7 @@ from functools import partial
 
 import pytest
 import torch
-from helpers import tiny_config
+from helpers import checkpoint_keys, perturb_norm_weights, tiny_config
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -53,22 +53,6 @@ def _fused_model(cfg, layout=ParallelLayout()):
     )
 
 
-def _perturb_norms(model, seed=3):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "layernorm" in name or "layer_norm" in name:
-                p.add_(0.3 * torch.randn(p.shape, generator=gen))
-
-
-def _checkpoint_keys(model):
-    return {
-        t.key: tuple(t.global_shape)
-        for t in model.sharded_state_dict().values()
-        if hasattr(t, "global_shape")
-    }
-
-
 @pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
 @pytest.mark.parametrize("zero_centered", [False, True])
 def test_fused_module_folding_matches_explicit_multiply(seeded, normalization, zero_centered):
@@ -81,7 +65,7 @@ def test_fused_module_folding_matches_explicit_multiply(seeded, normalization, z
     scaled = with_norm_scaling(StandIn)(
         64, 48, config=tf, init_method=init, gather_output=False, bias=False, skip_bias_add=False
     )
-    _perturb_norms(plain)
+    perturb_norm_weights(plain)
     scaled.load_state_dict(plain.state_dict())
     scaled.output_scale = 1 / math.sqrt(7)
     x = torch.randn(5, 2, 64, requires_grad=True)
@@ -137,7 +121,7 @@ def test_shadow_is_removed_even_when_forward_fails(seeded):
 def test_fused_lns_model_equals_local_lns_model(seeded, normalization):
     cfg = tiny_config(num_layers=5, normalization=normalization)
     local = build_model(cfg)[0]
-    _perturb_norms(local)
+    perturb_norm_weights(local)
     fused = _fused_model(cfg)
     fused.load_state_dict(local_to_fused_state_dict(local.state_dict()))
     for layer in fused.decoder.layers:
@@ -159,12 +143,12 @@ def test_fused_lns_model_equals_local_lns_model(seeded, normalization):
 
 def test_fused_and_local_checkpoint_keys_map_onto_each_other(seeded):
     cfg = tiny_config()
-    assert _checkpoint_keys(_fused_model(cfg)) == _checkpoint_keys(build_model(cfg)[0])
+    assert checkpoint_keys(_fused_model(cfg)) == checkpoint_keys(build_model(cfg)[0])
 
 
 def test_inference_norm_weight_getters_return_folded_weights(seeded):
     fused = _fused_model(tiny_config(num_layers=4))
-    _perturb_norms(fused)
+    perturb_norm_weights(fused)
     layer = fused.decoder.layers[3]
     raw = layer.self_attention.linear_qkv.layer_norm_weight
     torch.testing.assert_close(layer.get_qkv_layer_norm_weights(), raw.data * 0.5)
@@ -180,7 +164,7 @@ def test_inference_norm_weight_getters_return_folded_weights(seeded):
 def test_baking_makes_an_equivalent_plain_pre_ln_model(seeded, fused):
     cfg = tiny_config(num_layers=4, normalization="LayerNorm")
     model = _fused_model(cfg) if fused else build_model(cfg)[0]
-    _perturb_norms(model)
+    perturb_norm_weights(model)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
     positions = torch.arange(cfg.seq_length).expand(2, -1)
     before = model(tokens, positions, None)
@@ -193,7 +177,7 @@ def test_non_affine_fused_norm_is_constant_and_out_of_checkpoints(seeded):
     cfg = tiny_config(normalization="LayerNorm", norm_affine=False)
     fused = _fused_model(cfg)
     local = build_model(cfg)[0]
-    assert _checkpoint_keys(fused) == _checkpoint_keys(local)
+    assert checkpoint_keys(fused) == checkpoint_keys(local)
     assert not any("layer_norm" in k for k in fused.state_dict())
     assert all("layer_norm" not in n for n, p in fused.named_parameters() if p.requires_grad)
     fused.load_state_dict(local.state_dict())

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from helpers import tiny_config
+from helpers import checkpoint_keys, perturb_norm_weights, tiny_config
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from reference_llama import ReferenceLlama
@@ -18,24 +18,6 @@ def _inputs(cfg, batch=2, seed=0):
     tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), generator=gen)
     positions = torch.arange(cfg.seq_length).unsqueeze(0).expand(batch, -1)
     return tokens, positions
-
-
-def _randomise_norms(model, seed=1):
-    """Norm weights start at 1; perturb them so the folding is actually exercised."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "layernorm" in name:
-                param.add_(0.3 * torch.randn(param.shape, generator=gen))
-
-
-def _checkpoint_keys(model):
-    """dist_checkpointing keys and global shapes of a model's sharded state dict."""
-    return {
-        t.key: tuple(t.global_shape)
-        for t in model.sharded_state_dict().values()
-        if hasattr(t, "global_shape")
-    }
 
 
 def _reference_for(cfg, lns):
@@ -56,7 +38,7 @@ def _reference_for(cfg, lns):
 def test_logits_and_gradients_match_independent_reference(seeded, norm_scaling):
     cfg = tiny_config(norm_scaling=norm_scaling, num_layers=6)
     model = build_model(cfg)[0].double()
-    _randomise_norms(model)
+    perturb_norm_weights(model)
     reference = _reference_for(cfg, lns=norm_scaling == "lns")
     reference.load_megatron_state_dict(model.state_dict())
 
@@ -110,9 +92,9 @@ def test_pre_ln_mode_is_identical_to_megatron_local_spec(seeded):
     )
     # Same parameter names and checkpoint keys as megatron's own spec.
     assert ours.state_dict().keys() == megatron_model.state_dict().keys()
-    assert _checkpoint_keys(ours) == _checkpoint_keys(megatron_model)
-    assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in _checkpoint_keys(ours)
-    _randomise_norms(ours)
+    assert checkpoint_keys(ours) == checkpoint_keys(megatron_model)
+    assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in checkpoint_keys(ours)
+    perturb_norm_weights(ours)
     megatron_model.load_state_dict(ours.state_dict())
     tokens, positions = _inputs(cfg)
     assert torch.equal(ours(tokens, positions, None), megatron_model(tokens, positions, None))
@@ -123,13 +105,13 @@ def test_pre_ln_checkpoint_loads_into_lns_model_and_back(seeded):
     plain = build_model(tiny_config(norm_scaling="none"))[0]
     lns.load_state_dict(plain.state_dict(), strict=True)
     plain.load_state_dict(lns.state_dict(), strict=True)
-    assert _checkpoint_keys(lns) == _checkpoint_keys(plain)
+    assert checkpoint_keys(lns) == checkpoint_keys(plain)
 
 
 def test_factor_survives_meta_init_to_empty_and_load_state_dict(seeded):
     cfg = tiny_config(num_layers=4)
     eager = build_model(cfg)[0]
-    _randomise_norms(eager)
+    perturb_norm_weights(eager)
     with torch.device("meta"):
         lazy = build_model(cfg)[0]
     assert all(p.is_meta for p in lazy.parameters())

@@ -95,3 +95,29 @@ def compare_step_times(
                 _sync(device)
                 times[name].seconds.append(time.perf_counter() - start)
     return times
+
+
+def lns_vs_pre_ln(
+    base: dict,
+    device: torch.device,
+    micro_batch_size: int,
+    num_microbatches: int,
+    **timing: int,
+) -> dict[str, StepTimes]:
+    """Step times of the same model with ``norm_scaling`` "none" and "lns" (keys
+    ``pre_ln`` and ``lns``); ``base`` holds the other :class:`GPTModelConfig` fields."""
+    variants = {
+        name: build_trainable(
+            GPTModelConfig(norm_scaling=scaling, **base), ParallelLayout(), device
+        )
+        for name, scaling in (("pre_ln", "none"), ("lns", "lns"))
+    }
+    return compare_step_times(
+        variants,
+        micro_batch_size,
+        num_microbatches,
+        base["seq_length"],
+        base["vocab_size"],
+        device,
+        **timing,
+    )

@@ -164,7 +164,7 @@ def test_fp8_training_lowers_the_loss(tmp_path, monkeypatch):
 
 def _step_time_worker(backend):
     from megatron_lns.runtime import ParallelLayout, init_distributed
-    from megatron_lns.training.benchmark import build_trainable, compare_step_times
+    from megatron_lns.training.benchmark import lns_vs_pre_ln
 
     device = init_distributed(ParallelLayout(), device="cuda")
     base = dict(
@@ -176,15 +176,10 @@ def _step_time_worker(backend):
         seq_length=2048,
         precision="bf16",
         backend=backend,
+        output_layer_init="normal",
     )
-    variants = {
-        scaling: build_trainable(
-            tiny_config(**base, norm_scaling=scaling), ParallelLayout(), device
-        )
-        for scaling in ("none", "lns")
-    }
-    times = compare_step_times(variants, 2, 2, 2048, 32000, device, rounds=7, steps_per_round=5)
-    return times["lns"].median / times["none"].median
+    times = lns_vs_pre_ln(base, device, 2, 2, rounds=7, steps_per_round=5)
+    return times["lns"].median / times["pre_ln"].median
 
 
 @needs_te
