@@ -121,3 +121,18 @@ def test_environment_check_rejects_te_missing_and_old_gpus(monkeypatch):
     check_environment(cfg)  # H100: delayed scaling is fine
     with pytest.raises(ConfigError, match=r"model.fp8=mxfp8 needs compute capability >= 10.0"):
         check_environment(load_config(DEMO, [*TE_FP8, "model.fp8=mxfp8"]))
+
+
+def test_distributed_optimizer_without_te_or_apex_is_refused(monkeypatch):
+    import megatron.core.optimizer.distrib_optimizer as dopt
+
+    cfg = load_config(DEMO, ["model.optim.name=distributed_fused_adam"])
+    validate(cfg)
+    monkeypatch.setattr(dopt, "HAVE_APEX_OR_TE", False)
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.optim\.name=distributed_fused_adam needs Transformer Engine or Apex",
+    ):
+        check_environment(cfg)
+    monkeypatch.setattr(dopt, "HAVE_APEX_OR_TE", True)
+    check_environment(cfg)

@@ -225,6 +225,17 @@ def check_environment(cfg: ExperimentConfig) -> None:
             raise ConfigError("model.transformer_engine=true needs a CUDA GPU")
         if not te_available():
             raise ConfigError(f"model.transformer_engine=true: {INSTALL_HINT}")
+    if m.optim.name == "distributed_fused_adam":
+        from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
+
+        if not HAVE_APEX_OR_TE:
+            # megatron-core's DistributedOptimizer cannot rebuild its state for a
+            # checkpoint load with plain torch optimizers (empty-state assertion).
+            raise ConfigError(
+                "model.optim.name=distributed_fused_adam needs Transformer Engine or Apex "
+                "(megatron's distributed optimizer cannot resume from a checkpoint without "
+                "them); use fused_adam, or install Transformer Engine on a CUDA machine"
+            )
     if m.fp8 is not None:
         needed = FP8_MIN_CAPABILITY[m.fp8]
         capability = torch.cuda.get_device_capability() if cuda else None

@@ -48,8 +48,27 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def sharded_state_dict_metadata() -> dict:
+    """How model and optimizer describe their shards (Megatron-LM's content metadata).
+
+    ``fully_reshardable`` makes the distributed optimizer save its state in model space,
+    so a checkpoint loads at another TP/PP/DP layout (its default, ``dp_reshardable``,
+    only allows a different DP size).
+    """
+    return {
+        "distrib_optim_sharding_type": "fully_reshardable",
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+        "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
+    }
+
+
 def model_sharded_state_dict(model: Sequence[torch.nn.Module]) -> dict:
-    return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
+    metadata = sharded_state_dict_metadata()
+    return {
+        f"model{i}": unwrap(chunk).sharded_state_dict(metadata=metadata)
+        for i, chunk in enumerate(model)
+    }
 
 
 def save_model_weights(model: Sequence[torch.nn.Module], directory: str | Path) -> None:
@@ -141,7 +160,9 @@ def _state_dict(
     sharded = model_sharded_state_dict(model)
     # is_loading makes a fresh optimizer allocate its state (Adam moments), so the
     # template asks the checkpoint for it.
-    sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=is_loading)
+    sharded["optimizer"] = optimizer.sharded_state_dict(
+        sharded, is_loading=is_loading, metadata=sharded_state_dict_metadata()
+    )
     sharded["scheduler"] = scheduler.state_dict()
     sharded["iteration"] = state.iteration
     sharded["consumed_samples"] = state.consumed_samples
