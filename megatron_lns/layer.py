@@ -38,21 +38,53 @@ from megatron_lns.scaling import (
 @torch.no_grad()
 def bake_scale_into_parameters(owner: torch.nn.Module, scale: float) -> None:
     """Fold ``scale`` into a norm owner's affine parameters in place."""
-    fused = hasattr(owner, "lns_zero_centered_gamma")
-    weight_name, bias_name = (
-        ("layer_norm_weight", "layer_norm_bias") if fused else ("weight", "bias")
-    )
-    weight = owner._parameters.get(weight_name)
-    if weight is None or (fused and not owner.norm_affine):
-        raise ValueError(
-            f"{type(owner).__name__} has no affine norm weight to bake the LNS factor into "
-            "(parameter-free norm); export it with an explicit scale instead"
-        )
-    zero_centered = owner.lns_zero_centered_gamma if fused else owner.zero_centered_gamma
+    weight_name, bias_name, zero_centered = _norm_parameter_names(owner)
+    weight = owner._parameters[weight_name]
     weight.copy_(fold_scale_into_gamma(weight, scale, zero_centered))
     bias = owner._parameters.get(bias_name)
     if bias is not None:
         bias.copy_(fold_scale_into_beta(bias, scale))
+
+
+def _norm_parameter_names(owner: torch.nn.Module) -> tuple[str, str, bool]:
+    """(weight name, bias name, zero-centred) of a norm owner, separate or fused."""
+    if hasattr(owner, "lns_zero_centered_gamma"):
+        if not owner.norm_affine:
+            raise ValueError(
+                f"{type(owner).__name__} has a parameter-free norm: there is no weight to bake "
+                "the LNS factor into; export it with an explicit scale instead"
+            )
+        return "layer_norm_weight", "layer_norm_bias", owner.lns_zero_centered_gamma
+    if owner.weight is None:
+        raise ValueError(
+            f"{type(owner).__name__} has a parameter-free norm: there is no weight to bake "
+            "the LNS factor into; export it with an explicit scale instead"
+        )
+    return "weight", "bias", owner.zero_centered_gamma
+
+
+def baked_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
+    """``model.state_dict()`` with every layer's LNS factor multiplied into its norm weights.
+
+    This is what exporters that read raw weights must be given (megatron's
+    ``TRTLLMHelper``, modelopt, Hugging Face conversion): loaded into a plain Pre-LN
+    model (``norm_scaling="none"``) it computes the same function. The plain
+    ``state_dict()`` holds the unscaled parameters, as checkpoints must.
+    """
+    state = model.state_dict()
+    names = {id(module): name for name, module in model.named_modules()}
+    for module in model.modules():
+        if not isinstance(module, LNSTransformerLayer) or module.norm_output_scale == 1.0:
+            continue
+        scale = module.norm_output_scale
+        for owner in module.pre_norm_owners():
+            weight_name, bias_name, zero_centered = _norm_parameter_names(owner)
+            prefix = names[id(owner)] + "." if names[id(owner)] else ""
+            key = prefix + weight_name
+            state[key] = fold_scale_into_gamma(state[key], scale, zero_centered)
+            if prefix + bias_name in state:
+                state[prefix + bias_name] = fold_scale_into_beta(state[prefix + bias_name], scale)
+    return state
 
 
 def bake_norm_scaling(model: torch.nn.Module) -> torch.nn.Module:

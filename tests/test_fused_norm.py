@@ -204,3 +204,34 @@ def test_op_fuser_mlp_is_refused():
     )
     with pytest.raises(ValueError, match="op fuser"):
         fused_norm_layer_spec(submodules, "lns")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_baked_state_dict_loads_into_a_plain_pre_ln_model(seeded, fused):
+    from megatron_lns.layer import baked_state_dict
+
+    cfg = tiny_config(num_layers=4, normalization="LayerNorm", layernorm_zero_centered_gamma=True)
+    plain_cfg = tiny_config(
+        num_layers=4,
+        normalization="LayerNorm",
+        layernorm_zero_centered_gamma=True,
+        norm_scaling="none",
+    )
+    lns = _fused_model(cfg) if fused else build_model(cfg)[0]
+    perturb_norm_weights(lns)
+    raw = {k: v.clone() for k, v in lns.state_dict().items() if isinstance(v, torch.Tensor)}
+    plain = _fused_model(plain_cfg) if fused else build_model(plain_cfg)[0]
+    plain.load_state_dict(baked_state_dict(lns))
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
+    positions = torch.arange(cfg.seq_length).expand(2, -1)
+    torch.testing.assert_close(
+        plain(tokens, positions, None), lns(tokens, positions, None), rtol=1e-5, atol=1e-5
+    )
+    assert all(torch.equal(raw[k], lns.state_dict()[k]) for k in raw)  # model untouched
+
+
+def test_parameter_free_norms_cannot_be_baked(seeded):
+    from megatron_lns.layer import baked_state_dict
+
+    with pytest.raises(ValueError, match="parameter-free norm"):
+        baked_state_dict(build_model(tiny_config(norm_affine=False))[0])
