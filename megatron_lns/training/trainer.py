@@ -210,14 +210,14 @@ class Trainer:
             dp_rank,
             m.data.num_workers,
         )
-        valid_batches = None
-        if splits.valid is not None and t.limit_val_batches > 0:
-            valid_iter = micro_batch_loader(
-                splits.valid, 0, m.micro_batch_size, dp_size, dp_rank, 0
-            )
-            valid_batches = [
-                next(valid_iter) for _ in range(t.limit_val_batches * num_microbatches)
-            ]
+        has_validation = splits.valid is not None and t.limit_val_batches > 0
+
+        def validation_batches():
+            """The first ``limit_val_batches`` global batches of the validation split, one
+            global batch at a time (every validation sees the same samples)."""
+            loader = micro_batch_loader(splits.valid, 0, m.micro_batch_size, dp_size, dp_rank, 0)
+            for _ in range(t.limit_val_batches):
+                yield [next(loader) for _ in range(num_microbatches)]
 
         logger = MetricsLogger(
             self.run_dir,
@@ -239,9 +239,14 @@ class Trainer:
         def validate(step: int) -> float:
             for chunk in model:
                 chunk.eval()
-            loss = forward_backward(model, valid_batches, forward_only=True).loss
+            loss_sum = tokens = 0.0
+            for batches in validation_batches():
+                result = forward_backward(model, batches, forward_only=True)
+                loss_sum += result.loss * result.num_tokens
+                tokens += result.num_tokens
             for chunk in model:
                 chunk.train()
+            loss = loss_sum / tokens
             logger.log(step, {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))})
             return loss
 
@@ -273,7 +278,7 @@ class Trainer:
                         },
                     )
                     tokens_in_window, time_in_window = 0, 0.0
-                if valid_batches and state.iteration % t.val_check_interval == 0:
+                if has_validation and state.iteration % t.val_check_interval == 0:
                     summary.valid_loss = validate(state.iteration)
                 periodic = state.iteration % every == 0 and state.iteration < t.max_steps
                 exit_interval = bool(t.exit_interval) and state.iteration % t.exit_interval == 0
@@ -291,14 +296,16 @@ class Trainer:
                     break
 
             if not summary.stopped_early:
-                if valid_batches and state.iteration % t.val_check_interval != 0:
+                if has_validation and state.iteration % t.val_check_interval != 0:
                     summary.valid_loss = validate(state.iteration)
                 if cfg.exp_manager.checkpoint_callback_params.save_last:
                     checkpoint()
-                if valid_batches:
+                if has_validation:
                     for chunk in model:
                         chunk.eval()
-                    summary.layer_stats = layer_statistics(model, valid_batches)
+                    summary.layer_stats = layer_statistics(
+                        model, [mb for batches in validation_batches() for mb in batches]
+                    )
         finally:
             logger.close()
         summary.steps = state.iteration
