@@ -70,10 +70,10 @@ def _run(tmp_path, cfg):
     "layout",
     [
         ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"],
-        ["model.pipeline_model_parallel_size=2"],
+        ["model.pipeline_model_parallel_size=2", "model.data.num_workers=1"],
         ["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2"],
     ],
-    ids=["tp2_sp", "pp2", "pp2_vp2"],
+    ids=["tp2_sp", "pp2_with_loader_workers", "pp2_vp2"],
 )
 def test_training_from_yaml_at_parallel_layouts(tmp_path, layout):
     cfg = _config(tmp_path, "trainer.devices=2", *layout)
