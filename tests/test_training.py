@@ -64,6 +64,9 @@ def test_demo_trains_both_arms_and_writes_its_outputs(
         norms = [r["grad_norm"] for r in records if "grad_norm" in r]
         assert max(norms) > 0.5  # clipping at 0.5 was active
         assert list((run_root / arm / "tensorboard").glob("events.out.tfevents.*"))
+        stats = json.loads((run_root / arm / "layer_stats.json").read_text())
+        assert [s["layer_number"] for s in stats] == [1, 2, 3, 4]
+        assert all(0 < s["angular_distance"] < 1 and s["output_variance"] > 0 for s in stats)
     png = run_root / "loss_curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "var growth L/1" in out and "held-out loss" in out

@@ -8,6 +8,8 @@ num-microbatches calculator, the pipeline schedules, dist_checkpointing, GPTData
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import math
 import signal
 import time
@@ -306,6 +308,9 @@ class Trainer:
                     summary.layer_stats = layer_statistics(
                         model, [mb for batches in validation_batches() for mb in batches]
                     )
+                    if rank0:
+                        stats = [dataclasses.asdict(s) for s in summary.layer_stats]
+                        (self.run_dir / "layer_stats.json").write_text(json.dumps(stats, indent=1))
         finally:
             logger.close()
         summary.steps = state.iteration
