@@ -109,28 +109,23 @@ class Trainer:
     def _device_setting(self) -> str:
         return {"auto": "auto", "cpu": "cpu", "gpu": "cuda"}[self.cfg.trainer.accelerator]
 
-    def _prefixes(self, tokenizer) -> tuple[list[str], list[float] | None]:
+    def _dataset_prefixes(self) -> tuple[list[str], list[float] | None]:
+        """The blend's prefixes and weights, built-in corpora prepared (by rank 0) first."""
         m = self.cfg.model
         prefixes, weights = data_blend(m.data.data_prefix)
         resolved = []
         for prefix in prefixes:
             if prefix.startswith(BUILTIN_PREFIX):
-                if dist.get_rank() == 0:
-                    builtin_dataset_prefix(
-                        prefix[len(BUILTIN_PREFIX) :],
-                        m.tokenizer.library,
-                        m.tokenizer.type,
-                        m.tokenizer.model,
-                    )
-                dist.barrier()
-                prefix = str(
-                    builtin_dataset_prefix(
-                        prefix[len(BUILTIN_PREFIX) :],
-                        m.tokenizer.library,
-                        m.tokenizer.type,
-                        m.tokenizer.model,
-                    )
+                args = (
+                    prefix[len(BUILTIN_PREFIX) :],
+                    m.tokenizer.library,
+                    m.tokenizer.type,
+                    m.tokenizer.model,
                 )
+                if dist.get_rank() == 0:
+                    builtin_dataset_prefix(*args)  # tokenizes and caches on first use
+                dist.barrier()
+                prefix = str(builtin_dataset_prefix(*args))
             resolved.append(prefix)
         return resolved, weights
 
@@ -148,7 +143,7 @@ class Trainer:
 
         tokenizer = build_tokenizer(m.tokenizer.library, m.tokenizer.type, m.tokenizer.model)
         gpt_config = model_config(cfg, tokenizer.vocab_size)
-        prefixes, weights = self._prefixes(tokenizer)
+        prefixes, weights = self._dataset_prefixes()
         for prefix in prefixes:
             check_dataset_fits(prefix, tokenizer, gpt_config.vocab_size)
 
