@@ -48,18 +48,14 @@ def bake_scale_into_parameters(owner: torch.nn.Module, scale: float) -> None:
 
 def _norm_parameter_names(owner: torch.nn.Module) -> tuple[str, str, bool]:
     """(weight name, bias name, zero-centred) of a norm owner, separate or fused."""
-    if hasattr(owner, "lns_zero_centered_gamma"):
-        if not owner.norm_affine:
-            raise ValueError(
-                f"{type(owner).__name__} has a parameter-free norm: there is no weight to bake "
-                "the LNS factor into; export it with an explicit scale instead"
-            )
-        return "layer_norm_weight", "layer_norm_bias", owner.lns_zero_centered_gamma
-    if owner.weight is None:
+    fused = hasattr(owner, "lns_zero_centered_gamma")
+    if not (owner.norm_affine if fused else owner.affine):
         raise ValueError(
             f"{type(owner).__name__} has a parameter-free norm: there is no weight to bake "
             "the LNS factor into; export it with an explicit scale instead"
         )
+    if fused:
+        return "layer_norm_weight", "layer_norm_bias", owner.lns_zero_centered_gamma
     return "weight", "bias", owner.zero_centered_gamma
 
 

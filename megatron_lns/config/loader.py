@@ -52,7 +52,8 @@ def _schema_paths(cls: type = ExperimentConfig, prefix: str = "") -> dict[str, b
 SCHEMA_PATHS = _schema_paths()
 
 
-def _leaf_paths(node: Any, prefix: str = "") -> list[str]:
+def _all_paths(node: Any, prefix: str = "") -> list[str]:
+    """Every key path in a raw config, each section before its keys."""
     if isinstance(node, DictConfig):
         paths = []
         for key in node:
@@ -64,7 +65,7 @@ def _leaf_paths(node: Any, prefix: str = "") -> list[str]:
                 and not child._is_interpolation()
             ):
                 paths.append(path)
-                paths.extend(_leaf_paths(child, path + "."))
+                paths.extend(_all_paths(child, path + "."))
             else:
                 paths.append(path)
         return paths
@@ -127,26 +128,21 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
 
 def _drop_nemo_keys(cfg: DictConfig) -> list[str]:
     """Remove NeMo keys with no meaning here; error on unknown keys. Returns what was dropped."""
-    dropped = []
-    for path in _leaf_paths(cfg):
+    dropped: list[str] = []
+    for path in _all_paths(cfg):
+        if any(path.startswith(d + ".") for d in dropped):
+            continue  # inside a NeMo section that is dropped as a whole
         if _is_known(path):
             parent_path, _, leaf = path.rpartition(".")
             parent = OmegaConf.select(cfg, parent_path) if parent_path else cfg
             if OmegaConf.is_missing(parent, leaf):
                 raise ConfigError(f"'{path}' is required but not set (???)")
             continue
-        if is_nemo_key_without_meaning(path):
-            dropped.append(path)
-            continue
-        parent_dropped = any(path.startswith(d + ".") for d in dropped)
-        if parent_dropped:
-            continue
-        if path in SCHEMA_PATHS or any(p.startswith(path + ".") for p in SCHEMA_PATHS):
-            continue
-        raise ConfigError(f"unknown config key '{path}'{_did_you_mean(path)}")
+        if not is_nemo_key_without_meaning(path):
+            raise ConfigError(f"unknown config key '{path}'{_did_you_mean(path)}")
+        dropped.append(path)
     for path in dropped:
-        if OmegaConf.select(cfg, path, default="__gone__", throw_on_missing=False) != "__gone__":
-            _delete(cfg, path)
+        _delete(cfg, path)
     return dropped
 
 

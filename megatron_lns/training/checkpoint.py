@@ -95,15 +95,29 @@ def check_shapes_match(template: dict, directory: str | Path) -> None:
             )
 
 
+def _load(template: dict, directory: str | Path) -> dict:
+    """``dist_checkpointing.load`` after a shape check; any failure names the checkpoint."""
+    try:
+        check_shapes_match(template, directory)
+        return dist_checkpointing.load(template, str(directory))
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as err:
+        # torch's CheckpointException derives from BaseException.
+        cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"could not load checkpoint {directory}: {cause}") from err
+
+
+def _load_chunks(model: Sequence[torch.nn.Module], loaded: dict) -> None:
+    for i, chunk in enumerate(model):
+        unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
+
+
 def load_model_weights(model: Sequence[torch.nn.Module], directory: str | Path) -> None:
     """Load weights saved at any parallel layout into this rank's chunks (strict)."""
     if not dist_checkpointing.check_is_distributed_checkpoint(str(directory)):
         raise CheckpointError(f"{directory} is not a megatron distributed checkpoint")
-    template = model_sharded_state_dict(model)
-    check_shapes_match(template, directory)
-    loaded = dist_checkpointing.load(template, str(directory))
-    for i, chunk in enumerate(model):
-        unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
+    _load_chunks(model, _load(model_sharded_state_dict(model), directory))
 
 
 def _layout() -> dict[str, int]:
@@ -234,20 +248,14 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> TrainingSt
         )
     try:
         common = dist_checkpointing.load_common_state_dict(str(path))
-        same_layout = common.get("parallel_layout") == _layout()
-        template = _state_dict(
-            model, optimizer, scheduler, TrainingState(), with_rng=same_layout, is_loading=True
-        )
-        check_shapes_match(template, path)
-        loaded = dist_checkpointing.load(template, str(path))
-    except CheckpointError:
-        raise
     except (Exception, CheckpointException) as err:
-        # torch's CheckpointException derives from BaseException; name the checkpoint.
-        cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"could not load checkpoint {path}: {cause}") from err
-    for i, chunk in enumerate(model):
-        unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
+        raise CheckpointError(f"could not load checkpoint {path}: {err}") from err
+    same_layout = common.get("parallel_layout") == _layout()
+    template = _state_dict(
+        model, optimizer, scheduler, TrainingState(), with_rng=same_layout, is_loading=True
+    )
+    loaded = _load(template, path)
+    _load_chunks(model, loaded)
     optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(loaded["scheduler"])
     if same_layout:
