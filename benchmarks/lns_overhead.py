@@ -19,7 +19,7 @@ import torch
 from megatron_lns.model import GPTModelConfig
 from megatron_lns.norms import MultiplyAfterNorm
 from megatron_lns.runtime import ParallelLayout, init_distributed
-from megatron_lns.training.benchmark import build_trainable, compare_step_times
+from megatron_lns.training.benchmark import compare_step_times, trainable_for_timing
 
 
 def _use_multiply_after_norm(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -61,13 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         output_layer_init="normal",
     )
     variants = {
-        "pre_ln": build_trainable(
+        "pre_ln": trainable_for_timing(
             GPTModelConfig(norm_scaling="none", **base), ParallelLayout(), device
         ),
-        "lns_folded": build_trainable(
+        "lns_folded": trainable_for_timing(
             GPTModelConfig(norm_scaling="lns", **base), ParallelLayout(), device
         ),
-        "lns_multiply_after_norm": build_trainable(
+        "lns_multiply_after_norm": trainable_for_timing(
             GPTModelConfig(norm_scaling="lns", **base),
             ParallelLayout(),
             device,

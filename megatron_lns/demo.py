@@ -11,18 +11,47 @@ signature to read, and the long preset is where LNS is expected to overtake.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_lns.analysis.depth import variance_growth
+from megatron_lns.analysis.depth import LayerStats, layer_statistics, variance_growth
 from megatron_lns.analysis.plots import plot_loss_curves
 from megatron_lns.config import ExperimentConfig
 from megatron_lns.training.trainer import RunSummary, Trainer
 
 ARMS = (("lns", "LNS"), ("none", "Pre-LN"))
+
+
+@dataclass
+class ArmResult:
+    """One arm of the demo: the training summary and the per-layer statistics of the
+    trained model on the held-out batches."""
+
+    label: str
+    summary: RunSummary
+    layer_stats: list[LayerStats]
+
+
+def train_arm(cfg: ExperimentConfig, label: str) -> ArmResult:
+    """Train one arm, then measure its layers on the validation batches; rank 0 writes
+    ``layer_stats.json`` beside the run's metrics."""
+    trainer = Trainer(cfg)
+    summary = trainer.fit()
+    stats: list[LayerStats] = []
+    if trainer.has_validation and not summary.stopped_early:
+        for chunk in trainer.model:
+            chunk.eval()
+        batches = [mb for batch in trainer.validation_microbatches() for mb in batch]
+        stats = layer_statistics(trainer.model, batches)
+        if trainer.is_rank0:
+            rows = [dataclasses.asdict(s) for s in stats]
+            (summary.run_dir / "layer_stats.json").write_text(json.dumps(rows, indent=1))
+    return ArmResult(label, summary, stats)
 
 
 def arm_config(cfg: ExperimentConfig, norm_scaling: str, exp_dir: Path) -> ExperimentConfig:
@@ -33,16 +62,17 @@ def arm_config(cfg: ExperimentConfig, norm_scaling: str, exp_dir: Path) -> Exper
     return dataclasses.replace(cfg, model=model, exp_manager=exp)
 
 
-def format_table(results: list[tuple[str, RunSummary]]) -> str:
+def format_table(results: list[ArmResult]) -> str:
     header = (
         f"{'arm':<8}{'steps':>7}{'tokens/s':>10}{'train loss':>12}{'held-out loss':>15}"
         f"{'held-out ppl':>14}{'var growth L/1':>16}"
     )
     lines = [header, "-" * len(header)]
-    for label, run in results:
+    for arm in results:
+        label, run = arm.label, arm.summary
         recent = [loss for _, loss in run.train_losses[-20:]]
         train_loss = sum(recent) / len(recent) if recent else float("nan")
-        growth = variance_growth(run.layer_stats) if run.layer_stats else float("nan")
+        growth = variance_growth(arm.layer_stats) if arm.layer_stats else float("nan")
         lines.append(
             f"{label:<8}{run.steps:>7}{run.tokens_per_second:>10.0f}{train_loss:>12.4f}"
             f"{run.valid_loss:>15.4f}{math.exp(run.valid_loss):>14.3f}{growth:>16.2f}"
@@ -50,19 +80,19 @@ def format_table(results: list[tuple[str, RunSummary]]) -> str:
     return "\n".join(lines)
 
 
-def run_demo(cfg: ExperimentConfig, stamp: str | None = None) -> list[tuple[str, RunSummary]]:
+def run_demo(cfg: ExperimentConfig, stamp: str | None = None) -> list[ArmResult]:
     """Train both arms under ``<exp_dir>/<stamp>/``; rank 0 prints the summary and plots."""
     stamp = stamp or time.strftime("%Y%m%d-%H%M%S")
     exp_dir = Path(cfg.exp_manager.exp_dir or "runs") / stamp
-    results = [(label, Trainer(arm_config(cfg, scaling, exp_dir)).run()) for scaling, label in ARMS]
+    results = [train_arm(arm_config(cfg, scaling, exp_dir), label) for scaling, label in ARMS]
     if dist.get_rank() == 0:
         png = plot_loss_curves(
-            {label: run.run_dir / "metrics.jsonl" for label, run in results},
+            {arm.label: arm.summary.run_dir / "metrics.jsonl" for arm in results},
             exp_dir / "loss_curves.png",
             title=f"{cfg.name}: LNS vs Pre-LN",
         )
-        (lns_label, lns), (_, pre_ln) = results
-        leader = lns_label if lns.valid_loss < pre_ln.valid_loss else "Pre-LN"
+        lns, pre_ln = (arm.summary for arm in results)
+        leader = "LNS" if lns.valid_loss < pre_ln.valid_loss else "Pre-LN"
         print("\n" + format_table(results), flush=True)
         print(
             "\n'var growth L/1': hidden-state variance after the last layer relative to after "

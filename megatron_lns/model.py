@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,22 @@ from megatron_lns.scaling import NormScaling
 from megatron_lns.specs import get_lns_block_spec
 
 Precision = Literal["fp32", "bf16", "fp16"]
+Normalization = Literal["RMSNorm", "LayerNorm"]
+Activation = Literal["swiglu", "gelu"]
+PositionEmbedding = Literal["rope", "learned_absolute"]
+OutputLayerInit = Literal["normal", "scaled"]
+# The choice lists, defined once by the types above; config validation imports them.
+ACTIVATIONS: tuple[str, ...] = get_args(Activation)
+POSITION_EMBEDDINGS: tuple[str, ...] = get_args(PositionEmbedding)
+OUTPUT_LAYER_INITS: tuple[str, ...] = get_args(OutputLayerInit)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The bare model under DDP / Float16Module wrappers."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel: int, divisible_by: int = 128) -> int:
@@ -54,17 +69,17 @@ class GPTModelConfig:
     num_query_groups: int | None = None
     max_position_embeddings: int | None = None
     norm_scaling: NormScaling = "lns"
-    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    normalization: Normalization = "RMSNorm"
     norm_affine: bool = True
     layernorm_epsilon: float = 1e-5
     layernorm_zero_centered_gamma: bool = False
-    activation: Literal["swiglu", "gelu"] = "swiglu"
+    activation: Activation = "swiglu"
     bias: bool = False
-    position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
+    position_embedding_type: PositionEmbedding = "rope"
     rotary_base: int = 10000
     share_embeddings_and_output_weights: bool = False
     init_method_std: float = 0.02
-    output_layer_init: Literal["normal", "scaled"] | None = None
+    output_layer_init: OutputLayerInit | None = None
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     precision: Precision = "fp32"
@@ -82,6 +97,17 @@ class GPTModelConfig:
         if self.output_layer_init is not None:
             return self.output_layer_init
         return "normal" if self.norm_scaling == "lns" else "scaled"
+
+    def flops_per_token(self) -> float:
+        """Training (forward + backward) FLOPs per token: 6 x matmul parameters plus causal
+        attention, the count behind model TFLOP/s and MFU (as nanoGPT's ``estimate_mfu``)."""
+        h, layers, s = self.hidden_size, self.num_layers, self.seq_length
+        ffn = self.ffn_hidden_size or 4 * h
+        groups = self.num_query_groups or self.num_attention_heads
+        kv = 2 * h * groups // self.num_attention_heads
+        mlp_in = 2 * ffn if self.activation == "swiglu" else ffn
+        per_layer = h * (h + kv) + h * h + h * mlp_in + ffn * h
+        return 6.0 * (layers * per_layer + h * self.vocab_size) + 6.0 * layers * h * s
 
     def transformer_config(
         self, layout: ParallelLayout = ParallelLayout(), cpu_init: bool | None = None

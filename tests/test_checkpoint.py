@@ -6,6 +6,8 @@ import pytest
 from helpers import fixed_microbatches, tiny_config
 
 from megatron_lns.model import build_model
+from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
+from megatron_lns.training.assembly import wrap_with_ddp
 from megatron_lns.training.checkpoint import (
     CheckpointError,
     TrainingState,
@@ -15,8 +17,7 @@ from megatron_lns.training.checkpoint import (
     save_checkpoint,
     save_model_weights,
 )
-from megatron_lns.training.optim import OptimSettings, build_optimizer_and_scheduler
-from megatron_lns.training.step import train_step, wrap_with_ddp
+from megatron_lns.training.step import train_step
 
 
 def _setup(**overrides):

@@ -10,9 +10,10 @@ import torch
 from helpers import fixed_microbatches, tiny_config
 
 from megatron_lns.model import build_model
+from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
 from megatron_lns.runtime.cpu import CpuRNGStatesTracker, CudaToCpuMode
-from megatron_lns.training.optim import OptimSettings, build_optimizer_and_scheduler
-from megatron_lns.training.step import train_step, wrap_with_ddp
+from megatron_lns.training.assembly import wrap_with_ddp
+from megatron_lns.training.step import train_step
 
 
 def test_mode_maps_cuda_placements_to_cpu():

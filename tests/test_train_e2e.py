@@ -53,7 +53,7 @@ def _config(exp_dir, *overrides):
 def _train(cfg):
     from megatron_lns.training.trainer import Trainer
 
-    summary = Trainer(cfg).run()
+    summary = Trainer(cfg).fit()
     return {
         "losses": summary.train_losses,
         "valid": summary.valid_loss,

@@ -20,8 +20,13 @@ def _demo(cfg):
 
     results = run_demo(cfg, stamp="test")
     return [
-        (label, run.train_losses, run.valid_loss, [s.layer_number for s in run.layer_stats])
-        for label, run in results
+        (
+            arm.label,
+            arm.summary.train_losses,
+            arm.summary.valid_loss,
+            [s.layer_number for s in arm.layer_stats],
+        )
+        for arm in results
     ]
 
 

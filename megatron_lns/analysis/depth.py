@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_lns.training.checkpoint import unwrap
+from megatron_lns.model import unwrap
 from megatron_lns.training.step import Batch, forward_backward
 
 

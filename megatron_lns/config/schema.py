@@ -12,6 +12,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# The NeMo spellings a value may take, and what each means in megatron-core terms. The
+# assembly (training/assembly.py) translates through these maps; validation checks
+# values against their keys.
+PRECISIONS = {
+    "32": "fp32",
+    "32-true": "fp32",
+    "bf16": "bf16",
+    "bf16-mixed": "bf16",
+    "16": "fp16",
+    "16-mixed": "fp16",
+}
+NORMALIZATIONS = {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm", "layernorm1p": "LayerNorm"}
+SCHEDULES = {"CosineAnnealing": "cosine", "LinearAnnealing": "linear", "Constant": "constant"}
+OPTIMIZERS = {
+    "fused_adam": "adam",
+    "adam": "adam",
+    "adamw": "adam",
+    "distributed_fused_adam": "adam",
+    "sgd": "sgd",
+}
+ACCELERATORS = {"auto": "auto", "cpu": "cpu", "gpu": "cuda"}
+
 
 @dataclass
 class TrainerConfig:

@@ -8,22 +8,21 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_lns.config.loader import ConfigError
-from megatron_lns.config.schema import ExperimentConfig
+from megatron_lns.config.schema import (
+    ACCELERATORS,
+    NORMALIZATIONS,
+    OPTIMIZERS,
+    PRECISIONS,
+    SCHEDULES,
+    ExperimentConfig,
+)
+from megatron_lns.data.blend import DataBlend, DataBlendError
+from megatron_lns.data.tokenizer import TOKENIZER_LIBRARIES
+from megatron_lns.model import ACTIVATIONS, OUTPUT_LAYER_INITS, POSITION_EMBEDDINGS
+from megatron_lns.optim import warmup_fits
+from megatron_lns.runtime import ParallelLayout
+from megatron_lns.scaling import NORM_SCALING_CHOICES
 
-PRECISIONS = {
-    "32": "fp32",
-    "32-true": "fp32",
-    "bf16": "bf16",
-    "bf16-mixed": "bf16",
-    "16": "fp16",
-    "16-mixed": "fp16",
-}
-NORMALIZATIONS = ("rmsnorm", "layernorm", "layernorm1p")
-ACTIVATIONS = ("swiglu", "gelu")
-POSITION_EMBEDDINGS = ("rope", "learned_absolute")
-TOKENIZER_LIBRARIES = ("byte", "huggingface", "sentencepiece")
-OPTIMIZERS = ("fused_adam", "adam", "adamw", "distributed_fused_adam", "sgd")
-SCHEDULES = ("CosineAnnealing", "LinearAnnealing", "Constant")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 # Minimum CUDA compute capability per FP8 recipe (Ada/Hopper for FP8, Blackwell for MXFP8).
 FP8_MIN_CAPABILITY = {
@@ -32,7 +31,6 @@ FP8_MIN_CAPABILITY = {
     "blockwise": (9, 0),
     "mxfp8": (10, 0),
 }
-BUILTIN_PREFIX = "builtin:"
 
 
 def _choice(key: str, value, choices) -> None:
@@ -50,21 +48,12 @@ def _positive(key: str, value) -> None:
         raise ConfigError(f"{key} must be positive, got {value}")
 
 
-def data_blend(prefix_list: list) -> tuple[list[str], list[float] | None]:
-    """NeMo's data_prefix ([w, path, w, path, ...] or [path, ...]) as megatron's blend."""
-    items = list(prefix_list)
-    if not items:
-        raise ConfigError("model.data.data_prefix is empty: give at least one dataset prefix")
-    if all(isinstance(x, str) for x in items):
-        return items, None
-    if len(items) % 2 or not all(isinstance(w, (int, float)) for w in items[0::2]):
-        raise ConfigError(
-            "model.data.data_prefix must be [path, ...] or [weight, path, weight, path, ...]"
-        )
-    weights = [float(w) for w in items[0::2]]
-    if any(w <= 0 for w in weights):
-        raise ConfigError(f"model.data.data_prefix weights must be positive, got {weights}")
-    return [str(p) for p in items[1::2]], weights
+def data_blend(data_prefix) -> DataBlend:
+    """``model.data.data_prefix`` as a blend; a malformed list names the key."""
+    try:
+        return DataBlend.parse(data_prefix)
+    except DataBlendError as err:
+        raise ConfigError(f"model.data.{err}") from None
 
 
 def validate(
@@ -72,7 +61,7 @@ def validate(
 ) -> None:
     t, m = cfg.trainer, cfg.model
     _choice("trainer.precision", str(t.precision), PRECISIONS)
-    _choice("trainer.accelerator", t.accelerator, ("auto", "cpu", "gpu"))
+    _choice("trainer.accelerator", t.accelerator, ACCELERATORS)
     for key in ("num_nodes", "devices", "max_steps", "val_check_interval", "log_every_n_steps"):
         _positive(f"trainer.{key}", getattr(t, key))
     if t.exit_interval is not None:
@@ -84,12 +73,12 @@ def validate(
         cfg.exp_manager.checkpoint_callback_params.every_n_train_steps,
     )
 
-    _choice("model.norm_scaling", m.norm_scaling, ("lns", "none"))
+    _choice("model.norm_scaling", m.norm_scaling, NORM_SCALING_CHOICES)
     _choice("model.normalization", m.normalization, NORMALIZATIONS)
     _choice("model.activation", m.activation, ACTIVATIONS)
     _choice("model.position_embedding_type", m.position_embedding_type, POSITION_EMBEDDINGS)
     if m.output_layer_init is not None:
-        _choice("model.output_layer_init", m.output_layer_init, ("normal", "scaled"))
+        _choice("model.output_layer_init", m.output_layer_init, OUTPUT_LAYER_INITS)
     _choice("model.tokenizer.library", m.tokenizer.library, TOKENIZER_LIBRARIES)
     _choice("model.optim.name", m.optim.name, OPTIMIZERS)
     _choice("model.optim.sched.name", m.optim.sched.name, SCHEDULES)
@@ -161,19 +150,21 @@ def validate(
             )
 
     world = world_size if world_size is not None else t.num_nodes * t.devices
-    if world % (tp * pp):
+    try:
+        dp = ParallelLayout(tensor=tp, pipeline=pp).data_parallel(world)
+    except ValueError:
         raise ConfigError(
             f"world size {world} (trainer.num_nodes x trainer.devices) is not divisible by "
             f"tensor x pipeline parallel size ({tp} x {pp})"
-        )
-    dp = world // (tp * pp)
+        ) from None
     if m.global_batch_size % (m.micro_batch_size * dp):
         raise ConfigError(
             f"model.global_batch_size ({m.global_batch_size}) is not divisible by "
             f"model.micro_batch_size x data-parallel size ({m.micro_batch_size} x {dp})"
         )
     sched = m.optim.sched
-    if sched.name != "Constant" and sched.warmup_steps + sched.constant_steps >= t.max_steps:
+    decay_steps = t.max_steps - sched.constant_steps
+    if not warmup_fits(sched.warmup_steps, decay_steps, SCHEDULES[sched.name]):
         raise ConfigError(
             f"model.optim.sched.warmup_steps + constant_steps ({sched.warmup_steps} + "
             f"{sched.constant_steps}) must be smaller than trainer.max_steps ({t.max_steps})"
@@ -190,7 +181,7 @@ def validate(
         )
     if tok.library == "sentencepiece" and not tok.model:
         raise ConfigError("model.tokenizer.model must be the path of a SentencePiece .model file")
-    paths, _ = data_blend(m.data.data_prefix)
+    blend = data_blend(m.data.data_prefix)
     if check_files:
         if tok.library == "huggingface" and not Path(tok.type).exists():
             raise ConfigError(
@@ -198,12 +189,8 @@ def validate(
             )
         if tok.library == "sentencepiece" and not Path(tok.model).is_file():
             raise ConfigError(f"model.tokenizer.model: {tok.model} does not exist")
-        for prefix in paths:
-            if prefix.startswith(BUILTIN_PREFIX):
-                continue
-            for suffix in (".bin", ".idx"):
-                if not Path(prefix + suffix).is_file():
-                    raise ConfigError(f"model.data.data_prefix: {prefix}{suffix} does not exist")
+        for missing in blend.missing_files():
+            raise ConfigError(f"model.data.data_prefix: {missing} does not exist")
 
 
 def check_environment(cfg: ExperimentConfig) -> None:

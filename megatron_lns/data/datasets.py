@@ -17,8 +17,9 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+from megatron_lns.data.blend import DataBlend
 from megatron_lns.data.preprocess import DatasetMetadata
-from megatron_lns.data.tokenizer import Tokenizer
+from megatron_lns.data.tokenizer import Tokenizer, build_tokenizer
 
 
 class DataMismatchError(ValueError):
@@ -51,6 +52,7 @@ def check_dataset_fits(prefix: str, tokenizer: Tokenizer, model_vocab_size: int)
 class DataSplits:
     train: GPTDataset
     valid: GPTDataset | None
+    test: GPTDataset | None = None
 
 
 def build_gpt_datasets(
@@ -66,12 +68,13 @@ def build_gpt_datasets(
     reset_position_ids: bool = False,
     reset_attention_mask: bool = False,
     eod_mask_loss: bool = False,
+    num_test_samples: int = 0,
 ) -> DataSplits:
-    """Train/valid ``GPTDataset``s (blended with ``weights``, split by ``split``)."""
+    """Train/valid/test ``GPTDataset``s (blended with ``weights``, split by ``split``)."""
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
-        blend=(prefixes, weights),
+        blend=(list(prefixes), None if weights is None else list(weights)),
         split=split,
         path_to_cache=cache_dir,
         tokenizer=tokenizer,
@@ -80,12 +83,58 @@ def build_gpt_datasets(
         eod_mask_loss=eod_mask_loss,
         create_attention_mask=False,
     )
-    train, valid, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [num_train_samples, num_valid_samples, 0], lambda: True, config
+    train, valid, test = BlendedMegatronDatasetBuilder(
+        GPTDataset, [num_train_samples, num_valid_samples, num_test_samples], lambda: True, config
     ).build()
     if train is None:
         raise ValueError(f"the split '{split}' leaves no training data in {prefixes}")
-    return DataSplits(train=train, valid=valid)
+    return DataSplits(train=train, valid=valid, test=test)
+
+
+@dataclass(frozen=True)
+class DatasetSettings:
+    """Everything that decides which samples a run sees, in which order."""
+
+    blend: DataBlend
+    split: str
+    seq_length: int
+    seed: int
+    cache_dir: str | None = None
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+
+    def build(
+        self,
+        tokenizer_spec: tuple[str, str | None, str | None],
+        model_vocab_size: int,
+        num_samples: tuple[int, int, int],
+    ) -> DataSplits:
+        """The train/valid/test datasets: built-in corpora prepared, every file checked
+        against the tokenizer and the model's vocabulary, then megatron's ``GPTDataset``s.
+
+        ``tokenizer_spec`` is (library, type, model) as in ``model.tokenizer``;
+        ``num_samples`` the (train, valid, test) sample counts the run will draw.
+        """
+        tokenizer = build_tokenizer(*tokenizer_spec)
+        blend = self.blend.resolved(*tokenizer_spec)
+        for prefix in blend.prefixes:
+            check_dataset_fits(prefix, tokenizer, model_vocab_size)
+        return build_gpt_datasets(
+            list(blend.prefixes),
+            None if blend.weights is None else list(blend.weights),
+            self.split,
+            self.seq_length,
+            tokenizer,
+            self.seed,
+            num_train_samples=num_samples[0],
+            num_valid_samples=num_samples[1],
+            num_test_samples=num_samples[2],
+            cache_dir=self.cache_dir,
+            reset_position_ids=self.reset_position_ids,
+            reset_attention_mask=self.reset_attention_mask,
+            eod_mask_loss=self.eod_mask_loss,
+        )
 
 
 def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+TOKENIZER_LIBRARIES = ("byte", "huggingface", "sentencepiece")
+
 
 class Tokenizer(Protocol):
     name: str

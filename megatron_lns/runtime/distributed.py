@@ -1,8 +1,9 @@
 """Process groups and megatron's model-parallel state, on CPU (gloo) or CUDA (nccl).
 
-Works the same whether the process was started by ``torchrun``, by SLURM's ``srun``
-(which sets ``RANK``/``WORLD_SIZE`` through our launcher), or by :func:`spawn_local`
-for tests and the CPU demo.
+Works the same for every process that finds the torchrun variables (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) in its environment:
+started by ``torchrun``, by :func:`spawn_local` for tests and the CPU demo, or by any
+launcher that sets them.
 """
 
 from __future__ import annotations

@@ -13,12 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from megatron.core.transformer.module import Float16Module
 
-from megatron_lns.model import GPTModelConfig, build_model
+from megatron_lns.model import GPTModelConfig
+from megatron_lns.optim import OptimSettings
 from megatron_lns.runtime import ParallelLayout
-from megatron_lns.training.optim import OptimSettings, build_optimizer_and_scheduler
-from megatron_lns.training.step import make_batch, train_step, wrap_with_ddp
+from megatron_lns.training.assembly import Trainable, build_trainable
+from megatron_lns.training.step import make_batch, train_step
 
 
 @dataclass
@@ -36,26 +36,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build_trainable(
+# Timing needs an optimizer that steps; the schedule is irrelevant, so keep the LR flat.
+TIMING_OPTIMIZER = OptimSettings(lr=1e-4, min_lr=1e-4, decay_style="constant")
+
+
+def trainable_for_timing(
     cfg: GPTModelConfig,
     layout: ParallelLayout,
     device: torch.device,
     chunk_transform: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
-):
-    """Model chunks (DDP-wrapped) and optimizer for timing; ``cfg.precision`` decides wrapping."""
-    chunks = build_model(cfg, layout, device)
-    if chunk_transform is not None:
-        chunks = [chunk_transform(chunk) for chunk in chunks]
-    if cfg.precision != "fp32":
-        chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
-    model = wrap_with_ddp(chunks)
-    optimizer, _ = build_optimizer_and_scheduler(
-        model,
-        OptimSettings(lr=1e-4, min_lr=1e-4, decay_style="constant"),
-        10**6,
-        chunks[0].config.params_dtype,
-    )
-    return model, optimizer
+) -> Trainable:
+    """Model and optimizer assembled exactly as for training (``cfg.precision`` decides
+    the wrapping), with a flat learning rate."""
+    return build_trainable(cfg, layout, device, TIMING_OPTIMIZER, 10**6, chunk_transform)
 
 
 def compare_step_times(
@@ -70,7 +63,7 @@ def compare_step_times(
     steps_per_round: int = 5,
     seed: int = 0,
 ) -> dict[str, StepTimes]:
-    """``variants``: name -> (model, optimizer) from :func:`build_trainable`."""
+    """``variants``: name -> :class:`Trainable` from :func:`trainable_for_timing`."""
     gen = torch.Generator().manual_seed(seed)
     batches = [
         {
@@ -81,17 +74,17 @@ def compare_step_times(
         }
         for _ in range(num_microbatches)
     ]
-    for model, optimizer in variants.values():
+    for trainable in variants.values():
         for _ in range(warmup):
-            train_step(model, optimizer, batches)
+            train_step(trainable.model, trainable.optimizer, batches)
     _sync(device)
     times = {name: StepTimes(name, []) for name in variants}
     for _ in range(rounds):
-        for name, (model, optimizer) in variants.items():
+        for name, trainable in variants.items():
             for _ in range(steps_per_round):
                 _sync(device)
                 start = time.perf_counter()
-                train_step(model, optimizer, batches)
+                train_step(trainable.model, trainable.optimizer, batches)
                 _sync(device)
                 times[name].seconds.append(time.perf_counter() - start)
     return times
@@ -107,7 +100,7 @@ def lns_vs_pre_ln(
     """Step times of the same model with ``norm_scaling`` "none" and "lns" (keys
     ``pre_ln`` and ``lns``); ``base`` holds the other :class:`GPTModelConfig` fields."""
     variants = {
-        name: build_trainable(
+        name: trainable_for_timing(
             GPTModelConfig(norm_scaling=scaling, **base), ParallelLayout(), device
         )
         for name, scaling in (("pre_ln", "none"), ("lns", "lns"))

@@ -33,19 +33,14 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_lns.model import unwrap
+
 CHECKPOINT_DIR_RE = re.compile(r"^iter_(\d{7})$")
 COMPLETE_MARKER = "complete.json"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, partial, or does not fit this run."""
-
-
-def unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The bare model under DDP / Float16Module wrappers."""
-    while hasattr(module, "module"):
-        module = module.module
-    return module
 
 
 def sharded_state_dict_metadata() -> dict:

@@ -14,15 +14,10 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.distributed import (
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
-    finalize_model_grads,
-)
+from megatron.core.distributed import DistributedDataParallel
 from megatron.core.models.gpt import GPTModel
-from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.utils import get_model_config
 
 Batch = dict[str, torch.Tensor]
 
@@ -51,42 +46,6 @@ def lm_forward_step(data_iterator: Iterator[Batch], model: GPTModel):
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(_masked_token_loss, batch["loss_mask"])
-
-
-def wrap_with_ddp(
-    chunks: Sequence[GPTModel], ddp_config: DistributedDataParallelConfig | None = None
-) -> list[DistributedDataParallel]:
-    """megatron DDP around each model chunk (contiguous grad buffers, bucketed all-reduce).
-
-    Also installs the model-config hooks the pipeline schedules call after backward:
-    ``finalize_model_grads`` (data-parallel grad sync, sequence-parallel norm-grad
-    all-reduce across TP, tied-embedding grads across pipeline stages) and ``no_sync``.
-    """
-    ddp_config = ddp_config or DistributedDataParallelConfig(grad_reduce_in_fp32=True)
-    model = [
-        DistributedDataParallel(
-            config=chunk.config,
-            ddp_config=ddp_config,
-            module=chunk,
-            # Only the first chunk's grads overlap with the backward of later ones.
-            disable_bucketing=index > 0,
-        )
-        for index, chunk in enumerate(chunks)
-    ]
-    config = get_model_config(model[0])
-    config.finalize_model_grads_func = finalize_model_grads
-    no_sync = [chunk.no_sync for chunk in model]
-    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-    return model
-
-
-def build_optimizer(
-    model: Sequence[DistributedDataParallel], optimizer_config: OptimizerConfig
-) -> MegatronOptimizer:
-    """megatron's optimizer; its loss scaling is hooked into the pipeline schedules."""
-    optimizer = get_megatron_optimizer(optimizer_config, list(model))
-    get_model_config(model[0]).grad_scale_func = optimizer.scale_loss
-    return optimizer
 
 
 @dataclass

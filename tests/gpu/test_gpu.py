@@ -108,13 +108,14 @@ def test_te_lns_matches_local_lns_in_bf16(tmp_path):
 def _fp8_training_worker(steps):
     from megatron.core.transformer.module import Float16Module
 
+    from megatron_lns.data.blend import builtin_dataset_prefix
     from megatron_lns.data.datasets import build_gpt_datasets, micro_batch_loader
-    from megatron_lns.data.demo_corpus import builtin_dataset_prefix
     from megatron_lns.data.tokenizer import ByteTokenizer
     from megatron_lns.model import build_model
+    from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
     from megatron_lns.runtime import ParallelLayout, init_distributed
-    from megatron_lns.training.optim import OptimSettings, build_optimizer_and_scheduler
-    from megatron_lns.training.step import train_step, wrap_with_ddp
+    from megatron_lns.training.assembly import wrap_with_ddp
+    from megatron_lns.training.step import train_step
 
     device = init_distributed(ParallelLayout(), device="cuda")
     cfg = tiny_config(

@@ -1,4 +1,8 @@
-"""Optimizer and learning-rate schedule from megatron-core."""
+"""The optimizer and learning-rate schedule, from megatron-core.
+
+A component beside the model: built from :class:`OptimSettings` and the DDP-wrapped
+model chunks, with no knowledge of YAML or of the training loop.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +12,16 @@ from typing import Literal
 
 import torch
 from megatron.core.distributed import DistributedDataParallel
-from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.utils import get_model_config
 
-from megatron_lns.training.step import build_optimizer
+DecayStyle = Literal["cosine", "linear", "constant", "WSD", "inverse-square-root"]
+
+
+def warmup_fits(warmup_steps: int, decay_steps: int, decay_style: DecayStyle) -> bool:
+    """The schedule rule: a decaying schedule must finish its warmup before decay ends."""
+    return decay_style == "constant" or warmup_steps < decay_steps
 
 
 @dataclass
@@ -27,7 +37,7 @@ class OptimSettings:
     clip_grad: float = 1.0
     warmup_steps: int = 0
     decay_steps: int | None = None
-    decay_style: Literal["cosine", "linear", "constant", "WSD", "inverse-square-root"] = "cosine"
+    decay_style: DecayStyle = "cosine"
     use_distributed_optimizer: bool = False
 
     def megatron_config(self, params_dtype: torch.dtype = torch.float32) -> OptimizerConfig:
@@ -48,6 +58,15 @@ class OptimSettings:
         )
 
 
+def build_optimizer(
+    model: Sequence[DistributedDataParallel], optimizer_config: OptimizerConfig
+) -> MegatronOptimizer:
+    """megatron's optimizer; its loss scaling is hooked into the pipeline schedules."""
+    optimizer = get_megatron_optimizer(optimizer_config, list(model))
+    get_model_config(model[0]).grad_scale_func = optimizer.scale_loss
+    return optimizer
+
+
 def build_optimizer_and_scheduler(
     model: Sequence[DistributedDataParallel],
     settings: OptimSettings,
@@ -56,7 +75,7 @@ def build_optimizer_and_scheduler(
 ) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
     """megatron optimizer + ``OptimizerParamScheduler``; the schedule counts optimizer steps."""
     decay_steps = settings.decay_steps or total_steps
-    if settings.decay_style != "constant" and settings.warmup_steps >= decay_steps:
+    if not warmup_fits(settings.warmup_steps, decay_steps, settings.decay_style):
         raise ValueError(
             f"warmup_steps ({settings.warmup_steps}) must be smaller than the lr decay steps "
             f"({decay_steps}); shorten the warmup or train longer"
@@ -68,6 +87,8 @@ def build_optimizer_and_scheduler(
         max_lr=settings.lr,
         min_lr=settings.min_lr,
         lr_warmup_steps=settings.warmup_steps,
+        # A constant schedule may warm up for longer than it runs; megatron still
+        # asserts warmup < decay steps.
         lr_decay_steps=max(decay_steps, settings.warmup_steps + 1),
         lr_decay_style=settings.decay_style,
         start_wd=settings.weight_decay,

@@ -1,0 +1,108 @@
+"""The data blend: which token files a run reads, and in what proportions.
+
+NeMo's ``model.data.data_prefix`` is ``[path, ...]`` or ``[weight, path, weight, path,
+...]``; a path may name a built-in corpus (``builtin:pydoc``), which is tokenized with
+the run's tokenizer and cached on first use. This module is the one owner of that
+syntax: parsing it, checking its files exist, and preparing built-in corpora.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_lns.data.demo_corpus import demo_documents
+from megatron_lns.data.preprocess import DatasetMetadata, preprocess
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_CORPORA: dict[str, Callable[[], list[str]]] = {"pydoc": demo_documents}
+
+
+class DataBlendError(ValueError):
+    """A data prefix list that cannot be read as a blend, or names missing files."""
+
+
+def cache_dir() -> Path:
+    """Where built-in corpora are cached (``$MEGATRON_LNS_CACHE``, default ~/.cache)."""
+    root = os.environ.get("MEGATRON_LNS_CACHE") or Path.home() / ".cache" / "megatron_lns"
+    return Path(root)
+
+
+def builtin_dataset_prefix(
+    name: str, library: str, tokenizer_type: str | None, tokenizer_model: str | None
+) -> Path:
+    """Prefix of the prepared built-in corpus ``name``, preprocessing it on first use."""
+    if name not in BUILTIN_CORPORA:
+        raise DataBlendError(
+            f"unknown built-in corpus '{BUILTIN_PREFIX}{name}'; available: "
+            + ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_CORPORA)
+        )
+    key = hashlib.sha256(f"{library}|{tokenizer_type}|{tokenizer_model}".encode()).hexdigest()[:12]
+    prefix = cache_dir() / f"{name}_{library}_{key}"
+    if DatasetMetadata.load(prefix) is None or not Path(f"{prefix}.idx").is_file():
+        preprocess(BUILTIN_CORPORA[name](), prefix, library, tokenizer_type, tokenizer_model)
+    return prefix
+
+
+@dataclass(frozen=True)
+class DataBlend:
+    """Dataset prefixes and their sampling weights (``None``: proportional to size)."""
+
+    prefixes: tuple[str, ...]
+    weights: tuple[float, ...] | None = None
+
+    @classmethod
+    def parse(cls, data_prefix: list | tuple | str) -> DataBlend:
+        """NeMo's ``data_prefix``: ``[path, ...]``, ``[w, path, w, path, ...]`` or one path."""
+        items = [data_prefix] if isinstance(data_prefix, str) else list(data_prefix)
+        if not items:
+            raise DataBlendError("data_prefix is empty: give at least one dataset prefix")
+        if all(isinstance(x, str) for x in items):
+            return cls(tuple(items))
+        if len(items) % 2 or not all(
+            isinstance(w, (int, float)) and not isinstance(w, bool) for w in items[0::2]
+        ):
+            raise DataBlendError(
+                "data_prefix must be [path, ...] or [weight, path, weight, path, ...]"
+            )
+        weights = tuple(float(w) for w in items[0::2])
+        if any(w <= 0 for w in weights):
+            raise DataBlendError(f"data_prefix weights must be positive, got {list(weights)}")
+        return cls(tuple(str(p) for p in items[1::2]), weights)
+
+    def missing_files(self) -> list[str]:
+        """The ``.bin``/``.idx`` files of non-built-in prefixes that do not exist."""
+        return [
+            prefix + suffix
+            for prefix in self.prefixes
+            if not prefix.startswith(BUILTIN_PREFIX)
+            for suffix in (".bin", ".idx")
+            if not Path(prefix + suffix).is_file()
+        ]
+
+    def resolved(
+        self, library: str, tokenizer_type: str | None, tokenizer_model: str | None
+    ) -> DataBlend:
+        """The blend with built-in corpora replaced by their prepared prefixes.
+
+        Rank 0 tokenizes a built-in corpus that is not cached yet while the other ranks
+        wait, then every rank reads the cache.
+        """
+        tokenizer = (library, tokenizer_type, tokenizer_model)
+        prefixes = []
+        for prefix in self.prefixes:
+            if prefix.startswith(BUILTIN_PREFIX):
+                name = prefix[len(BUILTIN_PREFIX) :]
+                distributed = dist.is_initialized()
+                if not distributed or dist.get_rank() == 0:
+                    builtin_dataset_prefix(name, *tokenizer)
+                if distributed:
+                    dist.barrier()
+                prefix = str(builtin_dataset_prefix(name, *tokenizer))
+            prefixes.append(prefix)
+        return DataBlend(tuple(prefixes), self.weights)

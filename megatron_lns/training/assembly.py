@@ -1,0 +1,190 @@
+"""From the validated experiment config to the components of a run.
+
+The one place where the NeMo-style config meets the components: the model config,
+parallel layout, optimizer settings and dataset settings are translated here, and
+:func:`build_trainable` assembles model chunks -> Float16Module -> megatron DDP ->
+optimizer and LR schedule for the trainer and the benchmarks alike. The components
+themselves (``model.py``, ``optim.py``, ``data/``) know nothing of YAML.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.module import Float16Module
+from megatron.core.utils import get_model_config
+
+from megatron_lns.config.schema import (
+    ACCELERATORS,
+    NORMALIZATIONS,
+    OPTIMIZERS,
+    PRECISIONS,
+    SCHEDULES,
+    ExperimentConfig,
+)
+from megatron_lns.config.validate import data_blend
+from megatron_lns.data.datasets import DatasetSettings
+from megatron_lns.model import GPTModelConfig, build_model, padded_vocab_size
+from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
+from megatron_lns.runtime import ParallelLayout
+
+
+def parallel_layout(cfg: ExperimentConfig) -> ParallelLayout:
+    m = cfg.model
+    return ParallelLayout(
+        tensor=m.tensor_model_parallel_size,
+        pipeline=m.pipeline_model_parallel_size,
+        virtual_pipeline=m.virtual_pipeline_model_parallel_size,
+        sequence_parallel=m.sequence_parallel,
+    )
+
+
+def device_setting(cfg: ExperimentConfig) -> str:
+    """``trainer.accelerator`` as the device runtime.init_distributed takes."""
+    return ACCELERATORS[cfg.trainer.accelerator]
+
+
+def tokenizer_spec(cfg: ExperimentConfig) -> tuple[str, str | None, str | None]:
+    tok = cfg.model.tokenizer
+    return tok.library, tok.type, tok.model
+
+
+def model_config(cfg: ExperimentConfig, tokenizer_vocab_size: int) -> GPTModelConfig:
+    m = cfg.model
+    return GPTModelConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        vocab_size=padded_vocab_size(
+            tokenizer_vocab_size, m.tensor_model_parallel_size, m.make_vocab_size_divisible_by
+        ),
+        seq_length=m.encoder_seq_length,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_query_groups=m.num_query_groups,
+        max_position_embeddings=m.max_position_embeddings,
+        norm_scaling=m.norm_scaling,
+        normalization=NORMALIZATIONS[m.normalization],
+        norm_affine=m.norm_affine,
+        layernorm_epsilon=m.layernorm_epsilon,
+        layernorm_zero_centered_gamma=m.normalization == "layernorm1p",
+        activation=m.activation,
+        bias=m.bias,
+        position_embedding_type=m.position_embedding_type,
+        rotary_base=m.rotary_base,
+        share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
+        init_method_std=m.init_method_std,
+        output_layer_init=m.output_layer_init,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        precision=PRECISIONS[str(cfg.trainer.precision)],
+        backend="te" if m.transformer_engine else "local",
+        fp8=m.fp8,
+        fp8_format=m.fp8_format,
+        fp8_param=m.fp8_param,
+        fp8_margin=m.fp8_margin,
+        fp8_amax_history_len=m.fp8_amax_history_len,
+        fp8_amax_compute_algo=m.fp8_amax_compute_algo,
+    )
+
+
+def optim_settings(cfg: ExperimentConfig) -> OptimSettings:
+    o, sched = cfg.model.optim, cfg.model.optim.sched
+    return OptimSettings(
+        name=OPTIMIZERS[o.name],
+        lr=o.lr,
+        min_lr=sched.min_lr,
+        betas=(float(o.betas[0]), float(o.betas[1])),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        clip_grad=float(cfg.trainer.gradient_clip_val or 0.0),
+        warmup_steps=sched.warmup_steps,
+        decay_steps=cfg.trainer.max_steps - sched.constant_steps,
+        decay_style=SCHEDULES[sched.name],
+        use_distributed_optimizer=o.name == "distributed_fused_adam",
+    )
+
+
+def dataset_settings(cfg: ExperimentConfig) -> DatasetSettings:
+    m, d = cfg.model, cfg.model.data
+    return DatasetSettings(
+        blend=data_blend(d.data_prefix),
+        split=d.splits_string,
+        seq_length=d.seq_length,
+        seed=m.seed,
+        cache_dir=d.index_mapping_dir,
+        reset_position_ids=d.reset_position_ids,
+        reset_attention_mask=d.reset_attention_mask,
+        eod_mask_loss=d.eod_mask_loss,
+    )
+
+
+def wrap_with_ddp(
+    chunks: Sequence[torch.nn.Module], ddp_config: DistributedDataParallelConfig | None = None
+) -> list[DistributedDataParallel]:
+    """megatron DDP around each model chunk (contiguous grad buffers, bucketed all-reduce).
+
+    Also installs the model-config hooks the pipeline schedules call after backward:
+    ``finalize_model_grads`` (data-parallel grad sync, sequence-parallel norm-grad
+    all-reduce across TP, tied-embedding grads across pipeline stages) and ``no_sync``.
+    """
+    ddp_config = ddp_config or DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    model = [
+        DistributedDataParallel(
+            config=chunk.config,
+            ddp_config=ddp_config,
+            module=chunk,
+            # Only the first chunk's grads overlap with the backward of later ones.
+            disable_bucketing=index > 0,
+        )
+        for index, chunk in enumerate(chunks)
+    ]
+    config = get_model_config(model[0])
+    config.finalize_model_grads_func = finalize_model_grads
+    no_sync = [chunk.no_sync for chunk in model]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    return model
+
+
+@dataclass
+class Trainable:
+    """What a training step needs: DDP-wrapped model chunks, optimizer, LR schedule."""
+
+    model: list[DistributedDataParallel]
+    optimizer: MegatronOptimizer
+    scheduler: OptimizerParamScheduler
+
+
+def build_trainable(
+    model_cfg: GPTModelConfig,
+    layout: ParallelLayout,
+    device: torch.device,
+    settings: OptimSettings,
+    total_steps: int,
+    chunk_transform: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+) -> Trainable:
+    """Model chunks -> (``chunk_transform``) -> Float16Module for bf16/fp16 -> megatron DDP
+    -> optimizer and schedule. Needs megatron's parallel state (``init_distributed``)."""
+    chunks = build_model(model_cfg, layout, device)
+    if chunk_transform is not None:
+        chunks = [chunk_transform(chunk) for chunk in chunks]
+    if model_cfg.precision != "fp32":
+        chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=device.type == "cuda",
+        use_distributed_optimizer=settings.use_distributed_optimizer,
+    )
+    model = wrap_with_ddp(chunks, ddp_config)
+    optimizer, scheduler = build_optimizer_and_scheduler(
+        model, settings, total_steps, chunks[0].config.params_dtype
+    )
+    return Trainable(model, optimizer, scheduler)
