@@ -9,20 +9,20 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEMO_CONFIG = REPO_ROOT / "nemo_configs" / "tiny_cpu_demo.yaml"
+from megatron_lns.data.tokenizer import TOKENIZER_LIBRARIES
+
+# Modules whose import-time and per-call warnings say nothing about the user's run:
+# megatron-core (missing apex/TE, its own deprecations), Transformer Engine, apex, and
+# the torch internals megatron drives. Warnings from anywhere else, the user's code
+# included, are shown.
+THIRD_PARTY_NOISE = r"(megatron|transformer_engine|apex|torch)(\..*)?$"
 
 
 def _quiet_third_party_noise() -> None:
-    # megatron-core warns about missing optional accelerators (apex, TE) and its own
-    # deprecations on every import; they say nothing about the user's run.
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\..*")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    for category in (UserWarning, FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=THIRD_PARTY_NOISE)
     logging.getLogger("megatron.core").setLevel(logging.ERROR)
     # torch's extension loader logs "No CUDA runtime is found" on CPU-only hosts.
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
@@ -32,7 +32,7 @@ def _train_job(cfg) -> None:
     _quiet_third_party_noise()  # again: spawned ranks start with fresh filters
     from megatron_lns.training.trainer import Trainer
 
-    Trainer(cfg).run()
+    Trainer(cfg).fit()
 
 
 def _demo_job(cfg, stamp: str) -> None:
@@ -52,23 +52,22 @@ def _launch(cfg, job: Callable[..., Any], *args: Any) -> None:
         job(cfg, *args)
     elif cfg.trainer.num_nodes > 1:
         raise SystemExit(
-            "error: trainer.num_nodes > 1 needs a multi-node launcher (torchrun or "
-            "`megatron-lns submit` under SLURM)"
+            "error: trainer.num_nodes > 1 needs a multi-node launcher: start one process "
+            "per GPU with torchrun or srun"
         )
     else:
         spawn_local(job, world, cfg, *args)
 
 
-def _load(config: str | Path, overrides: list[str], dry_run: bool = False):
-    from megatron_lns.config import load_config, validate
+def _load(config: str, overrides: list[str], dry_run: bool = False):
+    from megatron_lns.config import ConfigError, load_config, validate
+    from megatron_lns.config.bundled import resolve_config_path
     from megatron_lns.config.validate import check_environment
 
-    cfg = load_config(config, overrides)
+    cfg = load_config(resolve_config_path(config), overrides)
     env_world = os.environ.get("WORLD_SIZE")
     world = int(env_world) if env_world else None
     if world is not None and world != cfg.trainer.num_nodes * cfg.trainer.devices:
-        from megatron_lns.config import ConfigError
-
         raise ConfigError(
             f"WORLD_SIZE={world} from the launcher differs from trainer.num_nodes x "
             f"trainer.devices = {cfg.trainer.num_nodes} x {cfg.trainer.devices}"
@@ -96,10 +95,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    config = Path(args.config) if args.config else DEMO_CONFIG
-    if not config.is_file():
-        raise SystemExit(f"error: demo config {config} not found; pass --config PATH")
-    cfg = _load(config, args.overrides, args.dry_run)
+    from megatron_lns.config.bundled import DEMO_CONFIG_NAME
+
+    cfg = _load(args.config or DEMO_CONFIG_NAME, args.overrides, args.dry_run)
     if args.dry_run:
         _print_config(cfg)
         return 0
@@ -132,7 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="pretrain from a NeMo-style YAML config")
-    train.add_argument("config", help="YAML file (trainer / exp_manager / model sections)")
+    train.add_argument(
+        "config",
+        help="YAML file (trainer / exp_manager / model sections) or a bundled config's name",
+    )
     train.add_argument("overrides", nargs="*", help="key=value, +key=value (add), ~key (delete)")
     train.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     train.set_defaults(func=_train)
@@ -140,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train the CPU demo with LNS and with Pre-LN side by side")
     demo.add_argument("overrides", nargs="*", help="key=value overrides of the demo YAML")
     demo.add_argument(
-        "--config", default=None, help=f"default: {DEMO_CONFIG.relative_to(REPO_ROOT)}"
+        "--config", default=None, help="YAML file or bundled config name (default: tiny_cpu_demo)"
     )
     demo.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     demo.set_defaults(func=_demo)
@@ -152,9 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument(
         "--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx, PREFIX.json"
     )
-    prep.add_argument(
-        "--tokenizer-library", default="byte", choices=("byte", "huggingface", "sentencepiece")
-    )
+    prep.add_argument("--tokenizer-library", default="byte", choices=TOKENIZER_LIBRARIES)
     prep.add_argument("--tokenizer-type", default=None, help="Hugging Face tokenizer directory")
     prep.add_argument("--tokenizer-model", default=None, help="SentencePiece .model file")
     prep.add_argument("--json-key", default="text")
@@ -164,9 +163,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Flags and ``key=value`` overrides may come in any order (``CONFIG --dry-run k=v``).
+
+    argparse stops filling a positional list at the first flag, so overrides after one
+    come back as extra arguments; those are overrides too, anything else is an error.
+    """
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    flags = [arg for arg in extras if arg.startswith("-")]
+    if flags or (extras and not hasattr(args, "overrides")):
+        parser.error("unrecognized arguments: " + " ".join(flags or extras))
+    if extras:
+        args.overrides = [*args.overrides, *extras]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_third_party_noise()
-    args = build_parser().parse_args(argv)
+    args = _parse_args(argv)
     from megatron_lns.config import ConfigError
     from megatron_lns.data.datasets import DataMismatchError
     from megatron_lns.training.checkpoint import CheckpointError
