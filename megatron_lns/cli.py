@@ -1,4 +1,8 @@
-"""``megatron-lns`` command line: train, preprocess, demo."""
+"""``megatron-lns`` command line: train, preprocess, demo.
+
+Errors in the input (config, data, checkpoints, run directory) end the command with one
+line, ``error: ...``, and exit code 2; ``MEGATRON_LNS_DEBUG=1`` shows their traceback.
+"""
 
 from __future__ import annotations
 
@@ -182,15 +186,26 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     _quiet_third_party_noise()
     args = _parse_args(argv)
-    from megatron_lns.config import ConfigError
-    from megatron_lns.data.datasets import DataMismatchError
-    from megatron_lns.training.checkpoint import CheckpointError
+    from megatron_lns.errors import (
+        USER_ERROR_EXIT_CODE,
+        UserError,
+        debug_enabled,
+        report_user_error_once,
+    )
+    from megatron_lns.runtime import RankFailed
 
     try:
         return args.func(args)
-    except (ConfigError, DataMismatchError, CheckpointError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except (UserError, FileNotFoundError) as err:
+        if debug_enabled():
+            raise
+        report_user_error_once(err)
+        return USER_ERROR_EXIT_CODE
+    except RankFailed as err:
+        if err.exit_code == USER_ERROR_EXIT_CODE:
+            return USER_ERROR_EXIT_CODE  # the rank has reported it
+        print(f"error: {err} (its output above says why)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -24,9 +24,10 @@ from megatron_lns.config.nemo_compat import (
     register_nemo_resolvers,
 )
 from megatron_lns.config.schema import ExperimentConfig
+from megatron_lns.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration problem; the message is one line that names the key."""
 
 

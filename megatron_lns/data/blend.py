@@ -18,12 +18,13 @@ import torch.distributed as dist
 
 from megatron_lns.data.demo_corpus import demo_documents
 from megatron_lns.data.preprocess import DatasetMetadata, preprocess
+from megatron_lns.errors import UserError
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_CORPORA: dict[str, Callable[[], list[str]]] = {"pydoc": demo_documents}
 
 
-class DataBlendError(ValueError):
+class DataBlendError(UserError, ValueError):
     """A data prefix list that cannot be read as a blend, or names missing files."""
 
 

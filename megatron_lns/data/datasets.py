@@ -20,9 +20,10 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron_lns.data.blend import DataBlend
 from megatron_lns.data.preprocess import DatasetMetadata
 from megatron_lns.data.tokenizer import Tokenizer, build_tokenizer
+from megatron_lns.errors import UserError
 
 
-class DataMismatchError(ValueError):
+class DataMismatchError(UserError, ValueError):
     """A dataset that does not belong to this tokenizer or model vocabulary."""
 
 

@@ -6,12 +6,13 @@ from megatron_lns.runtime.distributed import (
     destroy_distributed,
     init_distributed,
     resolve_device,
-    spawn_local,
     uses_gloo,
 )
+from megatron_lns.runtime.launch import RankFailed, spawn_local
 
 __all__ = [
     "ParallelLayout",
+    "RankFailed",
     "cpu_compat_installed",
     "destroy_distributed",
     "init_distributed",

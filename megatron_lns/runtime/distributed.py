@@ -2,7 +2,7 @@
 
 Works the same for every process that finds the torchrun variables (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) in its environment:
-started by ``torchrun``, by :func:`spawn_local` for tests and the CPU demo, or by any
+started by ``torchrun``, by ``launch.spawn_local`` for tests and the CPU demo, or by any
 launcher that sets them.
 """
 
@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -64,7 +63,7 @@ def init_distributed(
     dev = resolve_device(device)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         dist.init_process_group(
@@ -105,33 +104,8 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _spawn_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    try:
-        fn(*args)
-    finally:
-        destroy_distributed()
-
-
-def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
-    """Run ``fn(*args)`` in ``world_size`` fresh processes on this machine.
-
-    Each process gets the torchrun environment (RANK, WORLD_SIZE, MASTER_*), so ``fn``
-    calls :func:`init_distributed` exactly as it would under torchrun or SLURM. A
-    failure in any rank is re-raised here.
-    """
-    import torch.multiprocessing as mp
-
-    mp.spawn(_spawn_entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True)

@@ -18,6 +18,7 @@ other. Each virtual-pipeline chunk is stored under ``model{i}`` as Megatron-LM d
 from __future__ import annotations
 
 import json
+import queue
 import random
 import re
 import shutil
@@ -31,15 +32,17 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_lns.errors import UserError
 from megatron_lns.model import unwrap
 
 CHECKPOINT_DIR_RE = re.compile(r"^iter_(\d{7})$")
 COMPLETE_MARKER = "complete.json"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that is missing, partial, or does not fit this run."""
 
 
@@ -66,10 +69,23 @@ def model_sharded_state_dict(model: Sequence[torch.nn.Module]) -> dict:
     }
 
 
+def _save(sharded_state_dict: dict, directory: str | Path) -> None:
+    """``dist_checkpointing.save``, synchronous, without a helper process.
+
+    megatron's writer reports through a ``multiprocessing.Manager().Queue()`` created on
+    first use: a server process per rank that outlives a rank that is killed. A
+    synchronous save writes from threads of this process, for which an ordinary queue
+    serves.
+    """
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+    dist_checkpointing.save(sharded_state_dict, str(directory))
+
+
 def save_model_weights(model: Sequence[torch.nn.Module], directory: str | Path) -> None:
     """Write this rank's shards of every chunk (weights only); all ranks must call it."""
     Path(directory).mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(model_sharded_state_dict(model), str(directory))
+    _save(model_sharded_state_dict(model), directory)
 
 
 def check_shapes_match(template: dict, directory: str | Path) -> None:
@@ -200,7 +216,7 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)  # left by a killed save of this step
         partial.mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(_state_dict(model, optimizer, scheduler, state, True), str(partial))
+    _save(_state_dict(model, optimizer, scheduler, state, True), partial)
     dist.barrier()
     if dist.get_rank() == 0:
         (partial / "config.yaml").write_text(config_yaml)
@@ -221,17 +237,23 @@ def is_complete(path: Path) -> bool:
     )
 
 
-def latest_complete_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``root``; partial ones are never chosen."""
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """The complete checkpoints under ``root``, newest first; partial ones never appear."""
     root = Path(root)
     if not root.is_dir():
-        return None
+        return []
     candidates = sorted(
         (p for p in root.iterdir() if p.is_dir() and CHECKPOINT_DIR_RE.match(p.name)),
         key=lambda p: int(CHECKPOINT_DIR_RE.match(p.name).group(1)),
         reverse=True,
     )
-    return next((p for p in candidates if is_complete(p)), None)
+    return [p for p in candidates if is_complete(p)]
+
+
+def latest_complete_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root``; partial ones are never chosen."""
+    found = complete_checkpoints(root)
+    return found[0] if found else None
 
 
 def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> TrainingState:

@@ -1,0 +1,52 @@
+"""The one base class of every error that is the user's to fix.
+
+A :class:`UserError` is a problem with the input (config, data, checkpoint, run
+directory), not a bug: the command line prints its message as one line and exits
+with code 2, without a traceback (set ``MEGATRON_LNS_DEBUG=1`` to see one). Each
+package raises its own subclass (``ConfigError``, ``DataMismatchError``,
+``CheckpointError``, ...); anything else that escapes is a bug and keeps its
+traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+DEBUG_ENV = "MEGATRON_LNS_DEBUG"
+USER_ERROR_EXIT_CODE = 2
+# Set by the local launcher: the file whose creation claims the right to report.
+REPORT_MARKER_ENV = "MEGATRON_LNS_ERROR_MARKER"
+
+
+class UserError(Exception):
+    """An input problem; the message is one line that names the key, file or path."""
+
+
+def debug_enabled() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0", "false")
+
+
+def _report_marker() -> Path | None:
+    """The file that the first reporting rank of this run creates, or None for a run of
+    one process. Ranks of one launch on one node share a parent (the local launcher,
+    torchrun's agent, slurmstepd) and a rendezvous port."""
+    if explicit := os.environ.get(REPORT_MARKER_ENV):
+        return Path(explicit)
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    key = f"{os.getppid()}-{os.environ.get('MASTER_PORT', '')}"
+    return Path(tempfile.gettempdir()) / f"megatron-lns-error-{key}"
+
+
+def report_user_error_once(err: UserError) -> None:
+    """Print ``error: ...`` to stderr unless another rank of this run already did."""
+    marker = _report_marker()
+    if marker is not None:
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+    print(f"error: {err}", file=sys.stderr, flush=True)

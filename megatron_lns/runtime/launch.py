@@ -1,0 +1,138 @@
+"""Start and supervise the ranks of a multi-process run on this machine.
+
+:func:`spawn_local` is what ``megatron-lns train`` uses for ``trainer.devices > 1``
+without torchrun, and what the tests use. The launcher owns its ranks:
+
+* a stop signal (SIGTERM, SIGINT, SIGUSR1) sent to the launcher is forwarded to every
+  rank once, and the ranks checkpoint and exit at the next step boundary as a single
+  process does; a second SIGTERM or SIGINT kills them;
+* each rank runs in its own process group, so a terminal's Ctrl-C reaches only the
+  launcher (which forwards it once), and is asked to stop (SIGTERM) if the launcher
+  dies, so no rank is ever left behind;
+* when a rank fails, the others are stopped within seconds and its error is raised
+  here: a user error (exit code 2) has already been reported once by the rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from megatron_lns.errors import (
+    REPORT_MARKER_ENV,
+    USER_ERROR_EXIT_CODE,
+    UserError,
+    debug_enabled,
+    report_user_error_once,
+)
+from megatron_lns.runtime.distributed import destroy_distributed, free_port
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+# Seconds the other ranks get to exit on their own after one failed, then again after
+# SIGTERM, before SIGKILL: a rank blocked in a collective with a dead peer never returns.
+FAILURE_GRACE_SECONDS = 2.0
+
+
+class RankFailed(Exception):
+    """A rank of a local multi-process run exited with an error."""
+
+    def __init__(self, rank: int, exit_code: int) -> None:
+        super().__init__(f"rank {rank} exited with code {exit_code}")
+        self.rank = rank
+        self.exit_code = exit_code
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to send SIGTERM to this process when its parent dies (Linux)."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def _rank_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
+    os.setpgrp()
+    _die_with_parent()
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    try:
+        fn(*args)
+    except UserError as err:
+        if debug_enabled():
+            raise
+        report_user_error_once(err)
+        sys.exit(USER_ERROR_EXIT_CODE)
+    finally:
+        destroy_distributed()
+
+
+@contextlib.contextmanager
+def _forward_stop_signals(processes: list) -> Iterator[None]:
+    """While running, stop signals to this process go to the ranks (see module doc)."""
+    received: list[int] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        first_stop = not received or signum == signal.SIGUSR1
+        received.append(signum)
+        for process in processes:
+            if process.is_alive():
+                if first_stop:
+                    os.kill(process.pid, signum)
+                else:
+                    process.kill()
+
+    previous = {}
+    for sig in STOP_SIGNALS:
+        with contextlib.suppress(ValueError):  # only the main thread may install handlers
+            previous[sig] = signal.signal(sig, forward)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+    """Run ``fn(*args)`` in ``world_size`` fresh processes on this machine.
+
+    Each process gets the torchrun environment (RANK, WORLD_SIZE, MASTER_*), so ``fn``
+    calls ``init_distributed`` exactly as it would under torchrun or SLURM. A rank's
+    failure raises :class:`RankFailed` (after a user error, which the rank reported)
+    or torch's ``ProcessRaisedException`` with the rank's traceback (a bug).
+    """
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="megatron-lns-launch-") as scratch:
+        os.environ[REPORT_MARKER_ENV] = str(Path(scratch) / "error-reported")
+        try:
+            context = mp.start_processes(
+                _rank_entry,
+                args=(world_size, free_port(), fn, args),
+                nprocs=world_size,
+                join=False,
+                start_method="spawn",
+            )
+        finally:
+            del os.environ[REPORT_MARKER_ENV]
+        with _forward_stop_signals(context.processes):
+            try:
+                while not context.join(grace_period=FAILURE_GRACE_SECONDS):
+                    pass
+            except mp.ProcessExitedException as err:
+                raise RankFailed(err.error_index, err.exit_code) from None
+            finally:
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                        process.join()
