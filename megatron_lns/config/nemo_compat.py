@@ -34,7 +34,6 @@ NEMO_KEYS_WITHOUT_MEANING_HERE: frozenset[str] = frozenset(
         # NeMo experiment manager internals and .nemo files.
         "exp_manager.explicit_log_dir",
         "exp_manager.resume_ignore_no_checkpoint",
-        "exp_manager.resume_from_checkpoint",
         "exp_manager.create_checkpoint_callback",
         "exp_manager.create_neptune_logger",
         "exp_manager.neptune_logger_kwargs",

@@ -62,6 +62,15 @@ class ExpManagerConfig:
     exp_dir: str | None = None  # null: ./runs (NeMo: ./nemo_experiments)
     name: str = "megatron_gpt"
     resume_if_exists: bool = True
+    # A checkpoint directory (iter_NNNNNNN) to resume from instead of the newest one.
+    resume_from_checkpoint: str | None = None
+    # Not in NeMo: when the newest complete checkpoint cannot be read, resume from the
+    # newest one that can (each skipped one is named) instead of stopping.
+    resume_past_unreadable: bool = False
+    # Not in NeMo: Megatron-LM's --override-opt_param-scheduler. Resume with this config's
+    # LR schedule and weight decay (lr, min_lr, warmup, decay style, max_steps) instead of
+    # refusing a checkpoint whose schedule differs.
+    override_opt_param_scheduler: bool = False
     create_tensorboard_logger: bool = True
     create_wandb_logger: bool = False
     wandb_logger_kwargs: dict[str, Any] = field(default_factory=dict)

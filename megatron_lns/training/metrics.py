@@ -1,7 +1,9 @@
 """Metrics to the console, ``metrics.jsonl``, TensorBoard and (optionally) W&B.
 
 Only global rank 0 writes; every rank holds the same numbers (losses are reduced
-and broadcast by the train step).
+and broadcast by the train step). A resumed run first drops what an interrupted run
+logged after its checkpoint (rows of ``metrics.jsonl`` past the resume step, and
+TensorBoard events through ``purge_step``), so replayed steps are not logged twice.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class MetricsLogger:
         wandb: bool,
         wandb_kwargs: dict[str, Any] | None = None,
         run_name: str = "",
+        resume_step: int = 0,
     ) -> None:
         self.active = dist.get_rank() == 0
         self.run_name = run_name
@@ -32,11 +35,15 @@ class MetricsLogger:
         if not self.active:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = (run_dir / "metrics.jsonl").open("a", buffering=1)
+        metrics = run_dir / "metrics.jsonl"
+        _drop_rows_after(metrics, resume_step)
+        self.jsonl = metrics.open("a", buffering=1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            self.writer = SummaryWriter(
+                log_dir=str(run_dir / "tensorboard"), purge_step=resume_step + 1
+            )
         if wandb:
             try:
                 import wandb as wandb_lib
@@ -65,6 +72,22 @@ class MetricsLogger:
             self.jsonl.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def _drop_rows_after(path: Path, step: int) -> None:
+    """Keep only the rows of ``path`` up to ``step`` (a torn last line goes too)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
 
 
 def _fmt(value: float) -> str:

@@ -29,6 +29,7 @@ from megatron.core.num_microbatches_calculator import (
 from megatron_lns.config import ExperimentConfig, to_yaml
 from megatron_lns.data.datasets import micro_batch_loader
 from megatron_lns.data.tokenizer import build_tokenizer
+from megatron_lns.errors import UserError
 from megatron_lns.runtime import init_distributed
 from megatron_lns.training.assembly import (
     build_trainable,
@@ -39,14 +40,20 @@ from megatron_lns.training.assembly import (
     parallel_layout,
     tokenizer_spec,
 )
-from megatron_lns.training.checkpoint import (
-    TrainingState,
-    latest_complete_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from megatron_lns.training.checkpoint import latest_complete_checkpoint, save_checkpoint
 from megatron_lns.training.metrics import MetricsLogger
+from megatron_lns.training.resume import resume
+from megatron_lns.training.run_dir import RunDirError, RunDirLock, claim_run_dir
 from megatron_lns.training.step import Batch, StepResult, forward_backward, train_step
+
+# Consecutive skipped updates after which an fp16 run stops: megatron's dynamic loss
+# scale halves on every overflow (after a hysteresis of 2), so 50 skips take it from its
+# initial 2**32 past its minimum of 1. Overflows beyond that mean the run cannot learn.
+MAX_CONSECUTIVE_SKIPPED_STEPS = 50
+
+
+class TrainingStopped(UserError):
+    """The run cannot continue: a non-finite loss or gradient, or no update applies."""
 
 
 @dataclass
@@ -68,17 +75,25 @@ def _or_nan(value: float | None) -> float:
 
 
 class _StopRequest:
-    """SIGTERM / SIGUSR1 (SLURM's pre-emption warning) ask for a checkpoint and a clean exit."""
+    """SIGTERM, SIGUSR1 (SLURM's pre-emption warning) and SIGINT ask for a checkpoint and
+    a clean exit at the next step boundary; a second SIGINT interrupts at once."""
 
     def __init__(self) -> None:
         self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        self.previous = {}
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             # Only the main thread may install handlers (not so under some runners).
             with contextlib.suppress(ValueError):
-                signal.signal(sig, self._handle)
+                self.previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.requested:
+            raise KeyboardInterrupt
         self.requested = True
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
     def agreed(self, device: torch.device) -> bool:
         """Whether any rank was asked to stop: every rank stops at the same step."""
@@ -113,24 +128,45 @@ class _Throughput:
 class Trainer:
     """One pretraining run, built from a validated :class:`ExperimentConfig`.
 
-    Construction starts the process group, builds the datasets (failing early on data
-    that does not fit the tokenizer or model), the model, optimizer and schedule, and
-    resumes from the newest complete checkpoint when ``exp_manager.resume_if_exists``.
+    Construction starts the process group, locks the run directory, builds the
+    datasets (failing early on data that does not fit the tokenizer or model), the
+    model, optimizer and schedule, and resumes (see ``resume.py``). :meth:`fit` releases
+    the run directory when it returns; so does :meth:`close`.
     """
 
     def __init__(self, cfg: ExperimentConfig) -> None:
         self.cfg = cfg
-        m, t = cfg.model, cfg.trainer
         self.run_dir = Path(cfg.exp_manager.exp_dir or "runs") / cfg.exp_manager.name
         self.checkpoint_dir = self.run_dir / "checkpoints"
-        layout = parallel_layout(cfg)
-        self.device = init_distributed(layout, device=device_setting(cfg), seed=m.seed)
+        self.layout = parallel_layout(cfg)
+        self.device = init_distributed(self.layout, device=device_setting(cfg), seed=cfg.model.seed)
         self.is_rank0 = dist.get_rank() == 0
         self.config_yaml = to_yaml(cfg)
-        if self.is_rank0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(self.config_yaml)
+        self.run_lock = self._claim_run_dir()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
 
+    def _claim_run_dir(self) -> RunDirLock | None:
+        """Rank 0 locks the run directory; every rank raises the same error if it cannot."""
+        lock, error = None, None
+        if self.is_rank0:
+            try:
+                lock = claim_run_dir(self.run_dir, self.cfg.exp_manager.resume_if_exists)
+                (self.run_dir / "config.yaml").write_text(self.config_yaml)
+            except RunDirError as err:
+                error = str(err)
+        shared = [error]
+        dist.broadcast_object_list(shared, src=0, device=self.device)
+        if shared[0] is not None:
+            raise RunDirError(shared[0])
+        return lock
+
+    def _build(self) -> None:
+        cfg = self.cfg
+        m, t = cfg.model, cfg.trainer
         tokenizer = build_tokenizer(*tokenizer_spec(cfg))
         self.model_config = model_config(cfg, tokenizer.vocab_size)
         num_evals = t.max_steps // t.val_check_interval + 1
@@ -145,7 +181,7 @@ class Trainer:
         )
 
         trainable = build_trainable(
-            self.model_config, layout, self.device, optim_settings(cfg), t.max_steps
+            self.model_config, self.layout, self.device, optim_settings(cfg), t.max_steps
         )
         self.model, self.optimizer, self.scheduler = (
             trainable.model,
@@ -160,17 +196,13 @@ class Trainer:
         )
         self.num_microbatches = get_num_microbatches()
 
-        self.state = TrainingState()
-        self.resumed_from = 0
-        latest = (
-            latest_complete_checkpoint(self.checkpoint_dir)
-            if cfg.exp_manager.resume_if_exists
-            else None
+        self.state, self.resumed_path = resume(
+            cfg, self.checkpoint_dir, self.model, self.optimizer, self.scheduler
         )
-        if latest is not None:
-            self.state = load_checkpoint(latest, self.model, self.optimizer, self.scheduler)
-            self.resumed_from = self.state.iteration
-            self._print(f"resumed from {latest} (step {self.state.iteration})")
+        self.resumed_from = self.state.iteration
+        if self.resumed_path is not None:
+            self._print(f"resumed from {self.resumed_path} (step {self.state.iteration})")
+        self.consecutive_skips = 0
 
         self.train_batches = micro_batch_loader(
             self.splits.train,
@@ -187,7 +219,16 @@ class Trainer:
             wandb=cfg.exp_manager.create_wandb_logger,
             wandb_kwargs=cfg.exp_manager.wandb_logger_kwargs,
             run_name=cfg.exp_manager.name,
+            resume_step=self.state.iteration,
         )
+
+    def close(self) -> None:
+        """Close the logs and release the run directory (idempotent)."""
+        logger = getattr(self, "logger", None)
+        if logger is not None:
+            logger.close()
+        if self.run_lock is not None:
+            self.run_lock.release()
 
     def _print(self, message: str) -> None:
         if self.is_rank0:
@@ -212,9 +253,27 @@ class Trainer:
         microbatches = [next(self.train_batches) for _ in range(self.num_microbatches)]
         result = train_step(self.model, self.optimizer, microbatches)
         self.state.consumed_samples += self.cfg.model.global_batch_size
-        if result.update_successful:
-            self.scheduler.step(increment=1)
-            self.state.iteration += 1
+        if not result.update_successful:
+            self.consecutive_skips += 1
+            if self.consecutive_skips >= MAX_CONSECUTIVE_SKIPPED_STEPS:
+                raise TrainingStopped(
+                    f"the last {self.consecutive_skips} optimizer updates after step "
+                    f"{self.state.iteration} were all skipped (fp16 gradients overflow even "
+                    "at the smallest loss scale): the run cannot learn; lower the learning "
+                    "rate or train in bf16-mixed"
+                )
+            return result
+        grad_norm = result.grad_norm if result.grad_norm is not None else 0.0
+        if not (math.isfinite(result.loss) and math.isfinite(grad_norm)):
+            raise TrainingStopped(
+                f"step {self.state.iteration + 1}: loss {result.loss}, gradient norm "
+                f"{result.grad_norm}: the run diverged and stops before its next checkpoint "
+                f"(newest complete one: {latest_complete_checkpoint(self.checkpoint_dir)}); "
+                "lower the learning rate or resume from an earlier checkpoint"
+            )
+        self.consecutive_skips = 0
+        self.scheduler.step(increment=1)
+        self.state.iteration += 1
         return result
 
     def evaluate(self) -> float:
@@ -268,6 +327,14 @@ class Trainer:
         checkpointing on the configured intervals."""
         cfg, t = self.cfg, self.cfg.trainer
         summary = RunSummary(cfg.exp_manager.name, self.run_dir, t.max_steps, self.resumed_from)
+        if self.state.iteration >= t.max_steps:
+            self._print(
+                f"nothing to do: {self.resumed_path} is at step {self.state.iteration} and "
+                f"trainer.max_steps is {t.max_steps} (raise it to train further)"
+            )
+            self.close()
+            summary.steps = self.state.iteration
+            return summary
         stop = _StopRequest()
         every = cfg.exp_manager.checkpoint_callback_params.every_n_train_steps
         throughput = _Throughput()
@@ -304,7 +371,8 @@ class Trainer:
                 if cfg.exp_manager.checkpoint_callback_params.save_last:
                     self.save()
         finally:
-            self.logger.close()
+            stop.restore()
+            self.close()
         summary.steps = self.state.iteration
         throughput.close_window()
         summary.tokens_per_second = throughput.overall

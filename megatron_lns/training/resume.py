@@ -1,0 +1,128 @@
+"""Which checkpoint a run resumes from, and what may change when it does.
+
+* ``exp_manager.resume_from_checkpoint`` names one; otherwise, with
+  ``exp_manager.resume_if_exists``, the newest complete one under ``checkpoints/``.
+* A checkpoint that cannot be read stops the run with its name and the reason, or,
+  with ``exp_manager.resume_past_unreadable``, is skipped for the next older one.
+* The LR schedule and weight decay are part of the checkpoint (megatron's
+  ``OptimizerParamScheduler`` state). A config whose schedule differs (``lr``,
+  ``min_lr``, warmup, decay style, ``max_steps``, ``weight_decay``) is refused before
+  anything is loaded, naming the keys, unless ``exp_manager.override_opt_param_scheduler``
+  (Megatron-LM's ``--override-opt_param-scheduler``) says to continue with the new
+  schedule from the checkpoint's step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron.core import dist_checkpointing
+from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from torch.distributed.checkpoint.api import CheckpointException
+
+from megatron_lns.config import ExperimentConfig
+from megatron_lns.training.checkpoint import (
+    CheckpointError,
+    TrainingState,
+    complete_checkpoints,
+    is_complete,
+    load_checkpoint,
+)
+
+# megatron scheduler state -> the config keys that set it.
+SCHEDULE_KEYS = {
+    "max_lr": "model.optim.lr",
+    "min_lr": "model.optim.sched.min_lr",
+    "lr_warmup_steps": "model.optim.sched.warmup_steps",
+    "lr_decay_steps": "trainer.max_steps - model.optim.sched.constant_steps",
+    "lr_decay_style": "model.optim.sched.name",
+    "start_wd": "model.optim.weight_decay",
+    "end_wd": "model.optim.weight_decay",
+    "wd_incr_steps": "trainer.max_steps - model.optim.sched.constant_steps",
+}
+
+
+class ScheduleChangedError(CheckpointError):
+    """The config's LR schedule differs from the one the checkpoint was trained with."""
+
+
+def checkpoints_to_try(cfg: ExperimentConfig, checkpoint_dir: Path) -> list[Path]:
+    """Candidates in order of preference; empty for a fresh start."""
+    em = cfg.exp_manager
+    if em.resume_from_checkpoint:
+        path = Path(em.resume_from_checkpoint)
+        if not is_complete(path):
+            raise CheckpointError(
+                f"exp_manager.resume_from_checkpoint: {path} is not a complete checkpoint "
+                "(an iter_NNNNNNN directory with complete.json)"
+            )
+        return [path]
+    if not em.resume_if_exists:
+        return []
+    found = complete_checkpoints(checkpoint_dir)
+    return found if em.resume_past_unreadable else found[:1]
+
+
+def _saved_schedule(path: Path) -> dict:
+    try:
+        return dist_checkpointing.load_common_state_dict(str(path))["scheduler"]
+    except (Exception, CheckpointException) as err:
+        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"could not load checkpoint {path}: {reason}") from None
+
+
+def schedule_changes(saved: dict, scheduler: OptimizerParamScheduler) -> list[str]:
+    """``key: old -> new`` for every schedule setting that differs from the checkpoint's."""
+    current = scheduler.state_dict()
+    changes = {}
+    for field, key in SCHEDULE_KEYS.items():
+        if field in saved and saved[field] != current[field]:
+            changes.setdefault(key, f"{key}: {saved[field]} -> {current[field]} ({field})")
+    return list(changes.values())
+
+
+def resume(
+    cfg: ExperimentConfig,
+    checkpoint_dir: Path,
+    model: list,
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
+) -> tuple[TrainingState, Path | None]:
+    """Load the checkpoint this run resumes from; a fresh state when there is none."""
+    candidates = checkpoints_to_try(cfg, checkpoint_dir)
+    override = cfg.exp_manager.override_opt_param_scheduler
+    for index, path in enumerate(candidates):
+        try:
+            saved = _saved_schedule(path)
+            changes = schedule_changes(saved, scheduler)
+            if changes and not override:
+                raise ScheduleChangedError(
+                    f"checkpoint {path} was trained with another LR schedule ("
+                    + "; ".join(changes)
+                    + "): restore those values, or set "
+                    "exp_manager.override_opt_param_scheduler=true to continue with the new "
+                    "schedule from the checkpoint's step"
+                )
+            scheduler.override_opt_param_scheduler = override
+            # megatron matches saved optimizer param groups by their LR bounds, so the
+            # template must carry the checkpoint's until the state is in.
+            _set_param_group_lr_bounds(optimizer, saved["max_lr"], saved["min_lr"])
+            state = load_checkpoint(path, model, optimizer, scheduler)
+        except CheckpointError as err:
+            if index + 1 == len(candidates) or isinstance(err, ScheduleChangedError):
+                raise
+            print(f"warning: skipping unreadable checkpoint: {err}", flush=True)
+            continue
+        _set_param_group_lr_bounds(optimizer, scheduler.max_lr, scheduler.min_lr)
+        scheduler.step(increment=0)  # the LR of the resumed step under this schedule
+        return state, path
+    return TrainingState(), None
+
+
+def _set_param_group_lr_bounds(optimizer: MegatronOptimizer, max_lr: float, min_lr: float) -> None:
+    for group in optimizer.param_groups:
+        if "max_lr" in group:
+            group["max_lr"] = max_lr
+        if "min_lr" in group:
+            group["min_lr"] = min_lr
