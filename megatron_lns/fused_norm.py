@@ -28,8 +28,18 @@ from functools import cache
 from typing import Any
 
 import torch
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-from megatron_lns.scaling import fold_scale_into_beta, fold_scale_into_gamma
+from megatron_lns.layer import LNSTransformerLayer
+from megatron_lns.scaling import (
+    NormScaling,
+    bake_scale_into,
+    fold_scale_into_beta,
+    fold_scale_into_gamma,
+    require_affine,
+)
 
 NORM_PARAMETER_NAMES = ("layer_norm_weight", "layer_norm_bias")
 
@@ -63,25 +73,32 @@ def folded_norm_parameters(
 class FusedNormScaling:
     """Mixin for a fused norm + linear class: applies ``output_scale`` to its norm.
 
-    ``output_scale`` is set by :class:`~megatron_lns.layer.LNSTransformerLayer`;
-    ``norm_affine=False`` freezes gamma at 1 (and beta at 0) and leaves them out of
-    checkpoints, giving a parameter-free norm whose effective gamma is ``output_scale``.
+    A :class:`~megatron_lns.scaling.ScaledNorm`. ``output_scale`` is set by
+    :class:`~megatron_lns.layer.LNSTransformerLayer`; ``zero_centered_gamma`` is the wrapped
+    module's own attribute (Transformer Engine's). ``affine=False`` freezes gamma at the
+    identity (and beta at 0) and leaves them out of checkpoints, giving a parameter-free
+    norm whose effective gamma is ``output_scale``.
     """
 
     output_scale: float = 1.0
-    norm_affine: bool = True
+    affine: bool = True
+    norm_parameter_names = NORM_PARAMETER_NAMES
+    zero_centered_gamma: bool
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        config = kwargs.get("config")
-        self.lns_zero_centered_gamma = bool(getattr(config, "layernorm_zero_centered_gamma", False))
-        if not self.norm_affine:
+        if not isinstance(getattr(self, "zero_centered_gamma", None), bool):
+            raise TypeError(
+                f"{type(self).__name__} has no boolean zero_centered_gamma attribute; LNS can "
+                "only be folded into a fused norm that says which gamma form it uses"
+            )
+        if not self.affine:
             with torch.no_grad():
                 for name in NORM_PARAMETER_NAMES:
                     param = self._parameters.get(name)
                     if param is not None:
                         identity = 1.0 if name == "layer_norm_weight" else 0.0
-                        if self.lns_zero_centered_gamma:
+                        if self.zero_centered_gamma:
                             identity = 0.0
                         param.fill_(identity)
                         param.requires_grad_(False)
@@ -89,18 +106,25 @@ class FusedNormScaling:
             self.register_load_state_dict_pre_hook(_keep_frozen_norm_parameters)
 
     def forward(self, *args: Any, **kwargs: Any):
-        with folded_norm_parameters(self, self.output_scale, self.lns_zero_centered_gamma):
+        with folded_norm_parameters(self, self.output_scale, self.zero_centered_gamma):
             return super().forward(*args, **kwargs)
+
+    def bake_output_scale(self) -> None:
+        """Multiply ``output_scale`` into the norm parameters for good; the norm is then plain."""
+        require_affine(self)
+        weight, bias = (self._parameters.get(name) for name in NORM_PARAMETER_NAMES)
+        bake_scale_into(weight, bias, self.output_scale, self.zero_centered_gamma)
+        self.output_scale = 1.0
 
     def folded_layer_norm_weight(self) -> torch.Tensor:
         """The norm weight as the kernel sees it (for code that reads it directly)."""
         return fold_scale_into_gamma(
-            self.layer_norm_weight.data, self.output_scale, self.lns_zero_centered_gamma
+            self.layer_norm_weight.data, self.output_scale, self.zero_centered_gamma
         )
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        if not self.norm_affine:
+        if not self.affine:
             for name in NORM_PARAMETER_NAMES:
                 sharded.pop(f"{prefix}{name}", None)
         return sharded
@@ -126,4 +150,37 @@ def with_norm_scaling(linear_cls: type, norm_affine: bool = True) -> type:
     with ``build_module`` and ``linear_fc1`` by calling the class directly.
     """
     name = f"LNS{linear_cls.__name__}" + ("" if norm_affine else "NonAffine")
-    return type(name, (FusedNormScaling, linear_cls), {"norm_affine": norm_affine})
+    return type(name, (FusedNormScaling, linear_cls), {"affine": norm_affine})
+
+
+def fused_norm_layer_spec(
+    submodules: TransformerLayerSubmodules, norm_scaling: NormScaling, norm_affine: bool = True
+) -> ModuleSpec:
+    """An LNS layer spec from submodules whose pre-norms are fused into the next linear.
+
+    ``linear_qkv`` and the MLP's ``linear_fc1`` classes (Transformer Engine's
+    ``TELayerNormColumnParallelLinear``, or any module that reads
+    ``self.layer_norm_weight`` in forward) get :class:`FusedNormScaling` mixed in.
+    Parameter names, checkpoint keys and the ``sequence_parallel`` attributes stay as
+    the wrapped class makes them.
+    """
+    if not (
+        submodules.input_layernorm is IdentityOp and submodules.pre_mlp_layernorm is IdentityOp
+    ):
+        raise ValueError(
+            "fused_norm_layer_spec expects the norms fused into linear_qkv / linear_fc1"
+        )
+    attention = submodules.self_attention.submodules
+    attention.linear_qkv = with_norm_scaling(attention.linear_qkv, norm_affine)
+    mlp = submodules.mlp
+    mlp_class = getattr(getattr(mlp, "func", None), "__self__", None)
+    if mlp_class is not None and mlp_class.__name__.startswith("TEFused"):
+        raise ValueError(
+            "the Transformer Engine op fuser (TEFusedMLP) reads the raw pre-MLP norm weight, "
+            "so LNS cannot be folded into it; build the spec without use_te_op_fuser"
+        )
+    mlp_submodules = mlp.keywords["submodules"]
+    mlp_submodules.linear_fc1 = with_norm_scaling(mlp_submodules.linear_fc1, norm_affine)
+    return ModuleSpec(
+        module=LNSTransformerLayer, submodules=submodules, params={"norm_scaling": norm_scaling}
+    )

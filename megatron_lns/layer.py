@@ -29,34 +29,12 @@ from torch import Tensor
 
 from megatron_lns.scaling import (
     NormScaling,
+    ScaledNorm,
     fold_scale_into_beta,
     fold_scale_into_gamma,
     norm_output_scale,
+    require_affine,
 )
-
-
-@torch.no_grad()
-def bake_scale_into_parameters(owner: torch.nn.Module, scale: float) -> None:
-    """Fold ``scale`` into a norm owner's affine parameters in place."""
-    weight_name, bias_name, zero_centered = _norm_parameter_names(owner)
-    weight = owner._parameters[weight_name]
-    weight.copy_(fold_scale_into_gamma(weight, scale, zero_centered))
-    bias = owner._parameters.get(bias_name)
-    if bias is not None:
-        bias.copy_(fold_scale_into_beta(bias, scale))
-
-
-def _norm_parameter_names(owner: torch.nn.Module) -> tuple[str, str, bool]:
-    """(weight name, bias name, zero-centred) of a norm owner, separate or fused."""
-    fused = hasattr(owner, "lns_zero_centered_gamma")
-    if not (owner.norm_affine if fused else owner.affine):
-        raise ValueError(
-            f"{type(owner).__name__} has a parameter-free norm: there is no weight to bake "
-            "the LNS factor into; export it with an explicit scale instead"
-        )
-    if fused:
-        return "layer_norm_weight", "layer_norm_bias", owner.lns_zero_centered_gamma
-    return "weight", "bias", owner.zero_centered_gamma
 
 
 def baked_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
@@ -74,12 +52,14 @@ def baked_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
             continue
         scale = module.norm_output_scale
         for owner in module.pre_norm_owners():
-            weight_name, bias_name, zero_centered = _norm_parameter_names(owner)
+            require_affine(owner)
             prefix = names[id(owner)] + "." if names[id(owner)] else ""
-            key = prefix + weight_name
-            state[key] = fold_scale_into_gamma(state[key], scale, zero_centered)
-            if prefix + bias_name in state:
-                state[prefix + bias_name] = fold_scale_into_beta(state[prefix + bias_name], scale)
+            gamma_key, beta_key = (prefix + name for name in owner.norm_parameter_names)
+            state[gamma_key] = fold_scale_into_gamma(
+                state[gamma_key], scale, owner.zero_centered_gamma
+            )
+            if beta_key in state:
+                state[beta_key] = fold_scale_into_beta(state[beta_key], scale)
     return state
 
 
@@ -107,7 +87,7 @@ class LNSTransformerLayer(TransformerLayer):
         self.norm_scaling = norm_scaling
         scale = self.norm_output_scale
         for owner in self.pre_norm_owners():
-            if not hasattr(owner, "output_scale"):
+            if not isinstance(owner, ScaledNorm):
                 raise TypeError(
                     f"{type(owner).__name__} cannot apply a norm output scale; build the layer "
                     "with megatron_lns.specs.get_lns_layer_spec so its norms support LNS"
@@ -144,8 +124,7 @@ class LNSTransformerLayer(TransformerLayer):
         if scale == 1.0:
             return
         for owner in self.pre_norm_owners():
-            bake_scale_into_parameters(owner, scale)
-            owner.output_scale = 1.0
+            owner.bake_output_scale()
         self.norm_scaling = "none"
 
     @property
@@ -153,7 +132,7 @@ class LNSTransformerLayer(TransformerLayer):
         """``1/sqrt(self.layer_number)`` with LNS, 1.0 for plain Pre-LN."""
         return norm_output_scale(self.norm_scaling, self.layer_number)
 
-    def pre_norm_owners(self) -> list[Any]:
+    def pre_norm_owners(self) -> list[ScaledNorm]:
         """The modules that apply this layer's attention and MLP pre-norms.
 
         A separate norm module when the spec has one, else the fused norm+linear that

@@ -18,11 +18,17 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from te_standin import StandInLayerNormColumnParallelLinear as StandIn
 
-from megatron_lns.fused_norm import FusedNormScaling, folded_norm_parameters, with_norm_scaling
+from megatron_lns.fused_norm import (
+    FusedNormScaling,
+    folded_norm_parameters,
+    fused_norm_layer_spec,
+    with_norm_scaling,
+)
 from megatron_lns.layer import bake_norm_scaling
 from megatron_lns.model import build_model
+from megatron_lns.norms import local_norm_builder
 from megatron_lns.runtime import ParallelLayout
-from megatron_lns.specs import fused_norm_layer_spec, local_norm_builder, local_to_fused_state_dict
+from megatron_lns.specs import local_to_fused_state_dict
 
 
 def _fused_spec(norm_scaling="lns", norm_affine=True):
@@ -235,3 +241,17 @@ def test_parameter_free_norms_cannot_be_baked(seeded):
 
     with pytest.raises(ValueError, match="parameter-free norm"):
         baked_state_dict(build_model(tiny_config(norm_affine=False))[0])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_both_norm_owners_implement_the_scaled_norm_interface(seeded, fused):
+    from megatron_lns.scaling import ScaledNorm
+
+    cfg = tiny_config(normalization="LayerNorm", layernorm_zero_centered_gamma=True)
+    model = _fused_model(cfg) if fused else build_model(cfg)[0]
+    for layer in model.decoder.layers:
+        for owner in layer.pre_norm_owners():
+            assert isinstance(owner, ScaledNorm)
+            assert owner.affine and owner.zero_centered_gamma
+            gamma, beta = (getattr(owner, name) for name in owner.norm_parameter_names)
+            assert isinstance(gamma, torch.nn.Parameter) and isinstance(beta, torch.nn.Parameter)
