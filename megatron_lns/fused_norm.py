@@ -11,6 +11,8 @@ the duration of the forward call:
   looks in ``_parameters``, so the kernel reads the folded tensor, while the real
   parameter stays registered: its name, checkpoint key, optimizer slot and the
   ``sequence_parallel`` attribute TE and megatron set on it are untouched;
+* a zero-centred gamma is passed as the plain gamma ``s*(1+g)`` with the module's
+  ``zero_centered_gamma`` off for the call, which keeps bf16 precision;
 * the folded tensor is an autograd expression of the parameter, so the gradient that
   the fused kernel returns for it flows to the parameter exactly;
 * the shadow is removed when forward returns (also on error).
@@ -39,35 +41,43 @@ from megatron_lns.scaling import (
     fold_scale_into_beta,
     fold_scale_into_gamma,
     require_affine,
+    scaled_gamma,
 )
 
 NORM_PARAMETER_NAMES = ("layer_norm_weight", "layer_norm_bias")
 
 
 @contextlib.contextmanager
-def folded_norm_parameters(
-    module: torch.nn.Module, scale: float, zero_centered_gamma: bool
-) -> Iterator[None]:
-    """Within the block, ``module.layer_norm_weight``/``_bias`` read as their folded values."""
+def folded_norm_parameters(module: torch.nn.Module, scale: float) -> Iterator[None]:
+    """Within the block, the module's fused norm computes its output times ``scale``.
+
+    ``layer_norm_weight`` reads as the plain gamma ``s*g`` and ``layer_norm_bias`` as
+    ``s*b``. A zero-centred gamma reads as ``s*(1+g)`` with ``module.zero_centered_gamma``
+    off for the block (Transformer Engine reads that flag at forward time and keeps what it
+    used for backward): TE casts the weight to the activation dtype before its kernel adds
+    1, so the folded zero-centred form ``s*g + (s-1)`` would lose percents of the scale in
+    bf16 (see ``scaling.scaled_gamma``).
+    """
     if scale == 1.0:
         yield
         return
+    zero_centered = module.zero_centered_gamma
     shadowed = []
     try:
-        for name in NORM_PARAMETER_NAMES:
-            param = module._parameters.get(name)
-            if param is None:
-                continue
-            if name == "layer_norm_weight":
-                folded = fold_scale_into_gamma(param, scale, zero_centered_gamma)
-            else:
-                folded = fold_scale_into_beta(param, scale)
-            module.__dict__[name] = folded
-            shadowed.append(name)
+        weight = module._parameters.get("layer_norm_weight")
+        if weight is not None:
+            module.__dict__["layer_norm_weight"] = scaled_gamma(weight, scale, zero_centered)
+            shadowed.append("layer_norm_weight")
+        bias = module._parameters.get("layer_norm_bias")
+        if bias is not None:
+            module.__dict__["layer_norm_bias"] = fold_scale_into_beta(bias, scale)
+            shadowed.append("layer_norm_bias")
+        module.zero_centered_gamma = False
         yield
     finally:
         for name in shadowed:
             module.__dict__.pop(name, None)
+        module.zero_centered_gamma = zero_centered
 
 
 class FusedNormScaling:
@@ -106,7 +116,7 @@ class FusedNormScaling:
             self.register_load_state_dict_pre_hook(_keep_frozen_norm_parameters)
 
     def forward(self, *args: Any, **kwargs: Any):
-        with folded_norm_parameters(self, self.output_scale, self.zero_centered_gamma):
+        with folded_norm_parameters(self, self.output_scale):
             return super().forward(*args, **kwargs)
 
     def bake_output_scale(self) -> None:

@@ -23,8 +23,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_lns.scaling import (
     bake_scale_into,
     fold_scale_into_beta,
-    fold_scale_into_gamma,
     require_affine,
+    scaled_gamma,
 )
 
 SUPPORTED_NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -88,8 +88,9 @@ class LocalNorm(torch.nn.Module):
         """The multiplicative weight the norm kernel applies, LNS factor included."""
         if self.weight is None:
             return None if self.output_scale == 1.0 else self._constant(like)
-        gamma = fold_scale_into_gamma(self.weight, self.output_scale, self.zero_centered_gamma)
-        return gamma + 1.0 if self.zero_centered_gamma else gamma
+        # (1 + g) * s in fp32, rounded once to the activation dtype: as precise as a plain
+        # gamma even where a folded zero-centred s*g + (s-1) would not be (scaled_gamma).
+        return scaled_gamma(self.weight, self.output_scale, self.zero_centered_gamma, like.dtype)
 
     def effective_beta(self) -> torch.Tensor | None:
         return fold_scale_into_beta(self.bias, self.output_scale)

@@ -1,9 +1,12 @@
 """A faithful CPU stand-in for Transformer Engine's ``LayerNormLinear`` as megatron uses it.
 
-Like TE, it registers ``layer_norm_weight`` (and ``layer_norm_bias`` for LayerNorm),
-marks them ``sequence_parallel`` as TE does, honours ``zero_centered_gamma``
-(``x_hat * (1 + g)``), and reads ``self.layer_norm_weight`` / ``self.layer_norm_bias``
-by plain attribute access on every forward. The GEMM is megatron's
+Like TE (read from its source, tags v2.8 and v2.10), it registers ``layer_norm_weight``
+(and ``layer_norm_bias`` for LayerNorm), marks them ``sequence_parallel``, and on every
+forward reads ``self.layer_norm_weight`` / ``self.layer_norm_bias`` and
+``self.zero_centered_gamma`` by plain attribute access, casts the norm weight and bias to
+the activation dtype (TE's ``cast_if_needed(ln_weight, activation_dtype)``), then
+normalises in fp32, adding 1 to a zero-centred gamma in fp32 as TE's kernel does, and
+writes the output in the activation dtype. The GEMM is megatron's
 ``ColumnParallelLinear``, so tensor parallelism and checkpoint sharding are real.
 """
 
@@ -54,10 +57,15 @@ class StandInLayerNormColumnParallelLinear(ColumnParallelLinear):
                 param.sequence_parallel = config.sequence_parallel  # as TE does
 
     def forward(self, x):
-        weight = self.layer_norm_weight  # attribute read, like TE's LayerNormLinear
-        gamma = weight + 1 if self.zero_centered_gamma else weight
+        activation_dtype = x.dtype
+        # Attribute reads and the cast to the activation dtype, like TE's LayerNormLinear.
+        weight = self.layer_norm_weight.to(activation_dtype)
+        bias = self.layer_norm_bias
+        bias = None if bias is None else bias.to(activation_dtype).float()
+        # The fused kernel: fp32 math, 1 added to a zero-centred gamma in fp32.
+        gamma = weight.float() + 1 if self.zero_centered_gamma else weight.float()
         if self.normalization == "RMSNorm":
-            normed = F.rms_norm(x, x.shape[-1:], gamma, self.eps)
+            normed = F.rms_norm(x.float(), x.shape[-1:], gamma, self.eps)
         else:
-            normed = F.layer_norm(x, x.shape[-1:], gamma, self.layer_norm_bias, self.eps)
-        return super().forward(normed)
+            normed = F.layer_norm(x.float(), x.shape[-1:], gamma, bias, self.eps)
+        return super().forward(normed.to(activation_dtype))

@@ -116,7 +116,7 @@ def test_shadow_is_removed_even_when_forward_fails(seeded):
     with pytest.raises(RuntimeError):
         module(torch.randn(3, 2, 7))  # wrong hidden size
     assert "layer_norm_weight" not in module.__dict__
-    with folded_norm_parameters(module, 0.5, False):
+    with folded_norm_parameters(module, 0.5):
         torch.testing.assert_close(
             module.layer_norm_weight, module._parameters["layer_norm_weight"] * 0.5
         )
@@ -255,3 +255,47 @@ def test_both_norm_owners_implement_the_scaled_norm_interface(seeded, fused):
             assert owner.affine and owner.zero_centered_gamma
             gamma, beta = (getattr(owner, name) for name in owner.norm_parameter_names)
             assert isinstance(gamma, torch.nn.Parameter) and isinstance(beta, torch.nn.Parameter)
+
+
+def _sign_pattern(hidden, dtype):
+    """+-1 alternating: x_hat is +-1 for RMSNorm and LayerNorm, so the output is +-gamma."""
+    return torch.tensor([1.0, -1.0] * (hidden // 2), dtype=dtype).view(1, 1, hidden)
+
+
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_deep_layer_bf16_effective_scale_is_as_precise_as_plain_gamma(seeded, zero_centered):
+    """Layer 64 in bf16: the scale the kernel applies is s*(1+g) to bf16's rounding (2^-8).
+
+    TE casts the weight to bf16 before adding 1, so a folded zero-centred weight
+    s*g + (s-1) ~ -0.875 would carry an absolute error of up to 2^-9, i.e. 1.6% of s.
+    """
+    hidden, scale = 64, 1 / math.sqrt(64)
+    cfg = tiny_config(
+        hidden_size=hidden,
+        normalization="RMSNorm",
+        layernorm_zero_centered_gamma=zero_centered,
+        precision="bf16",
+    )
+    tf = cfg.transformer_config()
+    module = with_norm_scaling(StandIn)(
+        hidden,
+        hidden,
+        config=tf,
+        init_method=torch.nn.init.zeros_,
+        gather_output=False,
+        bias=False,
+        skip_bias_add=False,
+    )
+    g = 0.02 * torch.randn(hidden, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        module.weight.copy_(torch.eye(hidden))  # the GEMM passes the norm output through
+        module.layer_norm_weight.copy_(g if zero_centered else 1 + g)
+    module.output_scale = scale
+    x = _sign_pattern(hidden, torch.bfloat16)
+    out, _ = module(x)
+    effective = out.double() * x.double()
+    stored = module.layer_norm_weight.double()
+    exact = scale * (1 + stored if zero_centered else stored)
+    relative_error = ((effective - exact) / exact).abs().max().item()
+    assert relative_error <= 2**-8 + 1e-5, relative_error
+    assert module.zero_centered_gamma is zero_centered  # restored after the call
