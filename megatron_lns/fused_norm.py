@@ -158,9 +158,20 @@ def with_norm_scaling(linear_cls: type, norm_affine: bool = True) -> type:
 
     A class rather than constructor arguments, because megatron builds ``linear_qkv``
     with ``build_module`` and ``linear_fc1`` by calling the class directly.
+
+    The class keeps ``linear_cls.__name__``: megatron-core dispatches on class names
+    (Megatron-FSDP's ``FullyShardedDataParallel._detect_parallelism_type`` treats a
+    ``"TELayerNormColumnParallelLinear"`` as column-parallel with replicated norm
+    parameters, and any other name containing "Norm" as replicated throughout), so a
+    new name would silently change parameter layouts. ``isinstance(m, FusedNormScaling)``
+    identifies the LNS class; its ``__qualname__`` says what it wraps.
     """
-    name = f"LNS{linear_cls.__name__}" + ("" if norm_affine else "NonAffine")
-    return type(name, (FusedNormScaling, linear_cls), {"affine": norm_affine})
+    qualname = f"with_norm_scaling({linear_cls.__qualname__}, norm_affine={norm_affine})"
+    return type(
+        linear_cls.__name__,
+        (FusedNormScaling, linear_cls),
+        {"affine": norm_affine, "__qualname__": qualname, "__module__": __name__},
+    )
 
 
 def fused_norm_layer_spec(

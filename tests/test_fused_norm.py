@@ -299,3 +299,37 @@ def test_deep_layer_bf16_effective_scale_is_as_precise_as_plain_gamma(seeded, ze
     relative_error = ((effective - exact) / exact).abs().max().item()
     assert relative_error <= 2**-8 + 1e-5, relative_error
     assert module.zero_centered_gamma is zero_centered  # restored after the call
+
+
+@pytest.mark.parametrize("norm_affine", [True, False])
+def test_megatron_fsdp_classifies_the_lns_class_like_te(seeded, norm_affine):
+    """Megatron-FSDP picks parameter layouts by class name: megatron-core 0.19.2,
+    ``FullyShardedDataParallel._detect_parallelism_type`` in
+    ``distributed/fsdp/mcore_fsdp_adapter.py`` special-cases ``type(module).__name__ ==
+    "TELayerNormColumnParallelLinear"`` (norm params replicated, GEMM params column);
+    an unknown name containing "Norm" falls through to "replicated" for every parameter,
+    which would replicate the column-parallel GEMM weight."""
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    te_named = type("TELayerNormColumnParallelLinear", (StandIn,), {})
+    tf = tiny_config(normalization="LayerNorm", bias=True).transformer_config()
+    adapter = FullyShardedDataParallel.__new__(FullyShardedDataParallel)  # classification only
+    layouts = []
+    for cls in (te_named, with_norm_scaling(te_named, norm_affine)):
+        module = cls(
+            64, 48, config=tf, init_method=torch.nn.init.normal_, gather_output=False,
+            bias=True, skip_bias_add=False,
+        )  # fmt: skip
+        layouts.append(
+            {
+                name: adapter._detect_parallelism_type(name, module)
+                for name, _ in module.named_parameters(recurse=False)
+            }
+        )
+    expected = {
+        "weight": "column",
+        "bias": "column",
+        "layer_norm_weight": "replicated",
+        "layer_norm_bias": "replicated",
+    }
+    assert layouts == [expected, expected]
