@@ -103,17 +103,32 @@ class FusedNormScaling:
                 "only be folded into a fused norm that says which gamma form it uses"
             )
         if not self.affine:
-            with torch.no_grad():
-                for name in NORM_PARAMETER_NAMES:
-                    param = self._parameters.get(name)
-                    if param is not None:
-                        identity = 1.0 if name == "layer_norm_weight" else 0.0
-                        if self.zero_centered_gamma:
-                            identity = 0.0
-                        param.fill_(identity)
-                        param.requires_grad_(False)
+            self._freeze_norm_parameters()
             self._register_state_dict_hook(_drop_frozen_norm_parameters)
             self.register_load_state_dict_pre_hook(_keep_frozen_norm_parameters)
+
+    def reset_parameters(self, *args: Any, **kwargs: Any) -> None:
+        """The wrapped class's reset, keeping a parameter-free norm frozen.
+
+        Transformer Engine's ``reset_parameters`` (called by its ``__init__`` and by
+        Megatron-FSDP's meta-device init) re-wraps every parameter as a fresh
+        ``nn.Parameter``, which would make the frozen gamma/beta trainable again.
+        """
+        super().reset_parameters(*args, **kwargs)
+        if not self.affine:
+            self._freeze_norm_parameters()
+
+    @torch.no_grad()
+    def _freeze_norm_parameters(self) -> None:
+        """Gamma and beta at the identity (gamma 0 when zero-centred), out of training."""
+        for name in NORM_PARAMETER_NAMES:
+            param = self._parameters.get(name)
+            if param is not None:
+                identity = 1.0 if name == "layer_norm_weight" else 0.0
+                if self.zero_centered_gamma:
+                    identity = 0.0
+                param.fill_(identity)
+                param.requires_grad_(False)
 
     def forward(self, *args: Any, **kwargs: Any):
         with folded_norm_parameters(self, self.output_scale):

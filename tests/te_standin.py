@@ -13,6 +13,7 @@ writes the output in the activation dtype. The GEMM is megatron's
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
 
 class StandInLayerNormColumnParallelLinear(ColumnParallelLinear):
@@ -52,9 +53,38 @@ class StandInLayerNormColumnParallelLinear(ColumnParallelLinear):
             )
         else:
             self.layer_norm_bias = None
+        self._init_method = init_method
+        self.reset_parameters(defer_init=self.weight.is_meta)  # TE's __init__ ends so
+
+    def reset_parameters(self, defer_init=False):
+        """TE's ``reset_parameters`` (base module + ``LayerNormLinear``, v2.8 to HEAD).
+
+        Every parameter of this module is re-initialised in place (norm weight to
+        ``float(not zero_centered_gamma)``, biases to 0, the GEMM weight by its init
+        method) and re-wrapped as a fresh ``nn.Parameter``: ``requires_grad`` is True
+        again and Python attributes are gone. Then the ``sequence_parallel`` and
+        tensor-parallel attributes are set again. Megatron-FSDP's meta-device init calls it.
+        """
+        if defer_init:
+            return
+        with torch.no_grad():
+            for name, param in list(self.named_parameters(recurse=False)):
+                data = param.detach()
+                if data.is_meta:
+                    data = torch.empty_like(data, device="cpu")
+                if name == "layer_norm_weight":
+                    data.fill_(float(not self.zero_centered_gamma))
+                elif name == "weight":
+                    self._init_method(data)
+                else:
+                    data.zero_()
+                setattr(self, name, torch.nn.Parameter(data))
         for param in (self.layer_norm_weight, self.layer_norm_bias):
             if param is not None:
-                param.sequence_parallel = config.sequence_parallel  # as TE does
+                param.sequence_parallel = self.sequence_parallel
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        if self.bias is not None:
+            set_tensor_model_parallel_attributes(self.bias, True, 0, 1)
 
     def forward(self, x):
         activation_dtype = x.dtype

@@ -333,3 +333,31 @@ def test_megatron_fsdp_classifies_the_lns_class_like_te(seeded, norm_affine):
         "layer_norm_bias": "replicated",
     }
     assert layouts == [expected, expected]
+
+
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_parameter_free_fused_norm_stays_frozen_through_reset_parameters(seeded, zero_centered):
+    """TE's reset_parameters (which Megatron-FSDP's meta-device init calls) re-wraps every
+    parameter as a fresh nn.Parameter, so a frozen one would come back trainable."""
+    cfg = tiny_config(
+        normalization="LayerNorm", norm_affine=False, layernorm_zero_centered_gamma=zero_centered
+    )
+    module = with_norm_scaling(StandIn, norm_affine=False)(
+        64,
+        48,
+        config=cfg.transformer_config(),
+        init_method=torch.nn.init.normal_,
+        gather_output=False,
+        bias=False,
+        skip_bias_add=False,
+    )
+    with torch.no_grad():
+        module.layer_norm_weight.add_(0.5)  # e.g. a meta tensor materialised with garbage
+    module.reset_parameters()
+    identity = 0.0 if zero_centered else 1.0
+    for name in ("layer_norm_weight", "layer_norm_bias"):
+        param = getattr(module, name)
+        assert not param.requires_grad, name
+        assert torch.all(param == (identity if name == "layer_norm_weight" else 0.0)), name
+    assert module.weight.requires_grad
+    assert not any("layer_norm" in k for k in module.state_dict())
