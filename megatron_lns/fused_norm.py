@@ -39,7 +39,6 @@ from megatron_lns.scaling import (
     NormScaling,
     bake_scale_into,
     fold_scale_into_beta,
-    fold_scale_into_gamma,
     require_affine,
     scaled_gamma,
 )
@@ -140,12 +139,6 @@ class FusedNormScaling:
         weight, bias = (self._parameters.get(name) for name in NORM_PARAMETER_NAMES)
         bake_scale_into(weight, bias, self.output_scale, self.zero_centered_gamma)
         self.output_scale = 1.0
-
-    def folded_layer_norm_weight(self) -> torch.Tensor:
-        """The norm weight as the kernel sees it (for code that reads it directly)."""
-        return fold_scale_into_gamma(
-            self.layer_norm_weight.data, self.output_scale, self.zero_centered_gamma
-        )
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)

@@ -95,24 +95,38 @@ class LNSTransformerLayer(TransformerLayer):
             owner.output_scale = scale
 
     def get_qkv_layer_norm_weights(self) -> Tensor:
-        """The fused QKV norm weight with the LNS factor folded in.
+        """megatron's getter for the fused QKV norm weight, refused while LNS is unbaked.
 
-        megatron's inference fused-communication path reads this instead of running the
-        module's forward, so it must not see the raw parameter.
+        megatron's inference fused-communication path (``inference_fuse_tp_communication``)
+        calls it once while building the block, keeps the tensor, and applies the norm
+        in the previous layer's kernels instead of ``linear_qkv``'s forward. megatron's
+        getter returns the parameter's own storage, so a checkpoint loaded later is seen;
+        a factor folded in at construction would be a stale copy, and a forward-time
+        factor is bypassed. So with a factor other than 1 this refuses (bake first); with
+        factor 1 (layer 1, Pre-LN, or baked) it is megatron's getter.
         """
-        return self._folded_norm_weight(getattr(self.self_attention, "linear_qkv", None))
+        self._refuse_unbaked_norm_weight_getter(self.self_attention, "linear_qkv")
+        return super().get_qkv_layer_norm_weights()
 
     def get_mlp_layer_norm_weights(self) -> Tensor:
-        """The fused FC1 norm weight with the LNS factor folded in (see above)."""
-        return self._folded_norm_weight(getattr(self.mlp, "linear_fc1", None))
+        """megatron's getter for the fused FC1 norm weight, refused while LNS is unbaked
+        (see :meth:`get_qkv_layer_norm_weights`)."""
+        self._refuse_unbaked_norm_weight_getter(self.mlp, "linear_fc1")
+        return super().get_mlp_layer_norm_weights()
 
-    @staticmethod
-    def _folded_norm_weight(owner: Any) -> Tensor:
-        if owner is None or not hasattr(owner, "folded_layer_norm_weight"):
+    def _refuse_unbaked_norm_weight_getter(self, parent: torch.nn.Module, name: str) -> None:
+        if "layer_norm_weight" not in getattr(getattr(parent, name, None), "_parameters", {}):
             raise AttributeError(
                 "this layer has no fused norm + linear; its norms are separate modules"
             )
-        return owner.folded_layer_norm_weight()
+        if self.norm_output_scale != 1.0:
+            raise ValueError(
+                f"layer {self.layer_number} applies the LNS factor 1/sqrt({self.layer_number}) "
+                f"in {name}'s forward, which megatron's inference fused-communication path "
+                "(inference_fuse_tp_communication) bypasses with a norm weight kept from "
+                "construction; build the inference model with norm_scaling='none' and load "
+                "megatron_lns.layer.baked_state_dict(lns_model) into it"
+            )
 
     def bake_norm_scaling(self) -> None:
         """Multiply the factor into the norm parameters for good and stop applying it.

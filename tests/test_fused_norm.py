@@ -152,15 +152,24 @@ def test_fused_and_local_checkpoint_keys_map_onto_each_other(seeded):
     assert checkpoint_keys(_fused_model(cfg)) == checkpoint_keys(build_model(cfg)[0])
 
 
-def test_inference_norm_weight_getters_return_folded_weights(seeded):
+def test_inference_norm_weight_getters_refuse_unbaked_lns_and_follow_the_parameter(seeded):
+    """megatron keeps what these getters return (inference fused-communication path), so a
+    folded copy would go stale when a checkpoint is loaded later: refused until baked."""
     fused = _fused_model(tiny_config(num_layers=4))
     perturb_norm_weights(fused)
     layer = fused.decoder.layers[3]
-    raw = layer.self_attention.linear_qkv.layer_norm_weight
-    torch.testing.assert_close(layer.get_qkv_layer_norm_weights(), raw.data * 0.5)
-    torch.testing.assert_close(
-        layer.get_mlp_layer_norm_weights(), layer.mlp.linear_fc1.layer_norm_weight.data * 0.5
-    )
+    with pytest.raises(ValueError, match=r"layer 4 .*baked_state_dict\(lns_model\)"):
+        layer.get_qkv_layer_norm_weights()
+    with pytest.raises(ValueError, match=r"inference_fuse_tp_communication"):
+        layer.get_mlp_layer_norm_weights()
+
+    bake_norm_scaling(fused)
+    kept_qkv, kept_mlp = layer.get_qkv_layer_norm_weights(), layer.get_mlp_layer_norm_weights()
+    new_state = {k: v + 1 if "layer_norm" in k else v for k, v in fused.state_dict().items()}
+    fused.load_state_dict(new_state)  # e.g. a checkpoint loaded after construction
+    torch.testing.assert_close(kept_qkv, layer.self_attention.linear_qkv.layer_norm_weight.data)
+    torch.testing.assert_close(kept_mlp, layer.mlp.linear_fc1.layer_norm_weight.data)
+
     local_layer = build_model(tiny_config())[0].decoder.layers[0]
     with pytest.raises(AttributeError, match="no fused norm"):
         local_layer.get_qkv_layer_norm_weights()
