@@ -156,7 +156,9 @@ def test_blockwise_fp8_needs_hopper_and_cuda_12_9(monkeypatch):
         monkeypatch.setattr(torch.version, "cuda", version)
         check_environment(cfg)
     monkeypatch.setattr(torch.version, "cuda", None)  # a ROCm or CPU build
-    with pytest.raises(ConfigError, match=r"needs CUDA >= 12.9, this PyTorch is not built with CUDA"):
+    with pytest.raises(
+        ConfigError, match=r"needs CUDA >= 12.9, this PyTorch is not built with CUDA"
+    ):
         check_environment(cfg)
     monkeypatch.setattr(torch.version, "cuda", "12.9")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 9))
