@@ -28,6 +28,7 @@ from megatron_lns.layer import bake_norm_scaling
 from megatron_lns.model import build_model
 from megatron_lns.norms import local_norm_builder
 from megatron_lns.runtime import ParallelLayout
+from megatron_lns.scaling import lns_factor
 from megatron_lns.specs import local_to_fused_state_dict
 
 
@@ -271,14 +272,15 @@ def _sign_pattern(hidden, dtype):
     return torch.tensor([1.0, -1.0] * (hidden // 2), dtype=dtype).view(1, 1, hidden)
 
 
+@pytest.mark.parametrize("layer", [64, 100])
 @pytest.mark.parametrize("zero_centered", [False, True])
-def test_deep_layer_bf16_effective_scale_is_as_precise_as_plain_gamma(seeded, zero_centered):
-    """Layer 64 in bf16: the scale the kernel applies is s*(1+g) to bf16's rounding (2^-8).
+def test_deep_layer_bf16_effective_scale_is_as_precise_as_plain_gamma(seeded, zero_centered, layer):
+    """Deep layers in bf16: the scale the kernel applies is s*(1+g) to bf16 rounding (2^-8).
 
     TE casts the weight to bf16 before adding 1, so a folded zero-centred weight
     s*g + (s-1) ~ -0.875 would carry an absolute error of up to 2^-9, i.e. 1.6% of s.
     """
-    hidden, scale = 64, 1 / math.sqrt(64)
+    hidden, scale = 64, lns_factor(layer)
     cfg = tiny_config(
         hidden_size=hidden,
         normalization="RMSNorm",

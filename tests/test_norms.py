@@ -5,6 +5,7 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_lns.norms import LocalNorm
+from megatron_lns.scaling import lns_factor
 
 
 def _config(**kw):
@@ -102,11 +103,12 @@ def test_folding_matches_the_multiply_after_norm_reference(affine):
     assert reference.output_scale == 1 / math.sqrt(3)
 
 
+@pytest.mark.parametrize("layer", [64, 100])
 @pytest.mark.parametrize("zero_centered", [False, True])
-def test_deep_layer_bf16_effective_scale_is_as_precise_as_plain_gamma(zero_centered):
-    """Layer 64, bf16 parameters (as under megatron's Float16Module): the norm multiplies
+def test_deep_layer_bf16_effective_scale_is_as_precise_as_plain_gamma(zero_centered, layer):
+    """Layers 64 and 100, bf16 parameters (as under Float16Module): the norm multiplies
     by s*(1+g) to bf16's rounding, not by a rounded s*g + (s-1) (off by up to 1.6%)."""
-    hidden, scale = 64, 1 / math.sqrt(64)
+    hidden, scale = 64, lns_factor(layer)
     cfg = _config(
         hidden_size=hidden,
         normalization="RMSNorm",
