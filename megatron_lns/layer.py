@@ -29,34 +29,12 @@ from torch import Tensor
 
 from megatron_lns.scaling import (
     NormScaling,
+    ScaledNorm,
     fold_scale_into_beta,
     fold_scale_into_gamma,
     norm_output_scale,
+    require_affine,
 )
-
-
-@torch.no_grad()
-def bake_scale_into_parameters(owner: torch.nn.Module, scale: float) -> None:
-    """Fold ``scale`` into a norm owner's affine parameters in place."""
-    weight_name, bias_name, zero_centered = _norm_parameter_names(owner)
-    weight = owner._parameters[weight_name]
-    weight.copy_(fold_scale_into_gamma(weight, scale, zero_centered))
-    bias = owner._parameters.get(bias_name)
-    if bias is not None:
-        bias.copy_(fold_scale_into_beta(bias, scale))
-
-
-def _norm_parameter_names(owner: torch.nn.Module) -> tuple[str, str, bool]:
-    """(weight name, bias name, zero-centred) of a norm owner, separate or fused."""
-    fused = hasattr(owner, "lns_zero_centered_gamma")
-    if not (owner.norm_affine if fused else owner.affine):
-        raise ValueError(
-            f"{type(owner).__name__} has a parameter-free norm: there is no weight to bake "
-            "the LNS factor into; export it with an explicit scale instead"
-        )
-    if fused:
-        return "layer_norm_weight", "layer_norm_bias", owner.lns_zero_centered_gamma
-    return "weight", "bias", owner.zero_centered_gamma
 
 
 def baked_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
@@ -74,12 +52,14 @@ def baked_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
             continue
         scale = module.norm_output_scale
         for owner in module.pre_norm_owners():
-            weight_name, bias_name, zero_centered = _norm_parameter_names(owner)
+            require_affine(owner)
             prefix = names[id(owner)] + "." if names[id(owner)] else ""
-            key = prefix + weight_name
-            state[key] = fold_scale_into_gamma(state[key], scale, zero_centered)
-            if prefix + bias_name in state:
-                state[prefix + bias_name] = fold_scale_into_beta(state[prefix + bias_name], scale)
+            gamma_key, beta_key = (prefix + name for name in owner.norm_parameter_names)
+            state[gamma_key] = fold_scale_into_gamma(
+                state[gamma_key], scale, owner.zero_centered_gamma
+            )
+            if beta_key in state:
+                state[beta_key] = fold_scale_into_beta(state[beta_key], scale)
     return state
 
 
@@ -107,7 +87,7 @@ class LNSTransformerLayer(TransformerLayer):
         self.norm_scaling = norm_scaling
         scale = self.norm_output_scale
         for owner in self.pre_norm_owners():
-            if not hasattr(owner, "output_scale"):
+            if not isinstance(owner, ScaledNorm):
                 raise TypeError(
                     f"{type(owner).__name__} cannot apply a norm output scale; build the layer "
                     "with megatron_lns.specs.get_lns_layer_spec so its norms support LNS"
@@ -115,24 +95,38 @@ class LNSTransformerLayer(TransformerLayer):
             owner.output_scale = scale
 
     def get_qkv_layer_norm_weights(self) -> Tensor:
-        """The fused QKV norm weight with the LNS factor folded in.
+        """megatron's getter for the fused QKV norm weight, refused while LNS is unbaked.
 
-        megatron's inference fused-communication path reads this instead of running the
-        module's forward, so it must not see the raw parameter.
+        megatron's inference fused-communication path (``inference_fuse_tp_communication``)
+        calls it once while building the block, keeps the tensor, and applies the norm
+        in the previous layer's kernels instead of ``linear_qkv``'s forward. megatron's
+        getter returns the parameter's own storage, so a checkpoint loaded later is seen;
+        a factor folded in at construction would be a stale copy, and a forward-time
+        factor is bypassed. So with a factor other than 1 this refuses (bake first); with
+        factor 1 (layer 1, Pre-LN, or baked) it is megatron's getter.
         """
-        return self._folded_norm_weight(getattr(self.self_attention, "linear_qkv", None))
+        self._refuse_unbaked_norm_weight_getter(self.self_attention, "linear_qkv")
+        return super().get_qkv_layer_norm_weights()
 
     def get_mlp_layer_norm_weights(self) -> Tensor:
-        """The fused FC1 norm weight with the LNS factor folded in (see above)."""
-        return self._folded_norm_weight(getattr(self.mlp, "linear_fc1", None))
+        """megatron's getter for the fused FC1 norm weight, refused while LNS is unbaked
+        (see :meth:`get_qkv_layer_norm_weights`)."""
+        self._refuse_unbaked_norm_weight_getter(self.mlp, "linear_fc1")
+        return super().get_mlp_layer_norm_weights()
 
-    @staticmethod
-    def _folded_norm_weight(owner: Any) -> Tensor:
-        if owner is None or not hasattr(owner, "folded_layer_norm_weight"):
+    def _refuse_unbaked_norm_weight_getter(self, parent: torch.nn.Module, name: str) -> None:
+        if "layer_norm_weight" not in getattr(getattr(parent, name, None), "_parameters", {}):
             raise AttributeError(
                 "this layer has no fused norm + linear; its norms are separate modules"
             )
-        return owner.folded_layer_norm_weight()
+        if self.norm_output_scale != 1.0:
+            raise ValueError(
+                f"layer {self.layer_number} applies the LNS factor 1/sqrt({self.layer_number}) "
+                f"in {name}'s forward, which megatron's inference fused-communication path "
+                "(inference_fuse_tp_communication) bypasses with a norm weight kept from "
+                "construction; build the inference model with norm_scaling='none' and load "
+                "megatron_lns.layer.baked_state_dict(lns_model) into it"
+            )
 
     def bake_norm_scaling(self) -> None:
         """Multiply the factor into the norm parameters for good and stop applying it.
@@ -144,8 +138,7 @@ class LNSTransformerLayer(TransformerLayer):
         if scale == 1.0:
             return
         for owner in self.pre_norm_owners():
-            bake_scale_into_parameters(owner, scale)
-            owner.output_scale = 1.0
+            owner.bake_output_scale()
         self.norm_scaling = "none"
 
     @property
@@ -153,7 +146,7 @@ class LNSTransformerLayer(TransformerLayer):
         """``1/sqrt(self.layer_number)`` with LNS, 1.0 for plain Pre-LN."""
         return norm_output_scale(self.norm_scaling, self.layer_number)
 
-    def pre_norm_owners(self) -> list[Any]:
+    def pre_norm_owners(self) -> list[ScaledNorm]:
         """The modules that apply this layer's attention and MLP pre-norms.
 
         A separate norm module when the spec has one, else the fused norm+linear that

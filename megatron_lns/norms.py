@@ -13,13 +13,19 @@ activations see exactly one norm kernel whether or not LNS is on.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_lns.scaling import fold_scale_into_beta, fold_scale_into_gamma
+from megatron_lns.scaling import (
+    bake_scale_into,
+    fold_scale_into_beta,
+    require_affine,
+    scaled_gamma,
+)
 
 SUPPORTED_NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -27,10 +33,12 @@ SUPPORTED_NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 class LocalNorm(torch.nn.Module):
     """``config.normalization`` over the last dimension, optionally scaled by a constant.
 
-    ``output_scale`` is a plain float (never a buffer, never in a checkpoint), set by
-    :class:`~megatron_lns.layer.LNSTransformerLayer` from its global layer number; it
-    stays 1.0 for the final norm.
+    A :class:`~megatron_lns.scaling.ScaledNorm`: ``output_scale`` is a plain float (never
+    a buffer, never in a checkpoint), set by :class:`~megatron_lns.layer.LNSTransformerLayer`
+    from its global layer number; it stays 1.0 for the final norm.
     """
+
+    norm_parameter_names = ("weight", "bias")
 
     def __init__(
         self,
@@ -70,12 +78,19 @@ class LocalNorm(torch.nn.Module):
     def affine(self) -> bool:
         return self.weight is not None
 
+    def bake_output_scale(self) -> None:
+        """Multiply ``output_scale`` into gamma/beta for good; the norm is then plain."""
+        require_affine(self)
+        bake_scale_into(self.weight, self.bias, self.output_scale, self.zero_centered_gamma)
+        self.output_scale = 1.0
+
     def effective_gamma(self, like: torch.Tensor) -> torch.Tensor | None:
         """The multiplicative weight the norm kernel applies, LNS factor included."""
         if self.weight is None:
             return None if self.output_scale == 1.0 else self._constant(like)
-        gamma = fold_scale_into_gamma(self.weight, self.output_scale, self.zero_centered_gamma)
-        return gamma + 1.0 if self.zero_centered_gamma else gamma
+        # (1 + g) * s in fp32, rounded once to the activation dtype: as precise as a plain
+        # gamma even where a folded zero-centred s*g + (s-1) would not be (scaled_gamma).
+        return scaled_gamma(self.weight, self.output_scale, self.zero_centered_gamma, like.dtype)
 
     def effective_beta(self) -> torch.Tensor | None:
         return fold_scale_into_beta(self.bias, self.output_scale)
@@ -106,6 +121,11 @@ class LocalNorm(torch.nn.Module):
             f"{self.normalization}({self.hidden_size}, eps={self.eps}, affine={self.affine}, "
             f"zero_centered_gamma={self.zero_centered_gamma}, output_scale={self.output_scale:.6g})"
         )
+
+
+def local_norm_builder(norm_affine: bool = True) -> partial:
+    """A megatron ``LayerNormBuilder`` for :class:`LocalNorm` (affine or parameter-free)."""
+    return partial(LocalNorm, affine=norm_affine)
 
 
 class MultiplyAfterNorm(LocalNorm):

@@ -11,7 +11,7 @@ gradients, so forward and backward are exact.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -56,3 +56,79 @@ def fold_scale_into_beta(beta: torch.Tensor | None, scale: float) -> torch.Tenso
     if beta is None or scale == 1.0:
         return beta
     return beta * scale
+
+
+def scaled_gamma(
+    gamma: torch.Tensor, scale: float, zero_centered: bool, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The plain multiplicative weight of a norm scaled by ``scale``: ``s*g``, or ``s*(1+g)``
+    for zero-centred gamma, computed in at least fp32 and rounded once to ``dtype``
+    (default: ``gamma``'s).
+
+    This is what a kernel should multiply by. The folded zero-centred parameter
+    ``s*g + (s-1)`` is exact in real arithmetic but sits near ``-(1-s)``, where bf16's step
+    is 2^-8, so in bf16 the effective scale of a deep layer would be off by percents
+    (1.6% at layer 64); rounded here, ``s*(1+g)`` is as precise as any plain bf16 gamma.
+    """
+    effective = _at_least_fp32(gamma)
+    if zero_centered:
+        effective = effective + 1.0
+    if scale != 1.0:
+        effective = effective * scale
+    return effective.to(dtype or gamma.dtype)
+
+
+@torch.no_grad()
+def bake_scale_into(
+    gamma: torch.Tensor, beta: torch.Tensor | None, scale: float, zero_centered: bool
+) -> None:
+    """Multiply ``scale`` into a norm's stored parameters in place, keeping their form.
+
+    Computed in at least fp32 and rounded once. A zero-centred gamma stays zero-centred,
+    so a baked deep layer stores ``s*g + (s-1)``: bake fp32 parameters (a checkpoint's),
+    not bf16 model copies, or see :func:`scaled_gamma` for the precision lost.
+    """
+    gamma.copy_(fold_scale_into_gamma(_at_least_fp32(gamma), scale, zero_centered))
+    if beta is not None:
+        beta.copy_(fold_scale_into_beta(_at_least_fp32(beta), scale))
+
+
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+@runtime_checkable
+class ScaledNorm(Protocol):
+    """What :class:`~megatron_lns.layer.LNSTransformerLayer` needs from the module that
+    applies one of its pre-norms, separate (``norms.LocalNorm``) or fused into the next
+    linear (``fused_norm.FusedNormScaling``).
+
+    ``output_scale`` is the factor the norm's output is multiplied by (set by the layer,
+    1.0 for plain Pre-LN and the final norm). ``norm_parameter_names`` names the module's
+    gamma and beta attributes, the parameters the factor folds into (beta may be absent).
+    ``bake_output_scale`` multiplies the factor into them for good and resets it to 1.
+    """
+
+    output_scale: float
+    norm_parameter_names: tuple[str, str]
+
+    @property
+    def affine(self) -> bool:
+        """False for a parameter-free norm (OLMo): no gamma or beta to train or bake into."""
+        ...
+
+    @property
+    def zero_centered_gamma(self) -> bool:
+        """Whether gamma is stored as ``g`` with the norm multiplying by ``1 + g``."""
+        ...
+
+    def bake_output_scale(self) -> None: ...
+
+
+def require_affine(norm: ScaledNorm) -> None:
+    """Refuse to bake into a parameter-free norm, which has nothing to hold the factor."""
+    if not norm.affine:
+        raise ValueError(
+            f"{type(norm).__name__} has a parameter-free norm: there is no weight to bake "
+            "the LNS factor into; export it with an explicit scale instead"
+        )

@@ -1,39 +1,32 @@
-"""megatron ``ModuleSpec``s for LNS layers.
+"""megatron ``ModuleSpec``s for LNS layers: the one place that chooses the backend.
 
-The layer spec is megatron's own local GPT layer spec (``get_gpt_layer_local_submodules``)
+Local backend: megatron's own local GPT layer spec (``get_gpt_layer_local_submodules``)
 with two substitutions: the layer class is :class:`LNSTransformerLayer` and the norms are
 :class:`LocalNorm`. Everything else (attention, MLP, ``sharded_state_dict_keys_map``)
 is megatron's, so parameter names and checkpoint keys are exactly those of a plain
 Pre-LN model built from megatron's local spec, and checkpoints move between the two.
+Transformer Engine backend: megatron's TE spec with LNS folded into its fused norms
+(``te.py``, built on ``fused_norm.py``).
 
 With ``norm_scaling="none"`` the result is an ordinary Pre-LN layer.
 """
 
 from __future__ import annotations
 
-from functools import partial
-
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
-from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-from megatron_lns.fused_norm import with_norm_scaling
 from megatron_lns.layer import LNSTransformerLayer
-from megatron_lns.norms import LocalNorm
+from megatron_lns.norms import local_norm_builder
 from megatron_lns.scaling import NORM_SCALING_CHOICES, NormScaling
+from megatron_lns.te import get_te_lns_layer_spec, te_final_norm_builder
 
 BACKENDS = ("local", "te")
-
-
-def local_norm_builder(affine: bool = True) -> partial:
-    """A megatron ``LayerNormBuilder`` for :class:`LocalNorm`."""
-    return partial(LocalNorm, affine=affine)
 
 
 def get_lns_layer_spec(
@@ -48,8 +41,6 @@ def get_lns_layer_spec(
             f"norm_scaling must be one of {NORM_SCALING_CHOICES}, got {norm_scaling!r}"
         )
     if backend == "te":
-        from megatron_lns.te import get_te_lns_layer_spec
-
         return get_te_lns_layer_spec(
             norm_scaling, norm_affine=norm_affine, qk_layernorm=qk_layernorm
         )
@@ -64,39 +55,6 @@ def get_lns_layer_spec(
         attention = submodules.self_attention.submodules
         attention.q_layernorm = local_norm_builder(True)
         attention.k_layernorm = local_norm_builder(True)
-    return ModuleSpec(
-        module=LNSTransformerLayer, submodules=submodules, params={"norm_scaling": norm_scaling}
-    )
-
-
-def fused_norm_layer_spec(
-    submodules: TransformerLayerSubmodules, norm_scaling: NormScaling, norm_affine: bool = True
-) -> ModuleSpec:
-    """An LNS layer spec from submodules whose pre-norms are fused into the next linear.
-
-    ``linear_qkv`` and the MLP's ``linear_fc1`` classes (Transformer Engine's
-    ``TELayerNormColumnParallelLinear``, or any module that reads
-    ``self.layer_norm_weight`` in forward) get :class:`FusedNormScaling` mixed in.
-    Parameter names, checkpoint keys and the ``sequence_parallel`` attributes stay as
-    the wrapped class makes them.
-    """
-    if not (
-        submodules.input_layernorm is IdentityOp and submodules.pre_mlp_layernorm is IdentityOp
-    ):
-        raise ValueError(
-            "fused_norm_layer_spec expects the norms fused into linear_qkv / linear_fc1"
-        )
-    attention = submodules.self_attention.submodules
-    attention.linear_qkv = with_norm_scaling(attention.linear_qkv, norm_affine)
-    mlp = submodules.mlp
-    mlp_class = getattr(getattr(mlp, "func", None), "__self__", None)
-    if mlp_class is not None and mlp_class.__name__.startswith("TEFused"):
-        raise ValueError(
-            "the Transformer Engine op fuser (TEFusedMLP) reads the raw pre-MLP norm weight, "
-            "so LNS cannot be folded into it; build the spec without use_te_op_fuser"
-        )
-    mlp_submodules = mlp.keywords["submodules"]
-    mlp_submodules.linear_fc1 = with_norm_scaling(mlp_submodules.linear_fc1, norm_affine)
     return ModuleSpec(
         module=LNSTransformerLayer, submodules=submodules, params={"norm_scaling": norm_scaling}
     )
@@ -119,8 +77,6 @@ def get_lns_block_spec(
     layer_spec = get_lns_layer_spec(norm_scaling, backend, norm_affine, qk_layernorm)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     if backend == "te":
-        from megatron_lns.te import te_final_norm_builder
-
         final_norm = te_final_norm_builder(norm_affine)
     else:
         final_norm = local_norm_builder(norm_affine)

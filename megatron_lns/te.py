@@ -1,4 +1,7 @@
-"""Transformer Engine backend for LNS; imported only when asked for.
+"""Transformer Engine backend for LNS: megatron's TE layer spec with LNS folded in.
+
+Importing this module does not import Transformer Engine; building a spec does, and
+says how to install it when it is missing.
 
 megatron's own TE layer spec fuses each pre-norm into the GEMM that follows it
 (``TELayerNormColumnParallelLinear`` for ``linear_qkv`` and ``linear_fc1``); the LNS
@@ -8,8 +11,13 @@ fusion and its FP8 cast stay intact and no kernel is added.
 
 from __future__ import annotations
 
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_with_transformer_engine_submodules,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_lns.fused_norm import fused_norm_layer_spec
+from megatron_lns.norms import local_norm_builder
 from megatron_lns.scaling import NormScaling
 
 INSTALL_HINT = (
@@ -39,12 +47,6 @@ def get_te_lns_layer_spec(
 ) -> ModuleSpec:
     """megatron's TE GPT layer spec with LNS folded into its fused norms."""
     require_te()
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_with_transformer_engine_submodules,
-    )
-
-    from megatron_lns.specs import fused_norm_layer_spec
-
     submodules = get_gpt_layer_with_transformer_engine_submodules(qk_layernorm=qk_layernorm)
     return fused_norm_layer_spec(submodules, norm_scaling, norm_affine)
 
@@ -53,9 +55,7 @@ def te_final_norm_builder(norm_affine: bool = True):
     """TE's fused norm for the (never scaled) final norm; parameter-free falls back to local."""
     require_te()
     if not norm_affine:
-        from megatron_lns.specs import local_norm_builder
-
-        return local_norm_builder(affine=False)
+        return local_norm_builder(norm_affine=False)
     from megatron.core.extensions.transformer_engine import TENorm
 
     return TENorm

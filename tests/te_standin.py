@@ -1,15 +1,19 @@
 """A faithful CPU stand-in for Transformer Engine's ``LayerNormLinear`` as megatron uses it.
 
-Like TE, it registers ``layer_norm_weight`` (and ``layer_norm_bias`` for LayerNorm),
-marks them ``sequence_parallel`` as TE does, honours ``zero_centered_gamma``
-(``x_hat * (1 + g)``), and reads ``self.layer_norm_weight`` / ``self.layer_norm_bias``
-by plain attribute access on every forward. The GEMM is megatron's
+Like TE (read from its source, tags v2.8 and v2.10), it registers ``layer_norm_weight``
+(and ``layer_norm_bias`` for LayerNorm), marks them ``sequence_parallel``, and on every
+forward reads ``self.layer_norm_weight`` / ``self.layer_norm_bias`` and
+``self.zero_centered_gamma`` by plain attribute access, casts the norm weight and bias to
+the activation dtype (TE's ``cast_if_needed(ln_weight, activation_dtype)``), then
+normalises in fp32, adding 1 to a zero-centred gamma in fp32 as TE's kernel does, and
+writes the output in the activation dtype. The GEMM is megatron's
 ``ColumnParallelLinear``, so tensor parallelism and checkpoint sharding are real.
 """
 
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
 
 class StandInLayerNormColumnParallelLinear(ColumnParallelLinear):
@@ -49,15 +53,49 @@ class StandInLayerNormColumnParallelLinear(ColumnParallelLinear):
             )
         else:
             self.layer_norm_bias = None
+        self._init_method = init_method
+        self.reset_parameters(defer_init=self.weight.is_meta)  # TE's __init__ ends so
+
+    def reset_parameters(self, defer_init=False):
+        """TE's ``reset_parameters`` (base module + ``LayerNormLinear``, v2.8 to HEAD).
+
+        Every parameter of this module is re-initialised in place (norm weight to
+        ``float(not zero_centered_gamma)``, biases to 0, the GEMM weight by its init
+        method) and re-wrapped as a fresh ``nn.Parameter``: ``requires_grad`` is True
+        again and Python attributes are gone. Then the ``sequence_parallel`` and
+        tensor-parallel attributes are set again. Megatron-FSDP's meta-device init calls it.
+        """
+        if defer_init:
+            return
+        with torch.no_grad():
+            for name, param in list(self.named_parameters(recurse=False)):
+                data = param.detach()
+                if data.is_meta:
+                    data = torch.empty_like(data, device="cpu")
+                if name == "layer_norm_weight":
+                    data.fill_(float(not self.zero_centered_gamma))
+                elif name == "weight":
+                    self._init_method(data)
+                else:
+                    data.zero_()
+                setattr(self, name, torch.nn.Parameter(data))
         for param in (self.layer_norm_weight, self.layer_norm_bias):
             if param is not None:
-                param.sequence_parallel = config.sequence_parallel  # as TE does
+                param.sequence_parallel = self.sequence_parallel
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        if self.bias is not None:
+            set_tensor_model_parallel_attributes(self.bias, True, 0, 1)
 
     def forward(self, x):
-        weight = self.layer_norm_weight  # attribute read, like TE's LayerNormLinear
-        gamma = weight + 1 if self.zero_centered_gamma else weight
+        activation_dtype = x.dtype
+        # Attribute reads and the cast to the activation dtype, like TE's LayerNormLinear.
+        weight = self.layer_norm_weight.to(activation_dtype)
+        bias = self.layer_norm_bias
+        bias = None if bias is None else bias.to(activation_dtype).float()
+        # The fused kernel: fp32 math, 1 added to a zero-centred gamma in fp32.
+        gamma = weight.float() + 1 if self.zero_centered_gamma else weight.float()
         if self.normalization == "RMSNorm":
-            normed = F.rms_norm(x, x.shape[-1:], gamma, self.eps)
+            normed = F.rms_norm(x.float(), x.shape[-1:], gamma, self.eps)
         else:
-            normed = F.layer_norm(x, x.shape[-1:], gamma, self.layer_norm_bias, self.eps)
-        return super().forward(normed)
+            normed = F.layer_norm(x.float(), x.shape[-1:], gamma, bias, self.eps)
+        return super().forward(normed.to(activation_dtype))

@@ -5,6 +5,7 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_lns.norms import LocalNorm
+from megatron_lns.scaling import lns_factor
 
 
 def _config(**kw):
@@ -100,3 +101,29 @@ def test_folding_matches_the_multiply_after_norm_reference(affine):
     x = torch.randn(4, 8)
     torch.testing.assert_close(folded(x), reference(x))
     assert reference.output_scale == 1 / math.sqrt(3)
+
+
+@pytest.mark.parametrize("layer", [64, 100])
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_deep_layer_bf16_effective_scale_is_as_precise_as_plain_gamma(zero_centered, layer):
+    """Layers 64 and 100, bf16 parameters (as under Float16Module): the norm multiplies
+    by s*(1+g) to bf16's rounding, not by a rounded s*g + (s-1) (off by up to 1.6%)."""
+    hidden, scale = 64, lns_factor(layer)
+    cfg = _config(
+        hidden_size=hidden,
+        normalization="RMSNorm",
+        layernorm_zero_centered_gamma=zero_centered,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+    )
+    norm = LocalNorm(cfg, hidden)
+    g = 0.02 * torch.randn(hidden, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        norm.weight.copy_(g if zero_centered else 1 + g)
+    norm.output_scale = scale
+    x = torch.tensor([1.0, -1.0] * (hidden // 2), dtype=torch.bfloat16)
+    effective = norm(x).double() * x.double()
+    stored = norm.weight.double()
+    exact = scale * (1 + stored if zero_centered else stored)
+    relative_error = ((effective - exact) / exact).abs().max().item()
+    assert relative_error <= 2**-8 + 1e-5, relative_error

@@ -136,3 +136,65 @@ def test_distributed_optimizer_without_te_or_apex_is_refused(monkeypatch):
         check_environment(cfg)
     monkeypatch.setattr(dopt, "HAVE_APEX_OR_TE", True)
     check_environment(cfg)
+
+
+def test_blockwise_fp8_needs_hopper_and_cuda_12_9(monkeypatch):
+    import megatron_lns.te as te
+
+    cfg = load_config(DEMO, [*TE_FP8, "model.fp8=blockwise"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(te, "te_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    with pytest.raises(
+        ConfigError,
+        match=r"model.fp8=blockwise needs CUDA >= 12.9, this PyTorch is built with CUDA 12.8",
+    ):
+        check_environment(cfg)
+    for version in ("12.9", "12.10", "13.0"):
+        monkeypatch.setattr(torch.version, "cuda", version)
+        check_environment(cfg)
+    monkeypatch.setattr(torch.version, "cuda", None)  # a ROCm or CPU build
+    with pytest.raises(
+        ConfigError, match=r"needs CUDA >= 12.9, this PyTorch is not built with CUDA"
+    ):
+        check_environment(cfg)
+    monkeypatch.setattr(torch.version, "cuda", "12.9")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 9))
+    with pytest.raises(ConfigError, match=r"model.fp8=blockwise needs compute capability >= 9.0"):
+        check_environment(cfg)
+    check_environment(load_config(DEMO, TE_FP8))  # delayed scaling: no CUDA-version floor
+
+
+def test_norm_and_te_modules_import_one_way():
+    """scaling <- norms, layer <- fused_norm <- te <- specs, lazy imports included:
+    specs alone chooses the backend and nothing below it imports it back."""
+    import ast
+
+    allowed = {
+        "scaling": set(),
+        "norms": {"scaling"},
+        "layer": {"scaling"},
+        "fused_norm": {"scaling", "layer"},
+        "te": {"scaling", "norms", "fused_norm"},
+        "specs": {"scaling", "norms", "layer", "te"},
+    }
+    package = Path(__file__).resolve().parents[1] / "megatron_lns"
+    for module, may_import in allowed.items():
+        tree = ast.parse((package / f"{module}.py").read_text())
+        imported = {
+            node.module.split(".")[1]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.startswith("megatron_lns.")
+        }
+        imported |= {
+            alias.name.split(".")[1]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+            if alias.name.startswith("megatron_lns.")
+        }
+        assert imported <= may_import, (module, imported - may_import)

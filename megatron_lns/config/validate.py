@@ -31,6 +31,9 @@ FP8_MIN_CAPABILITY = {
     "blockwise": (9, 0),
     "mxfp8": (10, 0),
 }
+# Minimum CUDA version PyTorch is built with, per FP8 recipe (Transformer Engine's
+# check_fp8_block_scaling_support: block-scaled GEMMs need cuBLAS from CUDA 12.9).
+FP8_MIN_CUDA = {"blockwise": (12, 9)}
 
 
 def _choice(key: str, value, choices) -> None:
@@ -236,3 +239,16 @@ def check_environment(cfg: ExperimentConfig) -> None:
                 f"model.fp8={m.fp8} needs compute capability >= {needed[0]}.{needed[1]}, "
                 f"this machine has {have}"
             )
+        needed_cuda = FP8_MIN_CUDA.get(m.fp8)
+        built = torch.version.cuda
+        if needed_cuda and (built is None or _version_tuple(built) < needed_cuda):
+            have = f"built with CUDA {built}" if built else "not built with CUDA"
+            raise ConfigError(
+                f"model.fp8={m.fp8} needs CUDA >= {needed_cuda[0]}.{needed_cuda[1]}, "
+                f"this PyTorch is {have}"
+            )
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """``"12.8"`` -> ``(12, 8)`` (compared as numbers, so 12.10 > 12.9)."""
+    return tuple(int(part) for part in version.split(".") if part.isdigit())

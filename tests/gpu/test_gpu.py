@@ -54,55 +54,40 @@ def test_local_backend_runs_on_cuda(tmp_path):
     assert run_distributed(_local_backend_on_cuda_worker, 1, tmp_path)[0] < 1e-5
 
 
-def _te_vs_local_worker():
-    from megatron.core.transformer.module import Float16Module
+def _gpu_check():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import gpu_check
 
-    from megatron_lns.model import build_model
+    return gpu_check
+
+
+def _te_vs_local_worker():
     from megatron_lns.runtime import ParallelLayout, init_distributed
-    from megatron_lns.specs import local_to_fused_state_dict
 
     device = init_distributed(ParallelLayout(), device="cuda")
-    results = {}
-    for normalization in ("RMSNorm", "LayerNorm"):
-        cfg = tiny_config(
-            num_layers=8,
-            hidden_size=256,
-            num_attention_heads=8,
-            ffn_hidden_size=512,
-            vocab_size=512,
-            seq_length=128,
-            normalization=normalization,
-            precision="bf16",
-        )
-        local = build_model(cfg, device=device)[0]
-        with torch.no_grad():
-            for name, p in local.named_parameters():
-                if "layernorm" in name:
-                    p.add_(0.2 * torch.randn_like(p))
-        te_cfg = tiny_config(**{**cfg.to_dict(), "backend": "te"})
-        te_model = build_model(te_cfg, device=device)[0]
-        result = te_model.load_state_dict(
-            local_to_fused_state_dict(local.state_dict()), strict=False
-        )
-        stray = [
-            k
-            for k in result.missing_keys + result.unexpected_keys
-            if not k.endswith("_extra_state")
-        ]
-        assert not stray, stray
-        tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), device=device)
-        a = _logits(Float16Module(local.config, local), tokens).float()
-        b = _logits(Float16Module(te_model.config, te_model), tokens).float()
-        results[normalization] = ((a - b).abs().max().item(), a.abs().max().item())
-    return results
+    return _gpu_check().check_te_vs_local(device, smoke=False)
 
 
 @needs_te
-def test_te_lns_matches_local_lns_in_bf16(tmp_path):
-    for normalization, (max_diff, scale) in run_distributed(_te_vs_local_worker, 1, tmp_path)[
-        0
-    ].items():
-        assert max_diff < 0.05 * scale, (normalization, max_diff, scale)
+def test_te_lns_matches_local_lns_logits_and_gradients_in_bf16(tmp_path):
+    """Same weights: logits and every gradient within the bf16 bounds of
+    benchmarks/gpu_check.py, and TE LNS vs TE Pre-LN (the control) far outside them."""
+    result = run_distributed(_te_vs_local_worker, 1, tmp_path)[0]
+    assert result["status"] == "pass", result["failures"]
+
+
+def _zero_centered_worker():
+    from megatron_lns.runtime import ParallelLayout, init_distributed
+
+    device = init_distributed(ParallelLayout(), device="cuda")
+    return _gpu_check().check_zero_centered_gamma(device, smoke=False)
+
+
+def test_deep_layer_bf16_scale_is_as_precise_as_plain_gamma(tmp_path):
+    """Layer 64, bf16: local backend always, Transformer Engine when installed."""
+    result = run_distributed(_zero_centered_worker, 1, tmp_path)[0]
+    assert result["status"] == "pass", result["failures"]
+    assert ("te_zero_centered" in result["results"]) == _te_available()
 
 
 def _fp8_training_worker(steps):
