@@ -130,8 +130,11 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
         except (OmegaConfBaseException, yaml.YAMLError) as err:
             raise ConfigError(f"override '{override}': {_one_line(err, position=False)}") from None
         value = parsed
-        for part in key.split("."):
-            value = value[part]
+        try:
+            for part in key.split("."):
+                value = value[part]
+        except (KeyError, TypeError):
+            raise ConfigError(f"override '{override}' is not key=value") from None
         # An interpolation stays one (``${model.encoder_seq_length}``) and is resolved
         # with the whole config, after every override.
         OmegaConf.update(cfg, key, value, merge=False, force_add=True)
