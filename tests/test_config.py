@@ -1,7 +1,10 @@
 """NeMo-style config: loading, overrides, validation errors, dry run, round trip."""
 
+import dataclasses
+import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -9,7 +12,10 @@ from helpers import fresh_launch_env
 from omegaconf import OmegaConf
 
 from megatron_lns.config import ConfigError, load_config, to_yaml, validate
-from megatron_lns.config.loader import NemoKeysIgnoredWarning
+from megatron_lns.config.loader import SCHEMA_PATHS, NemoKeysIgnoredWarning
+from megatron_lns.config.nemo_compat import NEMO_KEYS, Inert, nemo_rule
+from megatron_lns.config.rules import CHECK
+from megatron_lns.config.schema import ExperimentConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "nemo_configs" / "tiny_cpu_demo.yaml"
@@ -35,26 +41,6 @@ def test_demo_config_loads_and_validates():
     assert cfg.model.num_layers == 16
     assert cfg.model.max_position_embeddings == 128  # ${.encoder_seq_length}
     assert cfg.model.data.seq_length == 128  # ${model.encoder_seq_length}
-
-
-def test_nemo_1x_config_loads_with_one_warning_listing_ignored_keys():
-    with pytest.warns(NemoKeysIgnoredWarning) as record:
-        cfg = _load(source=NEMO)
-    assert len(record) == 1
-    message = str(record[0].message)
-    for key in (
-        "trainer.logger",
-        "model.megatron_amp_O2",
-        "model.nsys_profile",
-        "exp_manager.checkpoint_callback_params.model_parallel_size",
-        "model.data.data_impl",
-    ):
-        assert key in message
-    # Keys that map onto megatron-core are honoured.
-    assert cfg.model.optim.betas == [0.9, 0.98]
-    assert cfg.model.optim.sched.constant_steps == 20
-    assert cfg.model.num_layers == 4
-    validate(cfg)
 
 
 def test_unknown_key_is_an_error_with_did_you_mean():
@@ -321,4 +307,498 @@ def test_every_schema_key_is_documented():
         if free or not OmegaConf.is_dict(OmegaConf.select(defaults, p))
     ]
     missing = [p for p in leaves if f"`{p}`" not in doc]
+    assert not missing, missing
+
+
+# --- Declared value rules: each bad value fails before training, naming its key ---
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("trainer.num_nodes=0", "trainer.num_nodes must be positive, got 0"),
+        ("trainer.devices=-1", "trainer.devices must be positive, got -1"),
+        ("trainer.max_steps=0", "trainer.max_steps must be positive, got 0"),
+        ("trainer.val_check_interval=0", "trainer.val_check_interval must be positive"),
+        ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps must be positive"),
+        ("trainer.limit_val_batches=-1", "trainer.limit_val_batches must be >= 0, got -1"),
+        ("trainer.gradient_clip_val=-0.5", "trainer.gradient_clip_val must be >= 0, got -0.5"),
+        ("trainer.exit_interval=0", "trainer.exit_interval must be positive, got 0"),
+        ("trainer.accelerator=tpu", "trainer.accelerator='tpu' is not one of"),
+        (
+            "exp_manager.checkpoint_callback_params.every_n_train_steps=0",
+            "exp_manager.checkpoint_callback_params.every_n_train_steps must be positive",
+        ),
+        ("exp_manager.name=' '", "exp_manager.name must be a non-empty name"),
+        ("model.micro_batch_size=0", "model.micro_batch_size must be positive, got 0"),
+        ("model.global_batch_size=-8", "model.global_batch_size must be positive, got -8"),
+        ("model.num_layers=0", "model.num_layers must be positive, got 0"),
+        ("model.hidden_size=0", "model.hidden_size must be positive, got 0"),
+        ("model.ffn_hidden_size=-1", "model.ffn_hidden_size must be positive, got -1"),
+        ("model.num_attention_heads=0", "model.num_attention_heads must be positive"),
+        ("model.num_query_groups=0", "model.num_query_groups must be positive, got 0"),
+        ("model.encoder_seq_length=0", "model.encoder_seq_length must be positive"),
+        ("model.max_position_embeddings=0", "model.max_position_embeddings must be positive"),
+        ("model.tensor_model_parallel_size=0", "model.tensor_model_parallel_size must be"),
+        ("model.pipeline_model_parallel_size=0", "model.pipeline_model_parallel_size must be"),
+        (
+            "model.virtual_pipeline_model_parallel_size=0",
+            "model.virtual_pipeline_model_parallel_size must be positive, got 0",
+        ),
+        ("model.hidden_dropout=1.0", "model.hidden_dropout must be a probability in [0, 1)"),
+        ("model.attention_dropout=-0.1", "model.attention_dropout must be a probability in"),
+        ("model.layernorm_epsilon=0", "model.layernorm_epsilon must be positive, got 0"),
+        ("+model.rotary_base=0", "model.rotary_base must be positive, got 0"),
+        ("model.init_method_std=0", "model.init_method_std must be positive, got 0"),
+        ("+model.init_method_std=.nan", "model.init_method_std must be positive, got nan"),
+        ("+model.make_vocab_size_divisible_by=0", "model.make_vocab_size_divisible_by must be"),
+        ("model.seed=-1", "model.seed must be an integer in [0, 2**32), got -1"),
+        ("model.seed=4294967296", "model.seed must be an integer in [0, 2**32)"),
+        ("model.activation=relu", "model.activation='relu' is not one of"),
+        ("model.position_embedding_type=alibi", "model.position_embedding_type='alibi' is not"),
+        ("model.normalization=batchnorm", "model.normalization='batchnorm' is not one of"),
+        ("model.output_layer_init=xavier", "model.output_layer_init='xavier' is not one of"),
+        ("+model.fp8_margin=-1", "model.fp8_margin must be >= 0, got -1"),
+        ("+model.fp8_amax_history_len=0", "model.fp8_amax_history_len must be positive"),
+        ("model.tokenizer.library=tiktoken", "model.tokenizer.library='tiktoken' is not one"),
+        ("model.optim.name=lion", "model.optim.name='lion' is not one of"),
+        ("model.optim.lr=0", "model.optim.lr must be positive, got 0.0"),
+        ("model.optim.lr=-1e-3", "model.optim.lr must be positive, got -0.001"),
+        ("model.optim.betas=[0.9]", "model.optim.betas must be [beta1, beta2] with each in"),
+        ("model.optim.betas=[0.9,0.95,0.99]", "model.optim.betas must be [beta1, beta2]"),
+        ("model.optim.betas=[0.9,1.0]", "model.optim.betas must be [beta1, beta2] with each"),
+        ("+model.optim.eps=0", "model.optim.eps must be positive, got 0.0"),
+        ("model.optim.weight_decay=-0.1", "model.optim.weight_decay must be >= 0, got -0.1"),
+        ("model.optim.sched.name=Noam", "model.optim.sched.name='Noam' is not one of"),
+        ("model.optim.sched.min_lr=-1e-5", "model.optim.sched.min_lr must be >= 0"),
+        ("model.optim.sched.warmup_steps=-1", "model.optim.sched.warmup_steps must be >= 0"),
+        ("model.optim.sched.constant_steps=-1", "model.optim.sched.constant_steps must be >= 0"),
+        ("model.data.num_workers=-1", "model.data.num_workers must be >= 0, got -1"),
+        ("model.data.splits_string=99,1", "model.data.splits_string must be three comma-sep"),
+        ("model.data.splits_string='0,0,0'", "model.data.splits_string must be three comma-s"),
+        ("model.data.splits_string='9,-1,0'", "model.data.splits_string must be three comma-s"),
+        ("model.data.splits_string=a,b,c", "model.data.splits_string must be three comma-sep"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_key(override, expected):
+    assert expected in _invalid(override)
+
+
+@pytest.mark.parametrize("split", ["949,50,1", "900, 50, 50", "1,0,0", "0.98,0.02,0"])
+def test_split_strings_megatron_reads_are_accepted(split):
+    validate(_load(f"model.data.splits_string='{split}'"), check_files=False)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("model.num_layers=many", "'model.num_layers': Value 'many' of type 'str' could not"),
+        ("model.num_layers=1.5", "'model.num_layers': Value '1.5' of type 'float' could not"),
+        ("model.optim.lr=fast", "'model.optim.lr': Value 'fast' of type 'str' could not"),
+        ("model.optim.betas=0.9", "'model.optim.betas'"),
+        ("model.sequence_parallel=maybe", "'model.sequence_parallel'"),
+    ],
+)
+def test_values_of_the_wrong_type_name_the_key(override, expected):
+    with pytest.raises(ConfigError) as info:
+        _load(override)
+    assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def _fields(cls, prefix=""):
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            yield from _fields(type(default), f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", f, default
+
+
+def test_every_number_and_choice_declares_its_rule():
+    """The value rules live next to the fields: no number or NeMo vocabulary goes unchecked."""
+    unchecked = [
+        path
+        for path, f, default in _fields(ExperimentConfig)
+        if isinstance(default, (int, float))
+        and not isinstance(default, bool)
+        and CHECK not in f.metadata
+    ]
+    assert not unchecked, unchecked
+
+
+# --- YAML syntax and command-line interpolations ---
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  max_steps: 10\nmodel:\n  optim: {lr: 1e-3\n  num_layers: 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(bad)
+    message = str(info.value)
+    assert message.startswith(f"config file {bad}: line 5, column ") and "\n" not in message
+    assert "from line 4" in message
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("model:\n  num_layers: 2\n  num_layers: 3\n")
+    with pytest.raises(ConfigError, match=r"dup.yaml: line 3, column 3: found duplicate key"):
+        load_config(dup)
+    flat = tmp_path / "list.yaml"
+    flat.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match=r"list.yaml must be a mapping"):
+        load_config(flat)
+
+
+def test_interpolations_on_the_command_line():
+    cfg = _load(
+        "model.encoder_seq_length=64", "model.max_position_embeddings=${model.encoder_seq_length}"
+    )
+    assert cfg.model.max_position_embeddings == 64
+    # Resolved against the final config: a later override still flows through.
+    cfg = _load(
+        "model.max_position_embeddings=${model.encoder_seq_length}", "model.encoder_seq_length=32"
+    )
+    assert cfg.model.max_position_embeddings == 32
+    with pytest.raises(ConfigError) as info:
+        _load("model.max_position_embeddings=${model.no_such_key}")
+    assert str(info.value) == (
+        "override 'model.max_position_embeddings=${model.no_such_key}': "
+        "Interpolation key 'model.no_such_key' not found"
+    )
+    with pytest.raises(ConfigError, match=r"override 'model.optim.betas=\[0.9,'"):
+        _load("model.optim.betas=[0.9,")
+
+
+# --- Paths the run writes ---
+
+
+def _paths_error(tmp_path, *overrides):
+    cfg = _load(*overrides)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_run_directory_that_cannot_be_created_is_refused(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    message = _paths_error(tmp_path, f"exp_manager.exp_dir={blocker}/runs")
+    assert message.startswith("exp_manager.exp_dir / exp_manager.name: run directory")
+    assert f"{blocker} is not a directory" in message
+
+
+def test_checkpoint_directory_that_is_a_file_is_refused(tmp_path):
+    run = tmp_path / "runs" / "lns"
+    run.mkdir(parents=True)
+    (run / "checkpoints").write_text("")
+    message = _paths_error(tmp_path, f"exp_manager.exp_dir={tmp_path}/runs", "exp_manager.name=lns")
+    assert message == (
+        f"exp_manager.exp_dir: checkpoint directory {run}/checkpoints is not writable: "
+        f"{run}/checkpoints is not a directory"
+    )
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_checkpoint_directory_is_refused(tmp_path):
+    checkpoints = tmp_path / "runs" / "lns" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    checkpoints.chmod(0o500)
+    try:
+        message = _paths_error(
+            tmp_path, f"exp_manager.exp_dir={tmp_path}/runs", "exp_manager.name=lns"
+        )
+    finally:
+        checkpoints.chmod(0o700)
+    assert "checkpoint directory" in message and "Permission denied" in message
+
+
+def test_data_caches_that_cannot_be_written_are_refused(tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    runs = f"exp_manager.exp_dir={tmp_path}/runs"
+    message = _paths_error(tmp_path, runs, f"+model.data.index_mapping_dir={blocker}/idx")
+    assert message.startswith(f"model.data.index_mapping_dir: {blocker}/idx is not writable")
+    monkeypatch.setenv("MEGATRON_LNS_CACHE", str(blocker / "cache"))
+    message = _paths_error(tmp_path, runs, "model.data.data_prefix=[builtin:pydoc]")
+    assert message.startswith("model.data.data_prefix=builtin:pydoc is prepared in the cache")
+    assert f"{blocker}/cache is not writable" in message
+    monkeypatch.setenv("MEGATRON_LNS_CACHE", str(tmp_path / "cache"))
+    validate(_load(runs, "model.data.data_prefix=[builtin:pydoc]"))
+    assert not (tmp_path / "runs").exists()  # checking creates nothing
+
+
+# --- Through the CLI: exit code 2, one line, no traceback ---
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["model.optim.betas=[0.9,1.0]"], "error: model.optim.betas must be [beta1, beta2]"),
+        (
+            ["model.max_position_embeddings=${model.nope}"],
+            "error: override 'model.max_position_embeddings=${model.nope}': Interpolation key",
+        ),
+        (
+            ["+model.context_parallel_size=2"],
+            "error: model.context_parallel_size=2 is not supported yet",
+        ),
+    ],
+)
+def test_cli_bad_values_exit_2_with_one_line(args, expected):
+    out = _cli("train", str(DEMO), *args, "--dry-run")
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and lines[0].startswith(expected), out.stderr
+
+
+@pytest.mark.slow
+def test_cli_yaml_syntax_error_exits_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  num_layers: [2\n")
+    out = _cli("train", str(bad), "--dry-run")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(f"error: config file {bad}: line ")
+
+
+# --- NeMo 1.x: NeMo's own megatron_gpt_config.yaml ---
+
+NEMO_READY = [
+    "model.data.data_prefix=[builtin:pydoc]",
+    "model.tokenizer.library=byte",
+    "model.tokenizer.type=null",
+]
+
+
+def _load_nemo(*overrides):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        cfg = load_config(NEMO, [*NEMO_READY, *overrides])
+    return cfg, [str(w.message) for w in record if w.category is NemoKeysIgnoredWarning]
+
+
+def test_nemo_megatron_gpt_config_loads_with_one_warning_of_inert_keys():
+    cfg, messages = _load_nemo()
+    assert len(messages) == 1
+    listed = messages[0].split(": ", 1)[1].split(", ")
+    assert all(isinstance(nemo_rule(key), Inert) for key in listed), listed
+    for key in (
+        "trainer.logger",
+        "model.megatron_amp_O2",
+        "model.nsys_profile.ranks",
+        "model.ub_tp_comm_overlap_cfg",
+        "model.data.skip_warmup",
+    ):
+        assert key in listed
+    # Keys at the value megatron-lns runs anyway are accepted without a word.
+    for key in (
+        "model.transformer_block_type",
+        "model.rotary_percentage",
+        "model.context_parallel_size",
+        "model.data.data_impl",
+        "model.fp8_hybrid",
+    ):
+        assert key not in listed
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.normalization, m.activation, m.bias) == (
+        12,
+        768,
+        "layernorm",
+        "gelu",
+        True,
+    )
+    assert m.position_embedding_type == "learned_absolute" and m.share_embeddings_and_output_weights
+    assert m.fp8 is None  # NeMo's fp8: False
+    assert m.output_layer_init == "scaled"  # use_scaled_init_method: True, honoured
+    assert (m.optim.betas, m.optim.sched.constant_steps) == ([0.9, 0.98], 50000)
+    assert m.data.splits_string == "900,50,50" and m.data.seq_length == 512
+    validate(cfg, check_files=False)
+
+
+def test_nemo_tokenizer_library_megatron_is_refused_by_validation():
+    with pytest.warns(NemoKeysIgnoredWarning):
+        cfg = load_config(NEMO, ["model.data.data_prefix=[x]"])
+    with pytest.raises(ConfigError, match=r"model.tokenizer.library='megatron' is not one of"):
+        validate(cfg, check_files=False)
+
+
+def test_nemo_data_prefix_is_required():
+    with pytest.raises(ConfigError, match=r"'model.data.data_prefix' is required but not set"):
+        load_config(NEMO)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        (
+            "model.transformer_block_type=post_ln",
+            "model.transformer_block_type='post_ln' is not supported (blocks are pre-LN",
+        ),
+        (
+            "model.transformer_block_type=normformer",
+            "model.transformer_block_type='normformer' is not supported",
+        ),
+        (
+            "model.rotary_percentage=0.5",
+            "model.rotary_percentage=0.5 is not supported (RoPE rotates",
+        ),
+        (
+            "model.context_parallel_size=2",
+            "model.context_parallel_size=2 is not supported yet (context parallelism)",
+        ),
+        (
+            "model.resume_from_checkpoint=/ckpt/step100",
+            "model.resume_from_checkpoint='/ckpt/step100' is not supported (NeMo's Lightning",
+        ),
+        (
+            "restore_from_path=/models/gpt.nemo",
+            "restore_from_path='/models/gpt.nemo' is not supported",
+        ),
+        ("model.mcore_gpt=false", "model.mcore_gpt=False is not supported"),
+        ("model.headscale=true", "model.headscale=True is not supported"),
+        ("model.openai_gelu=true", "model.openai_gelu=True is not supported"),
+        (
+            "model.normalize_attention_scores=false",
+            "model.normalize_attention_scores=False is not supported",
+        ),
+        ("model.ffn_dropout=0.1", "model.ffn_dropout=0.1 is not supported"),
+        ("model.kv_channels=128", "model.kv_channels=128 is not supported yet (the head dimension"),
+        (
+            "model.apply_query_key_layer_scaling=true",
+            "model.apply_query_key_layer_scaling=True is not supported yet",
+        ),
+        (
+            "model.do_layer_norm_weight_decay=true",
+            "model.do_layer_norm_weight_decay=True is not supported yet",
+        ),
+        (
+            "model.fp32_residual_connection=true",
+            "model.fp32_residual_connection=True is not supported yet",
+        ),
+        (
+            "model.rampup_batch_size=[4,4,1000]",
+            "model.rampup_batch_size=[4, 4, 1000] is not supported yet",
+        ),
+        (
+            "model.activations_checkpoint_granularity=full",
+            "model.activations_checkpoint_granularity='full' is not supported yet",
+        ),
+        (
+            "model.activations_checkpoint_num_layers=1",
+            "model.activations_checkpoint_num_layers=1 is not supported yet",
+        ),
+        ("model.overlap_p2p_comm=true", "model.overlap_p2p_comm=True is not supported yet"),
+        ("model.ub_tp_comm_overlap=true", "model.ub_tp_comm_overlap=True is not supported yet"),
+        ("model.cpu_offloading=true", "model.cpu_offloading=True is not supported yet"),
+        ("model.sharp=true", "model.sharp=True is not supported yet"),
+        ("model.gc_interval=100", "model.gc_interval=100 is not supported yet"),
+        ("model.nsys_profile.enabled=true", "model.nsys_profile.enabled=True is not supported yet"),
+        (
+            "model.native_amp_init_scale=65536",
+            "model.native_amp_init_scale=65536 is not supported yet",
+        ),
+        (
+            "model.grad_allreduce_chunk_size_mb=32",
+            "model.grad_allreduce_chunk_size_mb=32 is not supported yet",
+        ),
+        (
+            "+model.dist_ckpt_parallel_save=true",
+            "model.dist_ckpt_parallel_save=True is not supported yet",
+        ),
+        ("model.fp8=true", "model.fp8=True: here model.fp8 names the FP8 recipe"),
+        (
+            "model.tokenizer.vocab_file=/t/vocab.json",
+            "model.tokenizer.vocab_file='/t/vocab.json' is not supported",
+        ),
+        ("model.data.data_impl=mock", "model.data.data_impl='mock' is not supported"),
+        (
+            "model.data.dataloader_type=cyclic",
+            "model.data.dataloader_type='cyclic' is not supported",
+        ),
+        (
+            "model.data.no_seqlen_plus_one_input_tokens=true",
+            "model.data.no_seqlen_plus_one_input_tokens=True is not supported",
+        ),
+        (
+            "model.data.shuffle_documents=false",
+            "model.data.shuffle_documents=False is not supported",
+        ),
+        (
+            "model.data.pad_samples_to_global_batch_size=true",
+            "model.data.pad_samples_to_global_batch_size=True is not supported",
+        ),
+        (
+            "+model.optim.sched.max_steps=5000",
+            "model.optim.sched.max_steps=5000 is not supported (the schedule spans trainer.max_steps)",
+        ),
+        (
+            "+model.optim.overlap_param_sync=true",
+            "model.optim.overlap_param_sync=True is not supported yet",
+        ),
+        ("trainer.max_epochs=0", "trainer.max_epochs=0 is not supported"),
+        ("+trainer.max_time=00:04:00:00", "trainer.max_time='00:04:00:00' is not supported"),
+        ("trainer.accumulate_grad_batches=4", "trainer.accumulate_grad_batches=4 is not supported"),
+        (
+            "exp_manager.explicit_log_dir=/logs",
+            "exp_manager.explicit_log_dir='/logs' is not supported",
+        ),
+        (
+            "exp_manager.create_checkpoint_callback=false",
+            "exp_manager.create_checkpoint_callback=False is not supported",
+        ),
+        (
+            "exp_manager.checkpoint_callback_params.always_save_nemo=true",
+            "always_save_nemo=True is not supported",
+        ),
+        (
+            "exp_manager.checkpoint_callback_params.async_save=true",
+            "async_save=True is not supported yet",
+        ),
+        ("model.use_scaled_init_method=true", None),  # honoured (scaled init)
+        (
+            "+model.output_layer_init=normal",
+            "model.use_scaled_init_method=True contradicts model.output_layer_init='normal'",
+        ),
+        ("model.transformer_engine=false", None),  # use_flash_attention stays False: fine
+    ],
+)
+def test_nemo_keys_that_change_the_model_or_run_are_refused_by_name(override, expected):
+    if expected is None:
+        _load_nemo(override)
+        return
+    with pytest.raises(ConfigError) as info:
+        _load_nemo(override)
+    message = str(info.value)
+    assert expected in message and "\n" not in message, message
+
+
+def test_nemo_keys_depending_on_other_settings():
+    assert _load_nemo("model.kv_channels=64")[0].model.hidden_size == 768  # = 768 / 12
+    _load_nemo("model.use_flash_attention=true")  # with transformer_engine: TE picks it
+    with pytest.raises(ConfigError, match=r"model.use_flash_attention=True is not supported yet"):
+        _load_nemo("model.use_flash_attention=true", "model.transformer_engine=false")
+    _load_nemo("+model.optim.sched.max_steps=100000")  # = trainer.max_steps
+    fp8 = ["model.fp8=delayed", "model.fp8_format=hybrid", "trainer.precision=bf16-mixed"]
+    assert _load_nemo(*fp8)[0].model.fp8 == "delayed"
+    with pytest.raises(
+        ConfigError, match=r"model.fp8_e4m3=True is not supported \(with model.fp8 set"
+    ):
+        _load_nemo(*fp8, "model.fp8_e4m3=true")
+    _load_nemo("model.fp8_e4m3=true")  # FP8 off: the format flags mean nothing
+    cfg, _ = _load_nemo("model.use_scaled_init_method=false")
+    assert cfg.model.output_layer_init == "normal"
+
+
+def test_hydra_defaults_that_compose_a_group_are_refused():
+    raw = OmegaConf.load(NEMO)
+    raw.defaults = ["_self_", {"tp_overlap@model.ub_tp_comm_overlap_cfg": "ub_cfg_h100"}]
+    with pytest.raises(ConfigError, match=r"defaults=.* is not supported \(Hydra config groups"):
+        load_config(raw, NEMO_READY)
+
+
+def test_nemo_table_and_schema_do_not_overlap_and_are_documented():
+    overlap = [key for key in NEMO_KEYS if key.removesuffix(".*") in SCHEMA_PATHS]
+    assert not overlap, overlap
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    missing = [key for key in NEMO_KEYS if f"`{key.removesuffix('.*')}`" not in doc]
     assert not missing, missing

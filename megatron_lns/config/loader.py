@@ -1,26 +1,35 @@
 """Load a NeMo-style YAML, apply ``key=value`` overrides, and type-check it.
 
 Order: overrides are applied to the raw YAML (Hydra syntax: ``key=value`` for keys
-that exist, ``+key=value`` to add one, ``~key`` to delete one); every key is then
-classified as honoured (in the schema), a NeMo key without meaning here (collected
-into one warning), or unknown (an error with a did-you-mean); finally OmegaConf
-merges the YAML onto the typed schema, checking types and resolving interpolations.
+that exist, ``+key=value`` to add one, ``~key`` to delete one; a value may be a
+``${...}`` interpolation); every key is then classified as honoured (in the schema),
+a NeMo key (``nemo_compat.NEMO_KEYS``: inert, fixed, conditional or translated) or
+unknown (an error with a did-you-mean); OmegaConf merges the schema keys onto the
+typed schema, checking types and resolving interpolations; finally the NeMo keys are
+honoured or refused against the typed config, and the inert ones named in one warning.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import warnings
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from megatron_lns.config.nemo_compat import (
-    NEMO_KEYS_WITHOUT_MEANING_HERE,
-    is_nemo_key_without_meaning,
+    NEMO_KEYS,
+    Inert,
+    NemoSettingError,
+    apply_nemo_settings,
+    has_nemo_keys_below,
+    nemo_rule,
+    normalize_nemo_spellings,
     register_nemo_resolvers,
 )
 from megatron_lns.config.schema import ExperimentConfig
@@ -81,7 +90,7 @@ def _is_known(path: str) -> bool:
 
 
 def _did_you_mean(path: str) -> str:
-    candidates = list(SCHEMA_PATHS) + sorted(NEMO_KEYS_WITHOUT_MEANING_HERE)
+    candidates = list(SCHEMA_PATHS) + sorted(k for k in NEMO_KEYS if not k.endswith("*"))
     close = difflib.get_close_matches(path, candidates, n=1, cutoff=0.75)
     if not close:
         leaf = path.rsplit(".", 1)[-1]
@@ -119,32 +128,129 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
                 f"override '{override}': no key '{key}'{_did_you_mean(key)}; use +{key}=... to add"
             )
         try:
-            parsed = OmegaConf.from_dotlist([text])
-        except OmegaConfBaseException as err:
-            raise ConfigError(
-                f"override '{override}': {err.msg if hasattr(err, 'msg') else err}"
-            ) from None
-        OmegaConf.update(cfg, key, OmegaConf.select(parsed, key), merge=False, force_add=True)
+            parsed = OmegaConf.to_container(OmegaConf.from_dotlist([text]), resolve=False)
+        except (OmegaConfBaseException, yaml.YAMLError) as err:
+            raise ConfigError(f"override '{override}': {_one_line(err, position=False)}") from None
+        value = parsed
+        try:
+            for part in key.split("."):
+                value = value[part]
+        except (KeyError, TypeError):
+            raise ConfigError(f"override '{override}' is not key=value") from None
+        # An interpolation stays one (``${model.encoder_seq_length}``) and is resolved
+        # with the whole config, after every override.
+        OmegaConf.update(cfg, key, value, merge=False, force_add=True)
 
 
-def _drop_nemo_keys(cfg: DictConfig) -> list[str]:
-    """Remove NeMo keys with no meaning here; error on unknown keys. Returns what was dropped."""
-    dropped: list[str] = []
+def _interpolation_overrides(overrides: list[str]) -> dict[str, str]:
+    """key -> override, for overrides whose value contains ``${...}``."""
+    found = {}
+    for override in overrides:
+        text = override.lstrip("+")
+        if "=" in text and "${" in text.split("=", 1)[1]:
+            found[text.split("=", 1)[0].strip()] = override
+    return found
+
+
+def _one_line(err: Exception, position: bool = True) -> str:
+    """The first line of an OmegaConf error; for YAML syntax, the problem and where."""
+    if isinstance(err, yaml.MarkedYAMLError):
+        text = err.problem or str(err).splitlines()[0]
+        if err.context:
+            started = err.context_mark
+            line = f" from line {started.line + 1}" if position and started else ""
+            text += f" ({err.context}{line})"
+        mark = err.problem_mark
+        if position and mark:
+            text = f"line {mark.line + 1}, column {mark.column + 1}: {text}"
+        return text
+    text = getattr(err, "msg", None) or str(err)
+    return str(text).strip().splitlines()[0]
+
+
+def _read_yaml(path: Path) -> DictConfig:
+    try:
+        raw = OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path}: {_one_line(err)}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text") from None
+    except OSError as err:
+        raise ConfigError(f"config file {path}: {err.strerror or err}") from None
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"config file {path}: {_one_line(err)}") from None
+    if not isinstance(raw, DictConfig):
+        raise ConfigError(
+            f"config file {path} must be a mapping with trainer/exp_manager/model sections"
+        )
+    return raw
+
+
+def _resolved(cfg: DictConfig, path: str) -> Any:
+    try:
+        value = OmegaConf.select(cfg, path, throw_on_resolution_failure=True)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"'{path}': {_one_line(err)}") from None
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def _take_nemo_keys(cfg: DictConfig) -> tuple[dict[str, Any], list[str]]:
+    """Remove the NeMo keys from a raw config; error on unknown keys.
+
+    Returns the values of the keys to honour or refuse (resolved before removal, as
+    they may interpolate each other) and the inert keys, for the warning.
+    """
+    to_judge: dict[str, Any] = {}
+    inert: list[str] = []
+    taken: list[str] = []  # NeMo keys, each with everything below it
+    sections: list[str] = []  # NeMo sections judged key by key (model.nsys_profile)
     for path in _all_paths(cfg):
-        if any(path.startswith(d + ".") for d in dropped):
-            continue  # inside a NeMo section that is dropped as a whole
+        if any(path.startswith(t + ".") for t in taken):
+            continue
         if _is_known(path):
             parent_path, _, leaf = path.rpartition(".")
             parent = OmegaConf.select(cfg, parent_path) if parent_path else cfg
             if OmegaConf.is_missing(parent, leaf):
                 raise ConfigError(f"'{path}' is required but not set (???)")
             continue
-        if not is_nemo_key_without_meaning(path):
-            raise ConfigError(f"unknown config key '{path}'{_did_you_mean(path)}")
-        dropped.append(path)
-    for path in dropped:
-        _delete(cfg, path)
-    return dropped
+        rule = nemo_rule(path)
+        if rule is None:
+            if not has_nemo_keys_below(path):
+                raise ConfigError(f"unknown config key '{path}'{_did_you_mean(path)}")
+            sections.append(path)
+            continue
+        if isinstance(rule, Inert):
+            inert.append(path)
+        else:
+            to_judge[path] = _resolved(cfg, path)
+        taken.append(path)
+    removed = sections + taken
+    _resolve_references_to(cfg, removed)
+    for path in removed:
+        if not any(path.startswith(r + ".") for r in removed):
+            _delete(cfg, path)
+    return to_judge, inert
+
+
+_REFERENCE = re.compile(r"\$\{\s*([\w.]+)\s*\}")
+
+
+def _resolve_references_to(cfg: DictConfig, removed: list[str]) -> None:
+    """Resolve, in place, every kept value that interpolates a key about to be removed
+    (NeMo's ``exp_manager.resume_from_checkpoint: ${model.resume_from_checkpoint}``)."""
+    for path in _all_paths(cfg):
+        if not _is_known(path):
+            continue
+        parent_path, _, leaf = path.rpartition(".")
+        parent = OmegaConf.select(cfg, parent_path) if parent_path else cfg
+        node = parent._get_node(leaf) if isinstance(parent, DictConfig) else None
+        if node is None or not node._is_interpolation():
+            continue
+        refs = _REFERENCE.findall(str(node._value()))
+        if any(ref == r or ref.startswith(r + ".") for ref in refs for r in removed):
+            parent[leaf] = _resolved(cfg, path)
 
 
 def load_config(
@@ -152,32 +258,52 @@ def load_config(
 ) -> ExperimentConfig:
     """The typed, resolved experiment config (not yet checked for consistency)."""
     register_nemo_resolvers()
+    overrides = overrides or []
     if isinstance(source, (str, Path)):
         path = Path(source)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
-        raw = OmegaConf.load(path)
+        raw = _read_yaml(path)
     else:
         raw = OmegaConf.create(source) if isinstance(source, dict) else source.copy()
-    if not isinstance(raw, DictConfig):
-        raise ConfigError("the config must be a mapping with trainer/exp_manager/model sections")
-    apply_overrides(raw, overrides or [])
-    dropped = _drop_nemo_keys(raw)
-    if dropped:
+        if not isinstance(raw, DictConfig):
+            raise ConfigError(
+                "the config must be a mapping with trainer/exp_manager/model sections"
+            )
+    apply_overrides(raw, overrides)
+    try:
+        normalize_nemo_spellings(raw)
+        to_judge, inert = _take_nemo_keys(raw)
+        cfg = _typed(raw, _interpolation_overrides(overrides))
+        apply_nemo_settings(cfg, to_judge)
+    except NemoSettingError as err:
+        raise ConfigError(str(err)) from None
+    if inert:
         warnings.warn(
-            "NeMo config keys with no meaning in megatron-lns (ignored): " + ", ".join(dropped),
+            "NeMo config keys with no effect in megatron-lns (ignored): " + ", ".join(inert),
             NemoKeysIgnoredWarning,
             stacklevel=2,
         )
+    return cfg
+
+
+def _typed(raw: DictConfig, interpolated: dict[str, str]) -> ExperimentConfig:
+    """``raw`` merged onto the schema: types checked, interpolations resolved."""
     try:
         merged = OmegaConf.merge(OmegaConf.structured(ExperimentConfig), raw)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"'{getattr(err, 'full_key', None) or '?'}': {_one_line(err)}") from None
+    for key, override in interpolated.items():
+        try:
+            OmegaConf.select(merged, key, throw_on_resolution_failure=True)
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"override '{override}': {_one_line(err)}") from None
+    try:
         return OmegaConf.to_object(merged)
     except MissingMandatoryValue as err:
         raise ConfigError(f"'{err.full_key}' is required but not set (???)") from None
     except OmegaConfBaseException as err:
-        key = getattr(err, "full_key", None) or "?"
-        message = str(err).splitlines()[0]
-        raise ConfigError(f"'{key}': {message}") from None
+        raise ConfigError(f"'{getattr(err, 'full_key', None) or '?'}': {_one_line(err)}") from None
 
 
 def to_yaml(cfg: ExperimentConfig) -> str:

@@ -1,140 +1,382 @@
 """What NeMo 1.x ``megatron_gpt_config.yaml`` keys mean here.
 
-Keys that map onto megatron-core are in the schema (``schema.py``) and honoured.
-The keys below are valid in a NeMo 1.x config but drive PyTorch Lightning, NeMo's
-own file formats or kernels megatron-core picks by itself: they are accepted and
-listed together in one warning, never silently dropped. Anything else is an error.
+Keys that map onto megatron-core are in the schema (``schema.py``) and honoured. Every
+other key of NeMo's GPT config has one entry in :data:`NEMO_KEYS`:
+
+* ``Inert``: no value it can take changes the model or the run here (Lightning
+  internals, ``.nemo`` naming, sub-keys of refused features, kernel choices that
+  compute the same function). Accepted and listed together in one warning.
+* ``Fixed``: megatron-lns always does one thing; the key is accepted silently when
+  its value asks for that, and refused by name otherwise. ``not_yet`` marks the
+  performance and memory features a later release honours.
+* ``When``: as ``Fixed``, but what is accepted depends on other settings.
+* ``Translated``: honoured by setting a schema key.
+
+Keys in neither the schema nor this table are errors.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-# Dotted paths; a trailing ".*" covers a whole sub-tree.
-NEMO_KEYS_WITHOUT_MEANING_HERE: frozenset[str] = frozenset(
-    {
-        "restore_from_path",
-        # PyTorch Lightning trainer internals.
-        "trainer.logger",
-        "trainer.enable_checkpointing",
-        "trainer.replace_sampler_ddp",
-        "trainer.use_distributed_sampler",
-        "trainer.max_epochs",
-        "trainer.max_time",
-        "trainer.limit_test_batches",
-        "trainer.accumulate_grad_batches",
-        "trainer.benchmark",
-        "trainer.enable_model_summary",
-        "trainer.enable_progress_bar",
-        "trainer.num_sanity_val_steps",
-        "trainer.strategy",
-        "trainer.plugins",
-        # NeMo experiment manager internals and .nemo files.
-        "exp_manager.explicit_log_dir",
-        "exp_manager.resume_ignore_no_checkpoint",
-        "exp_manager.create_checkpoint_callback",
-        "exp_manager.create_neptune_logger",
-        "exp_manager.neptune_logger_kwargs",
-        "exp_manager.create_mlflow_logger",
-        "exp_manager.mlflow_logger_kwargs",
-        "exp_manager.log_step_timing",
-        "exp_manager.step_timing_kwargs.*",
-        "exp_manager.seconds_to_sleep",
-        "exp_manager.checkpoint_callback_params.monitor",
-        "exp_manager.checkpoint_callback_params.save_top_k",
-        "exp_manager.checkpoint_callback_params.mode",
-        "exp_manager.checkpoint_callback_params.always_save_nemo",
-        "exp_manager.checkpoint_callback_params.save_nemo_on_train_end",
-        "exp_manager.checkpoint_callback_params.filename",
-        "exp_manager.checkpoint_callback_params.model_parallel_size",
-        "exp_manager.checkpoint_callback_params.save_weights_only",
-        # Model keys for NeMo's legacy (non-mcore) model, fusions megatron-core picks
-        # itself, profiling and memory knobs.
-        "model.mcore_gpt",
-        "model.rampup_batch_size",
-        "model.resume_from_checkpoint",
-        "model.context_parallel_size",
-        "model.kv_channels",
-        "model.apply_query_key_layer_scaling",
-        "model.use_scaled_init_method",
-        "model.ffn_dropout",
-        "model.do_layer_norm_weight_decay",
-        "model.pre_process",
-        "model.post_process",
-        "model.persist_layer_norm",
-        "model.headscale",
-        "model.transformer_block_type",
-        "model.openai_gelu",
-        "model.normalize_attention_scores",
-        "model.rotary_percentage",
-        "model.attention_type",
-        "model.overlap_p2p_comm",
-        "model.batch_p2p_comm",
-        "model.native_amp_init_scale",
-        "model.native_amp_growth_interval",
-        "model.hysteresis",
-        "model.fp32_residual_connection",
-        "model.fp16_lm_cross_entropy",
-        "model.megatron_amp_O2",
-        "model.grad_allreduce_chunk_size_mb",
-        "model.grad_div_ar_fusion",
-        "model.gradient_accumulation_fusion",
-        "model.bias_activation_fusion",
-        "model.bias_dropout_add_fusion",
-        "model.masked_softmax_fusion",
-        "model.get_attention_mask_from_fusion",
-        "model.apply_rope_fusion",
-        "model.cross_entropy_loss_fusion",
-        "model.use_cpu_initialization",
-        "model.onnx_safe",
-        "model.apex_transformer_log_level",
-        "model.gradient_as_bucket_view",
-        "model.sync_batch_comm",
-        "model.activations_checkpoint_granularity",
-        "model.activations_checkpoint_method",
-        "model.activations_checkpoint_num_layers",
-        "model.num_micro_batches_with_partial_activation_checkpoints",
-        "model.activations_checkpoint_layers_per_pipeline",
-        "model.fp8_e4m3",
-        "model.fp8_hybrid",
-        "model.fp8_interval",
-        "model.reduce_amax",
-        "model.use_emha",
-        "model.ub_tp_comm_overlap",
-        "model.use_flash_attention",
-        "model.gc_interval",
-        "model.nsys_profile.*",
-        "model.dist_ckpt_format",
-        "model.dist_ckpt_load_on_device",
-        "model.dist_ckpt_parallel_save",
-        "model.tokenizer.vocab_file",
-        "model.tokenizer.merge_file",
-        "model.tokenizer.delimiter",
-        "model.tokenizer.sentencepiece_legacy",
-        "model.data.data_impl",
-        "model.data.skip_warmup",
-        "model.data.dataloader_type",
-        "model.data.num_dataset_builder_threads",
-        "model.optim.bucket_cap_mb",
-        "model.optim.overlap_grad_sync",
-        "model.optim.overlap_param_sync",
-        "model.optim.contiguous_grad_buffer",
-        "model.optim.grad_sync_dtype",
-        "model.optim.sched.max_steps",
-    }
+from megatron_lns.config.schema import ExperimentConfig
+
+
+class NemoSettingError(ValueError):
+    """A NeMo key whose value megatron-lns cannot honour (the loader turns it into a
+    ConfigError)."""
+
+
+def _refusal(key: str, value: Any, why: str, not_yet: bool) -> NemoSettingError:
+    status = "is not supported yet" if not_yet else "is not supported"
+    return NemoSettingError(f"{key}={value!r} {status} ({why})")
+
+
+@dataclass(frozen=True)
+class Inert:
+    why: str
+
+
+@dataclass(frozen=True)
+class Fixed:
+    accepted: tuple[Any, ...]
+    why: str
+    not_yet: bool = False
+
+    def apply(self, key: str, value: Any, cfg: ExperimentConfig) -> None:
+        if value not in self.accepted:
+            raise _refusal(key, value, self.why, self.not_yet)
+
+
+@dataclass(frozen=True)
+class When:
+    accepts: Callable[[Any, ExperimentConfig], bool]
+    why: str
+    not_yet: bool = False
+
+    def apply(self, key: str, value: Any, cfg: ExperimentConfig) -> None:
+        if not self.accepts(value, cfg):
+            raise _refusal(key, value, self.why, self.not_yet)
+
+
+@dataclass(frozen=True)
+class Translated:
+    onto: Callable[[Any, ExperimentConfig], None]
+
+    def apply(self, key: str, value: Any, cfg: ExperimentConfig) -> None:
+        self.onto(value, cfg)
+
+
+def _not_yet(accepted: Any, feature: str) -> Fixed:
+    return Fixed((accepted,), feature, not_yet=True)
+
+
+def _scaled_init_onto_output_layer_init(value: Any, cfg: ExperimentConfig) -> None:
+    """NeMo's ``use_scaled_init_method`` is megatron's N(0, std/sqrt(2L)) for the residual
+    output projections, i.e. ``output_layer_init: scaled``; false is ``normal``."""
+    wanted = "scaled" if value else "normal"
+    current = cfg.model.output_layer_init
+    if current is None:
+        cfg.model.output_layer_init = wanted
+    elif current != wanted:
+        raise NemoSettingError(
+            f"model.use_scaled_init_method={value!r} contradicts "
+            f"model.output_layer_init={current!r}: keep one of them"
+        )
+
+
+def _hydra_defaults_without_groups(value: Any, cfg: ExperimentConfig) -> bool:
+    """NeMo's ``defaults: [_self_, optional tp_overlap@...: null]`` composes nothing."""
+
+    def composes_nothing(item: Any) -> bool:
+        if item == "_self_":
+            return True
+        return isinstance(item, dict) and all(
+            k.startswith("optional ") and v is None for k, v in item.items()
+        )
+
+    return isinstance(value, list) and all(composes_nothing(item) for item in value)
+
+
+def _head_dim(value: Any, cfg: ExperimentConfig) -> bool:
+    m = cfg.model
+    return value is None or value * m.num_attention_heads == m.hidden_size
+
+
+def _fp8_format_flag(fmt: str) -> Callable[[Any, ExperimentConfig], bool]:
+    def agrees(value: Any, cfg: ExperimentConfig) -> bool:
+        return not value or cfg.model.fp8 is None or cfg.model.fp8_format == fmt
+
+    return agrees
+
+
+KERNEL = Inert(
+    "a kernel choice: the fused and unfused paths compute the same function; "
+    "megatron-core selects the kernels for the layer spec"
 )
+LIGHTNING = Inert("PyTorch Lightning internals; megatron-lns runs its own loop")
+ONLY_WITH_REFUSED = Inert("read only when a feature refused here is switched on")
+
+# Dotted key -> rule. A key "x.*" covers every key below x that has no entry of its own.
+NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
+    "defaults": When(
+        _hydra_defaults_without_groups,
+        "Hydra config groups are not composed here; merge the group's YAML into the file",
+    ),
+    "restore_from_path": Fixed((None,), "starting from a .nemo file"),
+    # trainer
+    "trainer.logger": LIGHTNING,
+    "trainer.enable_checkpointing": LIGHTNING,
+    "trainer.replace_sampler_ddp": LIGHTNING,
+    "trainer.use_distributed_sampler": LIGHTNING,
+    "trainer.limit_test_batches": Inert("megatron-lns runs no test loop"),
+    "trainer.benchmark": LIGHTNING,
+    "trainer.enable_model_summary": LIGHTNING,
+    "trainer.enable_progress_bar": LIGHTNING,
+    "trainer.num_sanity_val_steps": LIGHTNING,
+    "trainer.strategy": LIGHTNING,
+    "trainer.plugins": LIGHTNING,
+    "trainer.max_epochs": When(
+        lambda v, cfg: v is None or v == -1 or v >= 1,
+        "an epoch of NeMo's megatron sampler is the whole run; its length is trainer.max_steps",
+    ),
+    "trainer.max_time": Fixed(
+        (None,), "no wall-clock limit: use trainer.exit_interval or the job's time limit"
+    ),
+    "trainer.accumulate_grad_batches": Fixed(
+        (1,), "accumulation is model.global_batch_size / (micro_batch_size x data-parallel size)"
+    ),
+    # exp_manager
+    "exp_manager.explicit_log_dir": Fixed(
+        (None,), "the run directory is <exp_manager.exp_dir>/<exp_manager.name>"
+    ),
+    "exp_manager.resume_ignore_no_checkpoint": Fixed(
+        (True,), "without a checkpoint to resume, a fresh run starts"
+    ),
+    "exp_manager.create_checkpoint_callback": Fixed(
+        (True,), "runs always checkpoint, every checkpoint_callback_params.every_n_train_steps"
+    ),
+    "exp_manager.create_neptune_logger": Fixed((False,), "loggers: TensorBoard and W&B"),
+    "exp_manager.create_mlflow_logger": Fixed((False,), "loggers: TensorBoard and W&B"),
+    "exp_manager.create_dllogger_logger": Fixed((False,), "loggers: TensorBoard and W&B"),
+    "exp_manager.create_clearml_logger": Fixed((False,), "loggers: TensorBoard and W&B"),
+    "exp_manager.neptune_logger_kwargs": ONLY_WITH_REFUSED,
+    "exp_manager.mlflow_logger_kwargs": ONLY_WITH_REFUSED,
+    "exp_manager.dllogger_logger_kwargs": ONLY_WITH_REFUSED,
+    "exp_manager.clearml_logger_kwargs": ONLY_WITH_REFUSED,
+    "exp_manager.log_step_timing": Inert("step time and throughput are always logged"),
+    "exp_manager.step_timing_kwargs": Inert("step time and throughput are always logged"),
+    "exp_manager.seconds_to_sleep": Inert("a NeMo start-up pause"),
+    "exp_manager.checkpoint_callback_params.monitor": Inert(
+        "every checkpoint is kept; none is chosen by validation loss"
+    ),
+    "exp_manager.checkpoint_callback_params.save_top_k": Inert(
+        "every checkpoint is kept; none is chosen by validation loss"
+    ),
+    "exp_manager.checkpoint_callback_params.mode": Inert(
+        "every checkpoint is kept; none is chosen by validation loss"
+    ),
+    "exp_manager.checkpoint_callback_params.filename": Inert(
+        "checkpoint directories are named by step"
+    ),
+    "exp_manager.checkpoint_callback_params.model_parallel_size": Inert(
+        "derived from the parallel sizes"
+    ),
+    "exp_manager.checkpoint_callback_params.always_save_nemo": Fixed(
+        (False,), "checkpoints are dist_checkpointing directories, no .nemo files"
+    ),
+    "exp_manager.checkpoint_callback_params.save_nemo_on_train_end": Fixed(
+        (False,), "checkpoints are dist_checkpointing directories, no .nemo files"
+    ),
+    "exp_manager.checkpoint_callback_params.save_weights_only": Fixed(
+        (False,), "checkpoints hold the optimizer state so that runs can resume"
+    ),
+    "exp_manager.checkpoint_callback_params.async_save": _not_yet(
+        False, "asynchronous checkpoint saving"
+    ),
+    # model: what is built
+    "model.mcore_gpt": Fixed((True,), "the model is megatron-core's GPTModel"),
+    "model.transformer_block_type": Fixed(
+        ("pre_ln",), "blocks are pre-LN, whose pre-norms LNS scales"
+    ),
+    "model.rotary_percentage": Fixed((1.0,), "RoPE rotates the whole head dimension"),
+    "model.headscale": Fixed((False,), "no learned per-head output scales"),
+    "model.openai_gelu": Fixed((False,), "model.activation=gelu is the exact GELU"),
+    "model.normalize_attention_scores": Fixed(
+        (True,), "attention scores are scaled by 1/sqrt(head dim)"
+    ),
+    "model.attention_type": Fixed(("multihead",), "attention is multi-head (or grouped-query)"),
+    "model.ffn_dropout": Fixed((0.0,), "no dropout inside the MLP; use model.hidden_dropout"),
+    "model.pre_process": Fixed((True,), "every model has its embedding"),
+    "model.post_process": Fixed((True,), "every model has its output layer"),
+    "model.use_scaled_init_method": Translated(_scaled_init_onto_output_layer_init),
+    "model.expert_model_parallel_size": Fixed((1,), "mixture-of-experts models"),
+    "model.resume_from_checkpoint": Fixed(
+        (None,),
+        "NeMo's Lightning .ckpt; choose a megatron-lns checkpoint directory with "
+        "exp_manager.resume_from_checkpoint",
+    ),
+    "model.fsdp": Fixed((False,), "PyTorch FSDP; shard with optim.name=distributed_fused_adam"),
+    "model.fsdp_sharding_strategy": ONLY_WITH_REFUSED,
+    "model.fsdp_grad_reduce_dtype": ONLY_WITH_REFUSED,
+    "model.fsdp_sharded_checkpoint": ONLY_WITH_REFUSED,
+    # model: precision
+    "model.megatron_amp_O2": Inert(
+        "bf16/fp16 always train megatron's way: half-precision model, fp32 main weights "
+        "in the optimizer (NeMo's O2)"
+    ),
+    "model.native_amp_init_scale": _not_yet(2**32, "fp16 loss scaling starts at 2**32"),
+    "model.native_amp_growth_interval": _not_yet(1000, "fp16 loss scale grows every 1000 steps"),
+    "model.hysteresis": _not_yet(2, "fp16 loss-scale hysteresis is 2"),
+    "model.fp16_lm_cross_entropy": _not_yet(False, "cross entropy in half precision"),
+    "model.fp32_residual_connection": _not_yet(False, "an fp32 residual stream"),
+    "model.apply_query_key_layer_scaling": _not_yet(False, "query-key layer scaling"),
+    "model.fp8_e4m3": When(_fp8_format_flag("e4m3"), "with model.fp8 set, use model.fp8_format"),
+    "model.fp8_hybrid": When(
+        _fp8_format_flag("hybrid"), "with model.fp8 set, use model.fp8_format"
+    ),
+    "model.fp8_interval": _not_yet(1, "FP8 scaling factors update every step"),
+    "model.reduce_amax": Fixed((True,), "FP8 amax is reduced across ranks"),
+    "model.use_emha": Fixed((False,), "NeMo itself does not support it"),
+    # model: performance and memory, honoured by a later release
+    "model.rampup_batch_size": _not_yet(None, "batch-size ramp-up"),
+    "model.context_parallel_size": _not_yet(1, "context parallelism"),
+    "model.kv_channels": When(
+        _head_dim, "the head dimension is hidden_size / num_attention_heads", not_yet=True
+    ),
+    "model.do_layer_norm_weight_decay": _not_yet(
+        False, "norm weights and biases are excluded from weight decay"
+    ),
+    "model.grad_allreduce_chunk_size_mb": _not_yet(125, "megatron DDP buckets gradients"),
+    "model.activations_checkpoint_granularity": _not_yet(None, "activation recomputation"),
+    "model.activations_checkpoint_method": _not_yet(None, "activation recomputation"),
+    "model.activations_checkpoint_num_layers": _not_yet(None, "activation recomputation"),
+    "model.num_micro_batches_with_partial_activation_checkpoints": _not_yet(
+        None, "activation recomputation"
+    ),
+    "model.activations_checkpoint_layers_per_pipeline": _not_yet(None, "activation recomputation"),
+    "model.overlap_p2p_comm": _not_yet(False, "overlapping pipeline communication"),
+    "model.ub_tp_comm_overlap": _not_yet(False, "tensor-parallel communication overlap"),
+    "model.ub_tp_comm_overlap_cfg": ONLY_WITH_REFUSED,
+    "model.use_flash_attention": When(
+        lambda v, cfg: not v or cfg.model.transformer_engine,
+        "flash attention comes with model.transformer_engine=true, which picks it itself",
+        not_yet=True,
+    ),
+    "model.cpu_offloading": _not_yet(False, "offloading activations and weights to the CPU"),
+    "model.cpu_offloading_num_layers": ONLY_WITH_REFUSED,
+    "model.cpu_offloading_activations": ONLY_WITH_REFUSED,
+    "model.cpu_offloading_weights": ONLY_WITH_REFUSED,
+    "model.sharp": _not_yet(False, "NCCL SHARP"),
+    "model.enable_megatron_timers": _not_yet(False, "megatron's internal timers"),
+    "model.megatron_timer_kwargs": ONLY_WITH_REFUSED,
+    "model.gc_interval": _not_yet(0, "manual garbage collection"),
+    "model.nsys_profile.enabled": _not_yet(False, "Nsight Systems profiling ranges"),
+    "model.nsys_profile.*": ONLY_WITH_REFUSED,
+    "model.dist_ckpt_format": Inert("checkpoints are written in torch_dist format"),
+    "model.dist_ckpt_load_on_device": Inert("where a checkpoint is read into"),
+    "model.dist_ckpt_parallel_save": _not_yet(False, "parallel checkpoint saving"),
+    "model.dist_ckpt_parallel_load": _not_yet(False, "parallel checkpoint loading"),
+    # model: kernels and communication that compute the same thing either way
+    "model.persist_layer_norm": KERNEL,
+    "model.grad_div_ar_fusion": KERNEL,
+    "model.gradient_accumulation_fusion": KERNEL,
+    "model.bias_activation_fusion": KERNEL,
+    "model.bias_dropout_add_fusion": KERNEL,
+    "model.masked_softmax_fusion": KERNEL,
+    "model.get_attention_mask_from_fusion": KERNEL,
+    "model.apply_rope_fusion": KERNEL,
+    "model.cross_entropy_loss_fusion": KERNEL,
+    "model.batch_p2p_comm": Inert("pipeline send/receive are batched where the backend can"),
+    "model.sync_batch_comm": Inert("a stream synchronisation after pipeline communication"),
+    "model.use_cpu_initialization": Inert("where weights are initialised (CPU without CUDA)"),
+    "model.gradient_as_bucket_view": Inert("megatron DDP always uses contiguous grad buffers"),
+    "model.onnx_safe": Inert("ONNX export workarounds"),
+    "model.apex_transformer_log_level": Inert("a log level"),
+    # model.tokenizer
+    "model.tokenizer.vocab_file": Fixed(
+        (None,), "give a Hugging Face tokenizer directory in model.tokenizer.type"
+    ),
+    "model.tokenizer.merge_file": Fixed(
+        (None,), "give a Hugging Face tokenizer directory in model.tokenizer.type"
+    ),
+    "model.tokenizer.delimiter": Inert("used by NeMo's tabular tokenizer only"),
+    "model.tokenizer.sentencepiece_legacy": Fixed((False,), "legacy SentencePiece special tokens"),
+    # model.data
+    "model.data.data_impl": Fixed(("mmap",), "megatron-core reads mmap indexed datasets"),
+    "model.data.mmap_bin_files": Inert("whether .bin files are mapped or read; same samples"),
+    "model.data.skip_warmup": Inert("megatron-core's datasets have no warm-up"),
+    "model.data.dataloader_type": Fixed(("single",), "samples follow megatron's shuffled index"),
+    "model.data.validation_drop_last": Fixed(
+        (True,), "a partial last validation sequence is dropped"
+    ),
+    "model.data.no_seqlen_plus_one_input_tokens": Fixed(
+        (False,), "samples hold seq_length + 1 tokens (inputs and shifted labels)"
+    ),
+    "model.data.pad_samples_to_global_batch_size": Fixed((False,), "every global batch is full"),
+    "model.data.shuffle_documents": Fixed((True,), "megatron-core shuffles documents"),
+    "model.data.exchange_indices_distributed": Inert(
+        "how ranks share the index mappings; they are the same either way"
+    ),
+    "model.data.num_dataset_builder_threads": Inert("threads building the same datasets"),
+    # model.optim
+    "model.optim.bucket_cap_mb": _not_yet(None, "gradient bucket size"),
+    "model.optim.overlap_grad_sync": _not_yet(
+        True, "on GPUs the gradient reduction always overlaps the backward pass"
+    ),
+    "model.optim.overlap_param_sync": _not_yet(False, "overlapping the parameter all-gather"),
+    "model.optim.contiguous_grad_buffer": Fixed((True,), "gradients live in contiguous buffers"),
+    "model.optim.grad_sync_dtype": _not_yet(None, "gradients are reduced in fp32"),
+    "model.optim.sched.max_steps": When(
+        lambda v, cfg: v is None or v == cfg.trainer.max_steps,
+        "the schedule spans trainer.max_steps",
+    ),
+}
 
 
-def is_nemo_key_without_meaning(dotted: str) -> bool:
-    if dotted in NEMO_KEYS_WITHOUT_MEANING_HERE:
-        return True
+def nemo_rule(dotted: str) -> Inert | Fixed | When | Translated | None:
+    """The entry for ``dotted``: its own, else the nearest ``ancestor.*`` above it."""
+    if dotted in NEMO_KEYS:
+        return NEMO_KEYS[dotted]
     parts = dotted.split(".")
-    return any(
-        ".".join(parts[:i]) + ".*" in NEMO_KEYS_WITHOUT_MEANING_HERE
-        for i in range(1, len(parts) + 1)
-    )
+    for i in range(len(parts) - 1, 0, -1):
+        rule = NEMO_KEYS.get(".".join(parts[:i]) + ".*")
+        if rule is not None:
+            return rule
+    return None
+
+
+def has_nemo_keys_below(dotted: str) -> bool:
+    return any(key.startswith(dotted + ".") for key in NEMO_KEYS)
+
+
+def apply_nemo_settings(cfg: ExperimentConfig, values: dict[str, Any]) -> None:
+    """Honour or refuse each non-inert NeMo key, in the order given."""
+    for key, value in values.items():
+        rule = nemo_rule(key)
+        assert rule is not None and not isinstance(rule, Inert), key
+        rule.apply(key, value, cfg)
+
+
+def normalize_nemo_spellings(raw: DictConfig) -> None:
+    """NeMo values spelled differently here. ``model.fp8`` is a boolean switch in NeMo
+    and the FP8 recipe's name here: false means off; true has no single meaning."""
+    model = raw.get("model")
+    if not isinstance(model, DictConfig) or "fp8" not in model:
+        return
+    if OmegaConf.is_interpolation(model, "fp8"):
+        return
+    if model.fp8 is False:
+        model.fp8 = None
+    elif model.fp8 is True:
+        raise NemoSettingError(
+            "model.fp8=True: here model.fp8 names the FP8 recipe; NeMo's fp8: True is "
+            "model.fp8=delayed (with model.fp8_format=hybrid or e4m3)"
+        )
 
 
 def register_nemo_resolvers() -> None:

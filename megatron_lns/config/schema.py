@@ -4,13 +4,31 @@ Section and key names follow NeMo 1.x's ``megatron_gpt_config.yaml`` (``trainer`
 ``exp_manager``, ``model`` with ``model.optim``, ``model.data``, ``model.tokenizer``),
 so a NeMo user's YAML reads the same here. Every key listed is honoured; the
 docstrings say what megatron-core setting each one drives (docs/configuration.md
-is the reference). OmegaConf checks types against these annotations.
+is the reference). OmegaConf checks types against these annotations; the rule each
+value must meet beyond its type is declared with it (``checked(default, rule)``, read
+by ``rules.value_errors``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from megatron_lns.config.rules import (
+    CHECK,
+    adam_betas,
+    checked,
+    non_empty,
+    non_negative,
+    one_of,
+    positive,
+    probability,
+    rng_seed,
+    split_weights,
+)
+from megatron_lns.data.tokenizer import TOKENIZER_LIBRARIES
+from megatron_lns.model import ACTIVATIONS, OUTPUT_LAYER_INITS, POSITION_EMBEDDINGS
+from megatron_lns.scaling import NORM_SCALING_CHOICES
 
 # The NeMo spellings a value may take, and what each means in megatron-core terms. The
 # assembly (training/assembly.py) translates through these maps; validation checks
@@ -33,34 +51,38 @@ OPTIMIZERS = {
     "sgd": "sgd",
 }
 ACCELERATORS = {"auto": "auto", "cpu": "cpu", "gpu": "cuda"}
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+FP8_FORMATS = ("hybrid", "e4m3")
+FP8_AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 
 
 @dataclass
 class TrainerConfig:
-    num_nodes: int = 1
-    devices: int = 1
-    accelerator: str = "auto"  # auto | cpu | gpu
-    max_steps: int = 1000
-    val_check_interval: int = 100
-    limit_val_batches: int = 10
-    log_every_n_steps: int = 10
-    precision: str = "bf16-mixed"  # bf16-mixed | 16-mixed | 32 (and NeMo spellings bf16, 16)
-    gradient_clip_val: float = 1.0
+    num_nodes: int = checked(1, positive)
+    devices: int = checked(1, positive)
+    accelerator: str = checked("auto", one_of(ACCELERATORS))
+    max_steps: int = checked(1000, positive)
+    val_check_interval: int = checked(100, positive)
+    limit_val_batches: int = checked(10, non_negative)
+    log_every_n_steps: int = checked(10, positive)
+    # bf16-mixed | 16-mixed | 32 (and NeMo spellings bf16, 16)
+    precision: str = checked("bf16-mixed", one_of(PRECISIONS))
+    gradient_clip_val: float = checked(1.0, non_negative)
     # Not in NeMo: Megatron-LM's --exit-interval. Checkpoint and exit when the step is a
     # multiple of it (time-sliced jobs; the next job resumes).
-    exit_interval: int | None = None
+    exit_interval: int | None = checked(None, positive)
 
 
 @dataclass
 class CheckpointCallbackParams:
-    every_n_train_steps: int = 1000
+    every_n_train_steps: int = checked(1000, positive)
     save_last: bool = True
 
 
 @dataclass
 class ExpManagerConfig:
     exp_dir: str | None = None  # null: ./runs (NeMo: ./nemo_experiments)
-    name: str = "megatron_gpt"
+    name: str = checked("megatron_gpt", non_empty)
     resume_if_exists: bool = True
     # A checkpoint directory (iter_NNNNNNN) to resume from instead of the newest one.
     resume_from_checkpoint: str | None = None
@@ -81,19 +103,19 @@ class ExpManagerConfig:
 
 @dataclass
 class SchedConfig:
-    name: str = "CosineAnnealing"  # CosineAnnealing | LinearAnnealing | Constant
-    warmup_steps: int = 0
-    constant_steps: int = 0
-    min_lr: float = 0.0
+    name: str = checked("CosineAnnealing", one_of(SCHEDULES))
+    warmup_steps: int = checked(0, non_negative)
+    constant_steps: int = checked(0, non_negative)
+    min_lr: float = checked(0.0, non_negative)
 
 
 @dataclass
 class OptimConfig:
-    name: str = "fused_adam"  # fused_adam | adam | adamw | distributed_fused_adam | sgd
-    lr: float = 1e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    weight_decay: float = 0.0
+    name: str = checked("fused_adam", one_of(OPTIMIZERS))
+    lr: float = checked(1e-4, positive)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95], metadata={CHECK: adam_betas})
+    eps: float = checked(1e-8, positive)
+    weight_decay: float = checked(0.0, non_negative)
     sched: SchedConfig = field(default_factory=SchedConfig)
 
 
@@ -102,10 +124,10 @@ class DataConfig:
     # [weight, prefix, weight, prefix, ...] or [prefix, ...] or a single prefix.
     # "builtin:pydoc" is the embedded demo corpus (prepared and cached on first use).
     data_prefix: list[Any] = field(default_factory=list)
-    splits_string: str = "949,50,1"
-    seq_length: int = 512
+    splits_string: str = checked("949,50,1", split_weights)
+    seq_length: int = checked(512, positive)
     index_mapping_dir: str | None = None
-    num_workers: int = 2
+    num_workers: int = checked(2, non_negative)
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
@@ -113,53 +135,57 @@ class DataConfig:
 
 @dataclass
 class TokenizerConfig:
-    library: str = "byte"  # byte | huggingface | sentencepiece
+    library: str = checked("byte", one_of(TOKENIZER_LIBRARIES))
     type: str | None = None  # huggingface: local directory of the tokenizer
     model: str | None = None  # sentencepiece: the .model file
 
 
 @dataclass
 class ModelConfig:
-    micro_batch_size: int = 4
-    global_batch_size: int = 8
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int | None = None
+    micro_batch_size: int = checked(4, positive)
+    global_batch_size: int = checked(8, positive)
+    tensor_model_parallel_size: int = checked(1, positive)
+    pipeline_model_parallel_size: int = checked(1, positive)
+    virtual_pipeline_model_parallel_size: int | None = checked(None, positive)
     sequence_parallel: bool = False
 
-    encoder_seq_length: int = 512
-    max_position_embeddings: int | None = None
-    num_layers: int = 12
-    hidden_size: int = 768
-    ffn_hidden_size: int | None = None
-    num_attention_heads: int = 12
-    num_query_groups: int | None = None
-    position_embedding_type: str = "rope"  # rope | learned_absolute
-    rotary_base: int = 10000
-    normalization: str = "rmsnorm"  # rmsnorm | layernorm | layernorm1p (zero-centred gamma)
+    encoder_seq_length: int = checked(512, positive)
+    max_position_embeddings: int | None = checked(None, positive)
+    num_layers: int = checked(12, positive)
+    hidden_size: int = checked(768, positive)
+    ffn_hidden_size: int | None = checked(None, positive)
+    num_attention_heads: int = checked(12, positive)
+    num_query_groups: int | None = checked(None, positive)
+    position_embedding_type: str = checked("rope", one_of(POSITION_EMBEDDINGS))
+    rotary_base: int = checked(10000, positive)
+    # rmsnorm | layernorm | layernorm1p (zero-centred gamma)
+    normalization: str = checked("rmsnorm", one_of(NORMALIZATIONS))
     norm_affine: bool = True  # false: parameter-free norms (OLMo)
-    layernorm_epsilon: float = 1e-5
+    layernorm_epsilon: float = checked(1e-5, positive)
     bias: bool = False
-    activation: str = "swiglu"  # swiglu | gelu
+    activation: str = checked("swiglu", one_of(ACTIVATIONS))
     share_embeddings_and_output_weights: bool = False
-    init_method_std: float = 0.02
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    make_vocab_size_divisible_by: int = 128
-    seed: int = 1234
+    init_method_std: float = checked(0.02, positive)
+    hidden_dropout: float = checked(0.0, probability)
+    attention_dropout: float = checked(0.0, probability)
+    make_vocab_size_divisible_by: int = checked(128, positive)
+    seed: int = checked(1234, rng_seed)
 
     # LayerNorm Scaling.
-    norm_scaling: str = "lns"  # lns | none
-    output_layer_init: str | None = None  # normal | scaled | null (normal with LNS)
+    norm_scaling: str = checked("lns", one_of(NORM_SCALING_CHOICES))
+    # normal | scaled | null (normal with LNS)
+    output_layer_init: str | None = checked(None, one_of(OUTPUT_LAYER_INITS))
 
     # Transformer Engine and FP8 (GPU only).
     transformer_engine: bool = False
-    fp8: str | None = None  # null | delayed | tensorwise | blockwise | mxfp8
-    fp8_format: str = "hybrid"  # hybrid (E4M3 forward, E5M2 gradients) | e4m3
+    # null | delayed | tensorwise | blockwise | mxfp8 (NeMo's boolean: false = null)
+    fp8: str | None = checked(None, one_of(FP8_RECIPES))
+    # hybrid (E4M3 forward, E5M2 gradients) | e4m3
+    fp8_format: str = checked("hybrid", one_of(FP8_FORMATS))
     fp8_param: bool = False  # keep weights in FP8 too (else bf16 weights, fp32 main copy)
-    fp8_margin: int = 0
-    fp8_amax_history_len: int = 1024
-    fp8_amax_compute_algo: str = "max"
+    fp8_margin: int = checked(0, non_negative)
+    fp8_amax_history_len: int = checked(1024, positive)
+    fp8_amax_compute_algo: str = checked("max", one_of(FP8_AMAX_COMPUTE_ALGOS))
 
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -1,6 +1,9 @@
-"""Consistency checks, run before any process group or model exists.
+"""Checks run before any process group or model exists.
 
-Each failure is a :class:`ConfigError` whose one-line message names the key.
+The rule for each single value is declared next to its field in ``schema.py``; this
+module runs them and adds the rules that relate several keys (divisibility, world
+size, schedule length, files). Each failure is a :class:`ConfigError` whose one-line
+message names the key.
 """
 
 from __future__ import annotations
@@ -8,22 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_lns.config.loader import ConfigError
-from megatron_lns.config.schema import (
-    ACCELERATORS,
-    NORMALIZATIONS,
-    OPTIMIZERS,
-    PRECISIONS,
-    SCHEDULES,
-    ExperimentConfig,
-)
+from megatron_lns.config.paths import check_writable_paths
+from megatron_lns.config.rules import value_errors
+from megatron_lns.config.schema import PRECISIONS, SCHEDULES, ExperimentConfig
 from megatron_lns.data.blend import DataBlend, DataBlendError
-from megatron_lns.data.tokenizer import TOKENIZER_LIBRARIES
-from megatron_lns.model import ACTIVATIONS, OUTPUT_LAYER_INITS, POSITION_EMBEDDINGS
 from megatron_lns.optim import warmup_fits
 from megatron_lns.runtime import ParallelLayout
-from megatron_lns.scaling import NORM_SCALING_CHOICES
 
-FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 # Minimum CUDA compute capability per FP8 recipe (Ada/Hopper for FP8, Blackwell for MXFP8).
 FP8_MIN_CAPABILITY = {
     "delayed": (8, 9),
@@ -36,19 +30,9 @@ FP8_MIN_CAPABILITY = {
 FP8_MIN_CUDA = {"blockwise": (12, 9)}
 
 
-def _choice(key: str, value, choices) -> None:
-    if value not in choices:
-        raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
-
-
 def _divisible(key: str, value: int, by_key: str, by: int, shown: str | None = None) -> None:
     if value % by:
         raise ConfigError(f"{key} ({value}) is not divisible by {by_key} ({shown or by})")
-
-
-def _positive(key: str, value) -> None:
-    if value is None or value <= 0:
-        raise ConfigError(f"{key} must be positive, got {value}")
 
 
 def data_blend(data_prefix) -> DataBlend:
@@ -62,43 +46,15 @@ def data_blend(data_prefix) -> DataBlend:
 def validate(
     cfg: ExperimentConfig, world_size: int | None = None, check_files: bool = True
 ) -> None:
+    """Every declared value rule (``schema.py``), then the rules that relate keys; with
+    ``check_files`` also the files the run reads and the directories it writes."""
+    problem = next(value_errors(cfg), None)
+    if problem:
+        raise ConfigError(problem)
     t, m = cfg.trainer, cfg.model
-    _choice("trainer.precision", str(t.precision), PRECISIONS)
-    _choice("trainer.accelerator", t.accelerator, ACCELERATORS)
-    for key in ("num_nodes", "devices", "max_steps", "val_check_interval", "log_every_n_steps"):
-        _positive(f"trainer.{key}", getattr(t, key))
-    if t.exit_interval is not None:
-        _positive("trainer.exit_interval", t.exit_interval)
-    if t.limit_val_batches < 0:
-        raise ConfigError(f"trainer.limit_val_batches must be >= 0, got {t.limit_val_batches}")
-    _positive(
-        "exp_manager.checkpoint_callback_params.every_n_train_steps",
-        cfg.exp_manager.checkpoint_callback_params.every_n_train_steps,
-    )
-
-    _choice("model.norm_scaling", m.norm_scaling, NORM_SCALING_CHOICES)
-    _choice("model.normalization", m.normalization, NORMALIZATIONS)
-    _choice("model.activation", m.activation, ACTIVATIONS)
-    _choice("model.position_embedding_type", m.position_embedding_type, POSITION_EMBEDDINGS)
-    if m.output_layer_init is not None:
-        _choice("model.output_layer_init", m.output_layer_init, OUTPUT_LAYER_INITS)
-    _choice("model.tokenizer.library", m.tokenizer.library, TOKENIZER_LIBRARIES)
-    _choice("model.optim.name", m.optim.name, OPTIMIZERS)
-    _choice("model.optim.sched.name", m.optim.sched.name, SCHEDULES)
     if m.normalization == "layernorm1p" and not m.norm_affine:
         raise ConfigError("model.normalization=layernorm1p needs model.norm_affine=true")
 
-    for key in (
-        "micro_batch_size",
-        "global_batch_size",
-        "num_layers",
-        "hidden_size",
-        "num_attention_heads",
-        "encoder_seq_length",
-        "tensor_model_parallel_size",
-        "pipeline_model_parallel_size",
-    ):
-        _positive(f"model.{key}", getattr(m, key))
     tp, pp, vp = (
         m.tensor_model_parallel_size,
         m.pipeline_model_parallel_size,
@@ -112,13 +68,11 @@ def validate(
     _divisible("model.num_query_groups", groups, tp_key, tp)
     if m.ffn_hidden_size is not None:
         _divisible("model.ffn_hidden_size", m.ffn_hidden_size, tp_key, tp)
-    if vp is not None:
-        _positive("model.virtual_pipeline_model_parallel_size", vp)
-        if pp < 2:
-            raise ConfigError(
-                "model.virtual_pipeline_model_parallel_size needs "
-                "model.pipeline_model_parallel_size > 1"
-            )
+    if vp is not None and pp < 2:
+        raise ConfigError(
+            "model.virtual_pipeline_model_parallel_size needs "
+            "model.pipeline_model_parallel_size > 1"
+        )
     _divisible(
         "model.num_layers",
         m.num_layers,
@@ -139,13 +93,10 @@ def validate(
             f"model.encoder_seq_length ({m.encoder_seq_length})"
         )
     if m.fp8 is not None:
-        _choice("model.fp8", m.fp8, FP8_RECIPES)
         if not m.transformer_engine:
             raise ConfigError(
                 "model.fp8 needs model.transformer_engine=true (FP8 runs in Transformer Engine)"
             )
-        _choice("model.fp8_format", m.fp8_format, ("hybrid", "e4m3"))
-        _choice("model.fp8_amax_compute_algo", m.fp8_amax_compute_algo, ("max", "most_recent"))
         if PRECISIONS[str(t.precision)] != "bf16":
             raise ConfigError(
                 f"model.fp8 needs trainer.precision=bf16-mixed (got {t.precision}): FP8 GEMMs "
@@ -194,6 +145,7 @@ def validate(
             raise ConfigError(f"model.tokenizer.model: {tok.model} does not exist")
         for missing in blend.missing_files():
             raise ConfigError(f"model.data.data_prefix: {missing} does not exist")
+        check_writable_paths(cfg, blend)
 
 
 def check_environment(cfg: ExperimentConfig) -> None:

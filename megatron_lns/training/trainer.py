@@ -27,6 +27,7 @@ from megatron.core.num_microbatches_calculator import (
 )
 
 from megatron_lns.config import ExperimentConfig, to_yaml
+from megatron_lns.config.paths import run_directory
 from megatron_lns.data.datasets import micro_batch_loader
 from megatron_lns.data.tokenizer import build_tokenizer
 from megatron_lns.errors import UserError
@@ -136,7 +137,7 @@ class Trainer:
 
     def __init__(self, cfg: ExperimentConfig) -> None:
         self.cfg = cfg
-        self.run_dir = Path(cfg.exp_manager.exp_dir or "runs") / cfg.exp_manager.name
+        self.run_dir = run_directory(cfg)
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.layout = parallel_layout(cfg)
         self.device = init_distributed(self.layout, device=device_setting(cfg), seed=cfg.model.seed)

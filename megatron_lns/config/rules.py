@@ -1,0 +1,106 @@
+"""Value rules declared next to the config fields, and the one validator that reads them.
+
+A field that needs more than its type says declares a :class:`Check` in its metadata::
+
+    num_layers: int = checked(12, positive)
+
+:func:`check_values` walks the dataclasses and reports the first value that breaks its
+rule, naming the dotted key. Rules here look at one value only; rules that relate
+several keys (divisibility, world size, ...) are in ``validate.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+CHECK = "check"
+
+
+@dataclass(frozen=True)
+class Check:
+    """``holds(value)``, or the message ``<key> must be <expected>, got <value>``.
+
+    ``None`` always passes: OmegaConf already refuses it for fields not typed optional,
+    and for optional ones it means "not set".
+    """
+
+    expected: str
+    holds: Callable[[Any], bool]
+
+    def error(self, key: str, value: Any) -> str | None:
+        if value is None or self.holds(value):
+            return None
+        return f"{key} must be {self.expected}, got {value!r}"
+
+
+@dataclass(frozen=True)
+class OneOf(Check):
+    """A value from a fixed vocabulary (a NeMo spelling or a component's choices)."""
+
+    def error(self, key: str, value: Any) -> str | None:
+        if value is None or self.holds(value):
+            return None
+        return f"{key}={value!r} is not one of {self.expected}"
+
+
+def one_of(choices: Iterable) -> OneOf:
+    allowed = list(choices)
+    return OneOf(str(allowed), lambda value: value in allowed)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+positive = Check("positive", lambda v: _finite(v) and v > 0)
+non_negative = Check(">= 0", lambda v: _finite(v) and v >= 0)
+# Dropout probabilities: 1 would zero every activation.
+probability = Check("a probability in [0, 1)", lambda v: _finite(v) and 0 <= v < 1)
+# numpy's RandomState (megatron's dataset shuffling) takes seeds in [0, 2**32).
+rng_seed = Check("an integer in [0, 2**32)", lambda v: _finite(v) and 0 <= v < 2**32)
+adam_betas = Check(
+    "[beta1, beta2] with each in [0, 1)",
+    lambda v: len(v) == 2 and all(_finite(b) and 0 <= b < 1 for b in v),
+)
+non_empty = Check("a non-empty name", lambda v: bool(str(v).strip()))
+
+_SPLIT_NUMBER = re.compile(r"^\s*\d+(\.\d*)?\s*$|^\s*\.\d+\s*$")
+
+
+def _is_split(value: Any) -> bool:
+    parts = str(value).split(",")
+    if len(parts) != 3 or not all(_SPLIT_NUMBER.match(p) for p in parts):
+        return False
+    return sum(float(p) for p in parts) > 0
+
+
+split_weights = Check(
+    "three comma-separated non-negative numbers with a positive sum (train,valid,test)",
+    _is_split,
+)
+
+
+def checked(default: Any = dataclasses.MISSING, check: Check | None = None, **kwargs: Any):
+    """A dataclass field carrying its value rule: ``checked(1, positive)``."""
+    metadata = {CHECK: check} if check is not None else {}
+    return dataclasses.field(default=default, metadata=metadata, **kwargs)
+
+
+def value_errors(cfg: Any, prefix: str = "") -> Iterator[str]:
+    """Messages for every declared rule ``cfg`` breaks, in field order, depth first."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            yield from value_errors(value, key + ".")
+            continue
+        check = f.metadata.get(CHECK)
+        if check is not None:
+            message = check.error(key, value)
+            if message:
+                yield message
