@@ -183,12 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_third_party_noise()
     args = _parse_args(argv)
     from megatron_lns.config import ConfigError
-    from megatron_lns.data.datasets import DataMismatchError
+    from megatron_lns.data.errors import DataError
     from megatron_lns.training.checkpoint import CheckpointError
 
     try:
         return args.func(args)
-    except (ConfigError, DataMismatchError, CheckpointError, FileNotFoundError) as err:
+    except (ConfigError, DataError, CheckpointError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
