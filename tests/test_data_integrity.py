@@ -201,6 +201,13 @@ def test_a_malformed_dataset_description_is_named(tmp_path):
         DatasetMetadata.load(tmp_path / "corpus")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _children(pid: int) -> list[int]:
     tasks = Path(f"/proc/{pid}/task")
     return [
@@ -246,8 +253,30 @@ def test_a_signal_midway_leaves_no_files_and_no_workers(tmp_path, signum):
             process.kill()
     assert process.returncode in (128 + signum, -signum), stderr[-2000:]
     assert list(tmp_path.iterdir()) == []
-    for pid in workers:
-        assert (
-            not Path(f"/proc/{pid}").exists()
-            or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
-        )
+    # The pool's workers and multiprocessing's resource tracker exit with the parent.
+    deadline = time.monotonic() + 30
+    while any(map(_alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [Path(f"/proc/{pid}/cmdline").read_bytes()[:200] for pid in workers if _alive(pid)]
+    assert left == []
+
+
+def _resolve_missing_builtin() -> str:
+    from megatron_lns.data.blend import DataBlend
+    from megatron_lns.runtime import ParallelLayout, init_distributed
+
+    init_distributed(ParallelLayout(), device="cpu")
+    try:
+        DataBlend.parse(["builtin:nope"]).resolved("byte", None, None)
+    except DataError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_a_failed_builtin_preparation_on_rank_zero_stops_every_rank(tmp_path):
+    from helpers import run_distributed
+
+    messages = run_distributed(_resolve_missing_builtin, 2, tmp_path)
+    assert messages[0].startswith("unknown built-in corpus 'builtin:nope'")
+    assert messages[1] == f"rank 0 could not prepare the built-in corpus: {messages[0]}"
