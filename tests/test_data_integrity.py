@@ -124,6 +124,14 @@ def test_the_cli_prints_preprocess_errors_as_one_line(tmp_path, capsys):
     ]:
         code = main(["preprocess", "--input", *inputs, "--output-prefix", out, "--quiet"])
         assert (code, capsys.readouterr().err.strip()) == (2, expected)
+    if os.geteuid() != 0:  # root writes anywhere
+        read_only = tmp_path / "read_only"
+        read_only.mkdir(mode=0o555)
+        code = main(["preprocess", "--input", str(bad), "--output-prefix", f"{read_only}/x"])
+        assert (code, capsys.readouterr().err.strip()) == (
+            2,
+            f"error: cannot write to {read_only}: permission denied",
+        )
     code = main(
         ["preprocess", "--input", str(bad), "--output-prefix", out, "--tokenizer-library",
          "huggingface", "--quiet"]

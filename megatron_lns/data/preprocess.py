@@ -67,7 +67,11 @@ class DatasetMetadata:
 
 def _records(path: Path) -> Iterator[tuple[int, str]]:
     """(line number, line) of every non-blank line, decoded as strict UTF-8."""
-    with path.open("rb") as f:
+    try:
+        f = path.open("rb")
+    except PermissionError as err:
+        raise PreprocessError(f"cannot read input {path}: {err.strerror}") from None
+    with f:
         for line_number, raw in enumerate(f, 1):
             try:
                 line = raw.decode("utf-8")
@@ -187,7 +191,12 @@ def preprocess(
     """
     tokenizer = build_tokenizer(library, tokenizer_type, tokenizer_model)
     output_prefix = Path(output_prefix)
-    output_prefix.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        output_prefix.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise PreprocessError(f"cannot create {output_prefix.parent}: {err.strerror}") from None
+    if not os.access(output_prefix.parent, os.W_OK | os.X_OK):
+        raise PreprocessError(f"cannot write to {output_prefix.parent}: permission denied")
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     # Unique per process and host: concurrent writers of one prefix never share a file.
     tmp_prefix = str(output_prefix.with_name(f"{output_prefix.name}.tmp-{uuid.uuid4().hex[:12]}"))
