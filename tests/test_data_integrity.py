@@ -68,6 +68,15 @@ def test_a_re_preprocessed_prefix_never_uses_stale_index_mappings(tmp_path, inde
     assert from_b == _samples(prefix, cache)  # and B's own mappings are reused
 
 
+def test_an_index_mapping_cut_short_is_named(tmp_path):
+    preprocess(DOCS[:100], tmp_path / "corpus")
+    _samples(tmp_path / "corpus", tmp_path / "cache")
+    (shuffle,) = (tmp_path / "cache").glob("*-train-shuffle_index.npy")
+    shuffle.write_bytes(shuffle.read_bytes()[:100])  # as a run killed mid-write leaves it
+    with pytest.raises(DataError, match=r"cannot read the cached index mapping .*-train-\*"):
+        _samples(tmp_path / "corpus", tmp_path / "cache")
+
+
 def _write(path: Path, data: bytes) -> Path:
     path.write_bytes(data)
     return path

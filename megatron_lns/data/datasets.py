@@ -9,6 +9,7 @@ run sees exactly the samples the uninterrupted run would have seen.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -85,6 +86,23 @@ class ContentKeyedGPTDataset(GPTDataset):
     @staticmethod
     def _key_config_attributes() -> list[str]:
         return [*GPTDataset._key_config_attributes(), "data_fingerprints"]
+
+    def _build_document_sample_shuffle_indices(self):
+        """megatron's, with a cache file cut short (a run killed while writing it) named."""
+        try:
+            return super()._build_document_sample_shuffle_indices()
+        except (ValueError, EOFError, OSError) as err:
+            cache = self.config.path_to_cache or os.path.join(
+                self.dataset.path_prefix, "cache", f"{type(self).__name__}_indices"
+            )
+            files = (
+                f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}-*"
+            )
+            raise DataError(
+                f"cannot read the cached index mapping {os.path.join(cache, files)} of "
+                f"{self.dataset_path} ({err}); a run stopped while writing it leaves it cut "
+                "short: delete those files and start again"
+            ) from None
 
 
 @dataclass
