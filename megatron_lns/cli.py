@@ -201,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         report_user_error_once(err)
         return USER_ERROR_EXIT_CODE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     except RankFailed as err:
         if err.exit_code == USER_ERROR_EXIT_CODE:
             return USER_ERROR_EXIT_CODE  # the rank has reported it

@@ -17,14 +17,14 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_lns.data.demo_corpus import demo_documents
-from megatron_lns.data.preprocess import DatasetMetadata, preprocess
-from megatron_lns.errors import UserError
+from megatron_lns.data.errors import DataError
+from megatron_lns.data.preprocess import preprocess
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_CORPORA: dict[str, Callable[[], list[str]]] = {"pydoc": demo_documents}
 
 
-class DataBlendError(UserError, ValueError):
+class DataBlendError(DataError):
     """A data prefix list that cannot be read as a blend, or names missing files."""
 
 
@@ -45,7 +45,10 @@ def builtin_dataset_prefix(
         )
     key = hashlib.sha256(f"{library}|{tokenizer_type}|{tokenizer_model}".encode()).hexdigest()[:12]
     prefix = cache_dir() / f"{name}_{library}_{key}"
-    if DatasetMetadata.load(prefix) is None or not Path(f"{prefix}.idx").is_file():
+    # preprocess() writes under a name unique to the process and renames the .json into
+    # place last: processes preparing at once each publish a complete (and identical)
+    # dataset, and an interrupted preparation leaves nothing that looks prepared.
+    if not all(Path(f"{prefix}{suffix}").is_file() for suffix in (".bin", ".idx", ".json")):
         preprocess(BUILTIN_CORPORA[name](), prefix, library, tokenizer_type, tokenizer_model)
     return prefix
 
@@ -92,18 +95,34 @@ class DataBlend:
         """The blend with built-in corpora replaced by their prepared prefixes.
 
         Rank 0 tokenizes a built-in corpus that is not cached yet while the other ranks
-        wait, then every rank reads the cache.
+        wait, then every rank reads the cache; if rank 0 fails, every rank raises its
+        error instead of waiting forever.
         """
         tokenizer = (library, tokenizer_type, tokenizer_model)
         prefixes = []
         for prefix in self.prefixes:
             if prefix.startswith(BUILTIN_PREFIX):
                 name = prefix[len(BUILTIN_PREFIX) :]
-                distributed = dist.is_initialized()
-                if not distributed or dist.get_rank() == 0:
-                    builtin_dataset_prefix(name, *tokenizer)
-                if distributed:
-                    dist.barrier()
+                _prepare_on_rank_zero(builtin_dataset_prefix, name, *tokenizer)
                 prefix = str(builtin_dataset_prefix(name, *tokenizer))
             prefixes.append(prefix)
         return DataBlend(tuple(prefixes), self.weights)
+
+
+def _prepare_on_rank_zero(prepare: Callable[..., object], *args: object) -> None:
+    """Run ``prepare(*args)`` on rank 0 only; the other ranks learn whether it succeeded."""
+    if not dist.is_initialized():
+        prepare(*args)
+        return
+    outcome: list[str | None] = [None]
+    failure: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            prepare(*args)
+        except Exception as err:
+            failure, outcome[0] = err, str(err) or type(err).__name__
+    dist.broadcast_object_list(outcome, src=0)
+    if failure is not None:
+        raise failure
+    if outcome[0] is not None:
+        raise DataBlendError(f"rank 0 could not prepare the built-in corpus: {outcome[0]}")

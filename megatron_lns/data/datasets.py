@@ -8,8 +8,10 @@ run sees exactly the samples the uninterrupted run would have seen.
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,12 +20,13 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_lns.data.blend import DataBlend
+from megatron_lns.data.errors import DataError
 from megatron_lns.data.preprocess import DatasetMetadata
+from megatron_lns.data.splits import DatasetSplitError, check_split_shares, check_split_string
 from megatron_lns.data.tokenizer import Tokenizer, build_tokenizer
-from megatron_lns.errors import UserError
 
 
-class DataMismatchError(UserError, ValueError):
+class DataMismatchError(DataError):
     """A dataset that does not belong to this tokenizer or model vocabulary."""
 
 
@@ -49,6 +52,59 @@ def check_dataset_fits(prefix: str, tokenizer: Tokenizer, model_vocab_size: int)
         )
 
 
+def index_fingerprint(prefix: str) -> str:
+    """A hash of ``PREFIX.idx``: the document lengths megatron's index mappings are built from.
+
+    The document, sample and shuffle indices depend on the data only through ``.idx``
+    (tokens are read from ``.bin`` when a sample is drawn), so a hash of ``.idx`` is
+    exactly what a cached mapping must match; size and mtime are not content.
+    """
+    try:
+        with open(f"{prefix}.idx", "rb") as f:
+            return hashlib.file_digest(f, "blake2b").hexdigest()[:32]
+    except OSError as err:
+        raise DataError(f"cannot read {prefix}.idx: {err.strerror}") from None
+
+
+@dataclass
+class ContentKeyedGPTDatasetConfig(GPTDatasetConfig):
+    """``GPTDatasetConfig`` plus the ``.idx`` fingerprint of every prefix in the blend."""
+
+    data_fingerprints: dict[str, str] = field(default_factory=dict)
+
+
+class ContentKeyedGPTDataset(GPTDataset):
+    """megatron's ``GPTDataset`` whose cache key includes the data's content.
+
+    megatron names its cached index mappings by a hash of the dataset path, seed, split,
+    sequence length and tokenizer: re-preprocessing a prefix in place would reuse
+    mappings built for the old documents. Adding ``data_fingerprints`` to the key
+    attributes puts the content of the blend's ``.idx`` files in that hash, both under
+    ``path_to_cache`` and in megatron's default cache next to the data.
+    """
+
+    @staticmethod
+    def _key_config_attributes() -> list[str]:
+        return [*GPTDataset._key_config_attributes(), "data_fingerprints"]
+
+    def _build_document_sample_shuffle_indices(self):
+        """megatron's, with a cache file cut short (a run killed while writing it) named."""
+        try:
+            return super()._build_document_sample_shuffle_indices()
+        except (ValueError, EOFError, OSError) as err:
+            cache = self.config.path_to_cache or os.path.join(
+                self.dataset.path_prefix, "cache", f"{type(self).__name__}_indices"
+            )
+            files = (
+                f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}-*"
+            )
+            raise DataError(
+                f"cannot read the cached index mapping {os.path.join(cache, files)} of "
+                f"{self.dataset_path} ({err}); a run stopped while writing it leaves it cut "
+                "short: delete those files and start again"
+            ) from None
+
+
 @dataclass
 class DataSplits:
     train: GPTDataset
@@ -71,8 +127,14 @@ def build_gpt_datasets(
     eod_mask_loss: bool = False,
     num_test_samples: int = 0,
 ) -> DataSplits:
-    """Train/valid/test ``GPTDataset``s (blended with ``weights``, split by ``split``)."""
-    config = GPTDatasetConfig(
+    """Train/valid/test ``GPTDataset``s (blended with ``weights``, split by ``split``).
+
+    A split the run draws no samples from is not built (``None``): megatron would index
+    it anyway, and loop forever on one that has no documents. Every built split is
+    checked to get tokens from every prefix before megatron starts.
+    """
+    check_split_string(split)
+    config = ContentKeyedGPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
         blend=(list(prefixes), None if weights is None else list(weights)),
@@ -83,12 +145,29 @@ def build_gpt_datasets(
         reset_attention_mask=reset_attention_mask,
         eod_mask_loss=eod_mask_loss,
         create_attention_mask=False,
+        data_fingerprints={prefix: index_fingerprint(prefix) for prefix in prefixes},
+    )
+    sizes = [num_train_samples, num_valid_samples, num_test_samples]
+    config.split_matrix = [
+        None if size == 0 else bookends
+        for bookends, size in zip(config.split_matrix, sizes, strict=True)
+    ]
+    check_split_shares(
+        prefixes,
+        split,
+        config.split_matrix,
+        one_pass_per_prefix=weights is None and len(prefixes) > 1,
+        seq_length=seq_length,
+        add_extra_token=config.add_extra_token_to_sequence,
     )
     train, valid, test = BlendedMegatronDatasetBuilder(
-        GPTDataset, [num_train_samples, num_valid_samples, num_test_samples], lambda: True, config
+        ContentKeyedGPTDataset, sizes, lambda: True, config
     ).build()
     if train is None:
-        raise ValueError(f"the split '{split}' leaves no training data in {prefixes}")
+        raise DatasetSplitError(
+            f"no training data: the split '{split}' gives the train split no share, or the "
+            f"run asks for {num_train_samples} training samples"
+        )
     return DataSplits(train=train, valid=valid, test=test)
 
 

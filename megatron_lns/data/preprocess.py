@@ -15,7 +15,11 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import signal
+import threading
+import uuid
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,7 +27,12 @@ import numpy as np
 import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
+from megatron_lns.data.errors import DataError
 from megatron_lns.data.tokenizer import Tokenizer, build_tokenizer
+
+
+class PreprocessError(DataError):
+    """Input that cannot be tokenized (bad JSON, wrong key or type, not UTF-8, nothing in it)."""
 
 
 @dataclass
@@ -39,38 +48,82 @@ class DatasetMetadata:
     def path_for(prefix: str | Path) -> Path:
         return Path(f"{prefix}.json")
 
-    def save(self, prefix: str | Path) -> None:
-        self.path_for(prefix).write_text(json.dumps(asdict(self), indent=2) + "\n")
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
     @classmethod
     def load(cls, prefix: str | Path) -> DatasetMetadata | None:
         path = cls.path_for(prefix)
-        return cls(**json.loads(path.read_text())) if path.is_file() else None
+        if not path.is_file():
+            return None
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (ValueError, TypeError) as err:
+            raise DataError(
+                f"{path} is not a megatron-lns dataset description ({err}): delete it or "
+                "preprocess the data again"
+            ) from None
+
+
+def _records(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, line) of every non-blank line, decoded as strict UTF-8."""
+    try:
+        f = path.open("rb")
+    except PermissionError as err:
+        raise PreprocessError(f"cannot read input {path}: {err.strerror}") from None
+    with f:
+        for line_number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise PreprocessError(
+                    f"{path}:{line_number}: not UTF-8 text (byte 0x{raw[err.start]:02x} at "
+                    f"column {err.start + 1})"
+                ) from None
+            if line.strip():
+                yield line_number, line.rstrip("\r\n")
+
+
+def _json_text(path: Path, line_number: int, line: str, json_key: str) -> str:
+    where = f"{path}:{line_number}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise PreprocessError(f"{where}: not valid JSON ({err.msg})") from None
+    if not isinstance(record, dict):
+        raise PreprocessError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if json_key not in record:
+        raise PreprocessError(f"{where}: no '{json_key}' key (keys: {', '.join(record)[:80]})")
+    text = record[json_key]
+    if not isinstance(text, str):
+        raise PreprocessError(f"{where}: '{json_key}' is {type(text).__name__}, not a string")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PreprocessError(f"{where}: '{json_key}' holds an unpaired surrogate") from None
+    return text
 
 
 def read_documents(paths: Iterable[str | Path], json_key: str = "text") -> Iterator[str]:
     """Documents from ``.jsonl`` files (one JSON object per line, text under ``json_key``)
-    or plain text files (one document per non-empty line)."""
+    or plain text files (one document per non-empty line).
+
+    Bad input raises :class:`PreprocessError` naming the file and line; input with no
+    document at all is refused too.
+    """
+    paths = [Path(p) for p in paths]
+    count = 0
     for path in paths:
-        path = Path(path)
-        if not path.is_file():
+        if not path.exists():
             raise FileNotFoundError(f"input file {path} does not exist")
-        with path.open(encoding="utf-8") as f:
-            for line_number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                if path.suffix in (".jsonl", ".json"):
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as err:
-                        raise ValueError(
-                            f"{path}:{line_number}: not valid JSON ({err.msg})"
-                        ) from None
-                    if json_key not in record:
-                        raise ValueError(f"{path}:{line_number}: no '{json_key}' key")
-                    yield record[json_key]
-                else:
-                    yield line.rstrip("\n")
+        if not path.is_file():
+            raise PreprocessError(f"input {path} is not a file")
+        is_json = path.suffix in (".jsonl", ".json")
+        for line_number, line in _records(path):
+            count += 1
+            yield _json_text(path, line_number, line, json_key) if is_json else line
+    if count == 0:
+        raise PreprocessError(f"no documents in {', '.join(map(str, paths))}: the input is empty")
 
 
 _worker_tokenizer: Tokenizer | None = None
@@ -81,9 +134,44 @@ def _init_worker(library: str, type_: str | None, model: str | None) -> None:
     _worker_tokenizer = build_tokenizer(library, type_, model)
 
 
+def _init_pool_worker(library: str, type_: str | None, model: str | None) -> None:
+    # Ctrl-C reaches the whole process group: the parent stops the pool and cleans up.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(library, type_, model)
+
+
 def _encode(text: str) -> list[int]:
     assert _worker_tokenizer is not None
     return [*_worker_tokenizer.encode(text), _worker_tokenizer.eod]
+
+
+@contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM raises ``SystemExit(143)`` here, so cleanup runs as for Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _publish(tmp_prefix: str, output_prefix: Path) -> None:
+    """Rename the finished files into place, ``.json`` last, with Ctrl-C and SIGTERM held
+    back so a signal cannot leave new ``.bin`` beside an old ``.idx``."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        for suffix in (".bin", ".idx", ".json"):
+            os.replace(f"{tmp_prefix}{suffix}", f"{output_prefix}{suffix}")
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def preprocess(
@@ -95,13 +183,23 @@ def preprocess(
     workers: int = 1,
     progress: bool = False,
 ) -> DatasetMetadata:
-    """Tokenize ``documents`` into ``<output_prefix>.bin/.idx`` (+ ``.json``)."""
+    """Tokenize ``documents`` into ``<output_prefix>.bin/.idx`` (+ ``.json``).
+
+    Everything is written under a temporary name and renamed into place at the end: an
+    error, Ctrl-C or SIGTERM midway leaves neither temporary files nor a partial
+    dataset, and an existing dataset at ``output_prefix`` stays as it was.
+    """
     tokenizer = build_tokenizer(library, tokenizer_type, tokenizer_model)
     output_prefix = Path(output_prefix)
-    output_prefix.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        output_prefix.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise PreprocessError(f"cannot create {output_prefix.parent}: {err.strerror}") from None
+    if not os.access(output_prefix.parent, os.W_OK | os.X_OK):
+        raise PreprocessError(f"cannot write to {output_prefix.parent}: permission denied")
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    tmp_prefix = output_prefix.with_name(output_prefix.name + f".tmp{os.getpid()}")
-    builder = IndexedDatasetBuilder(f"{tmp_prefix}.bin", dtype=dtype)
+    # Unique per process and host: concurrent writers of one prefix never share a file.
+    tmp_prefix = str(output_prefix.with_name(f"{output_prefix.name}.tmp-{uuid.uuid4().hex[:12]}"))
     num_documents = num_tokens = 0
     max_token_id = -1
 
@@ -112,46 +210,49 @@ def preprocess(
             return
         context = multiprocessing.get_context("spawn")
         with context.Pool(
-            workers, _init_worker, (library, tokenizer_type, tokenizer_model)
-        ) as pool:
+            workers, _init_pool_worker, (library, tokenizer_type, tokenizer_model)
+        ) as pool:  # leaving the block (even on error) terminates the workers
             yield from pool.imap(_encode, documents, chunksize=64)
 
-    stream = encoded()
-    if progress:
-        from tqdm import tqdm
+    with _sigterm_as_exit():
+        builder = IndexedDatasetBuilder(f"{tmp_prefix}.bin", dtype=dtype)
+        generator = encoded()
+        stream: Iterable[list[int]] = generator
+        if progress:
+            from tqdm import tqdm
 
-        stream = tqdm(stream, unit=" docs", desc=f"tokenizing -> {output_prefix.name}")
-    try:
-        for ids in stream:
-            array = np.asarray(ids, dtype=np.int64)
-            top = int(array.max())
-            if array.min() < 0 or top >= tokenizer.vocab_size:
-                raise ValueError(
-                    f"tokenizer {tokenizer.name} produced id {top} outside its vocab of "
-                    f"{tokenizer.vocab_size}"
-                )
-            max_token_id = max(max_token_id, top)
-            builder.add_document(torch.from_numpy(array), [len(array)])
-            num_documents += 1
-            num_tokens += len(array)
-        if num_documents == 0:
-            raise ValueError("no documents to preprocess: the input is empty")
-        builder.finalize(f"{tmp_prefix}.idx")
-    except BaseException:
-        builder.data_file.close()
-        for suffix in (".bin", ".idx"):
-            Path(f"{tmp_prefix}{suffix}").unlink(missing_ok=True)
-        raise
-    # Publish atomically: a reader never sees a half-written dataset.
-    for suffix in (".bin", ".idx"):
-        os.replace(f"{tmp_prefix}{suffix}", f"{output_prefix}{suffix}")
-    metadata = DatasetMetadata(
-        tokenizer=tokenizer.name,
-        vocab_size=tokenizer.vocab_size,
-        eod=tokenizer.eod,
-        max_token_id=max_token_id,
-        num_documents=num_documents,
-        num_tokens=num_tokens,
-    )
-    metadata.save(output_prefix)
+            stream = tqdm(generator, unit=" docs", desc=f"tokenizing -> {output_prefix.name}")
+        try:
+            for ids in stream:
+                array = np.asarray(ids, dtype=np.int64)
+                top = int(array.max())
+                if array.min() < 0 or top >= tokenizer.vocab_size:
+                    raise PreprocessError(
+                        f"tokenizer {tokenizer.name} produced id {top} outside its vocab of "
+                        f"{tokenizer.vocab_size}"
+                    )
+                max_token_id = max(max_token_id, top)
+                builder.add_document(torch.from_numpy(array), [len(array)])
+                num_documents += 1
+                num_tokens += len(array)
+            if num_documents == 0:
+                raise PreprocessError("no documents to preprocess: the input is empty")
+            builder.finalize(f"{tmp_prefix}.idx")
+            metadata = DatasetMetadata(
+                tokenizer=tokenizer.name,
+                vocab_size=tokenizer.vocab_size,
+                eod=tokenizer.eod,
+                max_token_id=max_token_id,
+                num_documents=num_documents,
+                num_tokens=num_tokens,
+            )
+            metadata.save(f"{tmp_prefix}.json")
+            _publish(tmp_prefix, output_prefix)
+        finally:
+            generator.close()
+            if stream is not generator:
+                stream.close()  # the progress bar
+            builder.data_file.close()
+            for suffix in (".bin", ".idx", ".json"):
+                Path(f"{tmp_prefix}{suffix}").unlink(missing_ok=True)
     return metadata

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from megatron_lns.data.errors import DataError
+
 TOKENIZER_LIBRARIES = ("byte", "huggingface", "sentencepiece")
+
+
+class TokenizerError(DataError):
+    """A tokenizer that is not specified fully or cannot be loaded from its files."""
 
 
 class Tokenizer(Protocol):
@@ -60,10 +66,16 @@ class HuggingFaceTokenizer(_Identified):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoTokenizer
 
-        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        try:
+            self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as err:
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise TokenizerError(
+                f"cannot load a Hugging Face tokenizer from {path}: {first_line}"
+            ) from None
         eod = self._tok.eos_token_id
         if eod is None:
-            raise ValueError(f"tokenizer at {path} has no eos token to use as end-of-document")
+            raise TokenizerError(f"tokenizer at {path} has no eos token to use as end-of-document")
         self.name = f"huggingface:{Path(path).resolve()}"
         self.vocab_size = len(self._tok)
         self.eod = int(eod)
@@ -78,12 +90,15 @@ class SentencePieceTokenizer(_Identified):
 
         if not Path(model_path).is_file():
             raise FileNotFoundError(f"SentencePiece model {model_path} does not exist")
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_path)
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=model_path)
+        except (OSError, RuntimeError) as err:
+            raise TokenizerError(f"cannot load SentencePiece model {model_path}: {err}") from None
         self.name = f"sentencepiece:{Path(model_path).resolve()}"
         self.vocab_size = int(self._sp.get_piece_size())
         eos = self._sp.eos_id()
         if eos < 0:
-            raise ValueError(
+            raise TokenizerError(
                 f"SentencePiece model {model_path} has no eos id to use as end-of-document"
             )
         self.eod = int(eos)
@@ -98,14 +113,16 @@ def build_tokenizer(library: str, type: str | None = None, model: str | None = N
         return ByteTokenizer()
     if library == "huggingface":
         if not type:
-            raise ValueError(
+            raise TokenizerError(
                 "a Hugging Face tokenizer needs model.tokenizer.type (a local directory)"
             )
         return HuggingFaceTokenizer(type)
     if library == "sentencepiece":
         if not model:
-            raise ValueError(
+            raise TokenizerError(
                 "a SentencePiece tokenizer needs model.tokenizer.model (a .model file)"
             )
         return SentencePieceTokenizer(model)
-    raise ValueError(f"unknown tokenizer library {library!r}")
+    raise TokenizerError(
+        f"unknown tokenizer library {library!r}; choose from {', '.join(TOKENIZER_LIBRARIES)}"
+    )

@@ -176,7 +176,7 @@ class Trainer:
             self.model_config.vocab_size,
             num_samples=(
                 t.max_steps * m.global_batch_size,
-                max(t.limit_val_batches, 1) * m.global_batch_size * num_evals,
+                t.limit_val_batches * m.global_batch_size * num_evals,
                 0,
             ),
         )

@@ -1,0 +1,299 @@
+"""Data that changes or breaks: re-preprocessed prefixes never meet stale index caches,
+bad preprocess input names its file and line, and an interrupted preprocess leaves
+nothing behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import fresh_launch_env
+
+import megatron_lns.data.blend as blend
+from megatron_lns.cli import main
+from megatron_lns.data.datasets import build_gpt_datasets
+from megatron_lns.data.demo_corpus import demo_documents
+from megatron_lns.data.errors import DataError
+from megatron_lns.data.preprocess import PreprocessError, preprocess, read_documents
+from megatron_lns.data.tokenizer import ByteTokenizer
+
+DOCS = demo_documents()[:400]
+
+
+def _samples(prefix, cache_dir, count=12):
+    splits = build_gpt_datasets(
+        [str(prefix)],
+        None,
+        "90,10,0",
+        32,
+        ByteTokenizer(),
+        seed=5,
+        num_train_samples=40,
+        num_valid_samples=8,
+        cache_dir=None if cache_dir is None else str(cache_dir),
+    )
+    return [np.asarray(splits.train[i]["tokens"]).tolist() for i in range(count)]
+
+
+def _leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if ".tmp" in p.name)
+
+
+@pytest.mark.parametrize("index_cache", ["index_mapping_dir", "megatron default"])
+def test_a_re_preprocessed_prefix_never_uses_stale_index_mappings(tmp_path, index_cache):
+    """Corpus B has as many documents as corpus A but other lengths: after B replaces A
+    under the same prefix, samples are exactly those of B built with no cache at all."""
+    corpus_a, corpus_b = DOCS[:150], DOCS[150:300]
+    assert [len(d) for d in corpus_a] != [len(d) for d in corpus_b]
+    prefix = tmp_path / "data" / "corpus"
+    cache = tmp_path / "index_cache" if index_cache == "index_mapping_dir" else None
+    cached_files = cache or Path(f"{prefix}") / "cache"
+
+    preprocess(corpus_a, prefix)
+    from_a = _samples(prefix, cache)
+    assert any(cached_files.rglob("*description.txt"))  # the cache was written
+
+    preprocess(corpus_b, prefix)
+    from_b = _samples(prefix, cache)
+    preprocess(corpus_b, tmp_path / "fresh" / "corpus")
+    assert from_b == _samples(tmp_path / "fresh" / "corpus", tmp_path / "fresh_cache")
+    assert from_b != from_a
+    assert from_b == _samples(prefix, cache)  # and B's own mappings are reused
+
+
+def test_an_index_mapping_cut_short_is_named(tmp_path):
+    preprocess(DOCS[:100], tmp_path / "corpus")
+    _samples(tmp_path / "corpus", tmp_path / "cache")
+    (shuffle,) = (tmp_path / "cache").glob("*-train-shuffle_index.npy")
+    shuffle.write_bytes(shuffle.read_bytes()[:100])  # as a run killed mid-write leaves it
+    with pytest.raises(DataError, match=r"cannot read the cached index mapping .*-train-\*"):
+        _samples(tmp_path / "corpus", tmp_path / "cache")
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("bad.jsonl", b'{"text": "ok"}\n{"text": "cut\n', r"bad.jsonl:2: not valid JSON"),
+        ("key.jsonl", b'{"text": "ok"}\n\n{"body": "x"}\n', r"key.jsonl:3: no 'text' key"),
+        ("type.jsonl", b'{"text": "ok"}\n{"text": 42}\n', r"type.jsonl:2: 'text' is int, not"),
+        ("null.jsonl", b'{"text": null}\n', r"null.jsonl:1: 'text' is NoneType, not a string"),
+        ("list.jsonl", b'["text"]\n', r"list.jsonl:1: expected a JSON object, got list"),
+        (
+            "latin1.txt",
+            b"fine\ncaf\xe9\n",
+            r"latin1.txt:2: not UTF-8 text \(byte 0xe9 at column 4\)",
+        ),
+        (
+            "surrogate.jsonl",
+            b'{"text": "\\ud800"}\n',
+            r"surrogate.jsonl:1: 'text' holds an unpaired",
+        ),
+        ("empty.jsonl", b"", r"no documents in .*empty.jsonl: the input is empty"),
+        ("blank.txt", b"\n  \n\n", r"no documents in .*blank.txt: the input is empty"),
+    ],
+)
+def test_bad_preprocess_input_names_file_and_line(tmp_path, name, content, message):
+    path = _write(tmp_path / name, content)
+    with pytest.raises(PreprocessError, match=message):
+        list(read_documents([path]))
+    with pytest.raises(PreprocessError, match=message):
+        preprocess(read_documents([path]), tmp_path / "out" / "data")
+    assert not (tmp_path / "out" / "data.bin").exists()
+    assert _leftovers(tmp_path / "out") == []
+
+
+@pytest.mark.slow
+def test_bad_input_found_while_tokenizing_in_worker_processes(tmp_path):
+    path = _write(tmp_path / "late.jsonl", b"".join([b'{"text": "doc"}\n'] * 500) + b"{\n")
+    with pytest.raises(PreprocessError, match=r"late.jsonl:501: not valid JSON"):
+        preprocess(read_documents([path]), tmp_path / "out" / "data", workers=2)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_the_cli_prints_preprocess_errors_as_one_line(tmp_path, capsys):
+    bad = _write(tmp_path / "bad.jsonl", b'{"text": "ok"}\n{"text": 1.5}\n')
+    directory = tmp_path / "a_directory"
+    directory.mkdir()
+    out = str(tmp_path / "out")
+    for inputs, expected in [
+        ([str(bad)], f"error: {bad}:2: 'text' is float, not a string"),
+        ([str(directory)], f"error: input {directory} is not a file"),
+    ]:
+        code = main(["preprocess", "--input", *inputs, "--output-prefix", out, "--quiet"])
+        assert (code, capsys.readouterr().err.strip()) == (2, expected)
+    if os.geteuid() != 0:  # root writes anywhere
+        read_only = tmp_path / "read_only"
+        read_only.mkdir(mode=0o555)
+        code = main(["preprocess", "--input", str(bad), "--output-prefix", f"{read_only}/x"])
+        assert (code, capsys.readouterr().err.strip()) == (
+            2,
+            f"error: cannot write to {read_only}: permission denied",
+        )
+    code = main(
+        ["preprocess", "--input", str(bad), "--output-prefix", out, "--tokenizer-library",
+         "huggingface", "--quiet"]
+    )  # fmt: skip
+    assert code == 2
+    assert capsys.readouterr().err.startswith("error: a Hugging Face tokenizer needs")
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _failing_documents(after: int):
+    for i, doc in enumerate(DOCS):
+        if i == after:
+            raise Boom("stopped midway")
+        yield doc
+
+
+def test_an_error_midway_leaves_no_temporary_files_and_keeps_the_old_dataset(tmp_path):
+    prefix = tmp_path / "corpus"
+    preprocess(DOCS[:20], prefix)
+    before = {s: Path(f"{prefix}{s}").read_bytes() for s in (".bin", ".idx", ".json")}
+    with pytest.raises(Boom):
+        preprocess(_failing_documents(300), prefix)
+    assert {s: Path(f"{prefix}{s}").read_bytes() for s in before} == before
+    assert _leftovers(tmp_path) == []
+
+
+def test_builtin_corpus_prepared_concurrently_or_interrupted(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRON_LNS_CACHE", str(tmp_path))
+    calls = []
+
+    def corpus():
+        calls.append(1)
+        if len(calls) == 1:
+            return _failing_documents(100)  # the first preparation is interrupted
+        return iter(DOCS[:300])
+
+    monkeypatch.setitem(blend.BUILTIN_CORPORA, "small", corpus)
+    with pytest.raises(Boom):
+        blend.builtin_dataset_prefix("small", "byte", None, None)
+    assert list(tmp_path.iterdir()) == []  # nothing that looks prepared
+
+    results, errors = [], []
+
+    def prepare():
+        try:
+            results.append(blend.builtin_dataset_prefix("small", "byte", None, None))
+        except Exception as err:  # pragma: no cover - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=prepare) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert errors == [] and len(set(results)) == 1
+    prefix = results[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"{prefix.name}{s}" for s in (".bin", ".idx", ".json")
+    )
+    assert json.loads(Path(f"{prefix}.json").read_text())["num_documents"] == 300
+    prepared = len(calls)
+    assert blend.builtin_dataset_prefix("small", "byte", None, None) == prefix
+    assert len(calls) == prepared  # cached now
+
+
+def test_a_malformed_dataset_description_is_named(tmp_path):
+    from megatron_lns.data.preprocess import DatasetMetadata
+
+    preprocess(DOCS[:5], tmp_path / "corpus")
+    (tmp_path / "corpus.json").write_text("{not json")
+    with pytest.raises(DataError, match=r"corpus.json is not a megatron-lns dataset description"):
+        DatasetMetadata.load(tmp_path / "corpus")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    tasks = Path(f"/proc/{pid}/task")
+    return [
+        int(child) for task in tasks.iterdir() for child in (task / "children").read_text().split()
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_midway_leaves_no_files_and_no_workers(tmp_path, signum):
+    script = textwrap.dedent(
+        f"""
+        import itertools, time
+        from megatron_lns.data.preprocess import preprocess
+
+        def endless():
+            for i in itertools.count():
+                time.sleep(0.001)
+                yield f"document {{i}} " * 20
+
+        preprocess(endless(), {str(tmp_path / "corpus")!r}, workers=2)
+        """
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", script],
+        env=fresh_launch_env(PYTHONPATH=os.pathsep.join(sys.path)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (_leftovers(tmp_path) and len(_children(process.pid)) >= 2):
+            assert process.poll() is None, process.communicate()[1][-2000:]
+            assert time.monotonic() < deadline, "preprocess did not start"
+            time.sleep(0.2)
+        time.sleep(1.0)
+        workers = _children(process.pid)
+        process.send_signal(signum)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode in (128 + signum, -signum), stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+    # The pool's workers and multiprocessing's resource tracker exit with the parent.
+    deadline = time.monotonic() + 30
+    while any(map(_alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [Path(f"/proc/{pid}/cmdline").read_bytes()[:200] for pid in workers if _alive(pid)]
+    assert left == []
+
+
+def _resolve_missing_builtin() -> str:
+    from megatron_lns.data.blend import DataBlend
+    from megatron_lns.runtime import ParallelLayout, init_distributed
+
+    init_distributed(ParallelLayout(), device="cpu")
+    try:
+        DataBlend.parse(["builtin:nope"]).resolved("byte", None, None)
+    except DataError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_a_failed_builtin_preparation_on_rank_zero_stops_every_rank(tmp_path):
+    from helpers import run_distributed
+
+    messages = run_distributed(_resolve_missing_builtin, 2, tmp_path)
+    assert messages[0].startswith("unknown built-in corpus 'builtin:nope'")
+    assert messages[1] == f"rank 0 could not prepare the built-in corpus: {messages[0]}"
