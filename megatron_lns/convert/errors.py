@@ -1,0 +1,8 @@
+"""The one error type of the conversion package."""
+
+
+class ConversionError(ValueError):
+    """A checkpoint, Hugging Face directory or setting that cannot be converted.
+
+    The message is one line that names the file, tensor or setting at fault.
+    """
