@@ -6,5 +6,7 @@ Import reverses it for continued pretraining. See docs/conversion.md.
 """
 
 from megatron_lns.convert.errors import ConversionError
+from megatron_lns.convert.hf_export import export_hf
+from megatron_lns.convert.hf_import import import_hf
 
-__all__ = ["ConversionError"]
+__all__ = ["ConversionError", "export_hf", "import_hf"]

@@ -138,9 +138,7 @@ def export_hf(
     with staged_output_dir(out_dir, overwrite) as stage:
         from megatron_lns.data.demo_corpus import demo_documents
 
-        ids = write_tokenizer(
-            m.tokenizer, trained, stage, arch.max_position_embeddings, demo_documents()[:32]
-        )
+        ids = write_tokenizer(m.tokenizer, trained, stage, demo_documents()[:32])
         say(
             f"export-hf: {source} -> {out_dir} as {arch.hf_class} ({arch.num_layers} layers, "
             f"{'LNS folded into the pre-norms' if arch.lns else 'Pre-LN'}, {dtype})"

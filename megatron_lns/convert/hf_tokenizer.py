@@ -62,7 +62,7 @@ def training_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
         raise ConversionError(f"model.tokenizer: {err}") from err
 
 
-def byte_tokenizer_fast(model_max_length: int):
+def byte_tokenizer_fast():
     """The built-in byte tokenizer as a ``transformers`` fast tokenizer."""
     from tokenizers import AddedToken, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as RustTokenizer
@@ -80,7 +80,6 @@ def byte_tokenizer_fast(model_max_length: int):
         tokenizer_object=backend,
         eos_token=BYTE_EOD_TOKEN,
         split_special_tokens=True,
-        model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,
     )
 
@@ -89,12 +88,11 @@ def write_tokenizer(
     cfg: TokenizerConfig,
     trained: Tokenizer,
     out_dir: Path,
-    model_max_length: int,
     probes: list[str],
 ) -> TokenizerIds:
     """Write the export's tokenizer files into ``out_dir``; check them against ``trained``."""
     if cfg.library == "byte":
-        byte_tokenizer_fast(model_max_length).save_pretrained(out_dir)
+        byte_tokenizer_fast().save_pretrained(out_dir)
     elif cfg.library == "huggingface":
         source = Path(cfg.type)
         files = [source / name for name in HF_TOKENIZER_FILES if (source / name).is_file()]
@@ -103,13 +101,13 @@ def write_tokenizer(
         for path in files:
             shutil.copy2(path, out_dir / path.name)
     elif cfg.library == "sentencepiece":
-        _write_sentencepiece(Path(cfg.model), out_dir, model_max_length)
+        _write_sentencepiece(Path(cfg.model), out_dir)
     else:
         raise ConversionError(f"model.tokenizer.library={cfg.library} cannot be exported")
     return check_tokenizer(out_dir, trained, probes)
 
 
-def _write_sentencepiece(model_file: Path, out_dir: Path, model_max_length: int) -> None:
+def _write_sentencepiece(model_file: Path, out_dir: Path) -> None:
     from transformers import LlamaTokenizerFast
 
     tokenizer = LlamaTokenizerFast(
@@ -117,7 +115,6 @@ def _write_sentencepiece(model_file: Path, out_dir: Path, model_max_length: int)
         add_bos_token=False,
         add_eos_token=False,
         legacy=False,
-        model_max_length=model_max_length,
     )
     tokenizer.save_pretrained(out_dir)
     shutil.copy2(model_file, out_dir / "tokenizer.model")
