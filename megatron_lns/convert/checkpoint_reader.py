@@ -11,6 +11,7 @@ group, no GPU and no model; DCP deserialises chunks with ``weights_only=True``.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -111,12 +112,15 @@ class CheckpointReader:
         }
         planner = _RegionLoadPlanner({key: offsets for key, (offsets, _) in requests.items()})
         try:
-            dcp_load(
-                state,
-                storage_reader=FileSystemReader(str(self.directory)),
-                planner=planner,
-                no_dist=True,
-            )
+            with warnings.catch_warnings():
+                # DCP warns that it runs without a process group: that is the intent here.
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp_load(
+                    state_dict=state,
+                    storage_reader=FileSystemReader(str(self.directory)),
+                    planner=planner,
+                    no_dist=True,
+                )
         except BaseException as err:  # DCP wraps reader failures in CheckpointException
             if isinstance(err, KeyboardInterrupt):
                 raise

@@ -42,7 +42,7 @@ def parse_size(text: str) -> int:
     return size
 
 
-# A group: the names and shapes (in write order) and a function producing the tensors.
+# A group: its tensors' names and shapes, and a function that produces the tensors.
 Group = tuple[dict[str, tuple[int, ...]], Callable[[], dict[str, torch.Tensor]]]
 
 
@@ -76,8 +76,8 @@ def write_sharded(
         for i in group_indices:
             shapes, produce = groups[i]
             produced = produce()
-            if list(produced) != list(shapes):
-                raise AssertionError(f"group {i} produced {list(produced)}, planned {list(shapes)}")
+            if produced.keys() != shapes.keys():
+                raise AssertionError(f"group {i} produced {sorted(produced)}, planned {sorted(shapes)}")
             for name, tensor in produced.items():
                 if tuple(tensor.shape) != shapes[name] or tensor.dtype != dtype:
                     raise AssertionError(
