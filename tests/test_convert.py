@@ -4,7 +4,6 @@ tokenizer ids, and refusal of bad inputs with nothing half-written."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -162,7 +161,10 @@ def test_export_folds_exactly_what_baked_state_dict_folds(seeded, tmp_path):
     baked = baked_state_dict(model[0])
     exported = safetensors_tensors(out)
     for i in range(cfg.model.num_layers):
-        for megatron, hf in (("input_layernorm", "input_layernorm"), ("pre_mlp_layernorm", "post_attention_layernorm")):
+        for megatron, hf in (
+            ("input_layernorm", "input_layernorm"),
+            ("pre_mlp_layernorm", "post_attention_layernorm"),
+        ):
             folded = baked[f"decoder.layers.{i}.{megatron}.weight"]
             assert torch.equal(exported[f"model.layers.{i}.{hf}.weight"], folded)
             if i > 0:  # the factor is really there: 1/sqrt(l) != 1 from block 2 on
@@ -199,7 +201,10 @@ def test_import_for_tp2_pp2_vp2_loads_there_and_that_checkpoint_exports(seeded, 
     parallel += ["model.virtual_pipeline_model_parallel_size=2", "trainer.devices=4"]
     config = import_hf(first, tmp_path / "imported", parallel, lns=True, progress=silent)
     imported = load_config(config)
-    assert (imported.model.tensor_model_parallel_size, imported.model.pipeline_model_parallel_size) == (2, 2)
+    assert (
+        imported.model.tensor_model_parallel_size,
+        imported.model.pipeline_model_parallel_size,
+    ) == (2, 2)
     run_distributed(
         _resave_at_tp2_pp2_vp2,
         4,
@@ -341,7 +346,9 @@ def test_config_that_disagrees_with_the_checkpoint_is_refused(seeded, tmp_path):
     ):
         export_hf(checkpoint, tmp_path / "hf", progress=silent)
     (checkpoint / "config.yaml").write_text(to_yaml(run_config(bias=True)))
-    with pytest.raises(ConversionError, match=r"no tensor 'decoder.layers.self_attention.linear_qkv.bias'"):
+    with pytest.raises(
+        ConversionError, match=r"no tensor 'decoder.layers.self_attention.linear_qkv.bias'"
+    ):
         export_hf(checkpoint, tmp_path / "hf", progress=silent)
     assert_nothing_written(tmp_path / "hf")
 
@@ -360,7 +367,9 @@ def test_unexportable_settings_name_the_setting(seeded, tmp_path):
     save_run(tmp_path / "run", cfg)
     with pytest.raises(ConversionError, match=r"model.activation=gelu cannot be exported"):
         export_hf(tmp_path / "run", tmp_path / "hf", progress=silent)
-    with pytest.raises(ConversionError, match=r"model.normalization=layernorm with model.bias=true"):
+    with pytest.raises(
+        ConversionError, match=r"model.normalization=layernorm with model.bias=true"
+    ):
         Architecture.from_model_config(run_config(normalization="layernorm", bias=True).model)
 
 
@@ -368,7 +377,9 @@ def test_truncated_safetensors_is_refused_and_nothing_written(seeded, tmp_path):
     source = _tiny_hf_llama(tmp_path / "source")
     weights = source / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    with pytest.raises(ConversionError, match=r"model.safetensors is not a readable safetensors file"):
+    with pytest.raises(
+        ConversionError, match=r"model.safetensors is not a readable safetensors file"
+    ):
         import_hf(source, tmp_path / "imported", progress=silent)
     assert_nothing_written(tmp_path / "imported")
 
@@ -388,16 +399,26 @@ def test_hf_config_shape_mismatch_names_the_tensor(seeded, tmp_path):
 
 def test_import_refuses_conflicting_settings_and_unknown_architectures(seeded, tmp_path):
     source = _tiny_hf_llama(tmp_path / "source")
-    with pytest.raises(ConversionError, match=r"model.num_layers=8 conflicts with .*config.json, which gives 3"):
+    with pytest.raises(
+        ConversionError, match=r"model.num_layers=8 conflicts with .*config.json, which gives 3"
+    ):
         import_hf(source, tmp_path / "imported", ["model.num_layers=8"], progress=silent)
     with pytest.raises(ConversionError, match=r"--lns says .* model.norm_scaling=none"):
-        import_hf(source, tmp_path / "imported", ["model.norm_scaling=none"], lns=True, progress=silent)
-    with pytest.raises(ConversionError, match=r"world size 1 .* not divisible by tensor x pipeline"):
-        import_hf(source, tmp_path / "imported", ["model.tensor_model_parallel_size=2"], progress=silent)
+        import_hf(
+            source, tmp_path / "imported", ["model.norm_scaling=none"], lns=True, progress=silent
+        )
+    with pytest.raises(
+        ConversionError, match=r"world size 1 .* not divisible by tensor x pipeline"
+    ):
+        import_hf(
+            source, tmp_path / "imported", ["model.tensor_model_parallel_size=2"], progress=silent
+        )
     config = json.loads((source / "config.json").read_text())
     config["architectures"] = ["MistralForCausalLM"]
     (source / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConversionError, match=r"architectures=\['MistralForCausalLM'\] is not supported"):
+    with pytest.raises(
+        ConversionError, match=r"architectures=\['MistralForCausalLM'\] is not supported"
+    ):
         import_hf(source, tmp_path / "imported", progress=silent)
     assert_nothing_written(tmp_path / "imported")
 
@@ -407,7 +428,9 @@ def test_existing_output_is_kept_unless_overwrite(seeded, tmp_path):
     out = tmp_path / "hf"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(ConversionError, match=r"output directory .*hf is not empty; pass --overwrite"):
+    with pytest.raises(
+        ConversionError, match=r"output directory .*hf is not empty; pass --overwrite"
+    ):
         export_hf(tmp_path / "run", out, progress=silent)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     export_hf(tmp_path / "run", out, overwrite=True, progress=silent)

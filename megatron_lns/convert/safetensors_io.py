@@ -77,7 +77,9 @@ def write_sharded(
             shapes, produce = groups[i]
             produced = produce()
             if produced.keys() != shapes.keys():
-                raise AssertionError(f"group {i} produced {sorted(produced)}, planned {sorted(shapes)}")
+                raise AssertionError(
+                    f"group {i} produced {sorted(produced)}, planned {sorted(shapes)}"
+                )
             for name, tensor in produced.items():
                 if tuple(tensor.shape) != shapes[name] or tensor.dtype != dtype:
                     raise AssertionError(
