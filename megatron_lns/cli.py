@@ -131,7 +131,13 @@ def _export_hf(args: argparse.Namespace) -> int:
     from megatron_lns.convert import export_hf
     from megatron_lns.convert.safetensors_io import parse_size
 
-    export_hf(args.checkpoint, args.out_dir, args.overwrite, parse_size(args.max_shard_size))
+    export_hf(
+        args.checkpoint,
+        args.out_dir,
+        args.overwrite,
+        parse_size(args.max_shard_size),
+        tokenizer=not args.no_tokenizer,
+    )
     return 0
 
 
@@ -151,6 +157,11 @@ def _add_conversion_commands(sub) -> None:
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
     export.add_argument(
         "--max-shard-size", default="2GB", help="largest safetensors shard (default: 2GB)"
+    )
+    export.add_argument(
+        "--no-tokenizer",
+        action="store_true",
+        help="write no tokenizer files (for a tokenizer transformers cannot reproduce)",
     )
     export.set_defaults(func=_export_hf)
 

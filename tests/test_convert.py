@@ -323,6 +323,48 @@ def test_exported_tokenizer_gives_training_ids_and_generate_runs(seeded, tmp_pat
     assert int(generated.max()) < VOCAB
 
 
+def test_sentencepiece_tokenizer_is_exported_only_if_reproduced(seeded, tmp_path):
+    """SentencePiece: the exported tokenizer gives the training ids, or the export is
+    refused with a pointer to --no-tokenizer, which exports the weights alone."""
+    import sentencepiece
+    from transformers import AutoTokenizer
+
+    from megatron_lns.data.demo_corpus import demo_documents
+
+    documents = demo_documents()[:400]
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(documents),
+        model_prefix=str(tmp_path / "sp"),
+        vocab_size=400,
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        minloglevel=2,
+    )
+    sp_model = str(tmp_path / "sp.model")
+    cfg = run_config(tokenizer={"library": "sentencepiece", "model": sp_model})
+    processor = sentencepiece.SentencePieceProcessor(model_file=sp_model)
+    model = build_model(model_config(cfg, processor.get_piece_size()))
+    path = tmp_path / "run" / "checkpoints" / "iter_0000001"
+    save_model_weights(model, path)
+    (path / "config.yaml").write_text(to_yaml(cfg))
+    (path / "complete.json").write_text("{}")
+    try:
+        out = export_hf(path, tmp_path / "hf", progress=silent)
+    except ConversionError as err:
+        assert "transformers does not reproduce this tokenizer" in str(err)
+        assert "--no-tokenizer" in str(err)
+        assert_nothing_written(tmp_path / "hf")
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(out)
+        assert tokenizer(documents, add_special_tokens=False)["input_ids"] == [
+            processor.encode(doc) for doc in documents
+        ]
+    out = export_hf(path, tmp_path / "weights", progress=silent, tokenizer=False)
+    assert not list(out.glob("tokenizer*"))
+    config = json.loads((out / "config.json").read_text())
+    assert (config["vocab_size"], config["eos_token_id"]) == (400, processor.eos_id())
+
+
 # ----------------------------------------------------------------------------- bad inputs
 def test_missing_and_incomplete_checkpoints_are_refused(seeded, tmp_path):
     out = tmp_path / "hf"

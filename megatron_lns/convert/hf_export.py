@@ -20,7 +20,7 @@ from megatron_lns.config import ConfigError, load_config
 from megatron_lns.config.schema import ExperimentConfig
 from megatron_lns.convert.checkpoint_reader import CheckpointReader
 from megatron_lns.convert.errors import ConversionError
-from megatron_lns.convert.hf_tokenizer import training_tokenizer, write_tokenizer
+from megatron_lns.convert.hf_tokenizer import TokenizerIds, training_tokenizer, write_tokenizer
 from megatron_lns.convert.mapping import (
     EMBEDDING,
     FINAL_NORM_BIAS,
@@ -122,8 +122,13 @@ def export_hf(
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: Callable[[str], None] | None = print,
+    tokenizer: bool = True,
 ) -> Path:
-    """Write the Hugging Face model of ``checkpoint`` into ``out_dir``; returns ``out_dir``."""
+    """Write the Hugging Face model of ``checkpoint`` into ``out_dir``; returns ``out_dir``.
+
+    ``tokenizer=False`` writes no tokenizer files (for a tokenizer ``transformers`` does
+    not reproduce); the config's token ids are then the training tokenizer's.
+    """
     say = progress or (lambda _: None)
     source = resolve_checkpoint(checkpoint)
     cfg = run_config(source)
@@ -138,7 +143,11 @@ def export_hf(
     with staged_output_dir(out_dir, overwrite) as stage:
         from megatron_lns.data.demo_corpus import demo_documents
 
-        ids = write_tokenizer(m.tokenizer, trained, stage, demo_documents()[:32])
+        if tokenizer:
+            ids = write_tokenizer(m.tokenizer, trained, stage, demo_documents()[:32])
+        else:
+            ids = TokenizerIds(vocab, None, trained.eod)
+            say("export-hf: no tokenizer files written (--no-tokenizer)")
         say(
             f"export-hf: {source} -> {out_dir} as {arch.hf_class} ({arch.num_layers} layers, "
             f"{'LNS folded into the pre-norms' if arch.lns else 'Pre-LN'}, {dtype})"

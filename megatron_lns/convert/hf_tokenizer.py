@@ -5,8 +5,11 @@
   token with its own id; the end-of-document token is special, and text that happens
   to spell it is still split into bytes (``split_special_tokens``), as in training.
 * huggingface: the tokenizer files of ``model.tokenizer.type`` are copied as they are.
-* sentencepiece: the ``.model`` file is copied and wrapped as a Llama tokenizer without
-  added BOS/EOS; this is accepted only when it encodes exactly as SentencePiece does.
+* sentencepiece: the ``.model`` file is copied and declared a Llama tokenizer without
+  added BOS/EOS; this is accepted only when ``transformers`` then encodes exactly as
+  SentencePiece does (transformers 5 treats leading whitespace differently from
+  SentencePiece's dummy prefix, so most models are refused: export them with
+  ``--no-tokenizer``).
 
 Whatever the library, the export is checked before it is committed: the written
 tokenizer must encode probe texts (unicode, whitespace, the demo corpus) to the
@@ -108,16 +111,20 @@ def write_tokenizer(
 
 
 def _write_sentencepiece(model_file: Path, out_dir: Path) -> None:
-    from transformers import LlamaTokenizerFast
+    """The ``.model`` file as it is, declared a Llama tokenizer that adds no BOS/EOS."""
+    import json
 
-    tokenizer = LlamaTokenizerFast(
-        vocab_file=str(model_file),
-        add_bos_token=False,
-        add_eos_token=False,
-        legacy=False,
-    )
-    tokenizer.save_pretrained(out_dir)
+    import sentencepiece
+
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
     shutil.copy2(model_file, out_dir / "tokenizer.model")
+    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False}
+    for role, index in (("bos", processor.bos_id()), ("eos", processor.eos_id())):
+        if index >= 0:
+            config[f"{role}_token"] = processor.id_to_piece(index)
+    if processor.unk_id() >= 0:
+        config["unk_token"] = processor.id_to_piece(processor.unk_id())
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def check_tokenizer(out_dir: Path, trained: Tokenizer, probes: list[str]) -> TokenizerIds:
@@ -135,7 +142,8 @@ def check_tokenizer(out_dir: Path, trained: Tokenizer, probes: list[str]) -> Tok
         if got != want:
             raise ConversionError(
                 f"the exported tokenizer encodes {text[:40]!r} as {got[:8]}..., training "
-                f"used {want[:8]}...; this tokenizer cannot be exported faithfully"
+                f"used {want[:8]}...: transformers does not reproduce this tokenizer; "
+                "export with --no-tokenizer and supply one that does"
             )
     if exported.eos_token_id != trained.eod:
         raise ConversionError(
