@@ -23,8 +23,8 @@ VOCAB = ByteTokenizer().vocab_size  # 257, padded to 384 in the checkpoints
 SEQ = 16
 
 
-def run_config(**model):
-    """A tiny run config (byte tokenizer, fp32); ``model`` overrides ``model.*`` keys."""
+def run_config(precision: str = "32", **model):
+    """A tiny run config (byte tokenizer); ``model`` overrides ``model.*`` keys."""
     values = dict(
         num_layers=4,
         hidden_size=64,
@@ -36,7 +36,7 @@ def run_config(**model):
         data={"seq_length": SEQ, "data_prefix": ["builtin:pydoc"]},
     )
     values.update(model)
-    return load_config({"trainer": {"precision": "32"}, "model": values})
+    return load_config({"trainer": {"precision": precision}, "model": values})
 
 
 def perturb(model: torch.nn.Module, seed: int = 1) -> None:
@@ -128,6 +128,7 @@ PARITY_CASES = {
     "rmsnorm-lns-gqa": dict(),
     "rmsnorm-preln-tied": dict(norm_scaling="none", share_embeddings_and_output_weights=True),
     "rmsnorm-lns-bias-mha": dict(bias=True, num_query_groups=4),
+    "rmsnorm-nonparametric-lns": dict(norm_affine=False),
     # OLMo-style parameter-free LayerNorm -> StableLM with the factor as the norm weight.
     "layernorm-nonparametric-lns": dict(normalization="layernorm", norm_affine=False),
     "layernorm-affine-lns-tied": dict(
@@ -150,16 +151,20 @@ def test_export_matches_megatron_logits(seeded, tmp_path, case):
     assert_parity(checkpoint, cfg, out)
 
 
-def test_export_folds_exactly_what_baked_state_dict_folds(seeded, tmp_path):
+@pytest.mark.parametrize("precision", ["32", "bf16-mixed"])
+def test_export_folds_exactly_what_baked_state_dict_folds(seeded, tmp_path, precision):
     from megatron_lns.layer import baked_state_dict
 
-    cfg = run_config()
+    cfg = run_config(precision)
     checkpoint = save_run(tmp_path / "run", cfg)
     out = export_hf(checkpoint, tmp_path / "hf", progress=silent)
     model = build_model(model_config(cfg, VOCAB))
     load_model_weights(model, checkpoint)
     baked = baked_state_dict(model[0])
     exported = safetensors_tensors(out)
+    dtype = torch.float32 if precision == "32" else torch.bfloat16
+    assert {tensor.dtype for tensor in exported.values()} == {dtype}
+    assert json.loads((out / "config.json").read_text())["dtype"] == str(dtype).split(".")[1]
     for i in range(cfg.model.num_layers):
         for megatron, hf in (
             ("input_layernorm", "input_layernorm"),
@@ -365,6 +370,50 @@ def test_sentencepiece_tokenizer_is_exported_only_if_reproduced(seeded, tmp_path
     assert (config["vocab_size"], config["eos_token_id"]) == (400, processor.eos_id())
 
 
+def test_imported_weights_only_checkpoint_resumes_with_a_fresh_optimizer(seeded, tmp_path):
+    from helpers import fixed_microbatches
+
+    from megatron_lns.training.checkpoint import latest_complete_checkpoint, load_checkpoint
+    from megatron_lns.training.optim import OptimSettings, build_optimizer_and_scheduler
+    from megatron_lns.training.step import train_step, wrap_with_ddp
+
+    source = _tiny_hf_llama(tmp_path / "source")
+    base = tmp_path / "base.yaml"  # non-architecture settings come from the user's base
+    base.write_text("model:\n  optim:\n    lr: 0.01\n")
+    cfg = load_config(import_hf(source, tmp_path / "imported", base_config=base, progress=silent))
+    assert cfg.model.optim.lr == 0.01
+    model = wrap_with_ddp(build_model(model_config(cfg, VOCAB)))
+    optimizer, scheduler = build_optimizer_and_scheduler(model, OptimSettings(warmup_steps=1), 10)
+    checkpoint = latest_complete_checkpoint(tmp_path / "imported" / "checkpoints")
+    state = load_checkpoint(checkpoint, model, optimizer, scheduler)
+    assert (state.iteration, state.consumed_samples) == (0, 0)
+    embedding = model[0].module.embedding.word_embeddings.weight
+    assert torch.equal(embedding[:VOCAB], safetensors_tensors(source)["model.embed_tokens.weight"])
+    assert not embedding[VOCAB:].any()  # vocabulary padding
+    result = train_step(model, optimizer, fixed_microbatches(VOCAB, SEQ))
+    assert torch.isfinite(torch.tensor(result.loss))
+
+
+@pytest.mark.slow
+def test_cli_import_then_train_resumes_from_the_import(tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import fresh_launch_env
+
+    source = _tiny_hf_llama(tmp_path / "source")
+    env = fresh_launch_env(MEGATRON_LNS_CACHE=str(tmp_path / "cache"))
+    cli = [sys.executable, "-m", "megatron_lns.cli"]
+    out = tmp_path / "run"
+    subprocess.run([*cli, "import-hf", str(source), str(out)], env=env, check=True)
+    train = [*cli, "train", str(out / "config.yaml"), "model.data.data_prefix=[builtin:pydoc]"]
+    train += ["trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1"]
+    train += ["model.micro_batch_size=2", "model.global_batch_size=2", "model.data.num_workers=0"]
+    done = subprocess.run(train, env=env, check=True, capture_output=True, text=True)
+    assert f"resumed from {out / 'checkpoints' / 'iter_0000000'} (step 0)" in done.stdout
+    assert (out / "checkpoints" / "iter_0000002" / "complete.json").is_file()
+
+
 # ----------------------------------------------------------------------------- bad inputs
 def test_missing_and_incomplete_checkpoints_are_refused(seeded, tmp_path):
     out = tmp_path / "hf"
@@ -455,6 +504,10 @@ def test_import_refuses_conflicting_settings_and_unknown_architectures(seeded, t
         import_hf(
             source, tmp_path / "imported", ["model.tensor_model_parallel_size=2"], progress=silent
         )
+    base = tmp_path / "base.yaml"
+    base.write_text("model:\n  hidden_size: 128\n  optim:\n    lr: 0.01\n")
+    with pytest.raises(ConversionError, match=r"model.hidden_size=128 conflicts with .*gives 64"):
+        import_hf(source, tmp_path / "imported", base_config=base, progress=silent)
     config = json.loads((source / "config.json").read_text())
     config["architectures"] = ["MistralForCausalLM"]
     (source / "config.json").write_text(json.dumps(config))

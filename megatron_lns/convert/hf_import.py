@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from megatron_lns.config import ConfigError, load_config, to_yaml, validate
 from megatron_lns.config.schema import ExperimentConfig
@@ -74,11 +74,17 @@ def import_hf(
     check_output_dir(out_dir, overwrite)
     hf_config = _read_hf_config(hf_dir)
     arch = Architecture.from_hf_config(hf_config, lns)
+    base = _read_base_config(base_config)
+    copy_tokenizer = not _user_sets(base, overrides, "model.tokenizer")
+    if copy_tokenizer and not _tokenizer_files(hf_dir):
+        raise ConversionError(
+            f"{hf_dir} has no tokenizer files; pass model.tokenizer.library=... (and its "
+            "model.tokenizer.type or model.tokenizer.model)"
+        )
     weights = SafetensorsCheckpoint(hf_dir)
     try:
-        dtype = weights.get(HF_EMBEDDING).dtype
-        copy_tokenizer = not _user_sets(base_config, overrides, "model.tokenizer")
-        cfg = _run_config(arch, dtype, hf_dir, out_dir, overrides, base_config, copy_tokenizer)
+        dtype = weights.dtype(HF_EMBEDDING)
+        cfg = _run_config(arch, dtype, hf_dir, out_dir, overrides, base, copy_tokenizer)
         source_tokenizer = copy.deepcopy(cfg.model.tokenizer)
         if copy_tokenizer:
             source_tokenizer.type = str(hf_dir)
@@ -140,13 +146,24 @@ def _read_hf_config(hf_dir: Path):
         raise ConversionError(f"{hf_dir}/config.json: {message}") from err
 
 
-def _user_sets(base_config: str | Path | None, overrides: list[str], section: str) -> bool:
+def _read_base_config(path: str | Path | None) -> DictConfig:
+    if path is None:
+        return OmegaConf.create({})
+    if not Path(path).is_file():
+        raise ConversionError(f"--config {path} does not exist")
+    try:
+        raw = OmegaConf.load(path)
+    except Exception as err:  # YAML syntax errors come in several types
+        raise ConversionError(f"--config {path}: {str(err).splitlines()[0]}") from err
+    if not isinstance(raw, DictConfig):
+        raise ConversionError(f"--config {path} is not a mapping of config sections")
+    return raw
+
+
+def _user_sets(base: DictConfig, overrides: list[str], section: str) -> bool:
     if any(o.lstrip("+~").startswith(section) for o in overrides):
         return True
-    return (
-        base_config is not None
-        and OmegaConf.select(OmegaConf.load(base_config), section) is not None
-    )
+    return OmegaConf.select(base, section, default=None) is not None
 
 
 def _run_config(
@@ -155,16 +172,14 @@ def _run_config(
     hf_dir: Path,
     out_dir: Path,
     overrides: list[str],
-    base_config: str | Path | None,
+    base: DictConfig,
     copy_tokenizer: bool,
 ) -> ExperimentConfig:
     """The run config: the user's base and overrides, with the architecture from config.json.
 
     An architecture key the user sets to another value is an error, not overwritten.
     """
-    if base_config is not None and not Path(base_config).is_file():
-        raise ConversionError(f"--config {base_config} does not exist")
-    raw = OmegaConf.load(base_config) if base_config is not None else OmegaConf.create({})
+    raw = base.copy()
     fixed = {f"model.{key}": value for key, value in arch.model_settings().items()}
     fixed["exp_manager.exp_dir"] = str(out_dir.parent)
     fixed["exp_manager.name"] = out_dir.name
@@ -226,15 +241,13 @@ def _dtype_of(cfg: ExperimentConfig) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision(cfg)]
 
 
+def _tokenizer_files(hf_dir: Path) -> list[Path]:
+    return [hf_dir / name for name in HF_TOKENIZER_FILES if (hf_dir / name).is_file()]
+
+
 def _copy_tokenizer(hf_dir: Path, target: Path) -> None:
-    files = [hf_dir / name for name in HF_TOKENIZER_FILES if (hf_dir / name).is_file()]
-    if not files:
-        raise ConversionError(
-            f"{hf_dir} has no tokenizer files; pass model.tokenizer.library=... (and its "
-            "model.tokenizer.type or model.tokenizer.model)"
-        )
     target.mkdir(parents=True)
-    for path in files:
+    for path in _tokenizer_files(hf_dir):
         shutil.copy2(path, target / path.name)
 
 
@@ -300,7 +313,7 @@ def _fill(
             param.copy_(tensor)
         assigned.add(name)
 
-    h, vocab = arch.hidden_size, weights.get(HF_EMBEDDING).shape[0]
+    h, vocab = arch.hidden_size, weights.shape(HF_EMBEDDING)[0]
     assign(EMBEDDING, _pad_rows(get(HF_EMBEDDING, (vocab, h)), padded))
     inexact = 0
     for index in range(arch.num_layers):

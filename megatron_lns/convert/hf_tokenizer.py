@@ -61,8 +61,9 @@ def training_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
     """The tokenizer the run trained with, as its config names it."""
     try:
         return build_tokenizer(cfg.library, cfg.type, cfg.model)
-    except (OSError, ValueError) as err:
-        raise ConversionError(f"model.tokenizer: {err}") from err
+    except Exception as err:  # tokenizer libraries raise many types for a bad directory
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConversionError(f"model.tokenizer ({cfg.library}): {message}") from err
 
 
 def byte_tokenizer_fast():

@@ -28,6 +28,7 @@ INDEX_FILE = "model.safetensors.index.json"
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 def parse_size(text: str) -> int:
@@ -165,16 +166,31 @@ class SafetensorsCheckpoint:
     def names(self) -> Iterator[str]:
         return iter(self.weight_map)
 
-    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """Tensor ``name``; its shape must be ``shape`` when given."""
+    def _handle(self, name: str):
         if name not in self.weight_map:
             raise ConversionError(f"{self.directory}: tensor '{name}' is missing")
         file = self.weight_map[name]
-        path = self.directory / file
+        if file not in self._open:
+            path = str(self.directory / file)
+            self._open[file] = self._stack.enter_context(safe_open(path, framework="pt"))
+        return self._open[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of tensor ``name``, from the file header (nothing is read)."""
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        """dtype of tensor ``name``, from the file header (nothing is read)."""
+        code = self._handle(name).get_slice(name).get_dtype()
+        if code not in _DTYPES:
+            raise ConversionError(f"{self.directory}: tensor '{name}' has dtype {code}")
+        return _DTYPES[code]
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Tensor ``name``; its shape must be ``shape`` when given."""
+        path = self.directory / self.weight_map.get(name, "?")
         try:
-            if file not in self._open:
-                self._open[file] = self._stack.enter_context(safe_open(str(path), framework="pt"))
-            tensor = self._open[file].get_tensor(name)
+            tensor = self._handle(name).get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as err:
             raise ConversionError(f"{path}: cannot read tensor '{name}': {err}") from err
         if shape is not None and tuple(tensor.shape) != tuple(shape):
