@@ -475,6 +475,26 @@ def test_truncated_safetensors_is_refused_and_nothing_written(seeded, tmp_path):
     assert_nothing_written(tmp_path / "imported")
 
 
+def test_missing_shard_and_index_listing_absent_tensors_are_refused(seeded, tmp_path):
+    save_run(tmp_path / "run", run_config())
+    source = export_hf(tmp_path / "run", tmp_path / "hf", max_shard_bytes=200_000, progress=silent)
+    index_path = source / "model.safetensors.index.json"
+    original = index_path.read_text()
+    index = json.loads(original)
+    first, second = sorted(set(index["weight_map"].values()))[:2]
+    index["weight_map"]["model.layers.9.mlp.up_proj.weight"] = first
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(
+        ConversionError, match=rf"{first} lacks model.layers.9.mlp.up_proj.weight which the index"
+    ):
+        import_hf(source, tmp_path / "imported", progress=silent)
+    index_path.write_text(original)
+    (source / second).unlink()
+    with pytest.raises(ConversionError, match=rf"safetensors file .*{second} is missing"):
+        import_hf(source, tmp_path / "imported", progress=silent)
+    assert_nothing_written(tmp_path / "imported")
+
+
 def test_hf_config_shape_mismatch_names_the_tensor(seeded, tmp_path):
     source = _tiny_hf_llama(tmp_path / "source")
     config = json.loads((source / "config.json").read_text())
@@ -531,6 +551,9 @@ def test_existing_output_is_kept_unless_overwrite(seeded, tmp_path):
     export_hf(tmp_path / "run", out, overwrite=True, progress=silent)
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
     assert not list(tmp_path.glob(".hf.*"))
+    with pytest.raises(ConversionError, match=r"output directory .*run contains the input"):
+        export_hf(tmp_path / "run", tmp_path / "run", overwrite=True, progress=silent)
+    assert (tmp_path / "run" / "checkpoints" / "iter_0000001" / "complete.json").is_file()
 
 
 def test_cli_reports_conversion_errors_in_one_line(seeded, tmp_path, capsys):

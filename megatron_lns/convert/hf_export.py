@@ -32,7 +32,7 @@ from megatron_lns.convert.mapping import (
     OUTPUT_LAYER,
     Architecture,
 )
-from megatron_lns.convert.output import staged_output_dir
+from megatron_lns.convert.output import check_apart, staged_output_dir
 from megatron_lns.convert.safetensors_io import Group, write_sharded
 from megatron_lns.model import padded_vocab_size
 from megatron_lns.training.checkpoint import (
@@ -131,6 +131,7 @@ def export_hf(
     """
     say = progress or (lambda _: None)
     source = resolve_checkpoint(checkpoint)
+    check_apart(Path(out_dir), source)
     cfg = run_config(source)
     m = cfg.model
     arch = Architecture.from_model_config(m)

@@ -46,7 +46,7 @@ from megatron_lns.convert.mapping import (
     OUTPUT_LAYER,
     Architecture,
 )
-from megatron_lns.convert.output import check_output_dir, staged_output_dir
+from megatron_lns.convert.output import check_apart, check_output_dir, staged_output_dir
 from megatron_lns.convert.safetensors_io import SafetensorsCheckpoint
 from megatron_lns.model import padded_vocab_size
 from megatron_lns.specs import LOCAL_TO_FUSED_NORM_NAMES
@@ -72,6 +72,7 @@ def import_hf(
     hf_dir, out_dir = Path(hf_dir), Path(out_dir).absolute()
     overrides = list(overrides or [])
     check_output_dir(out_dir, overwrite)
+    check_apart(out_dir, hf_dir)
     hf_config = _read_hf_config(hf_dir)
     arch = Architecture.from_hf_config(hf_config, lns)
     base = _read_base_config(base_config)

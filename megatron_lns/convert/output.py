@@ -25,6 +25,13 @@ def check_output_dir(out_dir: Path, overwrite: bool) -> None:
         )
 
 
+def check_apart(out_dir: Path, source: Path) -> None:
+    """Refuse an OUT_DIR that is the input or holds it (--overwrite would delete it)."""
+    out, src = out_dir.resolve(), source.resolve()
+    if out == src or out in src.parents:
+        raise ConversionError(f"output directory {out_dir} contains the input {source}")
+
+
 @contextlib.contextmanager
 def staged_output_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a fresh staging directory that becomes ``out_dir`` if the block succeeds."""
