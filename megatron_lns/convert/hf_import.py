@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -50,6 +49,7 @@ from megatron_lns.convert.output import check_apart, check_output_dir, staged_ou
 from megatron_lns.convert.safetensors_io import SafetensorsCheckpoint
 from megatron_lns.model import padded_vocab_size
 from megatron_lns.specs import LOCAL_TO_FUSED_NORM_NAMES
+from megatron_lns.training.checkpoint import save_weights_only_checkpoint
 
 PRECISION_OF_DTYPE = {torch.float32: "32", torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}
 # Checkpoint (fused) norm names -> the local-backend parameter names import fills.
@@ -118,13 +118,13 @@ def import_hf(
                     f"import-hf: {hf_dir} ({arch.hf_class}, {arch.num_layers} layers) -> "
                     f"{out_dir} ({'LNS factors divided out' if lns else 'Pre-LN'})"
                 )
-                inexact = _fill(model, weights, arch, padded, say)
+                inexact = _fill(model, weights, arch, hf_vocab, padded, say)
                 if inexact:
                     say(
                         f"import-hf: warning: {inexact} norm weight elements have no float "
                         "that the LNS factor maps back to them exactly; the nearest was taken"
                     )
-                _save_weights_checkpoint(model, checkpoint, to_yaml(cfg))
+                save_weights_only_checkpoint([model], checkpoint, to_yaml(cfg))
             (stage / "config.yaml").write_text(to_yaml(cfg))
     finally:
         weights.close()
@@ -290,6 +290,7 @@ def _fill(
     model: torch.nn.Module,
     weights: SafetensorsCheckpoint,
     arch: Architecture,
+    vocab: int,
     padded: int,
     say: Callable[[str], None],
 ) -> int:
@@ -314,7 +315,7 @@ def _fill(
             param.copy_(tensor)
         assigned.add(name)
 
-    h, vocab = arch.hidden_size, weights.shape(HF_EMBEDDING)[0]
+    h = arch.hidden_size
     assign(EMBEDDING, _pad_rows(get(HF_EMBEDDING, (vocab, h)), padded))
     inexact = 0
     for index in range(arch.num_layers):
@@ -357,16 +358,3 @@ def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     """Vocabulary rows padded with zeros up to megatron's padded vocabulary size."""
     padding = torch.zeros(rows - tensor.shape[0], *tensor.shape[1:], dtype=tensor.dtype)
     return torch.cat([tensor, padding])
-
-
-def _save_weights_checkpoint(model: torch.nn.Module, directory: Path, config_yaml: str) -> None:
-    from megatron_lns.training.checkpoint import (
-        COMPLETE_MARKER,
-        WEIGHTS_ONLY,
-        save_model_weights,
-    )
-
-    save_model_weights([model], directory)
-    (directory / "config.yaml").write_text(config_yaml)
-    marker = {"iteration": 0, "consumed_samples": 0, WEIGHTS_ONLY: True}
-    (directory / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")

@@ -221,6 +221,27 @@ def save_checkpoint(
     return final
 
 
+def save_weights_only_checkpoint(
+    model: Sequence[torch.nn.Module],
+    directory: str | Path,
+    config_yaml: str,
+    state: TrainingState | None = None,
+) -> Path:
+    """A complete checkpoint of the weights alone (``import-hf`` writes these), from a
+    single process: training resumes from it with a fresh optimizer and schedule, at
+    ``state`` (iteration 0 by default)."""
+    directory, state = Path(directory), state or TrainingState()
+    save_model_weights(model, directory)
+    (directory / "config.yaml").write_text(config_yaml)
+    marker = {
+        "iteration": state.iteration,
+        "consumed_samples": state.consumed_samples,
+        WEIGHTS_ONLY: True,
+    }
+    (directory / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
+    return directory
+
+
 def is_complete(path: Path) -> bool:
     return (
         CHECKPOINT_DIR_RE.match(path.name) is not None
