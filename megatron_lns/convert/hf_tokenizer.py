@@ -19,6 +19,7 @@ training tokenizer's ids, and its EOS must be the training end-of-document id.
 from __future__ import annotations
 
 import itertools
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +98,12 @@ def write_tokenizer(
     """Write the export's tokenizer files into ``out_dir``; check them against ``trained``."""
     if cfg.library == "byte":
         byte_tokenizer_fast().save_pretrained(out_dir)
+        # transformers 5 names its tokenizers-backed class TokenizersBackend, which 4.x
+        # does not know; both versions load PreTrainedTokenizerFast.
+        config_path = out_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text())
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        config_path.write_text(json.dumps(config, indent=2) + "\n")
     elif cfg.library == "huggingface":
         source = Path(cfg.type)
         files = [source / name for name in HF_TOKENIZER_FILES if (source / name).is_file()]
@@ -113,8 +120,6 @@ def write_tokenizer(
 
 def _write_sentencepiece(model_file: Path, out_dir: Path) -> None:
     """The ``.model`` file as it is, declared a Llama tokenizer that adds no BOS/EOS."""
-    import json
-
     import sentencepiece
 
     processor = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
