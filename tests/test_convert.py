@@ -187,6 +187,26 @@ def test_export_without_the_factor_fails_parity(seeded, tmp_path, monkeypatch):
         assert_parity(checkpoint, cfg, out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dividing_the_factor_out_recovers_a_weight_that_folds_back_bitwise(dtype):
+    from megatron_lns.convert.mapping import effective_norm_weight, invert_exactly
+    from megatron_lns.scaling import lns_factor
+
+    gen = torch.Generator().manual_seed(0)
+    for layer_number in (2, 3, 7, 48, 96):
+        scale = lns_factor(layer_number)
+        gamma = (1 + 0.5 * torch.randn(4096, generator=gen)).to(dtype)
+        folded = effective_norm_weight(gamma, scale, zero_centered=False)
+        naive = (folded.double() / scale).to(dtype)
+        recovered, inexact = invert_exactly(
+            folded, lambda g, s=scale: effective_norm_weight(g, s, False), naive
+        )
+        assert inexact == 0
+        assert torch.equal(effective_norm_weight(recovered, scale, False), folded)
+        if dtype == torch.float32:  # plain division alone would not do
+            assert not torch.equal(effective_norm_weight(naive, scale, False), folded)
+
+
 def _resave_at_tp2_pp2_vp2(root: str, cfg_yaml: str, load_from: str) -> None:
     from omegaconf import OmegaConf
 
