@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -32,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from megatron_lns.config import ConfigError, load_config, to_yaml, validate
 from megatron_lns.config.schema import ExperimentConfig
+from megatron_lns.config.translate import model_config
 from megatron_lns.convert.errors import ConversionError
 from megatron_lns.convert.hf_tokenizer import HF_TOKENIZER_FILES, training_tokenizer
 from megatron_lns.convert.mapping import (
@@ -47,11 +49,12 @@ from megatron_lns.convert.mapping import (
 )
 from megatron_lns.convert.output import check_apart, check_output_dir, staged_output_dir
 from megatron_lns.convert.safetensors_io import SafetensorsCheckpoint
-from megatron_lns.model import padded_vocab_size
+from megatron_lns.model import GPTModelConfig, build_model, padded_vocab_size
 from megatron_lns.specs import LOCAL_TO_FUSED_NORM_NAMES
 from megatron_lns.training.checkpoint import save_weights_only_checkpoint
 
 PRECISION_OF_DTYPE = {torch.float32: "32", torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Checkpoint (fused) norm names -> the local-backend parameter names import fills.
 _FUSED_TO_LOCAL = {fused: local for local, fused in LOCAL_TO_FUSED_NORM_NAMES.items()}
 # Set from OUT_DIR: a different value would point the run at another directory.
@@ -105,7 +108,8 @@ def import_hf(
                 "import-hf: note: model.norm_scaling=lns without --lns: these weights were "
                 "trained without LNS, and with it the model computes a different function"
             )
-        model_dtype = _dtype_of(cfg)
+        gpt = _model_config(cfg, vocab)
+        model_dtype = _DTYPES[gpt.precision]
         if model_dtype != dtype:
             say(f"import-hf: note: casting {dtype} weights to {model_dtype} (trainer.precision)")
         with staged_output_dir(out_dir, overwrite) as stage:
@@ -113,7 +117,7 @@ def import_hf(
                 _copy_tokenizer(hf_dir, stage / "tokenizer")
             checkpoint = stage / "checkpoints" / "iter_0000000"
             with _single_process_megatron():
-                model = _build_model(cfg, vocab)
+                model = build_model(gpt)[0]
                 say(
                     f"import-hf: {hf_dir} ({arch.hf_class}, {arch.num_layers} layers) -> "
                     f"{out_dir} ({'LNS factors divided out' if lns else 'Pre-LN'})"
@@ -236,12 +240,6 @@ def _conflict(key: str, given, value, hf_dir: Path) -> str:
     )
 
 
-def _dtype_of(cfg: ExperimentConfig) -> torch.dtype:
-    from megatron_lns.config.translate import precision
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision(cfg)]
-
-
 def _tokenizer_files(hf_dir: Path) -> list[Path]:
     return [hf_dir / name for name in HF_TOKENIZER_FILES if (hf_dir / name).is_file()]
 
@@ -274,16 +272,10 @@ def _single_process_megatron() -> Iterator[None]:
             destroy_distributed()
 
 
-def _build_model(cfg: ExperimentConfig, vocab: int) -> torch.nn.Module:
-    """The megatron model of ``cfg`` on CPU at TP=PP=1, with the local backend: the
-    checkpoint keys are the same for every backend and layout."""
-    import dataclasses
-
-    from megatron_lns.config.translate import model_config
-    from megatron_lns.model import build_model
-
-    gpt = dataclasses.replace(model_config(cfg, vocab), backend="local", fp8=None, fp8_param=False)
-    return build_model(gpt)[0]
+def _model_config(cfg: ExperimentConfig, vocab: int) -> GPTModelConfig:
+    """The model of ``cfg``, built with the local backend on CPU: the checkpoint keys are
+    the same for every backend and parallel layout."""
+    return dataclasses.replace(model_config(cfg, vocab), backend="local", fp8=None, fp8_param=False)
 
 
 def _fill(
