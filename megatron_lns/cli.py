@@ -1,4 +1,4 @@
-"""``megatron-lns`` command line: train, preprocess, demo.
+"""``megatron-lns`` command line: train, preprocess, demo, export-hf, import-hf.
 
 Errors in the input (config, data, checkpoints, run directory) end the command with one
 line, ``error: ...``, and exit code 2; ``MEGATRON_LNS_DEBUG=1`` shows their traceback.
@@ -129,6 +129,58 @@ def _preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_hf(args: argparse.Namespace) -> int:
+    from megatron_lns.convert import export_hf
+    from megatron_lns.convert.safetensors_io import parse_size
+
+    export_hf(
+        args.checkpoint,
+        args.out_dir,
+        args.overwrite,
+        parse_size(args.max_shard_size),
+        tokenizer=not args.no_tokenizer,
+    )
+    return 0
+
+
+def _import_hf(args: argparse.Namespace) -> int:
+    from megatron_lns.convert import import_hf
+
+    import_hf(args.hf_dir, args.out_dir, args.overrides, args.lns, args.config, args.overwrite)
+    return 0
+
+
+def _add_conversion_commands(sub) -> None:
+    export = sub.add_parser(
+        "export-hf", help="checkpoint -> Hugging Face model (LNS folded into the norm weights)"
+    )
+    export.add_argument("checkpoint", help="an iter_NNNNNNN directory, or a run directory")
+    export.add_argument("out_dir", help="the Hugging Face model directory to write")
+    export.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    export.add_argument(
+        "--max-shard-size", default="2GB", help="largest safetensors shard (default: 2GB)"
+    )
+    export.add_argument(
+        "--no-tokenizer",
+        action="store_true",
+        help="write no tokenizer files (for a tokenizer transformers cannot reproduce)",
+    )
+    export.set_defaults(func=_export_hf)
+
+    imp = sub.add_parser(
+        "import-hf", help="Hugging Face model -> run directory for continued pretraining"
+    )
+    imp.add_argument("hf_dir", help="a local LlamaForCausalLM / StableLmForCausalLM directory")
+    imp.add_argument("out_dir", help="the run directory to write (config.yaml, checkpoints/)")
+    imp.add_argument("overrides", nargs="*", help="key=value settings of the run config")
+    imp.add_argument(
+        "--lns", action="store_true", help="the weights carry folded LNS factors (our export)"
+    )
+    imp.add_argument("--config", default=None, help="base YAML for the non-architecture keys")
+    imp.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    imp.set_defaults(func=_import_hf)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-lns", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -164,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     prep.add_argument("--quiet", action="store_true", help="no progress bar")
     prep.set_defaults(func=_preprocess)
+    _add_conversion_commands(sub)
     return parser
 
 

@@ -23,6 +23,7 @@ LAYERS = [
     "training",
     "analysis",
     "demo",
+    "convert",
     "cli",
 ]
 

@@ -40,6 +40,9 @@ from megatron_lns.model import unwrap
 
 CHECKPOINT_DIR_RE = re.compile(r"^iter_(\d{7})$")
 COMPLETE_MARKER = "complete.json"
+# Set in the marker of a checkpoint that holds model weights only (``import-hf`` writes
+# them): training starts from it with a fresh optimizer and schedule.
+WEIGHTS_ONLY = "weights_only"
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -229,6 +232,27 @@ def save_checkpoint(
     return final
 
 
+def save_weights_only_checkpoint(
+    model: Sequence[torch.nn.Module],
+    directory: str | Path,
+    config_yaml: str,
+    state: TrainingState | None = None,
+) -> Path:
+    """A complete checkpoint of the weights alone (``import-hf`` writes these), from a
+    single process: training resumes from it with a fresh optimizer and schedule, at
+    ``state`` (iteration 0 by default)."""
+    directory, state = Path(directory), state or TrainingState()
+    save_model_weights(model, directory)
+    (directory / "config.yaml").write_text(config_yaml)
+    marker = {
+        "iteration": state.iteration,
+        "consumed_samples": state.consumed_samples,
+        WEIGHTS_ONLY: True,
+    }
+    (directory / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
+    return directory
+
+
 def is_complete(path: Path) -> bool:
     return (
         CHECKPOINT_DIR_RE.match(path.name) is not None
@@ -257,12 +281,23 @@ def latest_complete_checkpoint(root: str | Path) -> Path | None:
 
 
 def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> TrainingState:
-    """Restore model, optimizer, scheduler, RNG (same layout only) and data position."""
+    """Restore model, optimizer, scheduler, RNG (same layout only) and data position.
+
+    A weights-only checkpoint (``WEIGHTS_ONLY`` in its marker) restores the weights and
+    the data position and leaves optimizer, scheduler and RNG as they are.
+    """
     path = Path(path)
     if not is_complete(path):
         raise CheckpointError(
             f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} or missing shards)"
         )
+    try:
+        marker = json.loads((path / COMPLETE_MARKER).read_text() or "{}")
+    except ValueError as err:
+        raise CheckpointError(f"{path / COMPLETE_MARKER} is not valid JSON: {err}") from err
+    if isinstance(marker, dict) and marker.get(WEIGHTS_ONLY):
+        load_model_weights(model, path)
+        return TrainingState(marker.get("iteration", 0), marker.get("consumed_samples", 0))
     try:
         common = dist_checkpointing.load_common_state_dict(str(path))
     except (Exception, CheckpointException) as err:

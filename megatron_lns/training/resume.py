@@ -64,16 +64,19 @@ def checkpoints_to_try(cfg: ExperimentConfig, checkpoint_dir: Path) -> list[Path
     return found if em.resume_past_unreadable else found[:1]
 
 
-def _saved_schedule(path: Path) -> dict:
+def _saved_schedule(path: Path) -> dict | None:
+    """The checkpoint's scheduler state; None for a weights-only checkpoint (import-hf)."""
     try:
-        return dist_checkpointing.load_common_state_dict(str(path))["scheduler"]
+        return dist_checkpointing.load_common_state_dict(str(path)).get("scheduler")
     except (Exception, CheckpointException) as err:
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"could not load checkpoint {path}: {reason}") from None
 
 
-def schedule_changes(saved: dict, scheduler: OptimizerParamScheduler) -> list[str]:
+def schedule_changes(saved: dict | None, scheduler: OptimizerParamScheduler) -> list[str]:
     """``key: old -> new`` for every schedule setting that differs from the checkpoint's."""
+    if saved is None:
+        return []
     current = scheduler.state_dict()
     changes = {}
     for field, key in SCHEDULE_KEYS.items():
@@ -107,7 +110,8 @@ def resume(
             scheduler.override_opt_param_scheduler = override
             # megatron matches saved optimizer param groups by their LR bounds, so the
             # template must carry the checkpoint's until the state is in.
-            _set_param_group_lr_bounds(optimizer, saved["max_lr"], saved["min_lr"])
+            if saved is not None:
+                _set_param_group_lr_bounds(optimizer, saved["max_lr"], saved["min_lr"])
             state = load_checkpoint(path, model, optimizer, scheduler)
         except CheckpointError as err:
             if index + 1 == len(candidates) or isinstance(err, ScheduleChangedError):

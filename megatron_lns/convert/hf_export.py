@@ -1,0 +1,215 @@
+"""``megatron-lns export-hf``: a megatron checkpoint -> a stock Hugging Face model directory.
+
+Everything comes from the checkpoint: its ``config.yaml`` (the resolved run config)
+says the architecture and tokenizer, its tensors carry their global shapes. Tensors
+are read one transformer layer at a time straight from the ``torch_dist`` files (see
+:mod:`~megatron_lns.convert.checkpoint_reader`), so a checkpoint saved at any
+TP/PP/VP layout exports the same, on a CPU, without a process group, and peak memory
+is one layer's tensors plus one output shard. The output is written into a hidden
+sibling directory and renamed into place once complete and checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from megatron_lns.config import ConfigError, load_config
+from megatron_lns.config.schema import ExperimentConfig
+from megatron_lns.convert.checkpoint_reader import CheckpointReader
+from megatron_lns.convert.errors import ConversionError
+from megatron_lns.convert.hf_tokenizer import TokenizerIds, training_tokenizer, write_tokenizer
+from megatron_lns.convert.mapping import (
+    EMBEDDING,
+    FINAL_NORM_BIAS,
+    FINAL_NORM_WEIGHT,
+    HF_EMBEDDING,
+    HF_FINAL_NORM,
+    HF_LM_HEAD,
+    LAYERS,
+    OUTPUT_LAYER,
+    Architecture,
+)
+from megatron_lns.convert.output import check_apart, staged_output_dir
+from megatron_lns.convert.safetensors_io import Group, write_sharded
+from megatron_lns.model import padded_vocab_size
+from megatron_lns.training.checkpoint import (
+    CHECKPOINT_DIR_RE,
+    COMPLETE_MARKER,
+    is_complete,
+    latest_complete_checkpoint,
+)
+
+DEFAULT_MAX_SHARD_BYTES = 2 * 10**9
+RUN_CONFIG = "config.yaml"
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """An ``iter_*`` directory as given, or the newest complete one of a run directory."""
+    path = Path(path)
+    if not path.exists():
+        raise ConversionError(f"checkpoint {path} does not exist")
+    if not path.is_dir():
+        raise ConversionError(f"checkpoint {path} is not a directory")
+    if CHECKPOINT_DIR_RE.match(path.name) or path.name.endswith(".partial"):
+        if not is_complete(path):
+            raise ConversionError(
+                f"{path} is not a complete checkpoint (no {COMPLETE_MARKER}: the save did not "
+                "finish, or it is not a megatron-lns checkpoint)"
+            )
+        return path
+    for root in (path / "checkpoints", path):
+        latest = latest_complete_checkpoint(root)
+        if latest is not None:
+            return latest
+    raise ConversionError(
+        f"no complete checkpoint (iter_NNNNNNN with {COMPLETE_MARKER}) in {path} or "
+        f"{path / 'checkpoints'}"
+    )
+
+
+def run_config(checkpoint: Path) -> ExperimentConfig:
+    path = checkpoint / RUN_CONFIG
+    if not path.is_file():
+        raise ConversionError(f"{path} is missing: the checkpoint does not say its architecture")
+    try:
+        return load_config(path)
+    except ConfigError as err:
+        raise ConversionError(f"{path}: {err}") from err
+
+
+def check_checkpoint_matches(reader: CheckpointReader, arch: Architecture, vocab_rows: int) -> None:
+    """Every tensor the architecture needs is there with the right global shape, and no
+    other model tensor is: the config and the checkpoint must describe the same model."""
+    h = arch.hidden_size
+    expected: dict[str, tuple[int, ...]] = {EMBEDDING: (vocab_rows, h)}
+    for key, shape in arch.layer_shapes().items():
+        expected[LAYERS + key] = (arch.num_layers, *shape)
+    if arch.norm_affine:
+        expected[FINAL_NORM_WEIGHT] = (h,)
+        if arch.norm_has_bias:
+            expected[FINAL_NORM_BIAS] = (h,)
+    if not arch.tied_embeddings:
+        expected[OUTPUT_LAYER] = (vocab_rows, h)
+    where = reader.directory
+    for key, shape in expected.items():
+        if key not in reader:
+            raise ConversionError(
+                f"checkpoint {where} has no tensor '{key}', which its config.yaml's model needs"
+            )
+        if reader.shape(key) != shape:
+            raise ConversionError(
+                f"checkpoint {where}: '{key}' has shape {reader.shape(key)}, its config.yaml "
+                f"implies {shape}"
+            )
+    model_prefixes = ("embedding.", "decoder.", "output_layer.")
+    for key in reader.tensor_keys():
+        if key.startswith(model_prefixes) and key not in expected:
+            raise ConversionError(
+                f"checkpoint {where} has tensor '{key}', which its config.yaml's model does "
+                "not have"
+            )
+    dtypes = {reader.dtype(key) for key in expected}
+    if len(dtypes) != 1:
+        raise ConversionError(f"checkpoint {where} mixes weight dtypes {sorted(map(str, dtypes))}")
+
+
+def export_hf(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: Callable[[str], None] | None = print,
+    tokenizer: bool = True,
+) -> Path:
+    """Write the Hugging Face model of ``checkpoint`` into ``out_dir``; returns ``out_dir``.
+
+    ``tokenizer=False`` writes no tokenizer files (for a tokenizer ``transformers`` does
+    not reproduce); the config's token ids are then the training tokenizer's.
+    """
+    say = progress or (lambda _: None)
+    source = resolve_checkpoint(checkpoint)
+    check_apart(Path(out_dir), source)
+    cfg = run_config(source)
+    m = cfg.model
+    arch = Architecture.from_model_config(m)
+    reader = CheckpointReader(source)
+    trained = training_tokenizer(m.tokenizer)
+    vocab = trained.vocab_size
+    padded = padded_vocab_size(vocab, m.tensor_model_parallel_size, m.make_vocab_size_divisible_by)
+    check_checkpoint_matches(reader, arch, padded)
+    dtype = reader.dtype(EMBEDDING)
+    with staged_output_dir(out_dir, overwrite) as stage:
+        from megatron_lns.data.demo_corpus import demo_documents
+
+        if tokenizer:
+            ids = write_tokenizer(m.tokenizer, trained, stage, demo_documents()[:32])
+        else:
+            ids = TokenizerIds(vocab, None, trained.eod)
+            say("export-hf: no tokenizer files written (--no-tokenizer)")
+        say(
+            f"export-hf: {source} -> {out_dir} as {arch.hf_class} ({arch.num_layers} layers, "
+            f"{'LNS folded into the pre-norms' if arch.lns else 'Pre-LN'}, {dtype})"
+        )
+        arch.hf_config(vocab, dtype, ids.bos, ids.eos).save_pretrained(stage)
+        _generation_config(ids.bos, ids.eos).save_pretrained(stage)
+        write_sharded(stage, _groups(reader, arch, vocab, dtype, say), dtype, max_shard_bytes, say)
+    say(f"export-hf: done: {out_dir}")
+    return Path(out_dir)
+
+
+def _generation_config(bos: int | None, eos: int):
+    from transformers import GenerationConfig
+
+    return GenerationConfig(bos_token_id=bos, eos_token_id=eos)
+
+
+def _groups(
+    reader: CheckpointReader,
+    arch: Architecture,
+    vocab: int,
+    dtype: torch.dtype,
+    say: Callable[[str], None],
+) -> list[Group]:
+    """The export's tensors in write order: embedding, each layer, final norm and head."""
+    h = arch.hidden_size
+    groups: list[Group] = [
+        ({HF_EMBEDDING: (vocab, h)}, lambda: {HF_EMBEDDING: reader.read_rows(EMBEDDING, vocab)})
+    ]
+    layer_keys = [LAYERS + key for key in arch.layer_keys()]
+
+    def layer(index: int) -> dict[str, torch.Tensor]:
+        say(f"export-hf: layer {index + 1}/{arch.num_layers}")
+        stacked = reader.read_layer(layer_keys, index)
+        tensors = {key.removeprefix(LAYERS): value for key, value in stacked.items()}
+        return arch.layer_to_hf(tensors, index)
+
+    for index in range(arch.num_layers):
+        groups.append((arch.hf_layer_shapes(index), lambda index=index: layer(index)))
+
+    head_shapes = {HF_FINAL_NORM + "weight": (h,)}
+    if not arch.rmsnorm:
+        head_shapes[HF_FINAL_NORM + "bias"] = (h,)
+    if not arch.tied_embeddings:
+        head_shapes[HF_LM_HEAD] = (vocab, h)
+
+    def head() -> dict[str, torch.Tensor]:
+        weight = (
+            reader.read({FINAL_NORM_WEIGHT: ((0,), (h,))})[FINAL_NORM_WEIGHT]
+            if arch.norm_affine
+            else None
+        )
+        bias = (
+            reader.read({FINAL_NORM_BIAS: ((0,), (h,))})[FINAL_NORM_BIAS]
+            if arch.norm_has_bias
+            else None
+        )
+        out = arch.final_norm_to_hf(weight, bias, dtype)
+        if not arch.tied_embeddings:
+            out[HF_LM_HEAD] = reader.read_rows(OUTPUT_LAYER, vocab)
+        return out
+
+    groups.append((head_shapes, head))
+    return groups

@@ -1,0 +1,352 @@
+"""``megatron-lns import-hf``: a Hugging Face model -> a run directory training resumes from.
+
+The output directory is a megatron-lns run directory::
+
+    OUT_DIR/config.yaml                          the run config (architecture from config.json)
+    OUT_DIR/tokenizer/                           the Hugging Face tokenizer files, copied
+    OUT_DIR/checkpoints/iter_0000000/            a weights-only checkpoint (torch_dist)
+
+``megatron-lns train OUT_DIR/config.yaml`` resumes from it: weights from the model,
+a fresh optimizer and schedule, iteration 0. The checkpoint stores global tensors, so
+it loads at the TP/PP/VP layout the config asks for (``key=value`` overrides, checked
+by the config validation like any run config).
+
+With ``lns=True`` the Hugging Face pre-norm weights are taken to carry the folded LNS
+factor (as :mod:`~megatron_lns.convert.hf_export` writes them); it is divided out so
+that the megatron LNS model, which multiplies it back in at forward time, computes
+bitwise the same norm weights. Without it the model is imported as Pre-LN
+(``model.norm_scaling=none``), unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from megatron_lns.config import ConfigError, load_config, to_yaml, validate
+from megatron_lns.config.schema import ExperimentConfig
+from megatron_lns.convert.errors import ConversionError
+from megatron_lns.convert.hf_tokenizer import HF_TOKENIZER_FILES, training_tokenizer
+from megatron_lns.convert.mapping import (
+    EMBEDDING,
+    FINAL_NORM_BIAS,
+    FINAL_NORM_WEIGHT,
+    HF_DERIVED_SUFFIXES,
+    HF_EMBEDDING,
+    HF_FINAL_NORM,
+    HF_LM_HEAD,
+    OUTPUT_LAYER,
+    Architecture,
+)
+from megatron_lns.convert.output import check_apart, check_output_dir, staged_output_dir
+from megatron_lns.convert.safetensors_io import SafetensorsCheckpoint
+from megatron_lns.model import GPTModelConfig, build_model, padded_vocab_size
+from megatron_lns.specs import LOCAL_TO_FUSED_NORM_NAMES
+from megatron_lns.training.assembly import model_config
+from megatron_lns.training.checkpoint import save_weights_only_checkpoint
+
+PRECISION_OF_DTYPE = {torch.float32: "32", torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Checkpoint (fused) norm names -> the local-backend parameter names import fills.
+_FUSED_TO_LOCAL = {fused: local for local, fused in LOCAL_TO_FUSED_NORM_NAMES.items()}
+# Set from OUT_DIR: a different value would point the run at another directory.
+_OUT_DIR_KEYS = ("exp_manager.exp_dir", "exp_manager.name")
+
+
+def import_hf(
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    overrides: list[str] | None = None,
+    lns: bool = False,
+    base_config: str | Path | None = None,
+    overwrite: bool = False,
+    progress: Callable[[str], None] | None = print,
+) -> Path:
+    """Convert ``hf_dir`` into a run directory ``out_dir``; returns its config path."""
+    say = progress or (lambda _: None)
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir).absolute()
+    overrides = list(overrides or [])
+    check_output_dir(out_dir, overwrite)
+    check_apart(out_dir, hf_dir)
+    hf_config = _read_hf_config(hf_dir)
+    arch = Architecture.from_hf_config(hf_config, lns)
+    base = _read_base_config(base_config)
+    copy_tokenizer = not _user_sets(base, overrides, "model.tokenizer")
+    if copy_tokenizer and not _tokenizer_files(hf_dir):
+        raise ConversionError(
+            f"{hf_dir} has no tokenizer files; pass model.tokenizer.library=... (and its "
+            "model.tokenizer.type or model.tokenizer.model)"
+        )
+    weights = SafetensorsCheckpoint(hf_dir)
+    try:
+        dtype = weights.dtype(HF_EMBEDDING)
+        cfg = _run_config(arch, dtype, hf_dir, out_dir, overrides, base, copy_tokenizer)
+        source_tokenizer = copy.deepcopy(cfg.model.tokenizer)
+        if copy_tokenizer:
+            source_tokenizer.type = str(hf_dir)
+        vocab = training_tokenizer(source_tokenizer).vocab_size
+        padded = padded_vocab_size(
+            vocab, cfg.model.tensor_model_parallel_size, cfg.model.make_vocab_size_divisible_by
+        )
+        hf_vocab = hf_config.vocab_size
+        if not vocab <= hf_vocab <= padded:
+            raise ConversionError(
+                f"{hf_dir}/config.json: vocab_size={hf_vocab} does not fit the tokenizer "
+                f"({vocab} tokens, padded to {padded} with model.make_vocab_size_divisible_by="
+                f"{cfg.model.make_vocab_size_divisible_by}); it must lie between the two"
+            )
+        if cfg.model.norm_scaling == "lns" and not lns:
+            say(
+                "import-hf: note: model.norm_scaling=lns without --lns: these weights were "
+                "trained without LNS, and with it the model computes a different function"
+            )
+        gpt = _model_config(cfg, vocab)
+        model_dtype = _DTYPES[gpt.precision]
+        if model_dtype != dtype:
+            say(f"import-hf: note: casting {dtype} weights to {model_dtype} (trainer.precision)")
+        with staged_output_dir(out_dir, overwrite) as stage:
+            if copy_tokenizer:
+                _copy_tokenizer(hf_dir, stage / "tokenizer")
+            checkpoint = stage / "checkpoints" / "iter_0000000"
+            with _single_process_megatron():
+                model = build_model(gpt)[0]
+                say(
+                    f"import-hf: {hf_dir} ({arch.hf_class}, {arch.num_layers} layers) -> "
+                    f"{out_dir} ({'LNS factors divided out' if lns else 'Pre-LN'})"
+                )
+                inexact = _fill(model, weights, arch, hf_vocab, padded, say)
+                if inexact:
+                    say(
+                        f"import-hf: warning: {inexact} norm weight elements have no float "
+                        "that the LNS factor maps back to them exactly; the nearest was taken"
+                    )
+                save_weights_only_checkpoint([model], checkpoint, to_yaml(cfg))
+            (stage / "config.yaml").write_text(to_yaml(cfg))
+    finally:
+        weights.close()
+    say(f"import-hf: done: train with `megatron-lns train {out_dir / 'config.yaml'}`")
+    return out_dir / "config.yaml"
+
+
+def _read_hf_config(hf_dir: Path):
+    if not hf_dir.is_dir():
+        raise ConversionError(f"Hugging Face directory {hf_dir} does not exist")
+    if not (hf_dir / "config.json").is_file():
+        raise ConversionError(f"{hf_dir} has no config.json")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
+    except (ValueError, KeyError, OSError) as err:
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConversionError(f"{hf_dir}/config.json: {message}") from err
+
+
+def _read_base_config(path: str | Path | None) -> DictConfig:
+    if path is None:
+        return OmegaConf.create({})
+    if not Path(path).is_file():
+        raise ConversionError(f"--config {path} does not exist")
+    try:
+        raw = OmegaConf.load(path)
+    except Exception as err:  # YAML syntax errors come in several types
+        raise ConversionError(f"--config {path}: {str(err).splitlines()[0]}") from err
+    if not isinstance(raw, DictConfig):
+        raise ConversionError(f"--config {path} is not a mapping of config sections")
+    return raw
+
+
+def _user_sets(base: DictConfig, overrides: list[str], section: str) -> bool:
+    if any(o.lstrip("+~").startswith(section) for o in overrides):
+        return True
+    return OmegaConf.select(base, section, default=None) is not None
+
+
+def _run_config(
+    arch: Architecture,
+    dtype: torch.dtype,
+    hf_dir: Path,
+    out_dir: Path,
+    overrides: list[str],
+    base: DictConfig,
+    copy_tokenizer: bool,
+) -> ExperimentConfig:
+    """The run config: the user's base and overrides, with the architecture from config.json.
+
+    An architecture key the user sets to another value is an error, not overwritten.
+    """
+    raw = base.copy()
+    fixed = {f"model.{key}": value for key, value in arch.model_settings().items()}
+    fixed["exp_manager.exp_dir"] = str(out_dir.parent)
+    fixed["exp_manager.name"] = out_dir.name
+    if copy_tokenizer:
+        fixed["model.tokenizer.library"] = "huggingface"
+        fixed["model.tokenizer.type"] = str(out_dir / "tokenizer")
+    for key, value in fixed.items():
+        given = OmegaConf.select(raw, key, default=None)
+        if given is not None and given != value:
+            raise ConversionError(_conflict(key, given, value, hf_dir))
+        OmegaConf.update(raw, key, value, force_add=True)
+    defaults = {
+        "model.norm_scaling": "lns" if arch.lns else "none",
+        "model.max_position_embeddings": arch.max_position_embeddings,
+        "model.encoder_seq_length": arch.max_position_embeddings,
+        "model.data.seq_length": "${model.encoder_seq_length}",
+        "trainer.precision": PRECISION_OF_DTYPE.get(dtype, "32"),
+    }
+    for key, value in defaults.items():
+        if OmegaConf.select(raw, key, default=None) is None:
+            OmegaConf.update(raw, key, value, force_add=True)
+    try:
+        cfg = load_config(raw, overrides)
+    except ConfigError as err:
+        raise ConversionError(str(err)) from err
+    typed = OmegaConf.structured(cfg)
+    for key, value in fixed.items():
+        got = OmegaConf.select(typed, key)
+        if got != value:
+            raise ConversionError(_conflict(key, got, value, hf_dir))
+    if arch.lns and cfg.model.norm_scaling != "lns":
+        raise ConversionError(
+            f"--lns says the weights carry LNS factors, but model.norm_scaling="
+            f"{cfg.model.norm_scaling}; drop one of the two"
+        )
+    # The data blend is chosen at train time; validate the rest without it.
+    probe = copy.deepcopy(cfg)
+    if not probe.model.data.data_prefix:
+        probe.model.data.data_prefix = ["builtin:pydoc"]
+    try:
+        validate(probe, check_files=False)
+    except ConfigError as err:
+        raise ConversionError(str(err)) from err
+    return cfg
+
+
+def _conflict(key: str, given, value, hf_dir: Path) -> str:
+    if key in _OUT_DIR_KEYS:
+        return f"{key}={given}: import-hf sets it from OUT_DIR ({value}); choose OUT_DIR instead"
+    return (
+        f"{key}={given} conflicts with {hf_dir}/config.json, which gives {value}; the "
+        "architecture comes from the Hugging Face model"
+    )
+
+
+def _tokenizer_files(hf_dir: Path) -> list[Path]:
+    return [hf_dir / name for name in HF_TOKENIZER_FILES if (hf_dir / name).is_file()]
+
+
+def _copy_tokenizer(hf_dir: Path, target: Path) -> None:
+    target.mkdir(parents=True)
+    for path in _tokenizer_files(hf_dir):
+        shutil.copy2(path, target / path.name)
+
+
+@contextlib.contextmanager
+def _single_process_megatron() -> Iterator[None]:
+    """megatron's parallel state for one CPU process (TP=PP=1), the weights' home while
+    they are assembled; torn down again unless the caller had one already."""
+    import torch.distributed as dist
+
+    from megatron_lns.runtime import ParallelLayout, destroy_distributed, init_distributed
+
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    if world != 1:
+        raise ConversionError(
+            f"import-hf runs in one process; it was started in a world of {world}"
+        )
+    owned = not dist.is_initialized()
+    init_distributed(ParallelLayout(), device="cpu")
+    try:
+        yield
+    finally:
+        if owned:
+            destroy_distributed()
+
+
+def _model_config(cfg: ExperimentConfig, vocab: int) -> GPTModelConfig:
+    """The model of ``cfg``, built with the local backend on CPU: the checkpoint keys are
+    the same for every backend and parallel layout."""
+    return dataclasses.replace(model_config(cfg, vocab), backend="local", fp8=None, fp8_param=False)
+
+
+def _fill(
+    model: torch.nn.Module,
+    weights: SafetensorsCheckpoint,
+    arch: Architecture,
+    vocab: int,
+    padded: int,
+    say: Callable[[str], None],
+) -> int:
+    """Copy the Hugging Face tensors into ``model``'s parameters; every parameter must be
+    set and every Hugging Face tensor used. Returns the count of inexact norm elements."""
+    params = dict(model.named_parameters())
+    assigned: set[str] = set()
+    used: set[str] = set()
+
+    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        used.add(name)
+        return weights.get(name, shape)
+
+    def assign(name: str, tensor: torch.Tensor) -> None:
+        param = params[name]
+        if param.shape != tensor.shape:
+            raise ConversionError(
+                f"'{name}' would get shape {tuple(tensor.shape)}, the model has "
+                f"{tuple(param.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(tensor)
+        assigned.add(name)
+
+    h = arch.hidden_size
+    assign(EMBEDDING, _pad_rows(get(HF_EMBEDDING, (vocab, h)), padded))
+    inexact = 0
+    for index in range(arch.num_layers):
+        say(f"import-hf: layer {index + 1}/{arch.num_layers}")
+        hf = {name: get(name, shape) for name, shape in arch.hf_layer_shapes(index).items()}
+        tensors, missed = arch.layer_from_hf(hf, index)
+        inexact += missed
+        for key, tensor in tensors.items():
+            assign(f"decoder.layers.{index}.{_FUSED_TO_LOCAL.get(key, key)}", tensor)
+    assign(FINAL_NORM_WEIGHT, get(HF_FINAL_NORM + "weight", (h,)))
+    if not arch.rmsnorm:
+        assign(FINAL_NORM_BIAS, get(HF_FINAL_NORM + "bias", (h,)))
+    if arch.tied_embeddings:
+        if HF_LM_HEAD in weights:
+            head = get(HF_LM_HEAD, (vocab, h))
+            if not torch.equal(head, weights.get(HF_EMBEDDING)):
+                raise ConversionError(
+                    f"{weights.directory}: tie_word_embeddings is true but '{HF_LM_HEAD}' differs "
+                    f"from '{HF_EMBEDDING}'"
+                )
+    else:
+        assign(OUTPUT_LAYER, _pad_rows(get(HF_LM_HEAD, (vocab, h)), padded))
+    unused = [
+        name
+        for name in weights.names()
+        if name not in used and not name.endswith(HF_DERIVED_SUFFIXES)
+    ]
+    if unused:
+        raise ConversionError(
+            f"{weights.directory}: tensor '{unused[0]}' has no place in a {arch.hf_class} of this "
+            f"config ({len(unused)} such tensors)"
+        )
+    unset = sorted(set(params) - assigned)
+    if unset:
+        raise AssertionError(f"import left parameters unset: {unset}")
+    return inexact
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """Vocabulary rows padded with zeros up to megatron's padded vocabulary size."""
+    padding = torch.zeros(rows - tensor.shape[0], *tensor.shape[1:], dtype=tensor.dtype)
+    return torch.cat([tensor, padding])

@@ -1,0 +1,53 @@
+"""Write a directory all at once: into a hidden sibling, renamed into place at the end.
+
+A conversion that fails or is killed half-way leaves OUT_DIR as it was (absent or
+untouched); only a hidden ``.NAME.partial-PID`` sibling can remain after a kill.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from megatron_lns.convert.errors import ConversionError
+
+
+def check_output_dir(out_dir: Path, overwrite: bool) -> None:
+    """Refuse an existing non-empty OUT_DIR unless ``overwrite``; refuse a file."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConversionError(f"output {out_dir} exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise ConversionError(
+            f"output directory {out_dir} is not empty; pass --overwrite to replace it"
+        )
+
+
+def check_apart(out_dir: Path, source: Path) -> None:
+    """Refuse an OUT_DIR that is the input or holds it (--overwrite would delete it)."""
+    out, src = out_dir.resolve(), source.resolve()
+    if out == src or out in src.parents:
+        raise ConversionError(f"output directory {out_dir} contains the input {source}")
+
+
+@contextlib.contextmanager
+def staged_output_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a fresh staging directory that becomes ``out_dir`` if the block succeeds."""
+    out_dir = Path(out_dir)
+    check_output_dir(out_dir, overwrite)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    previous = out_dir.with_name(f".{out_dir.name}.replaced-{os.getpid()}")
+    if out_dir.exists():
+        out_dir.rename(previous)
+    staging.rename(out_dir)
+    shutil.rmtree(previous, ignore_errors=True)
