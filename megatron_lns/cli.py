@@ -1,4 +1,4 @@
-"""``megatron-lns`` command line: train, preprocess, demo."""
+"""``megatron-lns`` command line: train, submit, preprocess, demo."""
 
 from __future__ import annotations
 
@@ -95,6 +95,24 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _submit(args: argparse.Namespace) -> int:
+    from megatron_lns.launch.submit import prepare_job, sbatch, write_job
+
+    # Checked as `train` checks it, except what the compute node must offer (CUDA, TE):
+    # the login node may have no GPU; the job checks that when it starts.
+    cfg = _load(args.config, args.overrides, dry_run=True)
+    job = prepare_job(cfg, Path.cwd(), sys.executable)
+    if args.dry_run:
+        print(job.script, end="")
+        return 0
+    write_job(job)
+    submitted = sbatch(job)
+    print(f"submitted job {submitted.job_id}: {submitted.script_path}")
+    print(f"job log: {submitted.job_log}")
+    print(f"run log: {submitted.first_run_log} (requeues: -restart1, -restart2, ...)")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     config = Path(args.config) if args.config else DEMO_CONFIG
     if not config.is_file():
@@ -137,6 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     train.set_defaults(func=_train)
 
+    submit = sub.add_parser("submit", help="submit training as a SLURM job (cluster: section)")
+    submit.add_argument("config", help="YAML file (trainer / exp_manager / model / cluster)")
+    submit.add_argument("overrides", nargs="*", help="key=value, +key=value (add), ~key (delete)")
+    submit.add_argument(
+        "--dry-run", action="store_true", help="print the sbatch script; write and submit nothing"
+    )
+    submit.set_defaults(func=_submit)
+
     demo = sub.add_parser("demo", help="train the CPU demo with LNS and with Pre-LN side by side")
     demo.add_argument("overrides", nargs="*", help="key=value overrides of the demo YAML")
     demo.add_argument(
@@ -169,11 +195,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from megatron_lns.config import ConfigError
     from megatron_lns.data.datasets import DataMismatchError
+    from megatron_lns.launch.submit import SubmitError
     from megatron_lns.training.checkpoint import CheckpointError
 
     try:
         return args.func(args)
-    except (ConfigError, DataMismatchError, CheckpointError, FileNotFoundError) as err:
+    except (
+        ConfigError,
+        DataMismatchError,
+        CheckpointError,
+        FileNotFoundError,
+        SubmitError,
+    ) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

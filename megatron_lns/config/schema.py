@@ -136,8 +136,41 @@ class ModelConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """What SLURM needs to run the job (``megatron-lns submit``; ``train`` ignores it).
+
+    Key names are NeMo-Launcher's cluster config and NeMo-Run's ``SlurmExecutor``.
+    Nodes and tasks are not here: they are ``trainer.num_nodes`` and ``trainer.devices``
+    (one task per GPU). docs/cluster.md says how each key reaches the sbatch script.
+    """
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    # SLURM time as a quoted string: "1-12:00:00", "04:00:00", "90" (minutes). Typed Any
+    # so that YAML's base-60 reading of an unquoted 4:00:00 (= 14400) is caught, not sent.
+    time_limit: Any = None
+    exclusive: bool = False
+    gpus_per_node: int | None = None  # null: trainer.devices with accelerator=gpu, else none
+    cpus_per_task: int | None = None
+    mem: str | None = None  # e.g. "0" (all of the node's memory), "200G"
+    job_name_prefix: str = "megatron_lns-"  # job name: prefix + top-level `name`
+    container_image: str | None = None  # pyxis/enroot: srun --container-image
+    container_mounts: list[str] = field(default_factory=list)  # "src:dst[:flags]"
+    env_vars: dict[str, str] = field(default_factory=dict)  # exported before srun (NCCL, ...)
+    srun_args: list[str] = field(default_factory=list)  # one argument per item
+    sbatch_args: list[str] = field(default_factory=list)  # one "#SBATCH" option per item
+    dependency: str | None = None  # sbatch --dependency, e.g. "singleton", "afterok:123"
+    # SLURM sends SIGUSR1 this long before the time limit; it must cover one training
+    # step plus one checkpoint save. The job then saves, stops and requeues itself.
+    preemption_signal_lead_s: int = 300
+    max_requeues: int = 5  # self-requeues after a preemption warning (SLURM_RESTART_COUNT)
+
+
+@dataclass
 class ExperimentConfig:
     name: str = "megatron_gpt"
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     exp_manager: ExpManagerConfig = field(default_factory=ExpManagerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_lns.config.cluster import validate_cluster
 from megatron_lns.config.loader import ConfigError
 from megatron_lns.config.schema import ExperimentConfig
 
@@ -204,6 +205,7 @@ def validate(
             for suffix in (".bin", ".idx"):
                 if not Path(prefix + suffix).is_file():
                     raise ConfigError(f"model.data.data_prefix: {prefix}{suffix} does not exist")
+    validate_cluster(cfg)
 
 
 def check_environment(cfg: ExperimentConfig) -> None:

@@ -44,6 +44,7 @@ from megatron_lns.training.checkpoint import (
 )
 from megatron_lns.training.logging import MetricsLogger
 from megatron_lns.training.optim import build_optimizer_and_scheduler
+from megatron_lns.training.run_status import write_run_status
 from megatron_lns.training.step import forward_backward, train_step, wrap_with_ddp
 
 
@@ -131,6 +132,9 @@ class Trainer:
 
     def run(self) -> RunSummary:
         cfg, m, t = self.cfg, self.cfg.model, self.cfg.trainer
+        # First, so a stop request during setup (a SLURM warning while the checkpoint
+        # loads) is kept and honoured at the first step boundary instead of killing us.
+        stop = _StopRequest()
         layout = parallel_layout(cfg)
         device = init_distributed(layout, device=self._device_setting(), seed=m.seed)
         rank0 = dist.get_rank() == 0
@@ -225,7 +229,6 @@ class Trainer:
         )
         summary = RunSummary(cfg.exp_manager.name, self.run_dir, t.max_steps, resumed_from)
         flops_per_token = model_flops_per_token(gpt_config)
-        stop = _StopRequest()
         every = cfg.exp_manager.checkpoint_callback_params.every_n_train_steps
         # Throughput counts training steps only (not validation or checkpoint saves).
         tokens_in_window, time_in_window, total_tokens, total_time = 0, 0.0, 0, 0.0
@@ -308,6 +311,8 @@ class Trainer:
                         (self.run_dir / "layer_stats.json").write_text(json.dumps(stats, indent=1))
         finally:
             logger.close()
+        if rank0:
+            write_run_status(self.run_dir, summary.stopped_early, state.iteration)
         summary.steps = state.iteration
         summary.tokens_per_second = total_tokens / total_time if total_time else 0.0
         summary.tflops_per_device = _tflops(summary.tokens_per_second, flops_per_token)
