@@ -96,7 +96,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from megatron_lns.launch.submit import prepare_job, sbatch, write_job
+    from megatron_lns.launch.submit import prepare_job, require_sbatch, sbatch, write_job
 
     # Checked as `train` checks it, except what the compute node must offer (CUDA, TE):
     # the login node may have no GPU; the job checks that when it starts.
@@ -105,6 +105,7 @@ def _submit(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(job.script, end="")
         return 0
+    require_sbatch()
     write_job(job)
     submitted = sbatch(job)
     print(f"submitted job {submitted.job_id}: {submitted.script_path}")

@@ -37,7 +37,9 @@ class SubmittedJob:
     first_run_log: Path  # the first run's full output (requeues: -restart1, -restart2, ...)
 
 
-def prepare_job(cfg: ExperimentConfig, workdir: Path, python: str) -> PreparedJob:
+def prepare_job(
+    cfg: ExperimentConfig, workdir: Path, python: str, stamp: str | None = None
+) -> PreparedJob:
     """The script and where everything goes, for a config validated as ``train`` does.
 
     The job runs in ``workdir`` (so relative paths in the config mean what they meant at
@@ -48,7 +50,7 @@ def prepare_job(cfg: ExperimentConfig, workdir: Path, python: str) -> PreparedJo
     cfg.exp_manager.exp_dir = str(workdir / (cfg.exp_manager.exp_dir or "runs"))
     run_dir = Path(cfg.exp_manager.exp_dir) / cfg.exp_manager.name
     # One folder per submission: resubmitting never overwrites an earlier script.
-    submit_dir = run_dir / "slurm" / time.strftime("%Y%m%d-%H%M%S")
+    submit_dir = run_dir / "slurm" / (stamp or time.strftime("%Y%m%d-%H%M%S"))
     suffix = 1
     while submit_dir.exists():
         suffix += 1
@@ -67,13 +69,16 @@ def write_job(job: PreparedJob) -> None:
     job.script_path.chmod(0o755)
 
 
-def sbatch(job: PreparedJob) -> SubmittedJob:
-    """Submit a written job; the job id as sbatch reports it."""
+def require_sbatch() -> None:
     if shutil.which("sbatch") is None:
         raise SubmitError(
             "sbatch not found on PATH: submit from a SLURM login node (--dry-run prints the "
-            f"script); the job is written to {job.script_path}"
+            "script without submitting)"
         )
+
+
+def sbatch(job: PreparedJob) -> SubmittedJob:
+    """Submit a written job; the job id as sbatch reports it."""
     result = subprocess.run(
         ["sbatch", "--parsable", str(job.script_path)],
         cwd=job.paths.workdir,
