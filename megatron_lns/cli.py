@@ -96,11 +96,13 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
+    from megatron_lns.config import load_config, validate
     from megatron_lns.launch.submit import prepare_job, require_sbatch, sbatch, write_job
 
     # Checked as `train` checks it, except what the compute node must offer (CUDA, TE):
-    # the login node may have no GPU; the job checks that when it starts.
-    cfg = _load(args.config, args.overrides, dry_run=True)
+    # the login node may have no GPU; each task checks that when it starts.
+    cfg = load_config(args.config, args.overrides)
+    validate(cfg)
     job = prepare_job(cfg, Path.cwd(), sys.executable)
     if args.dry_run:
         print(job.script, end="")
