@@ -154,6 +154,11 @@ case $FAKE_MODE in
         kill -USR1 "$PPID"
         for _ in $(seq 100); do sleep 0.1; done
         exit 9 ;;
+    preempt_during_startup)
+        # No handler yet: the forwarded warning kills the task (status 138).
+        kill -USR1 "$PPID"
+        for _ in $(seq 100); do sleep 0.1; done
+        exit 9 ;;
 esac
 """
 FAKE_SCONTROL = """#!/bin/bash
@@ -226,6 +231,13 @@ def test_batch_script_requeues_after_a_warning_and_a_clean_stop(tmp_path):
     assert result.returncode == 0, result.stdout
     assert requeues == "requeue 42\n"
     assert "USR1" in result.stdout and "requeueing (3 of at most 5)" in result.stdout
+
+
+def test_batch_script_requeues_when_the_warning_killed_ranks_still_starting(tmp_path):
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path))
+    result, requeues, _, _ = _run_batch_script(tmp_path, cfg, "preempt_during_startup")
+    assert result.returncode == 0, result.stdout
+    assert requeues == "requeue 42\n"
 
 
 def test_batch_script_stops_requeueing_at_max_requeues(tmp_path):

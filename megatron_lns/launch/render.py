@@ -197,7 +197,7 @@ def srun_command(cfg: ExperimentConfig, paths: JobPaths, python: str) -> str:
         f"--ntasks-per-node={t.devices}",
     ]
     if c.cpus_per_task is not None:
-        # SLURM >= 22.05 no longer passes sbatch's --cpus-per-task on to srun.
+        # srun of SLURM 22.05 to 23.02 does not inherit sbatch's --cpus-per-task.
         words.append(f"--cpus-per-task={c.cpus_per_task}")
     if c.container_image:
         words.append("--container-image=" + quote("cluster.container_image", c.container_image))

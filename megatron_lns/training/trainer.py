@@ -132,8 +132,8 @@ class Trainer:
 
     def run(self) -> RunSummary:
         cfg, m, t = self.cfg, self.cfg.model, self.cfg.trainer
-        # First, so a stop request during setup (a SLURM warning while the checkpoint
-        # loads) is kept and honoured at the first step boundary instead of killing us.
+        # First, so a stop request during setup (a preemption warning while the
+        # checkpoint loads) is kept and honoured at the first step boundary.
         stop = _StopRequest()
         layout = parallel_layout(cfg)
         device = init_distributed(layout, device=self._device_setting(), seed=m.seed)

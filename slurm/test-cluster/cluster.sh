@@ -60,8 +60,15 @@ node_idle() {
     [[ $(sinfo -h -o %t 2>/dev/null) == idle ]]
 }
 
+running() {  # running PIDFILE: whether the process it names is alive
+    [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null
+}
+
 start() {
     [[ $(id -u) == 0 ]] || die "must run as root (slurmd runs as root)"
+    for pidfile in "$DIR"/run/slurmctld.pid "$DIR"/run/slurmd.pid "$DIR"/munge/munged.pid; do
+        if running "$pidfile"; then die "already running in $DIR ($pidfile)"; fi
+    done
     install_slurm
     mkdir -p "$DIR"/{state,spool,log,run,munge}
     # munged runs as the munge user and insists on owning its socket directory.

@@ -72,6 +72,9 @@ srun \
     --container-mounts=/lustre:/lustre \
     python -u -m megatron_lns.launch.task /lustre/runs/olmo_7b_lns_20b/lns/slurm/20260101-000000/config.yaml &
 srun_pid=$!
+# A warning that came before srun existed: pass it on (if srun is too young to forward
+# it, it dies of it with status 138, which is requeued below).
+if ((warned)); then kill -USR1 "$srun_pid" 2>/dev/null; fi
 while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid"; done
 wait "$srun_pid"
 rc=$?

@@ -59,6 +59,9 @@ srun \
     --ntasks-per-node=2 \
     /opt/venv/bin/python -u -m megatron_lns.launch.task /home/alice/megatron-lns/runs/tiny_cpu_demo/lns/slurm/20260101-000000/config.yaml &
 srun_pid=$!
+# A warning that came before srun existed: pass it on (if srun is too young to forward
+# it, it dies of it with status 138, which is requeued below).
+if ((warned)); then kill -USR1 "$srun_pid" 2>/dev/null; fi
 while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid"; done
 wait "$srun_pid"
 rc=$?
