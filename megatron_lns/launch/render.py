@@ -16,13 +16,16 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from megatron_lns.config import ConfigError, ExperimentConfig
 from megatron_lns.config.cluster import job_name
 from megatron_lns.training.run_status import RUN_STATUS_FILE
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "sbatch.template"
+# slurm/ at the top of the repository, inside the package through the megatron_lns/slurm
+# link (package data), so an installed wheel renders the same script as a checkout.
+TEMPLATE = Path(str(resources.files("megatron_lns") / "slurm" / "sbatch.template"))
 TASK_MODULE = "megatron_lns.launch.task"
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
