@@ -1,4 +1,4 @@
-"""``megatron-lns`` command line: train, preprocess, demo, export-hf, import-hf.
+"""``megatron-lns`` command line: train, submit, preprocess, demo, export-hf, import-hf.
 
 Errors in the input (config, data, checkpoints, run directory) end the command with one
 line, ``error: ...``, and exit code 2; ``MEGATRON_LNS_DEBUG=1`` shows their traceback.
@@ -13,6 +13,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from megatron_lns.data.tokenizer import TOKENIZER_LIBRARIES
@@ -95,6 +96,29 @@ def _train(args: argparse.Namespace) -> int:
     if args.dry_run:
         return 0
     _launch(cfg, _train_job)
+    return 0
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from megatron_lns.config import load_config, validate
+
+    # Checked as `train` checks it, except what the compute node must offer (CUDA, TE):
+    # the login node may have no GPU; each task checks that when it starts.
+    from megatron_lns.config.bundled import resolve_config_path
+    from megatron_lns.launch.submit import prepare_job, require_sbatch, sbatch, write_job
+
+    cfg = load_config(resolve_config_path(args.config), args.overrides)
+    validate(cfg)
+    job = prepare_job(cfg, Path.cwd(), sys.executable)
+    if args.dry_run:
+        print(job.script, end="")
+        return 0
+    require_sbatch()
+    write_job(job)
+    submitted = sbatch(job)
+    print(f"submitted job {submitted.job_id}: {submitted.script_path}")
+    print(f"job log: {submitted.job_log}")
+    print(f"run log: {submitted.first_run_log} (requeues: -restart1, -restart2, ...)")
     return 0
 
 
@@ -193,6 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="key=value, +key=value (add), ~key (delete)")
     train.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     train.set_defaults(func=_train)
+
+    submit = sub.add_parser("submit", help="submit training as a SLURM job (cluster: section)")
+    submit.add_argument("config", help="YAML file (trainer / exp_manager / model / cluster)")
+    submit.add_argument("overrides", nargs="*", help="key=value, +key=value (add), ~key (delete)")
+    submit.add_argument(
+        "--dry-run", action="store_true", help="print the sbatch script; write and submit nothing"
+    )
+    submit.set_defaults(func=_submit)
 
     demo = sub.add_parser("demo", help="train the CPU demo with LNS and with Pre-LN side by side")
     demo.add_argument("overrides", nargs="*", help="key=value overrides of the demo YAML")

@@ -58,6 +58,8 @@ def _finite(value: Any) -> bool:
 
 
 positive = Check("positive", lambda v: _finite(v) and v > 0)
+# sbatch --signal=SIG@TIME takes at most 65535 seconds (a 16-bit field in SLURM).
+signal_lead_seconds = Check("in 1..65535", lambda v: _finite(v) and 0 < v <= 65535)
 non_negative = Check(">= 0", lambda v: _finite(v) and v >= 0)
 # Dropout probabilities: 1 would zero every activation.
 probability = Check("a probability in [0, 1)", lambda v: _finite(v) and 0 <= v < 1)

@@ -24,6 +24,7 @@ from megatron_lns.config.rules import (
     positive,
     probability,
     rng_seed,
+    signal_lead_seconds,
     split_weights,
 )
 from megatron_lns.data.tokenizer import TOKENIZER_LIBRARIES
@@ -193,8 +194,43 @@ class ModelConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """What SLURM needs to run the job (``megatron-lns submit``; ``train`` ignores it).
+
+    Key names are NeMo-Launcher's cluster config and NeMo-Run's ``SlurmExecutor``.
+    Nodes and tasks are not here: they are ``trainer.num_nodes`` and ``trainer.devices``
+    (one task per GPU). docs/cluster.md says how each key reaches the sbatch script.
+    """
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    # SLURM time as a quoted string: "1-12:00:00", "04:00:00", "90" (minutes). Typed Any
+    # so that YAML's base-60 reading of an unquoted 4:00:00 (= 14400) is caught, not sent.
+    time_limit: Any = None
+    exclusive: bool = False
+    # null: trainer.devices with accelerator=gpu, else none
+    gpus_per_node: int | None = checked(None, non_negative)
+    cpus_per_task: int | None = checked(None, positive)
+    mem: str | None = None  # e.g. "0" (all of the node's memory), "200G"
+    job_name_prefix: str = "megatron_lns-"  # job name: prefix + top-level `name`
+    container_image: str | None = None  # pyxis/enroot: srun --container-image
+    container_mounts: list[str] = field(default_factory=list)  # "src:dst[:flags]"
+    env_vars: dict[str, str] = field(default_factory=dict)  # exported before srun (NCCL, ...)
+    srun_args: list[str] = field(default_factory=list)  # one argument per item
+    sbatch_args: list[str] = field(default_factory=list)  # one "#SBATCH" option per item
+    dependency: str | None = None  # sbatch --dependency, e.g. "singleton", "afterok:123"
+    # SLURM sends SIGUSR1 this long before the time limit; it must cover one training
+    # step plus one checkpoint save. The job then saves, stops and requeues itself.
+    preemption_signal_lead_s: int = checked(300, signal_lead_seconds)
+    # Self-requeues after a preemption warning (SLURM_RESTART_COUNT).
+    max_requeues: int = checked(5, non_negative)
+
+
+@dataclass
 class ExperimentConfig:
     name: str = "megatron_gpt"
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     exp_manager: ExpManagerConfig = field(default_factory=ExpManagerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)

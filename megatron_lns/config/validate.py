@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_lns.config.cluster import validate_cluster
 from megatron_lns.config.loader import ConfigError
 from megatron_lns.config.paths import check_writable_paths
 from megatron_lns.config.rules import value_errors
@@ -146,6 +147,7 @@ def validate(
         for missing in blend.missing_files():
             raise ConfigError(f"model.data.data_prefix: {missing} does not exist")
         check_writable_paths(cfg, blend)
+    validate_cluster(cfg)
 
 
 def check_environment(cfg: ExperimentConfig) -> None:

@@ -45,6 +45,7 @@ from megatron_lns.training.checkpoint import latest_complete_checkpoint, save_ch
 from megatron_lns.training.metrics import MetricsLogger
 from megatron_lns.training.resume import resume
 from megatron_lns.training.run_dir import RunDirError, RunDirLock, claim_run_dir
+from megatron_lns.training.run_status import write_run_status
 from megatron_lns.training.step import Batch, StepResult, forward_backward, train_step
 
 # Consecutive skipped updates after which an fp16 run stops: megatron's dynamic loss
@@ -95,6 +96,7 @@ class _StopRequest:
     def restore(self) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+        self.previous = {}
 
     def agreed(self, device: torch.device) -> bool:
         """Whether any rank was asked to stop: every rank stops at the same step."""
@@ -136,7 +138,10 @@ class Trainer:
     """
 
     def __init__(self, cfg: ExperimentConfig) -> None:
+        # First, so that a stop signal arriving while the checkpoint loads is kept.
+        self.stop_request = _StopRequest()
         self.cfg = cfg
+        self.run_lock = None
         self.run_dir = run_directory(cfg)
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.layout = parallel_layout(cfg)
@@ -224,12 +229,19 @@ class Trainer:
         )
 
     def close(self) -> None:
-        """Close the logs and release the run directory (idempotent)."""
+        """Close the logs, release the run directory, restore the signal handlers
+        (idempotent)."""
+        self.stop_request.restore()
         logger = getattr(self, "logger", None)
         if logger is not None:
             logger.close()
         if self.run_lock is not None:
             self.run_lock.release()
+
+    def _write_run_status(self, summary: RunSummary) -> None:
+        """``run_status`` tells a launcher (SLURM's batch script) whether to requeue."""
+        if self.is_rank0:
+            write_run_status(self.run_dir, summary.stopped_early, self.state.iteration)
 
     def _print(self, message: str) -> None:
         if self.is_rank0:
@@ -335,8 +347,9 @@ class Trainer:
             )
             self.close()
             summary.steps = self.state.iteration
+            self._write_run_status(summary)
             return summary
-        stop = _StopRequest()
+        stop = self.stop_request
         every = cfg.exp_manager.checkpoint_callback_params.every_n_train_steps
         throughput = _Throughput()
         try:
@@ -372,8 +385,8 @@ class Trainer:
                 if cfg.exp_manager.checkpoint_callback_params.save_last:
                     self.save()
         finally:
-            stop.restore()
             self.close()
+        self._write_run_status(summary)
         summary.steps = self.state.iteration
         throughput.close_window()
         summary.tokens_per_second = throughput.overall

@@ -1,0 +1,100 @@
+"""Checks of the ``cluster:`` section (what ``megatron-lns submit`` hands to SLURM).
+
+Each failure is a :class:`ConfigError` naming the key. What the sbatch renderer can
+write safely (no control characters, nothing shell-active on an ``#SBATCH`` line) is
+checked where the script is rendered, in ``megatron_lns.launch.render``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from megatron_lns.config.loader import ConfigError
+from megatron_lns.config.schema import ExperimentConfig
+
+# SLURM accepts: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
+_TIME = re.compile(r"^(?:(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?|(\d+)(?::(\d+)(?::(\d+))?)?)$")
+_MEM = re.compile(r"^\d+[KMGT]?$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_JOB_NAME = re.compile(r"^[A-Za-z0-9_.:+-]+$")
+# Set per task from SLURM's variables (megatron_lns.launch.rank_env); a fixed value
+# in env_vars would give every rank the same one.
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def time_limit_seconds(value: str) -> int | None:
+    """Seconds in a SLURM time string; None for UNLIMITED / INFINITE."""
+    if value.upper() in ("UNLIMITED", "INFINITE"):
+        return None
+    match = _TIME.match(value)
+    if not match:
+        raise ValueError(value)
+    d, dh, dm, ds, m, ms, s = (int(g) if g else 0 for g in match.groups())
+    if match.group(1) is not None:  # days-hours[:minutes[:seconds]]
+        return ((d * 24 + dh) * 60 + dm) * 60 + ds
+    if match.group(7) is not None:  # hours:minutes:seconds
+        return (m * 60 + ms) * 60 + s
+    return m * 60 + ms  # minutes[:seconds]
+
+
+def job_name(cfg: ExperimentConfig) -> str:
+    return cfg.cluster.job_name_prefix + cfg.name
+
+
+def validate_cluster(cfg: ExperimentConfig) -> None:
+    c, t = cfg.cluster, cfg.trainer
+    if c.time_limit is not None:
+        if not isinstance(c.time_limit, str):
+            raise ConfigError(
+                f"cluster.time_limit={c.time_limit!r} must be a quoted string such as "
+                '"04:00:00" or "1-12:00:00" (YAML reads an unquoted 4:00:00 as the number '
+                "14400)"
+            )
+        try:
+            limit = time_limit_seconds(c.time_limit)
+        except ValueError:
+            raise ConfigError(
+                f"cluster.time_limit={c.time_limit!r} is not a SLURM time (minutes, M:S, "
+                "H:M:S, D-H, D-H:M or D-H:M:S)"
+            ) from None
+        if limit is not None and limit <= c.preemption_signal_lead_s:
+            raise ConfigError(
+                f"cluster.preemption_signal_lead_s ({c.preemption_signal_lead_s}) must be "
+                f"shorter than cluster.time_limit ({c.time_limit} = {limit} s)"
+            )
+    if c.mem is not None and not _MEM.match(c.mem):
+        raise ConfigError(f"cluster.mem={c.mem!r} is not a SLURM size such as 0, 500G or 64000M")
+    if c.gpus_per_node is not None:
+        if t.accelerator == "cpu" and c.gpus_per_node:
+            raise ConfigError(
+                f"cluster.gpus_per_node={c.gpus_per_node} but trainer.accelerator=cpu"
+            )
+        if t.accelerator == "gpu" and c.gpus_per_node != t.devices:
+            raise ConfigError(
+                f"cluster.gpus_per_node ({c.gpus_per_node}) differs from trainer.devices "
+                f"({t.devices}): megatron-lns runs one task per GPU"
+            )
+        if t.accelerator == "auto" and c.gpus_per_node not in (0, t.devices):
+            raise ConfigError(
+                f"cluster.gpus_per_node ({c.gpus_per_node}) must be 0 or trainer.devices "
+                f"({t.devices}): megatron-lns runs one task per GPU"
+            )
+    if not _JOB_NAME.match(job_name(cfg)):
+        raise ConfigError(
+            f"cluster.job_name_prefix + name = {job_name(cfg)!r}: a job name may hold only "
+            "letters, digits and _.:+- (it names the log files)"
+        )
+    if c.container_mounts and not c.container_image:
+        raise ConfigError("cluster.container_mounts needs cluster.container_image")
+    for name in c.env_vars:
+        if not _ENV_NAME.match(name):
+            raise ConfigError(f"cluster.env_vars: {name!r} is not an environment variable name")
+        if name in RANK_VARIABLES:
+            raise ConfigError(
+                f"cluster.env_vars.{name}: set per task from SLURM's environment "
+                "(SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_JOB_NODELIST, SLURM_JOB_ID)"
+            )
+    for key, args in (("cluster.srun_args", c.srun_args), ("cluster.sbatch_args", c.sbatch_args)):
+        for arg in args:
+            if not str(arg).startswith("-"):
+                raise ConfigError(f"{key}: {arg!r} is not an option (one option per item)")

@@ -1,0 +1,269 @@
+"""The sbatch script of a training job, rendered from ``slurm/sbatch.template``.
+
+Every value from the config reaches the script in one of two places, each with its own
+rule:
+
+- an ``#SBATCH`` line, which sbatch splits on white space and reads without a shell:
+  only characters that need no quoting there are accepted;
+- the script body, which bash runs: values are quoted with :func:`shlex.quote`.
+
+Control characters (newlines, NUL, ...) are refused everywhere: a newline would end
+an ``#SBATCH`` line and start a new one. Refusals are :class:`ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from megatron_lns.config import ConfigError, ExperimentConfig
+from megatron_lns.config.cluster import job_name
+from megatron_lns.training.run_status import RUN_STATUS_FILE
+
+# slurm/ at the top of the repository, inside the package through the megatron_lns/slurm
+# link (package data), so an installed wheel renders the same script as a checkout.
+TEMPLATE = Path(str(resources.files("megatron_lns") / "slurm" / "sbatch.template"))
+TASK_MODULE = "megatron_lns.launch.task"
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# What sbatch reads literally on an #SBATCH line: no white space, quotes, backslashes
+# or '%' (a file-name pattern character in --output).
+_DIRECTIVE_SAFE = re.compile(r"^[A-Za-z0-9_.,:=+@/?&|!*\[\]-]+$")
+_PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+
+# sbatch / srun options the script sets itself, with the key that controls each;
+# the same option in cluster.sbatch_args / srun_args would contradict it.
+_OWN_SBATCH_OPTIONS = {
+    "--job-name": "cluster.job_name_prefix and name",
+    "-J": "cluster.job_name_prefix and name",
+    "--nodes": "trainer.num_nodes",
+    "-N": "trainer.num_nodes",
+    "--ntasks-per-node": "trainer.devices",
+    "--ntasks": "trainer.num_nodes x trainer.devices",
+    "-n": "trainer.num_nodes x trainer.devices",
+    "--output": "exp_manager.exp_dir (logs/)",
+    "-o": "exp_manager.exp_dir (logs/)",
+    "--error": "exp_manager.exp_dir (logs/)",
+    "-e": "exp_manager.exp_dir (logs/)",
+    "--open-mode": "the job log, appended across requeues",
+    "--signal": "cluster.preemption_signal_lead_s",
+    "--requeue": "cluster.max_requeues",
+    "--no-requeue": "cluster.max_requeues",
+    "--partition": "cluster.partition",
+    "-p": "cluster.partition",
+    "--account": "cluster.account",
+    "-A": "cluster.account",
+    "--qos": "cluster.qos",
+    "-q": "cluster.qos",
+    "--time": "cluster.time_limit",
+    "-t": "cluster.time_limit",
+    "--exclusive": "cluster.exclusive",
+    "--gpus-per-node": "cluster.gpus_per_node",
+    "--cpus-per-task": "cluster.cpus_per_task",
+    "-c": "cluster.cpus_per_task",
+    "--mem": "cluster.mem",
+    "--dependency": "cluster.dependency",
+    "-d": "cluster.dependency",
+    "--chdir": "the submit directory",
+    "-D": "the submit directory",
+}
+_OWN_SRUN_OPTIONS = {
+    "--kill-on-bad-exit": "the script (a failed rank ends the job step)",
+    "-K": "the script (a failed rank ends the job step)",
+    "--nodes": "trainer.num_nodes",
+    "-N": "trainer.num_nodes",
+    "--ntasks-per-node": "trainer.devices",
+    "--ntasks": "trainer.num_nodes x trainer.devices",
+    "-n": "trainer.num_nodes x trainer.devices",
+    "--cpus-per-task": "cluster.cpus_per_task",
+    "-c": "cluster.cpus_per_task",
+    "--container-image": "cluster.container_image",
+    "--container-mounts": "cluster.container_mounts",
+    "--container-workdir": "the submit directory",
+}
+
+
+@dataclass(frozen=True)
+class JobPaths:
+    """Where a submitted job keeps its files (all absolute)."""
+
+    workdir: Path  # the job runs here, so relative paths in the config mean the same
+    run_dir: Path  # <exp_dir>/<exp_manager.name>: checkpoints, metrics, run_status
+    config: Path  # the resolved config every task loads
+
+    @property
+    def log_dir(self) -> Path:
+        return self.run_dir / "logs"
+
+
+def _no_control(key: str, value: str) -> str:
+    if _CONTROL.search(value):
+        raise ConfigError(
+            f"{key}={value!r} contains a control character (newline, NUL, ...), which "
+            "cannot be written safely into the batch script"
+        )
+    return value
+
+
+def quote(key: str, value: object) -> str:
+    """A value for the script body: one shell word that bash reads back unchanged."""
+    return shlex.quote(_no_control(key, str(value)))
+
+
+def directive_text(key: str, value: object) -> str:
+    """A value for an ``#SBATCH`` line, which sbatch reads literally."""
+    text = _no_control(key, str(value))
+    if not _DIRECTIVE_SAFE.match(text):
+        raise ConfigError(
+            f"{key}={text!r} cannot be written on an #SBATCH line (allowed: letters, "
+            "digits and _.,:=+@/?&|!*[]-; no spaces, quotes, '$' or '%')"
+        )
+    return text
+
+
+def directive(key: str, option: str, value: object) -> str:
+    return f"#SBATCH {option}={directive_text(key, value)}"
+
+
+def _option_name(arg: str) -> str:
+    if arg.startswith("--"):
+        return arg.split("=", 1)[0]
+    return arg[:2]  # short options take their value attached: -pgpu, -t10
+
+
+def _check_not_own(key: str, args: list[str], own: dict[str, str]) -> None:
+    for arg in args:
+        name = _option_name(arg)
+        if name in own:
+            raise ConfigError(f"{key}: {arg!r} conflicts with {name}, set from {own[name]}")
+
+
+def _same_path_mount(mounts: list[str], path: Path) -> bool:
+    """Whether ``path`` is visible at the same path inside the container."""
+    for mount in mounts:
+        parts = mount.split(":")
+        src, dst = parts[0], parts[1] if len(parts) > 1 else parts[0]
+        if src == dst and path.is_relative_to(dst):
+            return True
+    return False
+
+
+def sbatch_directives(cfg: ExperimentConfig, paths: JobPaths) -> list[str]:
+    c, t = cfg.cluster, cfg.trainer
+    gpus = (
+        c.gpus_per_node
+        if c.gpus_per_node is not None
+        else (t.devices if t.accelerator == "gpu" else 0)
+    )
+    log_dir = directive_text("exp_manager.exp_dir", paths.log_dir)
+    lines = [
+        directive("cluster.job_name_prefix + name", "--job-name", job_name(cfg)),
+        directive("trainer.num_nodes", "--nodes", t.num_nodes),
+        directive("trainer.devices", "--ntasks-per-node", t.devices),
+        # One log per job (%x: job name, %j: job id), appended to by each requeue;
+        # every run also writes its own file (see the script body).
+        f"#SBATCH --output={log_dir}/%x-%j.log",
+        "#SBATCH --open-mode=append",
+        directive(
+            "cluster.preemption_signal_lead_s", "--signal", f"B:USR1@{c.preemption_signal_lead_s}"
+        ),
+    ]
+    if c.max_requeues > 0:
+        lines.append("#SBATCH --requeue")
+    optional = [
+        ("cluster.partition", "--partition", c.partition),
+        ("cluster.account", "--account", c.account),
+        ("cluster.qos", "--qos", c.qos),
+        ("cluster.time_limit", "--time", c.time_limit),
+        ("cluster.gpus_per_node", "--gpus-per-node", gpus or None),
+        ("cluster.cpus_per_task", "--cpus-per-task", c.cpus_per_task),
+        ("cluster.mem", "--mem", c.mem),
+        ("cluster.dependency", "--dependency", c.dependency),
+    ]
+    lines += [directive(key, opt, value) for key, opt, value in optional if value is not None]
+    if c.exclusive:
+        lines.append("#SBATCH --exclusive")
+    _check_not_own("cluster.sbatch_args", c.sbatch_args, _OWN_SBATCH_OPTIONS)
+    lines += [f"#SBATCH {directive_text('cluster.sbatch_args', arg)}" for arg in c.sbatch_args]
+    return lines
+
+
+def srun_command(cfg: ExperimentConfig, paths: JobPaths, python: str) -> str:
+    c, t = cfg.cluster, cfg.trainer
+    words = [
+        "srun",
+        "--kill-on-bad-exit=1",
+        f"--nodes={t.num_nodes}",
+        f"--ntasks-per-node={t.devices}",
+    ]
+    if c.cpus_per_task is not None:
+        # srun of SLURM 22.05 to 23.02 does not inherit sbatch's --cpus-per-task.
+        words.append(f"--cpus-per-task={c.cpus_per_task}")
+    if c.container_image:
+        words.append("--container-image=" + quote("cluster.container_image", c.container_image))
+        if c.container_mounts:
+            if any("," in mount for mount in c.container_mounts):
+                raise ConfigError(
+                    "cluster.container_mounts: one mount per item, without commas "
+                    f"(got {c.container_mounts})"
+                )
+            mounts = ",".join(c.container_mounts)
+            words.append("--container-mounts=" + quote("cluster.container_mounts", mounts))
+        if _same_path_mount(c.container_mounts, paths.workdir):
+            words.append("--container-workdir=" + quote("submit directory", paths.workdir))
+    _check_not_own("cluster.srun_args", c.srun_args, _OWN_SRUN_OPTIONS)
+    words += [quote("cluster.srun_args", arg) for arg in c.srun_args]
+    words += [
+        quote("python", python),
+        "-u",
+        "-m",
+        TASK_MODULE,
+        quote("resolved config", paths.config),
+    ]
+    return " \\\n    ".join(_wrap(words))
+
+
+def _wrap(words: list[str]) -> list[str]:
+    """Options one per line after srun, the command itself on the last line."""
+    cmd_start = next(i for i, w in enumerate(words) if w == "-u") - 1
+    return [*words[:cmd_start], " ".join(words[cmd_start:])]
+
+
+def env_exports(cfg: ExperimentConfig) -> str:
+    exports = [
+        f"export {name}={quote(f'cluster.env_vars.{name}', value)}"
+        for name, value in cfg.cluster.env_vars.items()
+    ]
+    return "\n".join(exports) if exports else "# (no cluster.env_vars)"
+
+
+def render_sbatch(cfg: ExperimentConfig, paths: JobPaths, python: str) -> str:
+    """The batch script for ``cfg`` (validated, with an absolute exp_manager.exp_dir).
+
+    ``python`` runs each task (the submitting interpreter; ``python`` in a container).
+    """
+    c = cfg.cluster
+    if c.container_image and not _same_path_mount(c.container_mounts, paths.run_dir):
+        raise ConfigError(
+            f"exp_manager.exp_dir: {paths.run_dir} must be mounted at the same path in the "
+            f"container (the batch script reads run_status there): add '{paths.run_dir}:"
+            f"{paths.run_dir}' or a parent to cluster.container_mounts"
+        )
+    values = {
+        "job_name": job_name(cfg),
+        "sbatch_directives": "\n".join(sbatch_directives(cfg, paths)),
+        "workdir": quote("submit directory", paths.workdir),
+        "log_dir": quote("exp_manager.exp_dir", paths.log_dir),
+        "status_file": quote("exp_manager.exp_dir", paths.run_dir / RUN_STATUS_FILE),
+        "max_requeues": str(c.max_requeues),
+        "env_exports": env_exports(cfg),
+        "srun_command": srun_command(cfg, paths, python),
+    }
+    template = TEMPLATE.read_text()
+    used = set(_PLACEHOLDER.findall(template))
+    if used != set(values):
+        raise RuntimeError(f"{TEMPLATE} placeholders {sorted(used)} != {sorted(values)}")
+    return _PLACEHOLDER.sub(lambda match: values[match.group(1)], template)

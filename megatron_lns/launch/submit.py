@@ -1,0 +1,100 @@
+"""``megatron-lns submit``: write a job's script and resolved config, hand it to sbatch."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_lns.config import ExperimentConfig, to_yaml
+from megatron_lns.config.cluster import job_name
+from megatron_lns.errors import UserError
+from megatron_lns.launch.render import JobPaths, render_sbatch
+
+
+class SubmitError(UserError, RuntimeError):
+    """sbatch is missing or refused the job; the message is one line."""
+
+
+@dataclass(frozen=True)
+class PreparedJob:
+    cfg: ExperimentConfig  # exp_manager.exp_dir made absolute
+    paths: JobPaths
+    script: str
+
+    @property
+    def script_path(self) -> Path:
+        return self.paths.config.with_name("job.sbatch")
+
+
+@dataclass(frozen=True)
+class SubmittedJob:
+    job_id: str
+    script_path: Path
+    job_log: Path  # SLURM's messages and one line per run, across requeues
+    first_run_log: Path  # the first run's full output (requeues: -restart1, -restart2, ...)
+
+
+def prepare_job(
+    cfg: ExperimentConfig, workdir: Path, python: str, stamp: str | None = None
+) -> PreparedJob:
+    """The script and where everything goes, for a config validated as ``train`` does.
+
+    The job runs in ``workdir`` (so relative paths in the config mean what they meant at
+    submit time); exp_manager.exp_dir is made absolute so the logs have a fixed place.
+    """
+    cfg = copy.deepcopy(cfg)
+    workdir = workdir.resolve()
+    cfg.exp_manager.exp_dir = str(workdir / (cfg.exp_manager.exp_dir or "runs"))
+    run_dir = Path(cfg.exp_manager.exp_dir) / cfg.exp_manager.name
+    # One folder per submission: resubmitting never overwrites an earlier script.
+    submit_dir = run_dir / "slurm" / (stamp or time.strftime("%Y%m%d-%H%M%S"))
+    suffix = 1
+    while submit_dir.exists():
+        suffix += 1
+        submit_dir = submit_dir.with_name(f"{submit_dir.name.split('.')[0]}.{suffix}")
+    paths = JobPaths(workdir=workdir, run_dir=run_dir, config=submit_dir / "config.yaml")
+    if cfg.cluster.container_image:
+        python = "python"  # the container's interpreter, with megatron-lns installed
+    return PreparedJob(cfg, paths, render_sbatch(cfg, paths, python))
+
+
+def write_job(job: PreparedJob) -> None:
+    job.paths.config.parent.mkdir(parents=True)
+    job.paths.log_dir.mkdir(parents=True, exist_ok=True)
+    job.paths.config.write_text(to_yaml(job.cfg))
+    job.script_path.write_text(job.script)
+    job.script_path.chmod(0o755)
+
+
+def require_sbatch() -> None:
+    if shutil.which("sbatch") is None:
+        raise SubmitError(
+            "sbatch not found on PATH: submit from a SLURM login node (--dry-run prints the "
+            "script without submitting)"
+        )
+
+
+def sbatch(job: PreparedJob) -> SubmittedJob:
+    """Submit a written job; the job id as sbatch reports it."""
+    result = subprocess.run(
+        ["sbatch", "--parsable", str(job.script_path)],
+        cwd=job.paths.workdir,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        message = " ".join(result.stderr.split()) or f"exit status {result.returncode}"
+        raise SubmitError(f"sbatch refused {job.script_path}: {message}")
+    job_id = result.stdout.strip().split(";")[0]  # "<id>" or "<id>;<cluster>"
+    name = job_name(job.cfg)
+    return SubmittedJob(
+        job_id=job_id,
+        script_path=job.script_path,
+        job_log=job.paths.log_dir / f"{name}-{job_id}.log",
+        first_run_log=job.paths.log_dir / f"{name}-{job_id}-restart0.log",
+    )

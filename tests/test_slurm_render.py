@@ -1,0 +1,392 @@
+"""The sbatch script: golden renderings, quoting of hostile values, the batch script's
+requeue decisions (run by bash against stand-ins for srun and scontrol), the cluster:
+section's checks, and the per-task rank environment derived from SLURM's variables."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_lns.cli import main
+from megatron_lns.config import ConfigError, load_config, validate
+from megatron_lns.launch.rank_env import (
+    expand_nodelist,
+    master_port,
+    rank_environment,
+)
+from megatron_lns.launch.submit import prepare_job
+from megatron_lns.launch.task import main as task_main
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).parent / "data"
+DEMO = ROOT / "nemo_configs" / "tiny_cpu_demo.yaml"
+OLMO = ROOT / "nemo_configs" / "olmo_7b_lns_20b.yaml"
+TINY_TP2 = [
+    "model.num_layers=4",
+    "model.hidden_size=64",
+    "model.ffn_hidden_size=128",
+    "model.encoder_seq_length=32",
+    "model.micro_batch_size=2",
+    "model.global_batch_size=4",
+    "model.optim.sched.warmup_steps=2",
+    "trainer.max_steps=6",
+    "trainer.devices=2",
+    "model.tensor_model_parallel_size=2",
+]
+OLMO_DATA = [
+    "model.data.data_prefix=[/lustre/data/dolma/dolma_text_document]",
+    "model.tokenizer.type=/lustre/models/olmo-7b-tokenizer",
+    "exp_manager.exp_dir=/lustre/runs/olmo_7b_lns_20b",
+]
+STAMP = "20260101-000000"
+HOSTILE = [
+    "a'b",
+    'a"b',
+    "a;touch PWNED",
+    "$(touch PWNED)",
+    "`touch PWNED`",
+    "a b",
+    "${HOME}",
+    "a\\b",
+    "*",
+]
+
+
+def _cfg(path, *overrides):
+    cfg = load_config(path, list(overrides))
+    validate(cfg, check_files=False)
+    return cfg
+
+
+def _script(cfg, workdir="/home/alice/megatron-lns", python="/opt/venv/bin/python"):
+    return prepare_job(cfg, Path(workdir), python, stamp=STAMP).script
+
+
+def _bash_syntax_ok(script: str) -> None:
+    result = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    "name, config, overrides",
+    [
+        ("sbatch_tiny_cpu_tp2.sh", DEMO, TINY_TP2),
+        ("sbatch_olmo_7b_16x8.sh", OLMO, OLMO_DATA),
+    ],
+)
+def test_rendered_script_matches_golden_and_is_valid_bash(name, config, overrides):
+    script = _script(_cfg(config, *overrides))
+    golden = DATA / name
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(script)
+    assert script == golden.read_text(), f"differs from {golden} (UPDATE_GOLDEN=1 rewrites it)"
+    _bash_syntax_ok(script)
+
+
+def test_olmo_job_asks_for_16_nodes_of_8_gpus_in_a_container():
+    script = _script(_cfg(OLMO, *OLMO_DATA))
+    for line in (
+        "#SBATCH --nodes=16",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --signal=B:USR1@300",
+        "#SBATCH --time=04:00:00",
+        "#SBATCH --exclusive",
+        "    --container-image=/lustre/containers/megatron-lns-te.sqsh \\",
+        "export CUDA_DEVICE_MAX_CONNECTIONS=1",
+    ):
+        assert line in script.splitlines(), line
+
+
+# '*' is literal on an #SBATCH line (constraints use it); the rest is refused there.
+@pytest.mark.parametrize("value", [*HOSTILE[:-1], "a\nb", "tab\there", "nul\x00"])
+@pytest.mark.parametrize(
+    "key", ["cluster.partition", "cluster.account", "cluster.qos", "cluster.dependency"]
+)
+def test_hostile_values_on_sbatch_lines_are_refused_naming_the_key(key, value):
+    cfg = _cfg(DEMO, *TINY_TP2)
+    setattr(cfg.cluster, key.split(".")[1], value)
+    with pytest.raises(ConfigError, match=f"^{key}="):
+        _script(cfg)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("exp_manager.exp_dir='/scratch/my runs'", "exp_manager.exp_dir="),
+        ("exp_manager.exp_dir=/scratch/100%", "exp_manager.exp_dir="),
+        ("cluster.sbatch_args=['--comment=a b']", "cluster.sbatch_args="),
+        ("cluster.sbatch_args=[--time=10]", "conflicts with --time, set from cluster.time_limit"),
+        ("cluster.srun_args=[--ntasks-per-node=1]", "conflicts with --ntasks-per-node"),
+    ],
+)
+def test_unrepresentable_or_conflicting_options_are_refused(override, message):
+    with pytest.raises(ConfigError, match=message):
+        _script(_cfg(DEMO, *TINY_TP2, override))
+
+
+@pytest.mark.parametrize("value", ["a\nb", "a\rb", "a\x1bb"])
+def test_control_characters_in_script_body_values_are_refused(value):
+    cfg = _cfg(DEMO, *TINY_TP2)
+    cfg.cluster.env_vars = {"NCCL_DEBUG": value}
+    with pytest.raises(ConfigError, match=r"^cluster\.env_vars\.NCCL_DEBUG=.*control character"):
+        _script(cfg)
+
+
+# --- the batch script itself, run by bash with srun and scontrol stand-ins ---------------
+
+FAKE_SRUN = r"""#!/bin/bash
+# Records what it was given, then behaves as the test asks ($FAKE_MODE).
+printf '%s\0' "$@" > "$FAKE_OUT/argv"
+for name in $FAKE_ENV_NAMES; do printf '%s\0' "${!name}"; done > "$FAKE_OUT/env"
+case $FAKE_MODE in
+    finish) echo "finished 6" > "$FAKE_STATUS"; exit 0 ;;
+    fail) exit 3 ;;
+    exit_interval) echo "stopped 3" > "$FAKE_STATUS"; exit 0 ;;
+    preempt)
+        # Save and stop when the batch shell forwards the warning; SLURM warns the
+        # batch shell (--signal=B:USR1), here we do it for SLURM.
+        trap 'echo "stopped 4" > "$FAKE_STATUS"; exit 0' USR1
+        kill -USR1 "$PPID"
+        for _ in $(seq 100); do sleep 0.1; done
+        exit 9 ;;
+    preempt_during_startup)
+        # No handler yet: the forwarded warning kills the task (status 138).
+        kill -USR1 "$PPID"
+        for _ in $(seq 100); do sleep 0.1; done
+        exit 9 ;;
+esac
+"""
+FAKE_SCONTROL = """#!/bin/bash
+echo "$*" >> "$FAKE_OUT/scontrol"
+"""
+
+
+def _run_batch_script(tmp_path, cfg, mode, restart=None, python="/opt/venv/bin/python", env=()):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    workdir = tmp_path / "work dir 'x' $(touch PWNED)"
+    workdir.mkdir(exist_ok=True)
+    job = prepare_job(cfg, workdir, python, stamp=STAMP)
+    run_env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "FAKE_OUT": str(out),
+        "FAKE_MODE": mode,
+        "FAKE_STATUS": str(job.paths.run_dir / "run_status"),
+        "FAKE_ENV_NAMES": " ".join(env),
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NAME": "megatron_lns-tiny_cpu_demo",
+        "SLURM_JOB_NODELIST": "vm",
+    }
+    if restart is not None:
+        run_env["SLURM_RESTART_COUNT"] = str(restart)
+    result = subprocess.run(
+        ["bash", "-c", job.script], cwd=tmp_path, env=run_env, capture_output=True, text=True
+    )
+    requeues = (out / "scontrol").read_text() if (out / "scontrol").exists() else ""
+    assert not list(tmp_path.rglob("PWNED")), "a value was executed by the shell"
+    return result, requeues, out, job
+
+
+def _exp(tmp_path):
+    return f"exp_manager.exp_dir={tmp_path}/runs"
+
+
+def test_hostile_values_reach_srun_and_the_environment_unchanged(tmp_path):
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path))
+    names = [f"HOSTILE_{i}" for i in range(len(HOSTILE))]
+    cfg.cluster.env_vars = dict(zip(names, HOSTILE, strict=True))
+    cfg.cluster.srun_args = [f"--comment={v}" for v in HOSTILE]
+    python = str(tmp_path / "venv $(touch PWNED)" / "bin" / "python")
+    result, _, out, job = _run_batch_script(tmp_path, cfg, "finish", python=python, env=names)
+    assert result.returncode == 0, result.stderr
+    argv = (out / "argv").read_text().split("\0")[:-1]
+    assert argv[-5:] == [python, "-u", "-m", "megatron_lns.launch.task", str(job.paths.config)]
+    assert argv[3:-5] == [f"--comment={v}" for v in HOSTILE]
+    assert (out / "env").read_text().split("\0")[:-1] == HOSTILE
+    _bash_syntax_ok(job.script)
+
+
+def test_batch_script_ends_without_requeue_when_training_finished(tmp_path):
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path))
+    result, requeues, _, job = _run_batch_script(tmp_path, cfg, "finish")
+    assert result.returncode == 0 and requeues == ""
+    logs = job.paths.log_dir
+    assert "finished at step 6" in (logs / "megatron_lns-tiny_cpu_demo-42-restart0.log").read_text()
+    assert "finished at step 6" in result.stdout  # the job log (sbatch --output)
+
+
+def test_batch_script_requeues_after_a_warning_and_a_clean_stop(tmp_path):
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path))
+    result, requeues, _, _ = _run_batch_script(tmp_path, cfg, "preempt", restart=2)
+    assert result.returncode == 0, result.stdout
+    assert requeues == "requeue 42\n"
+    assert "USR1" in result.stdout and "requeueing (3 of at most 5)" in result.stdout
+
+
+def test_batch_script_requeues_when_the_warning_killed_ranks_still_starting(tmp_path):
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path))
+    result, requeues, _, _ = _run_batch_script(tmp_path, cfg, "preempt_during_startup")
+    assert result.returncode == 0, result.stdout
+    assert requeues == "requeue 42\n"
+
+
+def test_batch_script_stops_requeueing_at_max_requeues(tmp_path):
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path), "cluster.max_requeues=2")
+    result, requeues, _, _ = _run_batch_script(tmp_path, cfg, "preempt", restart=2)
+    assert result.returncode == 1 and requeues == ""
+    assert "cluster.max_requeues=2 reached" in result.stdout
+
+
+@pytest.mark.parametrize("mode, code", [("fail", 3), ("exit_interval", 0)])
+def test_batch_script_does_not_requeue_a_failure_or_a_stop_without_warning(tmp_path, mode, code):
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path))
+    result, requeues, _, _ = _run_batch_script(tmp_path, cfg, mode)
+    assert result.returncode == code and requeues == ""
+
+
+def test_submit_dry_run_prints_the_script_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = main(["submit", str(DEMO), *TINY_TP2, "exp_manager.exp_dir=runs", "--dry-run"])
+    assert code == 0
+    script = capsys.readouterr().out
+    assert script.startswith("#!/bin/bash\n")
+    assert f"#SBATCH --output={tmp_path}/runs/lns/logs/%x-%j.log" in script
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_submit_fails_at_submit_time_on_a_bad_layout_or_missing_sbatch(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    assert main(["submit", str(DEMO), *TINY_TP2, "trainer.devices=3"]) == 2
+    assert "not divisible" in capsys.readouterr().err
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert main(["submit", str(DEMO), *TINY_TP2]) == 2
+    assert "sbatch not found on PATH" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- the cluster: section ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("cluster.time_limit=4:00:00", r"cluster\.time_limit=14400 must be a quoted string"),
+        ("cluster.time_limit='4h'", r"cluster\.time_limit='4h' is not a SLURM time"),
+        ("cluster.time_limit='00:05:00'", r"cluster\.preemption_signal_lead_s \(300\) must be"),
+        ("cluster.preemption_signal_lead_s=0", r"cluster\.preemption_signal_lead_s must be in"),
+        ("cluster.max_requeues=-1", r"cluster\.max_requeues must be >= 0"),
+        ("cluster.gpus_per_node=8", r"cluster\.gpus_per_node=8 but trainer\.accelerator=cpu"),
+        ("cluster.mem=lots", r"cluster\.mem='lots' is not a SLURM size"),
+        ("cluster.cpus_per_task=0", r"cluster\.cpus_per_task must be positive"),
+        ("cluster.job_name_prefix='my job '", r"cluster\.job_name_prefix \+ name"),
+        ("cluster.container_mounts=[/data:/data]", r"needs cluster\.container_image"),
+        ("+cluster.env_vars.RANK=3", r"cluster\.env_vars\.RANK: set per task from SLURM"),
+        ("cluster.srun_args=[pmix]", r"cluster\.srun_args: 'pmix' is not an option"),
+        (
+            "cluster.partitoin=gpu",
+            r"no key 'cluster\.partitoin' \(did you mean 'cluster\.partition'",
+        ),
+    ],
+)
+def test_cluster_section_is_checked_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg(DEMO, *TINY_TP2, override)
+
+
+def test_olmo_gpus_per_node_must_match_devices():
+    with pytest.raises(ConfigError, match=r"cluster\.gpus_per_node \(4\) differs"):
+        _cfg(OLMO, *OLMO_DATA, "cluster.gpus_per_node=4")
+
+
+@pytest.mark.parametrize(
+    "limit, seconds",
+    [("90", 5400), ("5:30", 330), ("2:00:00", 7200), ("1-12", 129600), ("1-0:1:2", 86462)],
+)
+def test_time_limits_in_every_slurm_form(limit, seconds):
+    from megatron_lns.config.cluster import time_limit_seconds
+
+    assert time_limit_seconds(limit) == seconds
+
+
+def test_container_job_needs_the_experiment_mounted_at_the_same_path():
+    with pytest.raises(ConfigError, match="mounted at the same path"):
+        _script(_cfg(OLMO, *OLMO_DATA, "cluster.container_mounts=[/lustre:/mnt]"))
+
+
+# --- rank environment -----------------------------------------------------------------
+
+
+def test_nodelists_expand_like_slurm():
+    assert expand_nodelist("gpu[001-003],cpu[1,3-5]") == [
+        *("gpu001", "gpu002", "gpu003"),
+        *("cpu1", "cpu3", "cpu4", "cpu5"),
+    ]
+    assert expand_nodelist("node7") == ["node7"]
+    assert expand_nodelist("rack-a[9-11]-ib,x") == ["rack-a9-ib", "rack-a10-ib", "rack-a11-ib", "x"]
+    assert expand_nodelist("r[1-2]n[08-09]") == ["r1n08", "r1n09", "r2n08", "r2n09"]
+
+
+@pytest.mark.parametrize("bad", ["gpu[1-", "gpu1]", "gpu[3-1]", "gpu[a-b]", "a,,b", "g[[1]]"])
+def test_malformed_nodelists_are_errors(bad):
+    with pytest.raises(ValueError):
+        expand_nodelist(bad)
+
+
+@pytest.mark.parametrize(
+    "procid, node, localid", [(0, "gpu001", 0), (67, "gpu009", 3), (127, "gpu016", 7)]
+)
+def test_rank_environment_of_16_nodes_x_8_tasks(procid, node, localid):
+    assert expand_nodelist("gpu[001-016]")[procid // 8] == node
+    env = {
+        "SLURM_PROCID": str(procid),
+        "SLURM_NTASKS": "128",
+        "SLURM_LOCALID": str(localid),
+        "SLURM_JOB_NODELIST": "gpu[001-016]",
+        "SLURMD_NODENAME": node,
+        "SLURM_JOB_ID": "4711",
+    }
+    assert rank_environment(env) == {
+        "RANK": str(procid),
+        "WORLD_SIZE": "128",
+        "LOCAL_RANK": str(localid),
+        "MASTER_ADDR": "gpu001",
+        "MASTER_PORT": str(master_port(4711)),
+    }
+
+
+def test_master_port_is_fixed_per_job_and_below_the_ephemeral_range():
+    ports = {master_port(job) for job in range(100_000, 100_100)}
+    assert len(ports) == 100
+    assert all(1024 < p < 32768 for p in ports)
+    assert master_port(4711) == master_port(4711)
+
+
+def test_task_outside_srun_fails_with_one_line(capsys, monkeypatch):
+    for name in ("SLURM_PROCID", "SLURM_JOB_NODELIST"):
+        monkeypatch.delenv(name, raising=False)
+    assert task_main(["config.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "SLURM_JOB_NODELIST is not set" in err
+
+
+def test_quote_round_trips_through_bash():
+    from megatron_lns.launch.render import quote
+
+    for value in HOSTILE:
+        out = subprocess.run(
+            ["bash", "-c", f"printf %s {quote('k', value)}"], capture_output=True, text=True
+        ).stdout
+        assert out == value
+        assert quote("k", value) == shlex.quote(value)
