@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -97,3 +99,22 @@ def checkpoint_keys(model: torch.nn.Module) -> dict[str, tuple]:
         for t in model.sharded_state_dict().values()
         if hasattr(t, "global_shape")
     }
+
+
+@contextlib.contextmanager
+def read_only(directory: Path):
+    """``directory`` made read-only: by its mode bits, or, for root (whom mode bits do
+    not stop), by a read-only bind mount of it onto itself."""
+    if os.geteuid() != 0:
+        directory.chmod(0o500)
+        try:
+            yield
+        finally:
+            directory.chmod(0o700)
+        return
+    subprocess.run(["mount", "--bind", str(directory), str(directory)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(directory)], check=True)
+        yield
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)

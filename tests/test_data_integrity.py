@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import fresh_launch_env
+from helpers import fresh_launch_env, read_only
 
 import megatron_lns.data.blend as blend
 from megatron_lns.cli import main
@@ -133,14 +133,15 @@ def test_the_cli_prints_preprocess_errors_as_one_line(tmp_path, capsys):
     ]:
         code = main(["preprocess", "--input", *inputs, "--output-prefix", out, "--quiet"])
         assert (code, capsys.readouterr().err.strip()) == (2, expected)
-    if os.geteuid() != 0:  # root writes anywhere
-        read_only = tmp_path / "read_only"
-        read_only.mkdir(mode=0o555)
-        code = main(["preprocess", "--input", str(bad), "--output-prefix", f"{read_only}/x"])
-        assert (code, capsys.readouterr().err.strip()) == (
-            2,
-            f"error: cannot write to {read_only}: permission denied",
-        )
+    locked = tmp_path / "read_only"
+    locked.mkdir()
+    with read_only(locked):
+        code = main(["preprocess", "--input", str(bad), "--output-prefix", f"{locked}/x"])
+    assert code == 2
+    assert capsys.readouterr().err.strip() in (
+        f"error: cannot write to {locked}: permission denied",
+        f"error: cannot write to {locked}: read-only file system",
+    )
     code = main(
         ["preprocess", "--input", str(bad), "--output-prefix", out, "--tokenizer-library",
          "huggingface", "--quiet"]
