@@ -50,15 +50,16 @@ def _demo_job(cfg, stamp: str) -> None:
 def _launch(cfg, job: Callable[..., Any], *args: Any) -> None:
     """Run ``job(cfg, *args)`` on every rank: in-process under torchrun/SLURM or for one
     device, else as ``trainer.devices`` local processes."""
+    from megatron_lns.config import ConfigError
     from megatron_lns.runtime import spawn_local
 
     world = cfg.trainer.num_nodes * cfg.trainer.devices
     if "RANK" in os.environ or world == 1:
         job(cfg, *args)
     elif cfg.trainer.num_nodes > 1:
-        raise SystemExit(
-            "error: trainer.num_nodes > 1 needs a multi-node launcher: start one process "
-            "per GPU with torchrun or srun"
+        raise ConfigError(
+            "trainer.num_nodes > 1 needs a multi-node launcher: `megatron-lns submit` on "
+            "SLURM, or one process per GPU started by torchrun or srun"
         )
     else:
         spawn_local(job, world, cfg, *args)
@@ -101,12 +102,11 @@ def _train(args: argparse.Namespace) -> int:
 
 def _submit(args: argparse.Namespace) -> int:
     from megatron_lns.config import load_config, validate
-
-    # Checked as `train` checks it, except what the compute node must offer (CUDA, TE):
-    # the login node may have no GPU; each task checks that when it starts.
     from megatron_lns.config.bundled import resolve_config_path
     from megatron_lns.launch.submit import prepare_job, require_sbatch, sbatch, write_job
 
+    # Checked as `train` checks it, except what the compute node must offer (CUDA, TE):
+    # the login node may have no GPU; each task checks that when it starts.
     cfg = load_config(resolve_config_path(args.config), args.overrides)
     validate(cfg)
     job = prepare_job(cfg, Path.cwd(), sys.executable)
