@@ -196,6 +196,12 @@ class VariantTransformerLayer(LNSTransformerLayer):
         expected_number = None
         if variant.depth_scaled_init:
             config, expected_number = _with_depth_scaled_output_init(config, layer_number, kwargs)
+        if config.inference_fuse_tp_communication:
+            raise ValueError(
+                f"layer_variant={variant.layer_variant!r}: megatron's fused inference path "
+                "(inference_fuse_tp_communication) adds the residual inside its kernels and "
+                "would skip the variant's residual; build the model without it"
+            )
         super().__init__(config, submodules, layer_number, hidden_dropout, norm_scaling, **kwargs)
         if expected_number is not None and expected_number != self.layer_number:
             raise RuntimeError(

@@ -173,6 +173,17 @@ PARALLEL_CASES = [
 ]
 
 
+def _extra_parameters(model) -> dict[str, torch.Tensor]:
+    """The variant's own parameters (post-norms, gains) by global layer number."""
+    found = {}
+    for chunk in model:
+        for layer in chunk.module.decoder.layers:
+            for name, param in layer.named_parameters():
+                if "_bda." in name:
+                    found[f"{layer.layer_number}.{name}"] = param.detach().clone()
+    return found
+
+
 def parallel_variants_worker(tmp: str):
     from test_parallel import _full_grads, _grads_by_global_name, _run
 
@@ -191,9 +202,11 @@ def parallel_variants_worker(tmp: str):
             for name, param in model[0].module.named_parameters():
                 if "_bda." in name:
                     param.add_(0.25)
+        saved = _extra_parameters(model)
         save_model_weights(model, base_ckpt)
         model, base_loss = _run(cfg, ParallelLayout(), batches, base_ckpt)
-        results = {"tp1": (base_loss, _full_grads(model, gated=True))}
+        results = {"saved": saved, "loaded": {"tp1": _extra_parameters(model)}}
+        results["tp1"] = (base_loss, _full_grads(model, gated=True))
         results["pp1"] = (base_loss, _grads_by_global_name(model))
         for name, layout in {
             "tp2": ParallelLayout(tensor=2),
@@ -201,10 +214,12 @@ def parallel_variants_worker(tmp: str):
         }.items():
             model, loss = _run(cfg, layout, batches, base_ckpt)
             results[name] = (loss, _full_grads(model, gated=True))
+            results["loaded"][name] = _extra_parameters(model)
         save_model_weights(model, tp2_ckpt)
         _, results["tp2_ckpt_at_tp1"] = _run(cfg, ParallelLayout(), batches, tp2_ckpt)
         model, loss = _run(cfg, ParallelLayout(pipeline=2), batches, base_ckpt)
         results["pp2"] = (loss, _grads_by_global_name(model))
+        results["loaded"]["pp2"] = _extra_parameters(model)
         out[variant] = results
     return out
 
@@ -244,3 +259,19 @@ def test_pipeline_parallel_matches_pp1(parallel_results, variant):
     assert merged.keys() == base_grads.keys()
     for name, grad in merged.items():
         torch.testing.assert_close(grad, base_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [case[0] for case in PARALLEL_CASES])
+def test_variant_parameters_reload_at_every_layout(parallel_results, variant):
+    """The gains and moved norms were changed before saving: a load that skipped them
+    would leave their init values (gate 0, LayerScale 1e-3, norm 1)."""
+    saved = parallel_results[0][variant]["saved"]
+    assert saved
+    for layout in ("tp1", "tp2", "tp2_sp", "pp2"):
+        merged = {}
+        for rank_result in parallel_results:
+            merged.update(rank_result[variant]["loaded"][layout])
+        assert merged.keys() == saved.keys(), layout
+        for name, value in merged.items():
+            torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=f"{layout} {name}")

@@ -100,12 +100,14 @@ def validate(
             f"{m.layer_variant} has post-norm layers: set model.norm_scaling=none or choose one "
             f"of {', '.join(PRE_NORM_VARIANTS)}"
         )
-    if m.transformer_engine and (
-        m.layer_variant != "pre_ln" or m.output_layer_init == "depth_scaled"
-    ):
+    if m.transformer_engine and m.layer_variant != "pre_ln":
         raise ConfigError(
-            f"model.layer_variant={m.layer_variant} / model.output_layer_init="
-            f"{m.output_layer_init} need model.transformer_engine=false (local backend only)"
+            f"model.layer_variant={m.layer_variant} needs model.transformer_engine=false: "
+            "Transformer Engine fuses each norm into the next linear"
+        )
+    if m.transformer_engine and m.output_layer_init == "depth_scaled":
+        raise ConfigError(
+            "model.output_layer_init=depth_scaled needs model.transformer_engine=false"
         )
     if m.fp8 is not None:
         if not m.transformer_engine:
