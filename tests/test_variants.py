@@ -217,9 +217,18 @@ def parallel_variants_worker(tmp: str):
             results["loaded"][name] = _extra_parameters(model)
         save_model_weights(model, tp2_ckpt)
         _, results["tp2_ckpt_at_tp1"] = _run(cfg, ParallelLayout(), batches, tp2_ckpt)
-        model, loss = _run(cfg, ParallelLayout(pipeline=2), batches, base_ckpt)
-        results["pp2"] = (loss, _grads_by_global_name(model))
-        results["loaded"]["pp2"] = _extra_parameters(model)
+        for name, layout in {
+            "pp2": ParallelLayout(pipeline=2),
+            "pp2_vp2": ParallelLayout(pipeline=2, virtual_pipeline=2),
+        }.items():
+            model, loss = _run(cfg, layout, batches, base_ckpt)
+            results[name] = (loss, _grads_by_global_name(model))
+            results["loaded"][name] = _extra_parameters(model)
+            results[name + "_post_norm"] = {
+                layer.layer_number: layer.post_norm
+                for chunk in model
+                for layer in chunk.module.decoder.layers
+            }
         out[variant] = results
     return out
 
@@ -248,17 +257,22 @@ def test_tensor_and_sequence_parallel_match_tp1(parallel_results, variant):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", ["pp2", "pp2_vp2"])
 @pytest.mark.parametrize("variant", [case[0] for case in PARALLEL_CASES])
-def test_pipeline_parallel_matches_pp1(parallel_results, variant):
+def test_pipeline_parallel_matches_pp1(parallel_results, variant, layout):
     base_loss, base_grads = parallel_results[0][variant]["pp1"]
-    merged = {}
+    merged, post_norm = {}, {}
     for rank_result in parallel_results:
-        loss, grads = rank_result[variant]["pp2"]
+        loss, grads = rank_result[variant][layout]
         assert loss == pytest.approx(base_loss, rel=1e-5)
         merged.update(grads)
+        post_norm.update(rank_result[variant][layout + "_post_norm"])
     assert merged.keys() == base_grads.keys()
     for name, grad in merged.items():
         torch.testing.assert_close(grad, base_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    # Mix-LN (fraction 0.5 of 4 layers) decides by the global layer number on every stage.
+    post_layers = {"post_ln": 4, "deepnorm": 4, "mix_ln": 2}.get(variant, 0)
+    assert post_norm == {number: number <= post_layers for number in range(1, 5)}
 
 
 @pytest.mark.slow
@@ -268,7 +282,7 @@ def test_variant_parameters_reload_at_every_layout(parallel_results, variant):
     would leave their init values (gate 0, LayerScale 1e-3, norm 1)."""
     saved = parallel_results[0][variant]["saved"]
     assert saved
-    for layout in ("tp1", "tp2", "tp2_sp", "pp2"):
+    for layout in ("tp1", "tp2", "tp2_sp", "pp2", "pp2_vp2"):
         merged = {}
         for rank_result in parallel_results:
             merged.update(rank_result[variant]["loaded"][layout])
