@@ -16,12 +16,13 @@ from megatron.core.utils import init_method_normal, scaled_init_method_normal
 from megatron_lns.runtime import ParallelLayout, uses_gloo
 from megatron_lns.scaling import NormScaling
 from megatron_lns.specs import get_lns_block_spec
+from megatron_lns.variants import LayerVariant, VariantSettings
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Normalization = Literal["RMSNorm", "LayerNorm"]
 Activation = Literal["swiglu", "gelu"]
 PositionEmbedding = Literal["rope", "learned_absolute"]
-OutputLayerInit = Literal["normal", "scaled"]
+OutputLayerInit = Literal["normal", "scaled", "depth_scaled"]
 # The choice lists, defined once by the types above; config validation imports them.
 ACTIVATIONS: tuple[str, ...] = get_args(Activation)
 POSITION_EMBEDDINGS: tuple[str, ...] = get_args(PositionEmbedding)
@@ -56,8 +57,13 @@ class GPTModelConfig:
     ``output_layer_init`` picks the init of the residual-branch output projections
     (attention ``linear_proj`` and MLP ``linear_fc2``): ``"normal"`` is plain
     N(0, init_method_std), which the LNS paper recommends; ``"scaled"`` is megatron's
-    default N(0, init_method_std / sqrt(2 * num_layers)). ``None`` follows the paper
-    with LNS and megatron's default without it.
+    default N(0, init_method_std / sqrt(2 * num_layers)); ``"depth_scaled"`` is
+    N(0, init_method_std / sqrt(2 * l)) in layer l. ``None`` follows the paper with LNS and
+    megatron's default without it.
+
+    ``layer_variant`` picks the residual/normalisation scheme of every layer (the LNS
+    paper's baselines, ``variants.py``); ``mix_ln_post_fraction`` and ``layerscale_init``
+    configure Mix-LN and LayerScale.
     """
 
     num_layers: int
@@ -69,6 +75,9 @@ class GPTModelConfig:
     num_query_groups: int | None = None
     max_position_embeddings: int | None = None
     norm_scaling: NormScaling = "lns"
+    layer_variant: LayerVariant = "pre_ln"
+    mix_ln_post_fraction: float = 0.25
+    layerscale_init: float = 1e-3
     normalization: Normalization = "RMSNorm"
     norm_affine: bool = True
     layernorm_epsilon: float = 1e-5
@@ -93,6 +102,16 @@ class GPTModelConfig:
     fp8_amax_compute_algo: Literal["max", "most_recent"] = "max"
     extra_transformer_config: dict = field(default_factory=dict)
 
+    def variant_settings(self) -> VariantSettings:
+        settings = VariantSettings(
+            layer_variant=self.layer_variant,
+            mix_ln_post_fraction=self.mix_ln_post_fraction,
+            layerscale_init=self.layerscale_init,
+            depth_scaled_init=self.resolved_output_layer_init() == "depth_scaled",
+        )
+        settings.check(self.norm_scaling)
+        return settings
+
     def resolved_output_layer_init(self) -> str:
         if self.output_layer_init is not None:
             return self.output_layer_init
@@ -116,7 +135,8 @@ class GPTModelConfig:
         if cpu_init is None:
             cpu_init = not torch.cuda.is_available()
         dtype = _DTYPES[self.precision]
-        if self.resolved_output_layer_init() == "normal":
+        if self.resolved_output_layer_init() in ("normal", "depth_scaled"):
+            # depth_scaled: each layer replaces this with its own std (variants.py).
             output_init = init_method_normal(self.init_method_std)
         else:
             output_init = scaled_init_method_normal(self.init_method_std, self.num_layers)
@@ -153,6 +173,9 @@ class GPTModelConfig:
             fp16=self.precision == "fp16",
             use_cpu_initialization=cpu_init,
             batch_p2p_comm=not uses_gloo(),
+            # Mix-LN layers differ in their parameters: checkpoint each layer under its own
+            # key rather than stacked along a layer axis.
+            hetereogenous_dist_checkpoint=self.layer_variant == "mix_ln",
             **self._fp8_settings(),
             **self.extra_transformer_config,
         )
@@ -196,6 +219,7 @@ def build_model(
                 norm_affine=config.norm_affine,
                 qk_layernorm=config.qk_layernorm,
                 vp_stage=vp,
+                variant=config.variant_settings(),
             ),
             vocab_size=config.vocab_size,
             max_sequence_length=config.max_position_embeddings or config.seq_length,

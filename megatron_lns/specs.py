@@ -25,6 +25,7 @@ from megatron_lns.layer import LNSTransformerLayer
 from megatron_lns.norms import local_norm_builder
 from megatron_lns.scaling import NORM_SCALING_CHOICES, NormScaling
 from megatron_lns.te import get_te_lns_layer_spec, te_final_norm_builder
+from megatron_lns.variants import PLAIN_PRE_LN, VariantSettings, VariantTransformerLayer
 
 BACKENDS = ("local", "te")
 
@@ -34,11 +35,19 @@ def get_lns_layer_spec(
     backend: str = "local",
     norm_affine: bool = True,
     qk_layernorm: bool = False,
+    variant: VariantSettings = PLAIN_PRE_LN,
 ) -> ModuleSpec:
-    """Spec of one transformer layer with LayerNorm Scaling (or plain Pre-LN)."""
+    """Spec of one transformer layer with LayerNorm Scaling (or plain Pre-LN), or one of
+    the paper's other variants (``variants.py``)."""
     if norm_scaling not in NORM_SCALING_CHOICES:
         raise ValueError(
             f"norm_scaling must be one of {NORM_SCALING_CHOICES}, got {norm_scaling!r}"
+        )
+    variant.check(norm_scaling)
+    if backend == "te" and variant.needs_variant_layer:
+        raise ValueError(
+            f"layer_variant={variant.layer_variant!r} (depth_scaled_init="
+            f"{variant.depth_scaled_init}) is implemented for backend='local' only"
         )
     if backend == "te":
         return get_te_lns_layer_spec(
@@ -55,6 +64,12 @@ def get_lns_layer_spec(
         attention = submodules.self_attention.submodules
         attention.q_layernorm = local_norm_builder(True)
         attention.k_layernorm = local_norm_builder(True)
+    if variant.needs_variant_layer:
+        return ModuleSpec(
+            module=VariantTransformerLayer,
+            submodules=submodules,
+            params={"norm_scaling": norm_scaling, "variant": variant},
+        )
     return ModuleSpec(
         module=LNSTransformerLayer, submodules=submodules, params={"norm_scaling": norm_scaling}
     )
@@ -67,6 +82,7 @@ def get_lns_block_spec(
     norm_affine: bool = True,
     qk_layernorm: bool = False,
     vp_stage: int | None = None,
+    variant: VariantSettings = PLAIN_PRE_LN,
 ) -> TransformerBlockSubmodules:
     """Spec of this pipeline stage's (or virtual chunk's) share of the decoder.
 
@@ -74,7 +90,7 @@ def get_lns_block_spec(
     :class:`LocalNorm` too: megatron's default final norm without apex cannot do
     sequence parallelism or parameter-free LayerNorm. The final norm is never scaled.
     """
-    layer_spec = get_lns_layer_spec(norm_scaling, backend, norm_affine, qk_layernorm)
+    layer_spec = get_lns_layer_spec(norm_scaling, backend, norm_affine, qk_layernorm, variant)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     if backend == "te":
         final_norm = te_final_norm_builder(norm_affine)

@@ -7,6 +7,12 @@ from a megatron GPTModel state dict (TP=1, PP=1) under megatron's parameter name
 fused tensors are split here with our own reading of megatron's layout
 (``linear_qkv`` rows grouped per query group as [q heads | k | v], ``linear_fc1`` rows
 [gate | up]).
+
+It also implements the LNS paper's other variants from their published definitions
+(``variant``): Post-LN ``h = LN(h + f(h))``; DeepNorm ``h = LN(alpha*h + f(h))`` with
+``alpha = (2N)^(1/4)``; Mix-LN (Post-LN in the first ``mix_ln_post_layers`` layers, Pre-LN
+after); LayerScale ``h = h + diag(g) f(LN(h))``; SkipInit ``h = h + a f(LN(h))``. Their extra
+parameters use megatron_lns's names so weights load by name.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ class ReferenceLlama(nn.Module):
         normalization: str = "RMSNorm",
         eps: float = 1e-5,
         rotary_base: int = 10000,
+        variant: str = "pre_ln",
+        mix_ln_post_layers: int = 0,
     ):
         super().__init__()
         self.num_layers, self.hidden = num_layers, hidden_size
@@ -38,19 +46,35 @@ class ReferenceLlama(nn.Module):
         self.head_dim = hidden_size // num_heads
         self.lns, self.normalization, self.eps = lns, normalization, eps
         self.rotary_base = rotary_base
+        self.variant = variant
+        self.post_layers = {
+            "post_ln": num_layers,
+            "deepnorm": num_layers,
+            "mix_ln": mix_ln_post_layers,
+        }.get(variant, 0)
+        self.alpha = (2 * num_layers) ** 0.25 if variant == "deepnorm" else 1.0
         qkv_rows = (num_heads + 2 * num_query_groups) * self.head_dim
         p: dict[str, nn.Parameter] = {}
         p["embedding.word_embeddings.weight"] = nn.Parameter(torch.empty(vocab_size, hidden_size))
         for i in range(num_layers):
             pre = f"decoder.layers.{i}."
-            p[pre + "input_layernorm.weight"] = nn.Parameter(torch.ones(hidden_size))
+            if i < self.post_layers:
+                p[pre + "self_attn_bda.norm.weight"] = nn.Parameter(torch.ones(hidden_size))
+                p[pre + "mlp_bda.norm.weight"] = nn.Parameter(torch.ones(hidden_size))
+            else:
+                p[pre + "input_layernorm.weight"] = nn.Parameter(torch.ones(hidden_size))
+                p[pre + "pre_mlp_layernorm.weight"] = nn.Parameter(torch.ones(hidden_size))
+            gain_shape = {"layerscale": (hidden_size,), "skipinit": (1,)}.get(variant)
+            if gain_shape is not None:
+                gain = "layerscale" if variant == "layerscale" else "gate"
+                p[pre + f"self_attn_bda.{gain}"] = nn.Parameter(torch.zeros(gain_shape))
+                p[pre + f"mlp_bda.{gain}"] = nn.Parameter(torch.zeros(gain_shape))
             p[pre + "self_attention.linear_qkv.weight"] = nn.Parameter(
                 torch.empty(qkv_rows, hidden_size)
             )
             p[pre + "self_attention.linear_proj.weight"] = nn.Parameter(
                 torch.empty(hidden_size, hidden_size)
             )
-            p[pre + "pre_mlp_layernorm.weight"] = nn.Parameter(torch.ones(hidden_size))
             p[pre + "mlp.linear_fc1.weight"] = nn.Parameter(
                 torch.empty(2 * ffn_hidden_size, hidden_size)
             )
@@ -109,12 +133,28 @@ class ReferenceLlama(nn.Module):
         for i in range(self.num_layers):
             scale = 1.0 / math.sqrt(i + 1) if self.lns else 1.0
             pre = f"decoder.layers.{i}."
-            h = h + self._attention(
-                self._norm(h, self.p[pre + "input_layernorm.weight"]) * scale, i
-            )
-            h = h + self._mlp(self._norm(h, self.p[pre + "pre_mlp_layernorm.weight"]) * scale, i)
+            if i < self.post_layers:
+                h = self._norm(
+                    self.alpha * h + self._attention(h, i),
+                    self.p[pre + "self_attn_bda.norm.weight"],
+                )
+                h = self._norm(
+                    self.alpha * h + self._mlp(h, i), self.p[pre + "mlp_bda.norm.weight"]
+                )
+                continue
+            attn = self._attention(self._norm(h, self.p[pre + "input_layernorm.weight"]) * scale, i)
+            h = h + self._branch_gain(pre + "self_attn_bda") * attn
+            mlp = self._mlp(self._norm(h, self.p[pre + "pre_mlp_layernorm.weight"]) * scale, i)
+            h = h + self._branch_gain(pre + "mlp_bda") * mlp
         h = self._norm(h, self.p["decoder.final_layernorm.weight"])
         return h @ self.p["output_layer.weight"].T
+
+    def _branch_gain(self, prefix: str) -> torch.Tensor | float:
+        if self.variant == "layerscale":
+            return self.p[prefix + ".layerscale"]
+        if self.variant == "skipinit":
+            return self.p[prefix + ".gate"]
+        return 1.0
 
     def load_megatron_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():

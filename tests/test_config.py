@@ -172,6 +172,30 @@ def test_override_of_unknown_key_says_how_to_add():
         (["trainer.precision=fp8"], None, "trainer.precision='fp8' is not one of"),
         (["model.fp8=delayed"], None, "model.fp8 needs model.transformer_engine=true"),
         (
+            ["model.layer_variant=post_ln"],
+            None,
+            "model.norm_scaling=lns scales pre-norm outputs and model.layer_variant=post_ln has",
+        ),
+        (
+            ["model.layer_variant=sandwich"],
+            None,
+            "model.layer_variant='sandwich' is not one of",
+        ),
+        (
+            [
+                "model.layer_variant=mix_ln",
+                "model.norm_scaling=none",
+                "model.mix_ln_post_fraction=2",
+            ],
+            None,
+            "model.mix_ln_post_fraction",
+        ),
+        (
+            ["model.layer_variant=skipinit", "model.transformer_engine=true"],
+            None,
+            "model.layer_variant=skipinit needs model.transformer_engine=false",
+        ),
+        (
             ["model.optim.sched.warmup_steps=300"],
             None,
             "model.optim.sched.warmup_steps + constant_steps (300 + 0) must be smaller than trainer.max_steps (300)",

@@ -483,6 +483,8 @@ def test_unexportable_settings_name_the_setting(seeded, tmp_path):
         ConversionError, match=r"model.normalization=layernorm with model.bias=true"
     ):
         Architecture.from_model_config(run_config(normalization="layernorm", bias=True).model)
+    with pytest.raises(ConversionError, match=r"model.layer_variant=skipinit cannot be exported"):
+        Architecture.from_model_config(run_config(layer_variant="skipinit").model)
 
 
 def test_truncated_safetensors_is_refused_and_nothing_written(seeded, tmp_path):

@@ -13,6 +13,7 @@ LAYERS = [
     "runtime",
     "norms",
     "layer",
+    "variants",
     "fused_norm",
     "te",
     "specs",

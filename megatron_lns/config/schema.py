@@ -30,6 +30,7 @@ from megatron_lns.config.rules import (
 from megatron_lns.data.tokenizer import TOKENIZER_LIBRARIES
 from megatron_lns.model import ACTIVATIONS, OUTPUT_LAYER_INITS, POSITION_EMBEDDINGS
 from megatron_lns.scaling import NORM_SCALING_CHOICES
+from megatron_lns.variants import LAYER_VARIANTS
 
 # The NeMo spellings a value may take, and what each means in megatron-core terms. The
 # assembly (training/assembly.py) translates through these maps; validation checks
@@ -174,8 +175,13 @@ class ModelConfig:
 
     # LayerNorm Scaling.
     norm_scaling: str = checked("lns", one_of(NORM_SCALING_CHOICES))
-    # normal | scaled | null (normal with LNS)
+    # normal | scaled | depth_scaled (std/sqrt(2l) in layer l) | null (normal with LNS)
     output_layer_init: str | None = checked(None, one_of(OUTPUT_LAYER_INITS))
+    # The LNS paper's baselines (docs/variants.md): pre_ln | post_ln | deepnorm | mix_ln |
+    # layerscale | skipinit. norm_scaling=lns only with pre_ln, layerscale, skipinit.
+    layer_variant: str = checked("pre_ln", one_of(LAYER_VARIANTS))
+    mix_ln_post_fraction: float = checked(0.25, probability)  # Mix-LN: Post-LN layers' share
+    layerscale_init: float = checked(1e-3, positive)  # LayerScale: initial per-channel scale
 
     # Transformer Engine and FP8 (GPU only).
     transformer_engine: bool = False

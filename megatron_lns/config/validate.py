@@ -18,6 +18,7 @@ from megatron_lns.config.schema import PRECISIONS, SCHEDULES, ExperimentConfig
 from megatron_lns.data.blend import DataBlend, DataBlendError
 from megatron_lns.optim import warmup_fits
 from megatron_lns.runtime import ParallelLayout
+from megatron_lns.variants import PRE_NORM_VARIANTS
 
 # Minimum CUDA compute capability per FP8 recipe (Ada/Hopper for FP8, Blackwell for MXFP8).
 FP8_MIN_CAPABILITY = {
@@ -92,6 +93,21 @@ def validate(
         raise ConfigError(
             f"model.max_position_embeddings ({m.max_position_embeddings}) is smaller than "
             f"model.encoder_seq_length ({m.encoder_seq_length})"
+        )
+    if m.norm_scaling == "lns" and m.layer_variant not in PRE_NORM_VARIANTS:
+        raise ConfigError(
+            f"model.norm_scaling=lns scales pre-norm outputs and model.layer_variant="
+            f"{m.layer_variant} has post-norm layers: set model.norm_scaling=none or choose one "
+            f"of {', '.join(PRE_NORM_VARIANTS)}"
+        )
+    if m.transformer_engine and m.layer_variant != "pre_ln":
+        raise ConfigError(
+            f"model.layer_variant={m.layer_variant} needs model.transformer_engine=false: "
+            "Transformer Engine fuses each norm into the next linear"
+        )
+    if m.transformer_engine and m.output_layer_init == "depth_scaled":
+        raise ConfigError(
+            "model.output_layer_init=depth_scaled needs model.transformer_engine=false"
         )
     if m.fp8 is not None:
         if not m.transformer_engine:

@@ -146,6 +146,11 @@ class Architecture:
                 "use a gated SiLU MLP (swiglu); no stock architecture here has RoPE with a "
                 "plain GELU MLP"
             )
+        if m.layer_variant != "pre_ln":
+            raise ConversionError(
+                f"model.layer_variant={m.layer_variant} cannot be exported: the stock "
+                "architectures (Llama, StableLM) are Pre-LN without branch gains"
+            )
         if m.fp8_param:
             raise ConversionError(
                 "model.fp8_param=true: the checkpoint holds FP8 weights, which export does "
