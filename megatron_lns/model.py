@@ -22,10 +22,14 @@ Normalization = Literal["RMSNorm", "LayerNorm"]
 Activation = Literal["swiglu", "gelu"]
 PositionEmbedding = Literal["rope", "learned_absolute"]
 OutputLayerInit = Literal["normal", "scaled"]
+RecomputeGranularity = Literal["selective", "full"]
+RecomputeMethod = Literal["uniform", "block"]
 # The choice lists, defined once by the types above; config validation imports them.
 ACTIVATIONS: tuple[str, ...] = get_args(Activation)
 POSITION_EMBEDDINGS: tuple[str, ...] = get_args(PositionEmbedding)
 OUTPUT_LAYER_INITS: tuple[str, ...] = get_args(OutputLayerInit)
+RECOMPUTE_GRANULARITIES: tuple[str, ...] = get_args(RecomputeGranularity)
+RECOMPUTE_METHODS: tuple[str, ...] = get_args(RecomputeMethod)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -58,6 +62,11 @@ class GPTModelConfig:
     N(0, init_method_std), which the LNS paper recommends; ``"scaled"`` is megatron's
     default N(0, init_method_std / sqrt(2 * num_layers)). ``None`` follows the paper
     with LNS and megatron's default without it.
+
+    ``recompute_*`` are megatron's activation recomputation settings, passed through
+    unchanged: ``"selective"`` recomputes the core attention (megatron's default
+    ``recompute_modules``), ``"full"`` whole layers, chosen by ``recompute_method`` and
+    ``recompute_num_layers``. They trade compute for memory; the result is the same.
     """
 
     num_layers: int
@@ -85,6 +94,9 @@ class GPTModelConfig:
     precision: Precision = "fp32"
     backend: Literal["local", "te"] = "local"
     qk_layernorm: bool = False
+    recompute_granularity: RecomputeGranularity | None = None
+    recompute_method: RecomputeMethod | None = None
+    recompute_num_layers: int | None = None
     fp8: str | None = None  # recipe: delayed | tensorwise | blockwise | mxfp8
     fp8_format: Literal["hybrid", "e4m3"] = "hybrid"
     fp8_param: bool = False
@@ -153,6 +165,9 @@ class GPTModelConfig:
             fp16=self.precision == "fp16",
             use_cpu_initialization=cpu_init,
             batch_p2p_comm=not uses_gloo(),
+            recompute_granularity=self.recompute_granularity,
+            recompute_method=self.recompute_method,
+            recompute_num_layers=self.recompute_num_layers,
             **self._fp8_settings(),
             **self.extra_transformer_config,
         )

@@ -252,9 +252,6 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
         False, "norm weights and biases are excluded from weight decay"
     ),
     "model.grad_allreduce_chunk_size_mb": _not_yet(125, "megatron DDP buckets gradients"),
-    "model.activations_checkpoint_granularity": _not_yet(None, "activation recomputation"),
-    "model.activations_checkpoint_method": _not_yet(None, "activation recomputation"),
-    "model.activations_checkpoint_num_layers": _not_yet(None, "activation recomputation"),
     "model.num_micro_batches_with_partial_activation_checkpoints": _not_yet(
         None, "activation recomputation"
     ),

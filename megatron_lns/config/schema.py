@@ -28,7 +28,13 @@ from megatron_lns.config.rules import (
     split_weights,
 )
 from megatron_lns.data.tokenizer import TOKENIZER_LIBRARIES
-from megatron_lns.model import ACTIVATIONS, OUTPUT_LAYER_INITS, POSITION_EMBEDDINGS
+from megatron_lns.model import (
+    ACTIVATIONS,
+    OUTPUT_LAYER_INITS,
+    POSITION_EMBEDDINGS,
+    RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_METHODS,
+)
 from megatron_lns.scaling import NORM_SCALING_CHOICES
 
 # The NeMo spellings a value may take, and what each means in megatron-core terms. The
@@ -171,6 +177,13 @@ class ModelConfig:
     attention_dropout: float = checked(0.0, probability)
     make_vocab_size_divisible_by: int = checked(128, positive)
     seed: int = checked(1234, rng_seed)
+
+    # Activation recomputation: megatron-core's recompute_granularity / recompute_method /
+    # recompute_num_layers. null | selective (core attention) | full (whole layers).
+    activations_checkpoint_granularity: str | None = checked(None, one_of(RECOMPUTE_GRANULARITIES))
+    # full only: uniform (every layer group of num_layers) | block (the first num_layers)
+    activations_checkpoint_method: str | None = checked(None, one_of(RECOMPUTE_METHODS))
+    activations_checkpoint_num_layers: int | None = checked(None, positive)
 
     # LayerNorm Scaling.
     norm_scaling: str = checked("lns", one_of(NORM_SCALING_CHOICES))

@@ -83,6 +83,7 @@ def validate(
     )
     if m.sequence_parallel and tp < 2:
         raise ConfigError("model.sequence_parallel needs model.tensor_model_parallel_size > 1")
+    _check_recompute(m)
     if m.data.seq_length != m.encoder_seq_length:
         raise ConfigError(
             f"model.data.seq_length ({m.data.seq_length}) differs from "
@@ -148,6 +149,40 @@ def validate(
             raise ConfigError(f"model.data.data_prefix: {missing} does not exist")
         check_writable_paths(cfg, blend)
     validate_cluster(cfg)
+
+
+def _check_recompute(m) -> None:
+    """megatron-core's recompute rules, named by the NeMo keys that set them."""
+    granularity, method, num_layers = (
+        m.activations_checkpoint_granularity,
+        m.activations_checkpoint_method,
+        m.activations_checkpoint_num_layers,
+    )
+    key = "model.activations_checkpoint_"
+    if granularity is None:
+        for name, value in (("method", method), ("num_layers", num_layers)):
+            if value is not None:
+                raise ConfigError(
+                    f"{key}{name}={value!r} needs {key}granularity=full (recomputation is off)"
+                )
+    elif granularity == "selective":
+        for name, value in (("method", method), ("num_layers", num_layers)):
+            if value is not None:
+                raise ConfigError(
+                    f"{key}{name}={value!r} applies to {key}granularity=full only (selective "
+                    "recomputes the core attention of every layer); set it to null"
+                )
+    else:
+        if method is None or num_layers is None:
+            raise ConfigError(
+                f"{key}granularity=full needs {key}method (uniform or block) and {key}num_layers"
+            )
+        per_stage = m.num_layers // m.pipeline_model_parallel_size
+        if num_layers > per_stage:
+            raise ConfigError(
+                f"{key}num_layers ({num_layers}) exceeds the layers per pipeline stage "
+                f"({per_stage} = model.num_layers / model.pipeline_model_parallel_size)"
+            )
 
 
 def check_environment(cfg: ExperimentConfig) -> None:
