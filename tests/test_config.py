@@ -683,7 +683,6 @@ def test_nemo_data_prefix_is_required():
         ("model.ub_tp_comm_overlap=true", "model.ub_tp_comm_overlap=True is not supported yet"),
         ("model.cpu_offloading=true", "model.cpu_offloading=True is not supported yet"),
         ("model.sharp=true", "model.sharp=True is not supported yet"),
-        ("model.gc_interval=100", "model.gc_interval=100 is not supported yet"),
         ("model.nsys_profile.enabled=true", "model.nsys_profile.enabled=True is not supported yet"),
         (
             "model.native_amp_init_scale=65536",

@@ -271,7 +271,6 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
     "model.sharp": _not_yet(False, "NCCL SHARP"),
     "model.enable_megatron_timers": _not_yet(False, "megatron's internal timers"),
     "model.megatron_timer_kwargs": ONLY_WITH_REFUSED,
-    "model.gc_interval": _not_yet(0, "manual garbage collection"),
     "model.nsys_profile.enabled": _not_yet(False, "Nsight Systems profiling ranges"),
     "model.nsys_profile.*": ONLY_WITH_REFUSED,
     "model.dist_ckpt_format": Inert("checkpoints are written in torch_dist format"),

@@ -184,6 +184,9 @@ class ModelConfig:
     # full only: uniform (every layer group of num_layers) | block (the first num_layers)
     activations_checkpoint_method: str | None = checked(None, one_of(RECOMPUTE_METHODS))
     activations_checkpoint_num_layers: int | None = checked(None, positive)
+    # Megatron-LM's manual GC: Python's automatic collector off, gc.collect() every
+    # gc_interval steps on every rank at once; 0 leaves automatic collection on.
+    gc_interval: int = checked(0, non_negative)
 
     # LayerNorm Scaling.
     norm_scaling: str = checked("lns", one_of(NORM_SCALING_CHOICES))

@@ -42,6 +42,7 @@ from megatron_lns.training.assembly import (
     tokenizer_spec,
 )
 from megatron_lns.training.checkpoint import latest_complete_checkpoint, save_checkpoint
+from megatron_lns.training.manual_gc import ManualGarbageCollection
 from megatron_lns.training.metrics import MetricsLogger
 from megatron_lns.training.resume import resume
 from megatron_lns.training.run_dir import RunDirError, RunDirLock, claim_run_dir
@@ -209,6 +210,7 @@ class Trainer:
         if self.resumed_path is not None:
             self._print(f"resumed from {self.resumed_path} (step {self.state.iteration})")
         self.consecutive_skips = 0
+        self.manual_gc = ManualGarbageCollection(m.gc_interval)
 
         self.train_batches = micro_batch_loader(
             self.splits.train,
@@ -232,6 +234,9 @@ class Trainer:
         """Close the logs, release the run directory, restore the signal handlers
         (idempotent)."""
         self.stop_request.restore()
+        manual_gc = getattr(self, "manual_gc", None)
+        if manual_gc is not None:
+            manual_gc.stop()
         logger = getattr(self, "logger", None)
         if logger is not None:
             logger.close()
@@ -352,6 +357,7 @@ class Trainer:
         stop = self.stop_request
         every = cfg.exp_manager.checkpoint_callback_params.every_n_train_steps
         throughput = _Throughput()
+        self.manual_gc.start()
         try:
             while self.state.iteration < t.max_steps:
                 # The LR this step uses: the schedule sets the next one after the update.
@@ -361,6 +367,7 @@ class Trainer:
                 throughput.add(result.num_tokens, time.perf_counter() - start)
                 step, advanced = self.state.iteration, result.update_successful
                 if advanced:
+                    self.manual_gc.after_step(step)
                     summary.train_losses.append((step, result.loss))
                     if step % t.log_every_n_steps == 0 or step == t.max_steps:
                         self._log_train_step(result, lr, throughput.close_window())
