@@ -585,7 +585,6 @@ def test_nemo_megatron_gpt_config_loads_with_one_warning_of_inert_keys():
     for key in (
         "trainer.logger",
         "model.megatron_amp_O2",
-        "model.nsys_profile.ranks",
         "model.ub_tp_comm_overlap_cfg",
         "model.data.skip_warmup",
     ):
@@ -683,7 +682,6 @@ def test_nemo_data_prefix_is_required():
         ("model.ub_tp_comm_overlap=true", "model.ub_tp_comm_overlap=True is not supported yet"),
         ("model.cpu_offloading=true", "model.cpu_offloading=True is not supported yet"),
         ("model.sharp=true", "model.sharp=True is not supported yet"),
-        ("model.nsys_profile.enabled=true", "model.nsys_profile.enabled=True is not supported yet"),
         (
             "model.native_amp_init_scale=65536",
             "model.native_amp_init_scale=65536 is not supported yet",

@@ -271,8 +271,6 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
     "model.sharp": _not_yet(False, "NCCL SHARP"),
     "model.enable_megatron_timers": _not_yet(False, "megatron's internal timers"),
     "model.megatron_timer_kwargs": ONLY_WITH_REFUSED,
-    "model.nsys_profile.enabled": _not_yet(False, "Nsight Systems profiling ranges"),
-    "model.nsys_profile.*": ONLY_WITH_REFUSED,
     "model.dist_ckpt_format": Inert("checkpoints are written in torch_dist format"),
     "model.dist_ckpt_load_on_device": Inert("where a checkpoint is read into"),
     "model.dist_ckpt_parallel_save": _not_yet(False, "parallel checkpoint saving"),

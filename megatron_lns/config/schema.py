@@ -18,6 +18,7 @@ from megatron_lns.config.rules import (
     CHECK,
     adam_betas,
     checked,
+    global_ranks,
     non_empty,
     non_negative,
     one_of,
@@ -148,6 +149,21 @@ class TokenizerConfig:
 
 
 @dataclass
+class NsysProfileConfig:
+    """A profiling window over training steps (``training/profiling.py``)."""
+
+    enabled: bool = False
+    # First and last profiled step, inclusive, numbered as logged (the first step is 1).
+    start_step: int = checked(10, positive)
+    end_step: int = checked(10, positive)
+    ranks: list[int] = field(default_factory=lambda: [0], metadata={CHECK: global_ranks})
+    gen_shape: bool = False  # record operator input shapes
+    # Not in NeMo: also write a torch.profiler trace to <run_dir>/profile/. null: on CPU
+    # yes, on CUDA no (nsys records the window there).
+    torch_trace: bool | None = None
+
+
+@dataclass
 class ModelConfig:
     micro_batch_size: int = checked(4, positive)
     global_batch_size: int = checked(8, positive)
@@ -187,6 +203,7 @@ class ModelConfig:
     # Megatron-LM's manual GC: Python's automatic collector off, gc.collect() every
     # gc_interval steps on every rank at once; 0 leaves automatic collection on.
     gc_interval: int = checked(0, non_negative)
+    nsys_profile: NsysProfileConfig = field(default_factory=NsysProfileConfig)
 
     # LayerNorm Scaling.
     norm_scaling: str = checked("lns", one_of(NORM_SCALING_CHOICES))

@@ -118,6 +118,7 @@ def validate(
             f"model.global_batch_size ({m.global_batch_size}) is not divisible by "
             f"model.micro_batch_size x data-parallel size ({m.micro_batch_size} x {dp})"
         )
+    _check_profile_window(m.nsys_profile, world, t.max_steps)
     sched = m.optim.sched
     decay_steps = t.max_steps - sched.constant_steps
     if not warmup_fits(sched.warmup_steps, decay_steps, SCHEDULES[sched.name]):
@@ -183,6 +184,26 @@ def _check_recompute(m) -> None:
                 f"{key}num_layers ({num_layers}) exceeds the layers per pipeline stage "
                 f"({per_stage} = model.num_layers / model.pipeline_model_parallel_size)"
             )
+
+
+def _check_profile_window(profile, world_size: int, max_steps: int) -> None:
+    if not profile.enabled:
+        return
+    key = "model.nsys_profile."
+    if profile.end_step < profile.start_step:
+        raise ConfigError(
+            f"{key}end_step ({profile.end_step}) is before {key}start_step ({profile.start_step})"
+        )
+    if profile.start_step > max_steps:
+        raise ConfigError(
+            f"{key}start_step ({profile.start_step}) is after trainer.max_steps ({max_steps}): "
+            "nothing would be profiled"
+        )
+    outside = [rank for rank in profile.ranks if rank >= world_size]
+    if outside:
+        raise ConfigError(
+            f"{key}ranks {outside} are not ranks of this run (world size {world_size})"
+        )
 
 
 def check_environment(cfg: ExperimentConfig) -> None:
