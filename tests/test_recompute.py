@@ -57,6 +57,26 @@ def test_nemo_recompute_keys_reach_the_transformer_config(overrides, expected):
     assert (tf.recompute_granularity, tf.recompute_method, tf.recompute_num_layers) == expected
 
 
+def test_megatron_core_names_are_the_same_settings():
+    cfg = load_config(
+        DEMO,
+        [
+            "+model.recompute_granularity=full",
+            "+model.recompute_method=block",
+            "+model.recompute_num_layers=2",
+        ],
+    )
+    validate(cfg, check_files=False)
+    m = cfg.model
+    assert (
+        m.activations_checkpoint_granularity,
+        m.activations_checkpoint_method,
+        m.activations_checkpoint_num_layers,
+    ) == ("full", "block", 2)
+    with pytest.raises(ConfigError, match=r"model.recompute_granularity='full' contradicts"):
+        load_config(DEMO, [f"{KEY}granularity=selective", "+model.recompute_granularity=full"])
+
+
 @pytest.mark.filterwarnings("ignore::megatron_lns.config.loader.NemoKeysIgnoredWarning")
 def test_nemo_default_recompute_keys_load_from_a_nemo_config():
     """NeMo's own megatron_gpt_config.yaml sets all three to null: recomputation off."""
