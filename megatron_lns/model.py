@@ -23,10 +23,14 @@ Normalization = Literal["RMSNorm", "LayerNorm"]
 Activation = Literal["swiglu", "gelu"]
 PositionEmbedding = Literal["rope", "learned_absolute"]
 OutputLayerInit = Literal["normal", "scaled", "depth_scaled"]
+RecomputeGranularity = Literal["selective", "full"]
+RecomputeMethod = Literal["uniform", "block"]
 # The choice lists, defined once by the types above; config validation imports them.
 ACTIVATIONS: tuple[str, ...] = get_args(Activation)
 POSITION_EMBEDDINGS: tuple[str, ...] = get_args(PositionEmbedding)
 OUTPUT_LAYER_INITS: tuple[str, ...] = get_args(OutputLayerInit)
+RECOMPUTE_GRANULARITIES: tuple[str, ...] = get_args(RecomputeGranularity)
+RECOMPUTE_METHODS: tuple[str, ...] = get_args(RecomputeMethod)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -64,6 +68,11 @@ class GPTModelConfig:
     ``layer_variant`` picks the residual/normalisation scheme of every layer (the LNS
     paper's baselines, ``variants.py``); ``mix_ln_post_fraction`` and ``layerscale_init``
     configure Mix-LN and LayerScale.
+
+    ``recompute_*`` are megatron's activation recomputation settings, passed through
+    unchanged: ``"selective"`` recomputes the core attention (megatron's default
+    ``recompute_modules``), ``"full"`` whole layers, chosen by ``recompute_method`` and
+    ``recompute_num_layers``. They trade compute for memory; the result is the same.
     """
 
     num_layers: int
@@ -94,6 +103,9 @@ class GPTModelConfig:
     precision: Precision = "fp32"
     backend: Literal["local", "te"] = "local"
     qk_layernorm: bool = False
+    recompute_granularity: RecomputeGranularity | None = None
+    recompute_method: RecomputeMethod | None = None
+    recompute_num_layers: int | None = None
     fp8: str | None = None  # recipe: delayed | tensorwise | blockwise | mxfp8
     fp8_format: Literal["hybrid", "e4m3"] = "hybrid"
     fp8_param: bool = False
@@ -176,6 +188,9 @@ class GPTModelConfig:
             # Mix-LN layers differ in their parameters: checkpoint each layer under its own
             # key rather than stacked along a layer axis.
             hetereogenous_dist_checkpoint=self.layer_variant == "mix_ln",
+            recompute_granularity=self.recompute_granularity,
+            recompute_method=self.recompute_method,
+            recompute_num_layers=self.recompute_num_layers,
             **self._fp8_settings(),
             **self.extra_transformer_config,
         )

@@ -9,6 +9,12 @@ Transformer Engine backend: megatron's TE spec with LNS folded into its fused no
 (``te.py``, built on ``fused_norm.py``).
 
 With ``norm_scaling="none"`` the result is an ordinary Pre-LN layer.
+
+For people already on Megatron-LM or Megatron-Bridge (docs/megatron_integration.md):
+:data:`lns_layer_spec` is a module-level spec for Megatron-LM's
+``--spec megatron_lns.specs lns_layer_spec``, and :func:`lns_block_spec` is a callable
+for the ``transformer_layer_spec`` of a Megatron-Bridge GPT provider (or of Megatron-LM's
+``GPTModelConfig``), which call it with the config and, if it takes one, ``vp_stage``.
 """
 
 from __future__ import annotations
@@ -97,6 +103,34 @@ def get_lns_block_spec(
     else:
         final_norm = local_norm_builder(norm_affine)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=final_norm)
+
+
+# Megatron-LM's ``--spec <module> <name>`` imports ``vars(module)[name]``: an object, not a
+# function, so it has to exist at import time. The local backend (megatron's own local
+# layer with LNS norms); megatron adds its default final norm.
+lns_layer_spec: ModuleSpec = get_lns_layer_spec("lns", "local")
+
+_IMPL_TO_BACKEND = {"local": "local", "transformer_engine": "te"}
+
+
+def lns_block_spec(config: object, vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """The LNS decoder of one pipeline stage for a Megatron-Bridge GPT provider (itself a
+    ``TransformerConfig``) or a Megatron-LM ``GPTModelConfig`` (which holds one as
+    ``.transformer``): local or Transformer Engine layers as ``transformer_impl`` says,
+    ``qk_layernorm`` as configured, and an (unscaled) LNS-aware final norm."""
+    tf_config = config if isinstance(config, TransformerConfig) else config.transformer
+    impl = tf_config.transformer_impl
+    if impl not in _IMPL_TO_BACKEND:
+        raise ValueError(
+            f"transformer_impl={impl!r} has no LNS layer spec; use one of "
+            f"{sorted(_IMPL_TO_BACKEND)}"
+        )
+    return get_lns_block_spec(
+        tf_config,
+        backend=_IMPL_TO_BACKEND[impl],
+        qk_layernorm=bool(tf_config.qk_layernorm),
+        vp_stage=vp_stage,
+    )
 
 
 # Local-backend norm parameter names -> the fused (Transformer Engine) names. Checkpoints

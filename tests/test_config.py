@@ -605,7 +605,6 @@ def test_nemo_megatron_gpt_config_loads_with_one_warning_of_inert_keys():
     for key in (
         "trainer.logger",
         "model.megatron_amp_O2",
-        "model.nsys_profile.ranks",
         "model.ub_tp_comm_overlap_cfg",
         "model.data.skip_warmup",
     ):
@@ -699,20 +698,10 @@ def test_nemo_data_prefix_is_required():
             "model.rampup_batch_size=[4,4,1000]",
             "model.rampup_batch_size=[4, 4, 1000] is not supported yet",
         ),
-        (
-            "model.activations_checkpoint_granularity=full",
-            "model.activations_checkpoint_granularity='full' is not supported yet",
-        ),
-        (
-            "model.activations_checkpoint_num_layers=1",
-            "model.activations_checkpoint_num_layers=1 is not supported yet",
-        ),
         ("model.overlap_p2p_comm=true", "model.overlap_p2p_comm=True is not supported yet"),
         ("model.ub_tp_comm_overlap=true", "model.ub_tp_comm_overlap=True is not supported yet"),
         ("model.cpu_offloading=true", "model.cpu_offloading=True is not supported yet"),
         ("model.sharp=true", "model.sharp=True is not supported yet"),
-        ("model.gc_interval=100", "model.gc_interval=100 is not supported yet"),
-        ("model.nsys_profile.enabled=true", "model.nsys_profile.enabled=True is not supported yet"),
         (
             "model.native_amp_init_scale=65536",
             "model.native_amp_init_scale=65536 is not supported yet",

@@ -165,36 +165,3 @@ def test_blockwise_fp8_needs_hopper_and_cuda_12_9(monkeypatch):
     with pytest.raises(ConfigError, match=r"model.fp8=blockwise needs compute capability >= 9.0"):
         check_environment(cfg)
     check_environment(load_config(DEMO, TE_FP8))  # delayed scaling: no CUDA-version floor
-
-
-def test_norm_and_te_modules_import_one_way():
-    """scaling <- norms, layer <- fused_norm <- te <- specs, lazy imports included:
-    specs alone chooses the backend and nothing below it imports it back."""
-    import ast
-
-    allowed = {
-        "scaling": set(),
-        "norms": {"scaling"},
-        "layer": {"scaling"},
-        "fused_norm": {"scaling", "layer"},
-        "te": {"scaling", "norms", "fused_norm"},
-        "specs": {"scaling", "norms", "layer", "te"},
-    }
-    package = Path(__file__).resolve().parents[1] / "megatron_lns"
-    for module, may_import in allowed.items():
-        tree = ast.parse((package / f"{module}.py").read_text())
-        imported = {
-            node.module.split(".")[1]
-            for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom)
-            and node.module
-            and node.module.startswith("megatron_lns.")
-        }
-        imported |= {
-            alias.name.split(".")[1]
-            for node in ast.walk(tree)
-            if isinstance(node, ast.Import)
-            for alias in node.names
-            if alias.name.startswith("megatron_lns.")
-        }
-        assert imported <= may_import, (module, imported - may_import)

@@ -95,3 +95,49 @@ def test_demo_arms_are_bitwise_reproducible_in_one_process(tmp_path):
     assert first_lns == again_lns
     assert first_pre_ln == again_pre_ln
     assert first_lns[1] != first_pre_ln[1]  # the arms differ: the comparison can fail
+
+
+def _fit_with_gc_and_profile(cfg):
+    import gc
+
+    from megatron_lns.training.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    collected_at, enabled_during_fit = [], []
+    collect = gc.collect
+
+    def counting_collect(*args):
+        collected_at.append(trainer.state.iteration)
+        enabled_during_fit.append(gc.isenabled())
+        return collect(*args)
+
+    gc.collect = counting_collect
+    try:
+        trainer.fit()
+    finally:
+        gc.collect = collect
+    traces = sorted(p.name for p in (trainer.run_dir / "profile").iterdir())
+    return collected_at, enabled_during_fit, gc.isenabled(), traces
+
+
+def test_manual_gc_interval_and_profile_window_in_a_run(tmp_path):
+    cfg = load_config(
+        DEMO,
+        [
+            *TINY,
+            "trainer.max_steps=5",
+            "model.gc_interval=2",
+            "model.nsys_profile.enabled=true",
+            "model.nsys_profile.start_step=2",
+            "model.nsys_profile.end_step=3",
+            f"exp_manager.exp_dir={tmp_path}",
+        ],
+    )
+    validate(cfg)
+    collected_at, enabled, enabled_after, traces = run_distributed(
+        _fit_with_gc_and_profile, 1, tmp_path, cfg
+    )[0]
+    # Once at the start of fit, then after steps 2 and 4; automatic GC off meanwhile.
+    assert collected_at == [0, 2, 4]
+    assert enabled == [False, False, False] and enabled_after
+    assert traces == ["rank0_steps2-3.json"]

@@ -89,6 +89,24 @@ def _scaled_init_onto_output_layer_init(value: Any, cfg: ExperimentConfig) -> No
         )
 
 
+def _megatron_name_for(nemo_key: str) -> Translated:
+    """A megatron-core name (``recompute_granularity``) for the NeMo-named schema key it
+    means (``activations_checkpoint_granularity``): the same setting, set either way."""
+
+    def onto(value: Any, cfg: ExperimentConfig) -> None:
+        current = getattr(cfg.model, nemo_key)
+        if current is None:
+            setattr(cfg.model, nemo_key, value)
+        elif current != value:
+            megatron_key = "recompute_" + nemo_key.removeprefix("activations_checkpoint_")
+            raise NemoSettingError(
+                f"model.{megatron_key}={value!r} contradicts model.{nemo_key}={current!r}: "
+                "they are the same setting; keep one of them"
+            )
+
+    return Translated(onto)
+
+
 def _hydra_defaults_without_groups(value: Any, cfg: ExperimentConfig) -> bool:
     """NeMo's ``defaults: [_self_, optional tp_overlap@...: null]`` composes nothing."""
 
@@ -252,9 +270,9 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
         False, "norm weights and biases are excluded from weight decay"
     ),
     "model.grad_allreduce_chunk_size_mb": _not_yet(125, "megatron DDP buckets gradients"),
-    "model.activations_checkpoint_granularity": _not_yet(None, "activation recomputation"),
-    "model.activations_checkpoint_method": _not_yet(None, "activation recomputation"),
-    "model.activations_checkpoint_num_layers": _not_yet(None, "activation recomputation"),
+    "model.recompute_granularity": _megatron_name_for("activations_checkpoint_granularity"),
+    "model.recompute_method": _megatron_name_for("activations_checkpoint_method"),
+    "model.recompute_num_layers": _megatron_name_for("activations_checkpoint_num_layers"),
     "model.num_micro_batches_with_partial_activation_checkpoints": _not_yet(
         None, "activation recomputation"
     ),
@@ -274,9 +292,6 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
     "model.sharp": _not_yet(False, "NCCL SHARP"),
     "model.enable_megatron_timers": _not_yet(False, "megatron's internal timers"),
     "model.megatron_timer_kwargs": ONLY_WITH_REFUSED,
-    "model.gc_interval": _not_yet(0, "manual garbage collection"),
-    "model.nsys_profile.enabled": _not_yet(False, "Nsight Systems profiling ranges"),
-    "model.nsys_profile.*": ONLY_WITH_REFUSED,
     "model.dist_ckpt_format": Inert("checkpoints are written in torch_dist format"),
     "model.dist_ckpt_load_on_device": Inert("where a checkpoint is read into"),
     "model.dist_ckpt_parallel_save": _not_yet(False, "parallel checkpoint saving"),

@@ -69,6 +69,10 @@ adam_betas = Check(
     "[beta1, beta2] with each in [0, 1)",
     lambda v: len(v) == 2 and all(_finite(b) and 0 <= b < 1 for b in v),
 )
+global_ranks = Check(
+    "a non-empty list of global ranks (integers >= 0)",
+    lambda v: len(v) > 0 and all(_finite(r) and r >= 0 and int(r) == r for r in v),
+)
 non_empty = Check("a non-empty name", lambda v: bool(str(v).strip()))
 
 _SPLIT_NUMBER = re.compile(r"^\s*\d+(\.\d*)?\s*$|^\s*\.\d+\s*$")

@@ -18,6 +18,7 @@ from megatron_lns.config.rules import (
     CHECK,
     adam_betas,
     checked,
+    global_ranks,
     non_empty,
     non_negative,
     one_of,
@@ -28,7 +29,13 @@ from megatron_lns.config.rules import (
     split_weights,
 )
 from megatron_lns.data.tokenizer import TOKENIZER_LIBRARIES
-from megatron_lns.model import ACTIVATIONS, OUTPUT_LAYER_INITS, POSITION_EMBEDDINGS
+from megatron_lns.model import (
+    ACTIVATIONS,
+    OUTPUT_LAYER_INITS,
+    POSITION_EMBEDDINGS,
+    RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_METHODS,
+)
 from megatron_lns.scaling import NORM_SCALING_CHOICES
 from megatron_lns.variants import LAYER_VARIANTS
 
@@ -143,6 +150,21 @@ class TokenizerConfig:
 
 
 @dataclass
+class NsysProfileConfig:
+    """A profiling window over training steps (``training/profiling.py``)."""
+
+    enabled: bool = False
+    # First and last profiled step, inclusive, numbered as logged (the first step is 1).
+    start_step: int = checked(10, positive)
+    end_step: int = checked(10, positive)
+    ranks: list[int] = field(default_factory=lambda: [0], metadata={CHECK: global_ranks})
+    gen_shape: bool = False  # record operator input shapes
+    # Not in NeMo: also write a torch.profiler trace to <run_dir>/profile/. null: on CPU
+    # yes, on CUDA no (nsys records the window there).
+    torch_trace: bool | None = None
+
+
+@dataclass
 class ModelConfig:
     micro_batch_size: int = checked(4, positive)
     global_batch_size: int = checked(8, positive)
@@ -172,6 +194,17 @@ class ModelConfig:
     attention_dropout: float = checked(0.0, probability)
     make_vocab_size_divisible_by: int = checked(128, positive)
     seed: int = checked(1234, rng_seed)
+
+    # Activation recomputation: megatron-core's recompute_granularity / recompute_method /
+    # recompute_num_layers. null | selective (core attention) | full (whole layers).
+    activations_checkpoint_granularity: str | None = checked(None, one_of(RECOMPUTE_GRANULARITIES))
+    # full only: uniform (every layer group of num_layers) | block (the first num_layers)
+    activations_checkpoint_method: str | None = checked(None, one_of(RECOMPUTE_METHODS))
+    activations_checkpoint_num_layers: int | None = checked(None, positive)
+    # Megatron-LM's manual GC: Python's automatic collector off, gc.collect() every
+    # gc_interval steps on every rank at once; 0 leaves automatic collection on.
+    gc_interval: int = checked(0, non_negative)
+    nsys_profile: NsysProfileConfig = field(default_factory=NsysProfileConfig)
 
     # LayerNorm Scaling.
     norm_scaling: str = checked("lns", one_of(NORM_SCALING_CHOICES))

@@ -84,6 +84,7 @@ def validate(
     )
     if m.sequence_parallel and tp < 2:
         raise ConfigError("model.sequence_parallel needs model.tensor_model_parallel_size > 1")
+    _check_recompute(m)
     if m.data.seq_length != m.encoder_seq_length:
         raise ConfigError(
             f"model.data.seq_length ({m.data.seq_length}) differs from "
@@ -133,6 +134,7 @@ def validate(
             f"model.global_batch_size ({m.global_batch_size}) is not divisible by "
             f"model.micro_batch_size x data-parallel size ({m.micro_batch_size} x {dp})"
         )
+    _check_profile_window(m.nsys_profile, world, t.max_steps)
     sched = m.optim.sched
     decay_steps = t.max_steps - sched.constant_steps
     if not warmup_fits(sched.warmup_steps, decay_steps, SCHEDULES[sched.name]):
@@ -164,6 +166,60 @@ def validate(
             raise ConfigError(f"model.data.data_prefix: {missing} does not exist")
         check_writable_paths(cfg, blend)
     validate_cluster(cfg)
+
+
+def _check_recompute(m) -> None:
+    """megatron-core's recompute rules, named by the NeMo keys that set them."""
+    granularity, method, num_layers = (
+        m.activations_checkpoint_granularity,
+        m.activations_checkpoint_method,
+        m.activations_checkpoint_num_layers,
+    )
+    key = "model.activations_checkpoint_"
+    if granularity is None:
+        for name, value in (("method", method), ("num_layers", num_layers)):
+            if value is not None:
+                raise ConfigError(
+                    f"{key}{name}={value!r} needs {key}granularity=full (recomputation is off)"
+                )
+    elif granularity == "selective":
+        for name, value in (("method", method), ("num_layers", num_layers)):
+            if value is not None:
+                raise ConfigError(
+                    f"{key}{name}={value!r} applies to {key}granularity=full only (selective "
+                    "recomputes the core attention of every layer); set it to null"
+                )
+    else:
+        if method is None or num_layers is None:
+            raise ConfigError(
+                f"{key}granularity=full needs {key}method (uniform or block) and {key}num_layers"
+            )
+        per_stage = m.num_layers // m.pipeline_model_parallel_size
+        if num_layers > per_stage:
+            raise ConfigError(
+                f"{key}num_layers ({num_layers}) exceeds the layers per pipeline stage "
+                f"({per_stage} = model.num_layers / model.pipeline_model_parallel_size)"
+            )
+
+
+def _check_profile_window(profile, world_size: int, max_steps: int) -> None:
+    if not profile.enabled:
+        return
+    key = "model.nsys_profile."
+    if profile.end_step < profile.start_step:
+        raise ConfigError(
+            f"{key}end_step ({profile.end_step}) is before {key}start_step ({profile.start_step})"
+        )
+    if profile.start_step > max_steps:
+        raise ConfigError(
+            f"{key}start_step ({profile.start_step}) is after trainer.max_steps ({max_steps}): "
+            "nothing would be profiled"
+        )
+    outside = [rank for rank in profile.ranks if rank >= world_size]
+    if outside:
+        raise ConfigError(
+            f"{key}ranks {outside} are not ranks of this run (world size {world_size})"
+        )
 
 
 def check_environment(cfg: ExperimentConfig) -> None:

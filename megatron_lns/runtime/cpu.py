@@ -151,6 +151,25 @@ def _install_rng_tracker() -> None:
     torch.cuda.manual_seed = lambda seed: None
     torch.cuda.manual_seed_all = lambda seed: None
     initialize_rng_tracker(force_reset=True)
+    mcore_random._get_cuda_rng_state = _no_device_rng_state
+    mcore_random._set_cuda_rng_state = _set_no_device_rng_state
+    fork_rng = mcore_random._fork_rng
+
+    @contextlib.contextmanager
+    def fork_rng_on_cpu():
+        with fork_rng(), CudaToCpuMode():
+            yield
+
+    mcore_random._fork_rng = fork_rng_on_cpu
+
+
+def _no_device_rng_state(*_, **__) -> torch.Tensor:
+    """The device generator state CheckpointFunction saves: none without CUDA."""
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_no_device_rng_state(*_, **__) -> None:
+    """Restoring the (absent) device generator state: nothing to do."""
 
 
 def install_cpu_compat() -> None:

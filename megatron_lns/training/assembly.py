@@ -36,6 +36,7 @@ from megatron_lns.data.datasets import DatasetSettings
 from megatron_lns.model import GPTModelConfig, build_model, padded_vocab_size
 from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
 from megatron_lns.runtime import ParallelLayout
+from megatron_lns.training.profiling import ProfileWindow
 
 
 def parallel_layout(cfg: ExperimentConfig) -> ParallelLayout:
@@ -88,6 +89,9 @@ def model_config(cfg: ExperimentConfig, tokenizer_vocab_size: int) -> GPTModelCo
         output_layer_init=m.output_layer_init,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
+        recompute_granularity=m.activations_checkpoint_granularity,
+        recompute_method=m.activations_checkpoint_method,
+        recompute_num_layers=m.activations_checkpoint_num_layers,
         precision=PRECISIONS[str(cfg.trainer.precision)],
         backend="te" if m.transformer_engine else "local",
         fp8=m.fp8,
@@ -96,6 +100,19 @@ def model_config(cfg: ExperimentConfig, tokenizer_vocab_size: int) -> GPTModelCo
         fp8_margin=m.fp8_margin,
         fp8_amax_history_len=m.fp8_amax_history_len,
         fp8_amax_compute_algo=m.fp8_amax_compute_algo,
+    )
+
+
+def profile_window(cfg: ExperimentConfig) -> ProfileWindow | None:
+    p = cfg.model.nsys_profile
+    if not p.enabled:
+        return None
+    return ProfileWindow(
+        start_step=p.start_step,
+        end_step=p.end_step,
+        ranks=tuple(p.ranks),
+        record_shapes=p.gen_shape,
+        torch_trace=p.torch_trace,
     )
 
 

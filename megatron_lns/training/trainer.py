@@ -39,10 +39,13 @@ from megatron_lns.training.assembly import (
     model_config,
     optim_settings,
     parallel_layout,
+    profile_window,
     tokenizer_spec,
 )
 from megatron_lns.training.checkpoint import latest_complete_checkpoint, save_checkpoint
+from megatron_lns.training.manual_gc import ManualGarbageCollection
 from megatron_lns.training.metrics import MetricsLogger
+from megatron_lns.training.profiling import StepProfiler
 from megatron_lns.training.resume import resume
 from megatron_lns.training.run_dir import RunDirError, RunDirLock, claim_run_dir
 from megatron_lns.training.run_status import write_run_status
@@ -209,6 +212,10 @@ class Trainer:
         if self.resumed_path is not None:
             self._print(f"resumed from {self.resumed_path} (step {self.state.iteration})")
         self.consecutive_skips = 0
+        self.manual_gc = ManualGarbageCollection(m.gc_interval)
+        self.profiler = StepProfiler(
+            profile_window(cfg), dist.get_rank(), self.device, self.run_dir / "profile"
+        )
 
         self.train_batches = micro_batch_loader(
             self.splits.train,
@@ -232,6 +239,12 @@ class Trainer:
         """Close the logs, release the run directory, restore the signal handlers
         (idempotent)."""
         self.stop_request.restore()
+        manual_gc = getattr(self, "manual_gc", None)
+        if manual_gc is not None:
+            manual_gc.stop()
+        profiler = getattr(self, "profiler", None)
+        if profiler is not None:
+            profiler.close()
         logger = getattr(self, "logger", None)
         if logger is not None:
             logger.close()
@@ -352,15 +365,18 @@ class Trainer:
         stop = self.stop_request
         every = cfg.exp_manager.checkpoint_callback_params.every_n_train_steps
         throughput = _Throughput()
+        self.manual_gc.start()
         try:
             while self.state.iteration < t.max_steps:
                 # The LR this step uses: the schedule sets the next one after the update.
                 lr = self.optimizer.param_groups[0]["lr"]
                 start = time.perf_counter()
-                result = self.train_step()
+                with self.profiler.step(self.state.iteration + 1):
+                    result = self.train_step()
                 throughput.add(result.num_tokens, time.perf_counter() - start)
                 step, advanced = self.state.iteration, result.update_successful
                 if advanced:
+                    self.manual_gc.after_step(step)
                     summary.train_losses.append((step, result.loss))
                     if step % t.log_every_n_steps == 0 or step == t.max_steps:
                         self._log_train_step(result, lr, throughput.close_window())

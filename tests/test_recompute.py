@@ -1,0 +1,191 @@
+"""Activation recomputation changes memory, never results: selective and full (uniform
+and block) recomputation give the loss and gradients of a run without it, at TP=1 and,
+in real gloo ranks, at TP=2 and PP=2.
+
+Dropout is on, so a recomputed forward that drew different random numbers than the
+first one (megatron's CheckpointFunction restores the RNG states, on CPU through the
+stand-ins in runtime/cpu.py) would show up as different gradients.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import fixed_microbatches, run_distributed, tiny_config
+from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel import random as mcore_random
+
+from megatron_lns.config import ConfigError, load_config, validate
+from megatron_lns.model import build_model
+from megatron_lns.runtime import ParallelLayout, init_distributed
+from megatron_lns.training.assembly import model_config, wrap_with_ddp
+from megatron_lns.training.step import forward_backward
+
+RECOMPUTE_MODES = {
+    "selective": dict(recompute_granularity="selective"),
+    "full_uniform": dict(
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+    ),
+    "full_block": dict(
+        recompute_granularity="full", recompute_method="block", recompute_num_layers=1
+    ),
+}
+
+DEMO = Path(__file__).resolve().parents[1] / "nemo_configs" / "tiny_cpu_demo.yaml"
+NEMO = Path(__file__).parent / "data" / "nemo_megatron_gpt_config.yaml"
+KEY = "model.activations_checkpoint_"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([f"{KEY}granularity=selective"], ("selective", None, None)),
+        (
+            [f"{KEY}granularity=full", f"{KEY}method=uniform", f"{KEY}num_layers=1"],
+            ("full", "uniform", 1),
+        ),
+        (
+            [f"{KEY}granularity=full", f"{KEY}method=block", f"{KEY}num_layers=2"],
+            ("full", "block", 2),
+        ),
+    ],
+)
+def test_nemo_recompute_keys_reach_the_transformer_config(overrides, expected):
+    cfg = load_config(DEMO, overrides)
+    validate(cfg, check_files=False)
+    tf = model_config(cfg, 256).transformer_config()
+    assert (tf.recompute_granularity, tf.recompute_method, tf.recompute_num_layers) == expected
+
+
+def test_megatron_core_names_are_the_same_settings():
+    cfg = load_config(
+        DEMO,
+        [
+            "+model.recompute_granularity=full",
+            "+model.recompute_method=block",
+            "+model.recompute_num_layers=2",
+        ],
+    )
+    validate(cfg, check_files=False)
+    m = cfg.model
+    assert (
+        m.activations_checkpoint_granularity,
+        m.activations_checkpoint_method,
+        m.activations_checkpoint_num_layers,
+    ) == ("full", "block", 2)
+    with pytest.raises(ConfigError, match=r"model.recompute_granularity='full' contradicts"):
+        load_config(DEMO, [f"{KEY}granularity=selective", "+model.recompute_granularity=full"])
+
+
+@pytest.mark.filterwarnings("ignore::megatron_lns.config.loader.NemoKeysIgnoredWarning")
+def test_nemo_default_recompute_keys_load_from_a_nemo_config():
+    """NeMo's own megatron_gpt_config.yaml sets all three to null: recomputation off."""
+    cfg = load_config(NEMO, ["model.data.data_prefix=[x]", "model.tokenizer.library=byte"])
+    assert cfg.model.activations_checkpoint_granularity is None
+    assert model_config(cfg, 256).transformer_config().recompute_granularity is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([f"{KEY}granularity=partial"], f"{KEY}granularity='partial' is not one of"),
+        ([f"{KEY}granularity=full", f"{KEY}method=every"], f"{KEY}method='every' is not one of"),
+        ([f"{KEY}num_layers=0"], f"{KEY}num_layers must be positive, got 0"),
+        ([f"{KEY}method=uniform"], f"{KEY}method='uniform' needs {KEY}granularity=full"),
+        ([f"{KEY}num_layers=1"], f"{KEY}num_layers=1 needs {KEY}granularity=full"),
+        (
+            [f"{KEY}granularity=selective", f"{KEY}num_layers=1"],
+            f"{KEY}num_layers=1 applies to {KEY}granularity=full only",
+        ),
+        (
+            [f"{KEY}granularity=selective", f"{KEY}method=block"],
+            f"{KEY}method='block' applies to {KEY}granularity=full only",
+        ),
+        ([f"{KEY}granularity=full"], f"{KEY}granularity=full needs {KEY}method"),
+        (
+            [f"{KEY}granularity=full", f"{KEY}method=uniform"],
+            f"{KEY}granularity=full needs {KEY}method (uniform or block) and {KEY}num_layers",
+        ),
+        (
+            [
+                f"{KEY}granularity=full",
+                f"{KEY}method=block",
+                f"{KEY}num_layers=9",
+                "model.pipeline_model_parallel_size=2",
+                "trainer.devices=2",
+            ],
+            f"{KEY}num_layers (9) exceeds the layers per pipeline stage (8 = ",
+        ),
+    ],
+)
+def test_recompute_settings_that_cannot_work_are_refused_by_name(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(DEMO, overrides), check_files=False)
+    assert expected in str(info.value)
+
+
+def _loss_and_grads(layout: ParallelLayout, num_microbatches: int, **recompute):
+    """Build (same seed, same weights), run one forward/backward; this rank's results."""
+    cfg = tiny_config(hidden_dropout=0.1, attention_dropout=0.1, **recompute)
+    torch.manual_seed(1234)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    model = wrap_with_ddp(build_model(cfg, layout))
+    batches = fixed_microbatches(cfg.vocab_size, cfg.seq_length, num_microbatches)
+    # Every checkpointed region saves the RNG states first: count them, so that a mode
+    # that silently recomputed nothing fails the test.
+    saves = []
+    save_states = mcore_random._get_all_rng_states
+    mcore_random._get_all_rng_states = lambda: saves.append(1) or save_states()
+    try:
+        loss = forward_backward(model, batches).loss
+    finally:
+        mcore_random._get_all_rng_states = save_states
+    assert bool(saves) == bool(recompute), f"{len(saves)} checkpointed regions with {recompute}"
+    grads = {
+        f"{index}.{name}": param.main_grad.detach().clone()
+        for index, chunk in enumerate(model)
+        for name, param in chunk.module.named_parameters()
+    }
+    return loss, grads
+
+
+def _assert_same(expected, actual):
+    (base_loss, base_grads), (loss, grads) = expected, actual
+    assert loss == pytest.approx(base_loss, rel=1e-6)
+    assert grads.keys() == base_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, base_grads[name], msg=name)
+
+
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+def test_recompute_matches_no_recompute_at_tp1(megatron_world1, mode):
+    layout = ParallelLayout()
+    init_distributed(layout, device="cpu")
+    baseline = _loss_and_grads(layout, 2)
+    _assert_same(baseline, _loss_and_grads(layout, 2, **RECOMPUTE_MODES[mode]))
+
+
+def parallel_recompute_worker():
+    out = {}
+    for name, (layout, num_microbatches) in {
+        "tp2": (ParallelLayout(tensor=2), 2),
+        "pp2": (ParallelLayout(pipeline=2), 4),
+    }.items():
+        init_distributed(layout, device="cpu")
+        out[name] = {"none": _loss_and_grads(layout, num_microbatches)}
+        for mode, recompute in RECOMPUTE_MODES.items():
+            out[name][mode] = _loss_and_grads(layout, num_microbatches, **recompute)
+    return out
+
+
+@pytest.fixture(scope="module")
+def parallel_results(tmp_path_factory):
+    return run_distributed(parallel_recompute_worker, 2, tmp_path_factory.mktemp("recompute"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+def test_recompute_matches_no_recompute_in_parallel(parallel_results, layout, mode):
+    for rank_result in parallel_results:
+        _assert_same(rank_result[layout]["none"], rank_result[layout][mode])
