@@ -74,13 +74,20 @@ def compare(reference: dict, other: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=[name for name in VARIANTS if name != "baseline"],
+        default=[name for name in VARIANTS if name != "baseline"],
+        help="which environments to compare with the baseline (default: all)",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the demo YAML")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         curves = {}
-        for name, env in VARIANTS.items():
-            print(f"running the demo: {name} {env or ''}", flush=True)
-            run_demo(env, Path(tmp) / name, args.overrides)
+        for name in ["baseline", *args.variants]:
+            print(f"running the demo: {name} {VARIANTS[name] or ''}", flush=True)
+            run_demo(VARIANTS[name], Path(tmp) / name, args.overrides)
             curves[name] = read_curves(Path(tmp) / name)
     report = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
@@ -88,8 +95,7 @@ def main() -> None:
         "held_out": {name: {arm: c[arm]["held_out"] for arm in ARMS} for name, c in curves.items()},
         "vs_baseline": {
             name: {arm: compare(curves["baseline"][arm], curves[name][arm]) for arm in ARMS}
-            for name in VARIANTS
-            if name != "baseline"
+            for name in args.variants
         },
     }
     print(f"\n{'variant':<16}{'arm':<7}{'bitwise':>8}{'first diff':>11}"

@@ -19,9 +19,9 @@ import signal
 import threading
 import uuid
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -145,21 +145,37 @@ def _encode(text: str) -> list[int]:
     return [*_worker_tokenizer.encode(text), _worker_tokenizer.eod]
 
 
-@contextmanager
-def _sigterm_as_exit() -> Iterator[None]:
-    """SIGTERM raises ``SystemExit(143)`` here, so cleanup runs as for Ctrl-C."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+class _StopSignals:
+    """Ctrl-C and SIGTERM, noted when they arrive and acted on between documents.
 
-    def stop(signum, frame):
-        raise SystemExit(128 + signum)
+    Raising from the signal handler itself could interrupt the worker pool inside its
+    own locks, after which terminating the pool hangs; so the handler only records the
+    signal and :meth:`check` raises at a safe point: ``KeyboardInterrupt`` for SIGINT,
+    ``SystemExit(128 + signum)`` for SIGTERM, and the cleanup runs as for any error.
+    """
 
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.previous: dict = {}
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.received = self.received or signum
+
+    def check(self) -> None:
+        if self.received == signal.SIGINT:
+            raise KeyboardInterrupt
+        if self.received is not None:
+            raise SystemExit(128 + self.received)
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 def _publish(tmp_prefix: str, output_prefix: Path) -> None:
@@ -214,7 +230,7 @@ def preprocess(
         ) as pool:  # leaving the block (even on error) terminates the workers
             yield from pool.imap(_encode, documents, chunksize=64)
 
-    with _sigterm_as_exit():
+    with _StopSignals() as stop:
         builder = IndexedDatasetBuilder(f"{tmp_prefix}.bin", dtype=dtype)
         generator = encoded()
         stream: Iterable[list[int]] = generator
@@ -224,6 +240,7 @@ def preprocess(
             stream = tqdm(generator, unit=" docs", desc=f"tokenizing -> {output_prefix.name}")
         try:
             for ids in stream:
+                stop.check()
                 array = np.asarray(ids, dtype=np.int64)
                 top = int(array.max())
                 if array.min() < 0 or top >= tokenizer.vocab_size:
@@ -235,6 +252,7 @@ def preprocess(
                 builder.add_document(torch.from_numpy(array), [len(array)])
                 num_documents += 1
                 num_tokens += len(array)
+            stop.check()
             if num_documents == 0:
                 raise PreprocessError("no documents to preprocess: the input is empty")
             builder.finalize(f"{tmp_prefix}.idx")
