@@ -12,6 +12,7 @@ model's vocabulary.
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import os
@@ -129,6 +130,10 @@ def read_documents(paths: Iterable[str | Path], json_key: str = "text") -> Itera
 _worker_tokenizer: Tokenizer | None = None
 
 
+# Documents handed to the worker pool at a time (see ``preprocess``).
+POOL_BATCH_DOCUMENTS = 4096
+
+
 def _init_worker(library: str, type_: str | None, model: str | None) -> None:
     global _worker_tokenizer
     _worker_tokenizer = build_tokenizer(library, type_, model)
@@ -228,7 +233,11 @@ def preprocess(
         with context.Pool(
             workers, _init_pool_worker, (library, tokenizer_type, tokenizer_model)
         ) as pool:  # leaving the block (even on error) terminates the workers
-            yield from pool.imap(_encode, documents, chunksize=64)
+            # One bounded batch at a time, not imap over the whole input: imap's feeder
+            # thread runs ahead and can block on a full task pipe, and terminating the
+            # pool then waits for it forever. Between batches the pipe is empty.
+            for batch in itertools.batched(documents, POOL_BATCH_DOCUMENTS):
+                yield from pool.map(_encode, batch, chunksize=64)
 
     with _StopSignals() as stop:
         builder = IndexedDatasetBuilder(f"{tmp_prefix}.bin", dtype=dtype)
