@@ -12,6 +12,12 @@ def megatron_world1():
 
 
 @pytest.fixture()
+def private_corpus_cache(tmp_path_factory, monkeypatch):
+    """Built-in corpora prepared once per test session, in a private cache."""
+    monkeypatch.setenv("MEGATRON_LNS_CACHE", str(tmp_path_factory.getbasetemp() / "corpus_cache"))
+
+
+@pytest.fixture()
 def seeded(megatron_world1):
     torch.manual_seed(1234)
     from megatron.core import tensor_parallel

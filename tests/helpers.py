@@ -23,6 +23,20 @@ def _run_and_record(fn: Callable[..., Any], out_dir: str, args: tuple) -> None:
         pickle.dump(result, f)
 
 
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "nemo_configs" / "tiny_cpu_demo.yaml"
+# The demo config shrunk to a 4-layer model whose steps take well under a second.
+TINY_MODEL_OVERRIDES = [
+    "model.num_layers=4",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.ffn_hidden_size=128",
+    "model.encoder_seq_length=32",
+    "model.micro_batch_size=2",
+    "model.global_batch_size=4",
+    "model.data.splits_string=90,10,0",
+    "model.optim.sched.warmup_steps=2",
+]
+
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 

@@ -11,36 +11,23 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import fresh_launch_env, run_distributed
+from helpers import DEMO_CONFIG as DEMO
+from helpers import TINY_MODEL_OVERRIDES, fresh_launch_env, run_distributed
 
 from megatron_lns.config import load_config, validate
 from megatron_lns.training.checkpoint import latest_complete_checkpoint
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("private_corpus_cache")]
 
 ROOT = Path(__file__).resolve().parents[1]
-DEMO = ROOT / "nemo_configs" / "tiny_cpu_demo.yaml"
 TINY = [
-    "model.num_layers=4",
-    "model.hidden_size=64",
-    "model.num_attention_heads=4",
-    "model.ffn_hidden_size=128",
-    "model.encoder_seq_length=32",
-    "model.micro_batch_size=2",
-    "model.global_batch_size=4",
-    "model.data.splits_string=90,10,0",
-    "model.optim.sched.warmup_steps=2",
+    *TINY_MODEL_OVERRIDES,
     "trainer.max_steps=6",
     "trainer.val_check_interval=3",
     "trainer.limit_val_batches=1",
     "trainer.log_every_n_steps=1",
     "exp_manager.checkpoint_callback_params.every_n_train_steps=3",
 ]
-
-
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("MEGATRON_LNS_CACHE", str(tmp_path_factory.getbasetemp() / "corpus_cache"))
 
 
 def _config(exp_dir, *overrides):

@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TORCHRUN_VARIABLES
+from helpers import DEMO_CONFIG as DEMO
+from helpers import TINY_MODEL_OVERRIDES, TORCHRUN_VARIABLES
 
 from megatron_lns.cli import main
 from megatron_lns.data.preprocess import preprocess, read_documents
@@ -29,18 +30,9 @@ from megatron_lns.training.checkpoint import latest_complete_checkpoint
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-DEMO = ROOT / "nemo_configs" / "tiny_cpu_demo.yaml"
 MAX_STEPS = 10
 JOB = [
-    "model.num_layers=4",
-    "model.hidden_size=64",
-    "model.num_attention_heads=4",
-    "model.ffn_hidden_size=128",
-    "model.encoder_seq_length=32",
-    "model.micro_batch_size=2",
-    "model.global_batch_size=4",
-    "model.data.splits_string=90,10,0",
-    "model.optim.sched.warmup_steps=2",
+    *TINY_MODEL_OVERRIDES,
     f"trainer.max_steps={MAX_STEPS}",
     "trainer.limit_val_batches=0",
     "trainer.log_every_n_steps=1",
