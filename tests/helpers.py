@@ -37,6 +37,28 @@ TINY_MODEL_OVERRIDES = [
     "model.optim.sched.warmup_steps=2",
 ]
 
+# A six-step run of it: validation and a checkpoint every three steps, every loss logged.
+TINY_RUN_OVERRIDES = [
+    *TINY_MODEL_OVERRIDES,
+    "trainer.max_steps=6",
+    "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=1",
+    "exp_manager.checkpoint_callback_params.every_n_train_steps=3",
+]
+
+
+def tiny_run_config(exp_dir, *overrides: str):
+    """The validated config of a tiny run writing under ``exp_dir``."""
+    from megatron_lns.config import load_config, validate
+
+    cfg = load_config(
+        DEMO_CONFIG, [*TINY_RUN_OVERRIDES, f"exp_manager.exp_dir={exp_dir}", *overrides]
+    )
+    validate(cfg)
+    return cfg
+
+
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 

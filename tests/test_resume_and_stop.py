@@ -12,28 +12,13 @@ from pathlib import Path
 import psutil
 import pytest
 from helpers import DEMO_CONFIG as DEMO
-from helpers import TINY_MODEL_OVERRIDES, fresh_launch_env, run_distributed
+from helpers import TINY_RUN_OVERRIDES, fresh_launch_env, run_distributed, tiny_run_config
 
-from megatron_lns.config import load_config, validate
 from megatron_lns.training.checkpoint import latest_complete_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("private_corpus_cache")]
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    *TINY_MODEL_OVERRIDES,
-    "trainer.max_steps=6",
-    "trainer.val_check_interval=3",
-    "trainer.limit_val_batches=1",
-    "trainer.log_every_n_steps=1",
-    "exp_manager.checkpoint_callback_params.every_n_train_steps=3",
-]
-
-
-def _config(exp_dir, *overrides):
-    cfg = load_config(DEMO, [*TINY, f"exp_manager.exp_dir={exp_dir}", *overrides])
-    validate(cfg)
-    return cfg
 
 
 def _fit(cfg, poison=None):
@@ -71,75 +56,80 @@ def _run(tmp_path, cfg, **kwargs):
 
 
 def test_nan_loss_stops_the_run_before_its_next_checkpoint(tmp_path):
-    result = _run(tmp_path, _config(tmp_path, "trainer.precision=32"), poison=float("nan"))
+    result = _run(tmp_path, tiny_run_config(tmp_path, "trainer.precision=32"), poison=float("nan"))
     assert result["error"].startswith("step 1: loss nan, gradient norm nan: the run diverged")
     assert latest_complete_checkpoint(tmp_path / "lns" / "checkpoints") is None
 
 
 def test_an_fp16_run_whose_updates_are_all_skipped_stops(tmp_path):
-    cfg = _config(tmp_path, "trainer.precision=16-mixed", "trainer.max_steps=200")
+    cfg = tiny_run_config(tmp_path, "trainer.precision=16-mixed", "trainer.max_steps=200")
     result = _run(tmp_path, cfg, poison=float("inf"))
     assert result["error"].startswith("the last 50 optimizer updates after step 0 were all skipped")
 
 
 def test_unreadable_newest_checkpoint_is_named_or_skipped_when_asked(tmp_path):
-    straight = _run(tmp_path, _config(tmp_path / "straight"))
-    _run(tmp_path, _config(tmp_path, "trainer.exit_interval=5",
+    straight = _run(tmp_path, tiny_run_config(tmp_path / "straight"))
+    _run(tmp_path, tiny_run_config(tmp_path, "trainer.exit_interval=5",
                            "exp_manager.checkpoint_callback_params.every_n_train_steps=2"))  # fmt: skip
     newest = latest_complete_checkpoint(tmp_path / "lns" / "checkpoints")
     assert newest.name == "iter_0000005"
     for shard in newest.glob("*.distcp"):
         shard.write_bytes(shard.read_bytes()[:100])  # truncated
 
-    failed = _run(tmp_path, _config(tmp_path))
+    failed = _run(tmp_path, tiny_run_config(tmp_path))
     assert failed["error"].startswith(f"could not load checkpoint {newest}: ")
     assert "Traceback" not in failed["error"] and "\n" not in failed["error"]
 
-    resumed = _run(tmp_path, _config(tmp_path, "exp_manager.resume_past_unreadable=true"))
+    resumed = _run(tmp_path, tiny_run_config(tmp_path, "exp_manager.resume_past_unreadable=true"))
     assert resumed["resumed_from"] == 4
     assert resumed["losses"] == straight["losses"][4:]
 
 
 def test_resume_from_a_chosen_checkpoint(tmp_path):
-    straight = _run(tmp_path, _config(tmp_path / "straight"))
-    _run(tmp_path, _config(tmp_path))
+    straight = _run(tmp_path, tiny_run_config(tmp_path / "straight"))
+    _run(tmp_path, tiny_run_config(tmp_path))
     chosen = tmp_path / "lns" / "checkpoints" / "iter_0000003"
     other = _run(
-        tmp_path, _config(tmp_path / "other", f"exp_manager.resume_from_checkpoint={chosen}")
+        tmp_path,
+        tiny_run_config(tmp_path / "other", f"exp_manager.resume_from_checkpoint={chosen}"),
     )
     assert other["resumed_from"] == 3
     assert other["losses"] == straight["losses"][3:]
-    missing = _run(tmp_path, _config(tmp_path / "x", "exp_manager.resume_from_checkpoint=/nope"))
+    missing = _run(
+        tmp_path, tiny_run_config(tmp_path / "x", "exp_manager.resume_from_checkpoint=/nope")
+    )
     assert missing["error"].startswith(
         "exp_manager.resume_from_checkpoint: /nope is not a complete"
     )
 
 
 def test_a_changed_schedule_is_refused_on_resume_unless_overridden(tmp_path):
-    _run(tmp_path, _config(tmp_path, "trainer.exit_interval=3"))
-    refused = _run(tmp_path, _config(tmp_path, "model.optim.lr=5e-3", "trainer.max_steps=8"))
+    _run(tmp_path, tiny_run_config(tmp_path, "trainer.exit_interval=3"))
+    refused = _run(
+        tmp_path, tiny_run_config(tmp_path, "model.optim.lr=5e-3", "trainer.max_steps=8")
+    )
     assert (
         "was trained with another LR schedule (model.optim.lr: 0.002 -> 0.005" in refused["error"]
     )
     assert "trainer.max_steps - model.optim.sched.constant_steps: 6 -> 8" in refused["error"]
     assert "exp_manager.override_opt_param_scheduler=true" in refused["error"]
 
-    overridden = _run(tmp_path, _config(tmp_path, "model.optim.lr=5e-3", "trainer.max_steps=8",
+    overridden = _run(tmp_path, tiny_run_config(tmp_path, "model.optim.lr=5e-3", "trainer.max_steps=8",
                                         "exp_manager.override_opt_param_scheduler=true"))  # fmt: skip
     assert overridden["resumed_from"] == 3 and overridden["steps"] == 8
     assert [s for s, _ in overridden["losses"]] == [4, 5, 6, 7, 8]
     # The new schedule from step 4: cosine from 5e-3 (warmup 2 is over) to min_lr 2e-4.
     fresh = _run(
-        tmp_path, _config(tmp_path / "fresh", "model.optim.lr=5e-3", "trainer.max_steps=8")
+        tmp_path, tiny_run_config(tmp_path / "fresh", "model.optim.lr=5e-3", "trainer.max_steps=8")
     )
     assert overridden["lrs"][-5:] == pytest.approx(fresh["lrs"][-5:], rel=1e-12)
 
 
 def test_a_resume_with_nothing_left_to_do_says_so_and_writes_nothing(tmp_path, capfd):
-    _run(tmp_path, _config(tmp_path))
+    _run(tmp_path, tiny_run_config(tmp_path))
     final = tmp_path / "lns" / "checkpoints" / "iter_0000006"
     before = final.stat().st_mtime_ns
-    again = _run(tmp_path, _config(tmp_path))
+    again = _run(tmp_path, tiny_run_config(tmp_path))
     assert again["steps"] == 6 and again["losses"] == []
     assert "nothing to do:" in capfd.readouterr().out
     assert final.stat().st_mtime_ns == before
@@ -160,7 +150,7 @@ def _cli(*args, **popen):
 def test_sigterm_stops_both_ranks_of_a_local_run_which_then_resumes_bitwise(tmp_path):
     two_ranks = ["trainer.devices=2", "model.tensor_model_parallel_size=2", "trainer.max_steps=40",
                  "exp_manager.checkpoint_callback_params.every_n_train_steps=100"]  # fmt: skip
-    overrides = [*TINY, *two_ranks]
+    overrides = [*TINY_RUN_OVERRIDES, *two_ranks]
     straight = _cli("train", str(DEMO), *overrides, f"exp_manager.exp_dir={tmp_path / 'straight'}")
     assert straight.wait(timeout=600) == 0, straight.stderr.read()
 
@@ -191,7 +181,7 @@ def test_sigterm_stops_both_ranks_of_a_local_run_which_then_resumes_bitwise(tmp_
 
 
 def test_a_user_error_in_every_rank_is_reported_once(tmp_path):
-    cli = _cli("train", str(DEMO), *TINY, "trainer.devices=2", f"exp_manager.exp_dir={tmp_path}",
+    cli = _cli("train", str(DEMO), *TINY_RUN_OVERRIDES, "trainer.devices=2", f"exp_manager.exp_dir={tmp_path}",
                "exp_manager.resume_from_checkpoint=/no/such/iter_0000003")  # fmt: skip
     assert cli.wait(timeout=300) == 2
     err = cli.stderr.read()

@@ -12,28 +12,13 @@ from pathlib import Path
 
 import pytest
 from helpers import DEMO_CONFIG as DEMO
-from helpers import TINY_MODEL_OVERRIDES, fresh_launch_env, run_distributed
+from helpers import TINY_RUN_OVERRIDES, fresh_launch_env, run_distributed, tiny_run_config
 
-from megatron_lns.config import load_config, validate
 from megatron_lns.training.checkpoint import latest_complete_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("private_corpus_cache")]
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    *TINY_MODEL_OVERRIDES,
-    "trainer.max_steps=6",
-    "trainer.val_check_interval=3",
-    "trainer.limit_val_batches=1",
-    "trainer.log_every_n_steps=1",
-    "exp_manager.checkpoint_callback_params.every_n_train_steps=3",
-]
-
-
-def _config(exp_dir, *overrides):
-    cfg = load_config(DEMO, [*TINY, f"exp_manager.exp_dir={exp_dir}", *overrides])
-    validate(cfg)
-    return cfg
 
 
 def _train(cfg):
@@ -62,7 +47,7 @@ def _run(tmp_path, cfg):
     ids=["tp2_sp", "pp2_with_loader_workers", "pp2_vp2"],
 )
 def test_training_from_yaml_at_parallel_layouts(tmp_path, layout):
-    cfg = _config(tmp_path, "trainer.devices=2", *layout)
+    cfg = tiny_run_config(tmp_path, "trainer.devices=2", *layout)
     result = _run(tmp_path, cfg)
     losses = [loss for _, loss in result["losses"]]
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
@@ -81,10 +66,10 @@ def test_training_from_yaml_at_parallel_layouts(tmp_path, layout):
 
 
 def test_resume_continues_the_loss_curve_exactly(tmp_path):
-    straight = _run(tmp_path, _config(tmp_path / "straight"))
-    first = _run(tmp_path, _config(tmp_path / "resumed", "trainer.exit_interval=3"))
+    straight = _run(tmp_path, tiny_run_config(tmp_path / "straight"))
+    first = _run(tmp_path, tiny_run_config(tmp_path / "resumed", "trainer.exit_interval=3"))
     assert [s for s, _ in first["losses"]] == [1, 2, 3]
-    second = _run(tmp_path, _config(tmp_path / "resumed"))
+    second = _run(tmp_path, tiny_run_config(tmp_path / "resumed"))
     assert second["resumed_from"] == 3
     assert first["losses"] + second["losses"] == straight["losses"]  # bitwise on CPU
     assert second["valid"] == straight["valid"]
@@ -96,9 +81,9 @@ def test_resume_continues_the_loss_curve_exactly(tmp_path):
     ids=["tp1_to_tp2", "pp1_to_pp2"],
 )
 def test_resume_at_a_different_parallel_layout(tmp_path, layout):
-    straight = _run(tmp_path, _config(tmp_path / "straight"))
-    _run(tmp_path, _config(tmp_path / "resharded", "trainer.exit_interval=3"))
-    resumed = _run(tmp_path, _config(tmp_path / "resharded", "trainer.devices=2", *layout))
+    straight = _run(tmp_path, tiny_run_config(tmp_path / "straight"))
+    _run(tmp_path, tiny_run_config(tmp_path / "resharded", "trainer.exit_interval=3"))
+    resumed = _run(tmp_path, tiny_run_config(tmp_path / "resharded", "trainer.devices=2", *layout))
     assert resumed["resumed_from"] == 3
     expected = dict(straight["losses"])
     for step, loss in resumed["losses"]:
@@ -128,7 +113,10 @@ KILL_DURING_SAVE = textwrap.dedent(
 
 
 def test_job_killed_during_checkpoint_save_resumes_from_previous_complete(tmp_path):
-    overrides = [*TINY, "exp_manager.checkpoint_callback_params.every_n_train_steps=2"]
+    overrides = [
+        *TINY_RUN_OVERRIDES,
+        "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
+    ]
     env = fresh_launch_env()
     marker = tmp_path / "marker"
     args = ["train", str(DEMO), *overrides, f"exp_manager.exp_dir={tmp_path}"]
@@ -153,12 +141,13 @@ def test_job_killed_during_checkpoint_save_resumes_from_previous_complete(tmp_pa
     assert latest_complete_checkpoint(checkpoints).name == "iter_0000002"
 
     resumed = _run(
-        tmp_path, _config(tmp_path, "exp_manager.checkpoint_callback_params.every_n_train_steps=2")
+        tmp_path,
+        tiny_run_config(tmp_path, "exp_manager.checkpoint_callback_params.every_n_train_steps=2"),
     )
     assert resumed["resumed_from"] == 2
     straight = _run(
         tmp_path,
-        _config(
+        tiny_run_config(
             tmp_path / "straight", "exp_manager.checkpoint_callback_params.every_n_train_steps=2"
         ),
     )
