@@ -51,7 +51,9 @@ def read_curves(exp_dir: Path) -> dict[str, dict]:
     (run_root,) = [p for p in exp_dir.iterdir() if p.is_dir()]
     curves = {}
     for arm in ARMS:
-        records = [json.loads(x) for x in (run_root / arm / "metrics.jsonl").read_text().split()]
+        records = [
+            json.loads(x) for x in (run_root / arm / "metrics.jsonl").read_text().splitlines()
+        ]
         curves[arm] = {
             "train": [r["loss"] for r in records if "loss" in r],
             "held_out": [r["val_loss"] for r in records if "val_loss" in r][-1],
