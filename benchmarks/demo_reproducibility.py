@@ -33,27 +33,24 @@ VARIANTS = {
     "one_thread": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
 }
-ARMS = ("lns", "preln")
+ARMS = ("lns", "pre_ln")  # the demo's variants
 
 
 def run_demo(variant_env: dict[str, str], exp_dir: Path, overrides: list[str]) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env.update(variant_env)
     command = [
-        sys.executable, "-m", "megatron_lns.cli", "demo",
-        f"exp_manager.exp_dir={exp_dir}", "trainer.log_every_n_steps=1", *overrides,
+        sys.executable, "-m", "megatron_lns.cli", "demo", "--out", str(exp_dir), *overrides,
     ]  # fmt: skip
     subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
 
 
 def read_curves(exp_dir: Path) -> dict[str, dict]:
     """Per arm: every step's train loss and the final held-out loss."""
-    (run_root,) = [p for p in exp_dir.iterdir() if p.is_dir()]
     curves = {}
     for arm in ARMS:
-        records = [
-            json.loads(x) for x in (run_root / arm / "metrics.jsonl").read_text().splitlines()
-        ]
+        (metrics,) = (exp_dir / arm).glob("seed*/metrics.jsonl")  # the demo runs one seed
+        records = [json.loads(x) for x in metrics.read_text().splitlines()]
         curves[arm] = {
             "train": [r["loss"] for r in records if "loss" in r],
             "held_out": [r["val_loss"] for r in records if "val_loss" in r][-1],

@@ -1,4 +1,5 @@
-"""``megatron-lns`` command line: train, submit, preprocess, demo, export-hf, import-hf.
+"""``megatron-lns`` command line: train, submit, compare, demo, preprocess, export-hf,
+import-hf.
 
 Errors in the input (config, data, checkpoints, run directory) end the command with one
 line, ``error: ...``, and exit code 2; ``MEGATRON_LNS_DEBUG=1`` shows their traceback.
@@ -40,11 +41,11 @@ def _train_job(cfg) -> None:
     Trainer(cfg).fit()
 
 
-def _demo_job(cfg, stamp: str) -> None:
+def _compare_job(cfg, variant_names: list[str], num_seeds: int, out: str) -> None:
     _quiet_third_party_noise()
-    from megatron_lns.demo import run_demo
+    from megatron_lns.compare import parse_variants, run_comparison
 
-    run_demo(cfg, stamp)
+    run_comparison(cfg, parse_variants(variant_names), num_seeds, Path(out))
 
 
 def _launch(cfg, job: Callable[..., Any], *args: Any) -> None:
@@ -122,14 +123,19 @@ def _submit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _compare(args: argparse.Namespace) -> int:
+    from megatron_lns.compare import DEFAULT_VARIANTS, parse_variants, seeds_for
     from megatron_lns.config.bundled import DEMO_CONFIG_NAME
 
-    cfg = _load(args.config or DEMO_CONFIG_NAME, args.overrides, args.dry_run)
+    cfg = _load(getattr(args, "config", None) or DEMO_CONFIG_NAME, args.overrides, args.dry_run)
+    variants = [v.name for v in parse_variants(getattr(args, "variants", None) or DEFAULT_VARIANTS)]
+    num_seeds = len(seeds_for(cfg, getattr(args, "seeds", 1)))
     if args.dry_run:
         _print_config(cfg)
         return 0
-    _launch(cfg, _demo_job, time.strftime("%Y%m%d-%H%M%S"))
+    # Chosen once, before the ranks start, so that every rank writes to the same place.
+    out = args.out or str(Path(cfg.exp_manager.exp_dir or "runs") / time.strftime("%Y%m%d-%H%M%S"))
+    _launch(cfg, _compare_job, variants, num_seeds, out)
     return 0
 
 
@@ -205,6 +211,16 @@ def _add_conversion_commands(sub) -> None:
     imp.set_defaults(func=_import_hf)
 
 
+def _add_out_and_dry_run(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="directory of the runs and results (default: <exp_manager.exp_dir>/<time>); "
+        "an existing one resumes its unfinished runs",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-lns", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -226,13 +242,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     submit.set_defaults(func=_submit)
 
-    demo = sub.add_parser("demo", help="train the CPU demo with LNS and with Pre-LN side by side")
+    compare = sub.add_parser(
+        "compare", help="train several variants over several seeds; table and plots"
+    )
+    compare.add_argument("config", help="YAML file or bundled config name")
+    compare.add_argument("overrides", nargs="*", help="key=value overrides of the YAML")
+    compare.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        help="lns pre_ln post_ln deepnorm mix_ln layerscale skipinit, each optionally "
+        "+normal_init / +scaled_init / +depth_scaled_init (default: lns pre_ln)",
+    )
+    compare.add_argument(
+        "--seeds", type=int, default=1, help="runs per variant, seeds model.seed, +1, ..."
+    )
+    _add_out_and_dry_run(compare)
+    compare.set_defaults(func=_compare)
+
+    demo = sub.add_parser(
+        "demo", help="the CPU demo: `compare` of LNS and Pre-LN on tiny_cpu_demo, one seed"
+    )
     demo.add_argument("overrides", nargs="*", help="key=value overrides of the demo YAML")
     demo.add_argument(
         "--config", default=None, help="YAML file or bundled config name (default: tiny_cpu_demo)"
     )
-    demo.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
-    demo.set_defaults(func=_demo)
+    _add_out_and_dry_run(demo)
+    demo.set_defaults(func=_compare)
 
     prep = sub.add_parser("preprocess", help="jsonl / text -> megatron indexed dataset")
     prep.add_argument(

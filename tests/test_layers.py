@@ -23,7 +23,7 @@ LAYERS = [
     "config",
     "training",
     "analysis",
-    "demo",
+    "compare",
     "launch",
     "convert",
     "cli",

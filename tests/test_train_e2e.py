@@ -58,9 +58,11 @@ def test_training_from_yaml_at_parallel_layouts(tmp_path, layout):
     assert (run_dir / "checkpoints" / "iter_0000003" / "config.yaml").is_file()
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert {"loss", "ppl", "lr", "grad_norm", "tokens_per_s", "tflops_per_device"} <= logged[
+    full_rows = [r for r in logged if "lr" in r]
+    assert {"loss", "ppl", "lr", "grad_norm", "tokens_per_s", "tflops_per_device"} <= full_rows[
         0
     ].keys()
+    assert [r["step"] for r in logged if "loss" in r] == list(range(1, 7))  # every step
     assert any("val_ppl" in r for r in logged)
     assert (run_dir / "config.yaml").is_file()
 

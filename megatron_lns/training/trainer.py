@@ -380,6 +380,8 @@ class Trainer:
                     summary.train_losses.append((step, result.loss))
                     if step % t.log_every_n_steps == 0 or step == t.max_steps:
                         self._log_train_step(result, lr, throughput.close_window())
+                    else:  # every step's loss, for curves; the console gets the interval
+                        self.logger.log(step, {"loss": result.loss}, console=False)
                     if self.has_validation and step % t.val_check_interval == 0:
                         summary.valid_loss = self.evaluate()
                 else:

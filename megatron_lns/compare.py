@@ -1,0 +1,319 @@
+"""Train the LNS paper's variants side by side over several seeds, then tabulate and plot.
+
+``megatron-lns compare CONFIG --variants lns pre_ln post_ln --seeds 3`` trains one run per
+variant and seed from the same YAML. Within a seed every variant starts from the same seed
+(``model.seed``: init and data order); the variants differ only in the keys their name
+sets (:data:`VARIANTS`, plus an optional init suffix). ``megatron-lns demo`` is the
+default case: LNS and Pre-LN, one seed, on ``tiny_cpu_demo``.
+
+Runs live in ``<out>/<variant>/seed<seed>/``, ordinary run directories: a comparison that
+is interrupted resumes every run from its last checkpoint when started again with the
+same ``--out``, and a finished run is not trained again (its ``compare_result.json`` holds
+what the table needs).
+
+The table reports, per variant, the mean and the sample standard deviation over seeds of
+the held-out loss and perplexity, hidden-state variance growth (last layer / first), and
+the angular distance of the last quarter of the layers (how much the deep layers still
+change their input). A run that diverges is reported as such, not averaged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_lns.analysis.depth import LayerStats, layer_statistics, variance_growth
+from megatron_lns.analysis.plots import plot_depth_profiles, plot_seed_bands, read_metrics
+from megatron_lns.config import ExperimentConfig
+from megatron_lns.errors import UserError
+from megatron_lns.training.trainer import Trainer, TrainingStopped
+
+# Variant name -> (label, model keys). Names are the paper's arms; the keys are the only
+# difference between them.
+VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
+    "lns": ("LNS", {"norm_scaling": "lns", "layer_variant": "pre_ln"}),
+    "pre_ln": ("Pre-LN", {"norm_scaling": "none", "layer_variant": "pre_ln"}),
+    "post_ln": ("Post-LN", {"norm_scaling": "none", "layer_variant": "post_ln"}),
+    "deepnorm": ("DeepNorm", {"norm_scaling": "none", "layer_variant": "deepnorm"}),
+    "mix_ln": ("Mix-LN", {"norm_scaling": "none", "layer_variant": "mix_ln"}),
+    "layerscale": ("LayerScale", {"norm_scaling": "none", "layer_variant": "layerscale"}),
+    "skipinit": ("SkipInit", {"norm_scaling": "none", "layer_variant": "skipinit"}),
+}
+# ``<variant>+<suffix>`` sets the init of the residual output projections.
+INIT_SUFFIXES: dict[str, tuple[str, str]] = {
+    "normal_init": ("normal init", "normal"),
+    "scaled_init": ("scaled init", "scaled"),
+    "depth_scaled_init": ("depth-scaled init", "depth_scaled"),
+}
+DEFAULT_VARIANTS = ("lns", "pre_ln")
+RESULT_FILE = "compare_result.json"
+TRAIN_LOSS_WINDOW = 20  # the table's train loss: mean over the last steps
+
+
+class CompareError(UserError, ValueError):
+    """A comparison that cannot run as asked (unknown variant, bad seed count)."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    label: str
+    model_settings: dict[str, str]
+
+    @classmethod
+    def parse(cls, name: str) -> Variant:
+        base, _, suffix = name.partition("+")
+        if base not in VARIANTS:
+            raise CompareError(
+                f"unknown variant {name!r}: variants are {', '.join(VARIANTS)}, optionally "
+                f"with +{' / +'.join(INIT_SUFFIXES)}"
+            )
+        label, settings = VARIANTS[base]
+        settings = dict(settings)
+        if suffix:
+            if suffix not in INIT_SUFFIXES:
+                raise CompareError(
+                    f"unknown init suffix in variant {name!r}: use one of "
+                    + ", ".join("+" + s for s in INIT_SUFFIXES)
+                )
+            init_label, init = INIT_SUFFIXES[suffix]
+            label, settings["output_layer_init"] = f"{label} + {init_label}", init
+        return cls(name, label, settings)
+
+
+def parse_variants(names: Sequence[str]) -> list[Variant]:
+    variants = [Variant.parse(name) for name in names]
+    repeated = sorted({v.name for v in variants if [w.name for w in variants].count(v.name) > 1})
+    if repeated:
+        raise CompareError(f"variant(s) given twice: {', '.join(repeated)}")
+    return variants
+
+
+def seeds_for(cfg: ExperimentConfig, num_seeds: int) -> list[int]:
+    """``num_seeds`` consecutive seeds starting at the config's ``model.seed``."""
+    if num_seeds < 1:
+        raise CompareError(f"--seeds must be at least 1, got {num_seeds}")
+    return [cfg.model.seed + k for k in range(num_seeds)]
+
+
+def run_config(cfg: ExperimentConfig, variant: Variant, seed: int, out: Path) -> ExperimentConfig:
+    model = dataclasses.replace(cfg.model, seed=seed, **variant.model_settings)
+    exp = dataclasses.replace(cfg.exp_manager, exp_dir=str(out / variant.name), name=f"seed{seed}")
+    return dataclasses.replace(cfg, model=model, exp_manager=exp)
+
+
+@dataclass
+class RunResult:
+    """What the table and plots need from one trained run (``compare_result.json``)."""
+
+    variant: str
+    seed: int
+    steps: int
+    held_out_loss: float = math.nan
+    train_loss: float = math.nan
+    tokens_per_second: float = math.nan
+    layer_stats: list[LayerStats] = field(default_factory=list)
+    diverged: str | None = None  # the trainer's message when the run could not go on
+
+    @property
+    def variance_growth(self) -> float:
+        return variance_growth(self.layer_stats) if self.layer_stats else math.nan
+
+    @property
+    def deep_angular_distance(self) -> float:
+        """Mean angular distance of the last quarter of the layers (at least one layer)."""
+        if not self.layer_stats:
+            return math.nan
+        deep = self.layer_stats[-max(1, len(self.layer_stats) // 4) :]
+        return statistics.fmean(s.angular_distance for s in deep)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> RunResult:
+        data = dict(data)
+        data["layer_stats"] = [LayerStats(**s) for s in data["layer_stats"]]
+        return cls(**data)
+
+
+def _metrics_summary(run_dir: Path) -> tuple[float, float, float]:
+    """Held-out loss at the end, mean train loss of the last steps, mean logged tokens/s,
+    read from the run's ``metrics.jsonl`` (which spans resumes)."""
+    records = read_metrics(run_dir / "metrics.jsonl")
+    losses = [r["loss"] for r in records if "loss" in r]
+    held_out = [r["val_loss"] for r in records if "val_loss" in r]
+    speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+    return (
+        held_out[-1] if held_out else math.nan,
+        statistics.fmean(losses[-TRAIN_LOSS_WINDOW:]) if losses else math.nan,
+        statistics.fmean(speeds) if speeds else math.nan,
+    )
+
+
+def train_and_measure(cfg: ExperimentConfig, variant: str, seed: int) -> RunResult | None:
+    """Train one run to ``trainer.max_steps`` (resuming it if it has checkpoints), then
+    measure its layers on the held-out batches. A run that diverges is a result; a run
+    asked to stop (signal, ``trainer.exit_interval``) returns None, checkpointed.
+
+    On rank 0 the result also holds what ``metrics.jsonl`` says (losses, tokens/s) and is
+    written to the run directory."""
+    trainer = Trainer(cfg)
+    run_dir = trainer.run_dir
+    try:
+        summary = trainer.fit()
+    except TrainingStopped as stop:
+        result = RunResult(variant, seed, trainer.state.iteration, diverged=str(stop))
+    else:
+        if summary.stopped_early:
+            return None
+        result = RunResult(variant, seed, summary.steps)
+        if trainer.has_validation:
+            for chunk in trainer.model:
+                chunk.eval()
+            batches = [mb for batch in trainer.validation_microbatches() for mb in batch]
+            result.layer_stats = layer_statistics(trainer.model, batches)
+    if dist.get_rank() == 0:
+        held_out, train_loss, speed = _metrics_summary(run_dir)
+        result.held_out_loss = math.nan if result.diverged else held_out
+        result.train_loss, result.tokens_per_second = train_loss, speed
+        (run_dir / RESULT_FILE).write_text(json.dumps(result.to_json(), indent=1))
+    return result
+
+
+def _finished(cfg: ExperimentConfig, run_dir: Path) -> RunResult | None:
+    path = run_dir / RESULT_FILE
+    if not path.is_file():
+        return None
+    result = RunResult.from_json(json.loads(path.read_text()))
+    return result if result.diverged or result.steps >= cfg.trainer.max_steps else None
+
+
+@dataclass
+class Comparison:
+    """Every run's result, by variant, in the order asked for."""
+
+    variants: list[Variant]
+    seeds: list[int]
+    results: dict[str, list[RunResult]]
+    stopped: bool = False  # asked to stop before every run finished
+
+
+def _mean_sd(values: Sequence[float]) -> str:
+    if not values:
+        return "-"
+    mean = statistics.fmean(values)
+    if len(values) == 1:
+        return f"{mean:.4f}"
+    return f"{mean:.4f} ± {statistics.stdev(values):.4f}"
+
+
+def format_table(comparison: Comparison) -> str:
+    """A Markdown table: mean ± sample standard deviation over the seeds that finished."""
+    rows = [
+        "| variant | seeds | diverged | tokens/s | train loss | held-out loss | held-out ppl "
+        "| var growth L/1 | angular dist. last 1/4 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for variant in comparison.variants:
+        runs = comparison.results[variant.name]
+        ok = [r for r in runs if not r.diverged]
+
+        def col(values: list[float], fmt: str = "mean_sd") -> str:
+            if fmt == "int":
+                return f"{statistics.fmean(values):.0f}" if values else "-"
+            return _mean_sd(values)
+
+        rows.append(
+            f"| {variant.label} | {len(runs)} | {len(runs) - len(ok)} "
+            f"| {col([r.tokens_per_second for r in ok], 'int')} "
+            f"| {col([r.train_loss for r in ok])} | {col([r.held_out_loss for r in ok])} "
+            f"| {col([math.exp(r.held_out_loss) for r in ok])} "
+            f"| {col([r.variance_growth for r in ok])} "
+            f"| {col([r.deep_angular_distance for r in ok])} |"
+        )
+    return "\n".join(rows)
+
+
+def _write_outputs(comparison: Comparison, out: Path, title: str) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "seeds": comparison.seeds,
+        "variants": {
+            v.name: {
+                "label": v.label,
+                "model_settings": v.model_settings,
+                "runs": [r.to_json() for r in comparison.results[v.name]],
+            }
+            for v in comparison.variants
+        },
+    }
+    (out / "comparison.json").write_text(json.dumps(report, indent=1))
+    (out / "comparison.md").write_text(format_table(comparison) + "\n")
+    curves = {
+        v.label: [
+            out / v.name / f"seed{r.seed}" / "metrics.jsonl" for r in comparison.results[v.name]
+        ]
+        for v in comparison.variants
+    }
+    depth = {
+        v.label: [r.layer_stats for r in comparison.results[v.name] if r.layer_stats]
+        for v in comparison.variants
+    }
+    return [
+        plot_seed_bands(curves, out / "loss_curves.png", title=title),
+        plot_depth_profiles(depth, out / "depth_profiles.png", title=title),
+    ]
+
+
+def run_comparison(
+    cfg: ExperimentConfig,
+    variants: Sequence[Variant],
+    num_seeds: int,
+    out: Path,
+) -> Comparison:
+    """Train (or resume, or reuse) every run, seed by seed, then rank 0 writes
+    ``comparison.json``, ``comparison.md`` and the plots under ``out`` and prints the table."""
+    seeds = seeds_for(cfg, num_seeds)
+    results: dict[str, list[RunResult]] = {v.name: [] for v in variants}
+    for seed in seeds:  # seed-major: an interrupted comparison has every variant early
+        for variant in variants:
+            run_cfg = run_config(cfg, variant, seed, out)
+            run_dir = out / variant.name / f"seed{seed}"
+            result = _finished(run_cfg, run_dir) or train_and_measure(run_cfg, variant.name, seed)
+            if result is None:
+                if dist.get_rank() == 0:
+                    print(f"comparison stopped; rerun with --out {out} to resume", flush=True)
+                return Comparison(list(variants), seeds, results, stopped=True)
+            results[variant.name].append(result)
+    comparison = Comparison(list(variants), seeds, results)
+    if dist.get_rank() == 0:
+        pngs = _write_outputs(comparison, out, title=f"{cfg.name}: {len(seeds)} seed(s)")
+        print("\n" + format_table(comparison), flush=True)
+        print(
+            "\nMean ± sample standard deviation over seeds. Train loss: mean of the last "
+            f"{TRAIN_LOSS_WINDOW} steps. 'var growth L/1': hidden-state variance after the "
+            "last layer\nrelative to after the first (held-out data), the curse-of-depth "
+            "signature LNS curbs. 'angular dist.':\nhow far the last quarter of the layers "
+            "turn their input (0: the layer does nothing).\n"
+            + (
+                "One seed is not a verdict: differences between variants need --seeds N "
+                "to be read against their spread.\n"
+                if len(seeds) == 1
+                else ""
+            )
+            + f"Runs, TensorBoard logs and checkpoints: {out} (rerun with --out {out} to "
+            "resume)\nTable: "
+            + str(out / "comparison.md")
+            + "\nPlots: "
+            + ", ".join(str(p) for p in pngs),
+            flush=True,
+        )
+    return comparison

@@ -1,0 +1,181 @@
+"""``megatron-lns compare``: variant names, the table, and 2 variants x 2 seeds trained for
+real: reproducible in one process, seeds and variants distinct, interrupted comparisons
+resume to the same curves, finished runs are not trained again."""
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+from helpers import DEMO_CONFIG, run_distributed
+
+from megatron_lns.analysis.depth import LayerStats
+from megatron_lns.analysis.plots import trailing_mean
+from megatron_lns.cli import main
+from megatron_lns.compare import (
+    CompareError,
+    Comparison,
+    RunResult,
+    Variant,
+    format_table,
+    parse_variants,
+    run_config,
+    seeds_for,
+)
+from megatron_lns.config import load_config, validate
+
+TINY = [
+    "model.num_layers=4",
+    "model.hidden_size=32",
+    "model.num_attention_heads=2",
+    "model.ffn_hidden_size=64",
+    "model.encoder_seq_length=16",
+    "model.micro_batch_size=2",
+    "model.global_batch_size=2",
+    "model.data.splits_string=90,10,0",
+    "model.optim.sched.warmup_steps=1",
+    "trainer.max_steps=6",
+    "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=3",
+    "exp_manager.checkpoint_callback_params.every_n_train_steps=3",
+]
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("MEGATRON_LNS_CACHE", str(tmp_path_factory.getbasetemp() / "corpus_cache"))
+
+
+def test_variant_names_set_only_their_keys():
+    lns, post, scaled = parse_variants(["lns", "post_ln", "pre_ln+scaled_init"])
+    assert lns == Variant("lns", "LNS", {"norm_scaling": "lns", "layer_variant": "pre_ln"})
+    assert post.model_settings == {"norm_scaling": "none", "layer_variant": "post_ln"}
+    assert scaled.label == "Pre-LN + scaled init"
+    assert scaled.model_settings["output_layer_init"] == "scaled"
+    cfg = load_config(DEMO_CONFIG, TINY)
+    run = run_config(cfg, post, 7, Path("/out"))
+    assert (run.model.seed, run.model.layer_variant, run.model.norm_scaling) == (7, "post_ln", "none")
+    assert (run.exp_manager.exp_dir, run.exp_manager.name) == ("/out/post_ln", "seed7")
+    assert run.model.hidden_size == cfg.model.hidden_size and run.trainer == cfg.trainer
+    assert seeds_for(cfg, 3) == [cfg.model.seed, cfg.model.seed + 1, cfg.model.seed + 2]
+
+
+@pytest.mark.parametrize(
+    "names, message",
+    [
+        (["lns", "pre-ln"], "unknown variant 'pre-ln'"),
+        (["lns+xavier"], "unknown init suffix in variant 'lns+xavier'"),
+        (["lns", "lns"], "variant(s) given twice: lns"),
+    ],
+)
+def test_bad_variant_names_are_refused_by_name(names, message):
+    with pytest.raises(CompareError, match=re.escape(message)):
+        parse_variants(names)
+
+
+def test_bad_arguments_end_the_command_with_one_line(capsys):
+    assert main(["compare", str(DEMO_CONFIG), "--variants", "lns", "nope", "--dry-run"]) == 2
+    assert main(["compare", str(DEMO_CONFIG), "--seeds", "0", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("error: unknown variant 'nope'")
+    assert err[1] == "error: --seeds must be at least 1, got 0"
+
+
+def test_table_reports_mean_and_spread_and_keeps_diverged_runs_out_of_them():
+    stats = [LayerStats(n, float(n), 0.1 * n) for n in range(1, 9)]
+    runs = [
+        RunResult("lns", 1, 6, held_out_loss=1.0, train_loss=1.5, tokens_per_second=100.0,
+                  layer_stats=stats),
+        RunResult("lns", 2, 6, held_out_loss=2.0, train_loss=2.5, tokens_per_second=300.0,
+                  layer_stats=stats),
+        RunResult("lns", 3, 4, diverged="step 4: loss nan"),
+    ]  # fmt: skip
+    assert runs[0].variance_growth == 8.0
+    assert runs[0].deep_angular_distance == pytest.approx((0.7 + 0.8) / 2)
+    table = format_table(Comparison(parse_variants(["lns"]), [1, 2, 3], {"lns": runs}))
+    row = table.splitlines()[-1]
+    ppl = f"{(math.exp(1) + math.exp(2)) / 2:.4f}"
+    assert row.startswith("| LNS | 3 | 1 | 200 | 2.0000 ± 0.7071 | 1.5000 ± 0.7071 | " + ppl)
+
+
+def test_trailing_mean_smooths_over_the_steps_before():
+    assert trailing_mean([1.0, 3.0, 5.0, 7.0], 2).tolist() == [1.0, 2.0, 4.0, 6.0]
+    assert trailing_mean([2.0, 4.0], 1).tolist() == [2.0, 4.0]
+
+
+def _losses(run_dir: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+def _compare(cfg, out, variants=("lns", "pre_ln"), seeds=2):
+    from megatron_lns.compare import parse_variants, run_comparison
+
+    comparison = run_comparison(cfg, parse_variants(variants), seeds, Path(out))
+    return comparison.stopped
+
+
+def _compare_twice(cfg, out):
+    _compare(cfg, Path(out) / "first")
+    _compare(cfg, Path(out) / "again")
+
+
+@pytest.mark.slow
+def test_two_variants_two_seeds_reproducible_distinct_and_tabulated(tmp_path):
+    cfg = load_config(DEMO_CONFIG, TINY)
+    validate(cfg)
+    run_distributed(_compare_twice, 1, tmp_path, cfg, str(tmp_path))
+    first, again = tmp_path / "first", tmp_path / "again"
+    curves = {}
+    for variant in ("lns", "pre_ln"):
+        for seed in (1234, 1235):
+            run = f"{variant}/seed{seed}"
+            curves[run] = _losses(first / run)
+            assert [step for step, _ in curves[run]] == list(range(1, 7))
+            # A second comparison in the same process: nothing leaks from run to run.
+            assert _losses(again / run) == curves[run]
+    assert curves["lns/seed1234"] != curves["lns/seed1235"]  # seeds differ
+    assert curves["lns/seed1234"] != curves["pre_ln/seed1234"]  # variants differ
+    report = json.loads((first / "comparison.json").read_text())
+    assert report["seeds"] == [1234, 1235]
+    for variant in ("lns", "pre_ln"):
+        runs = report["variants"][variant]["runs"]
+        assert [r["seed"] for r in runs] == [1234, 1235]
+        assert all(math.isfinite(r["held_out_loss"]) and len(r["layer_stats"]) == 4 for r in runs)
+    table = (first / "comparison.md").read_text()
+    assert "| LNS | 2 | 0 |" in table and "±" in table
+    for png in ("loss_curves.png", "depth_profiles.png"):
+        assert (first / png).stat().st_size > 0
+
+
+def _interrupted_then_resumed(cfg, stopping_cfg, out):
+    reference, resumed = Path(out) / "reference", Path(out) / "resumed"
+    _compare(cfg, reference, variants=("lns",))
+    stopped = _compare(stopping_cfg, resumed, variants=("lns",))
+    assert not (resumed / "comparison.md").exists()
+    finished = _compare(cfg, resumed, variants=("lns",))
+    metrics = resumed / "lns" / "seed1234" / "metrics.jsonl"
+    before = metrics.stat().st_mtime_ns
+    _compare(cfg, resumed, variants=("lns",))  # everything finished: nothing is trained
+    return stopped, finished, before == metrics.stat().st_mtime_ns
+
+
+@pytest.mark.slow
+def test_an_interrupted_comparison_resumes_to_the_same_curves(tmp_path):
+    cfg = load_config(DEMO_CONFIG, TINY)
+    stopping = load_config(DEMO_CONFIG, [*TINY, "trainer.exit_interval=3"])
+    stopped, finished, untouched = run_distributed(
+        _interrupted_then_resumed, 1, tmp_path, cfg, stopping, str(tmp_path)
+    )[0]
+    assert stopped and not finished and untouched
+    for seed in (1234, 1235):
+        run = f"lns/seed{seed}"
+        assert _losses(tmp_path / "resumed" / run) == _losses(tmp_path / "reference" / run)
+    reference = json.loads((tmp_path / "reference" / "comparison.json").read_text())
+    resumed = json.loads((tmp_path / "resumed" / "comparison.json").read_text())
+    # Everything but the throughput, which is timing.
+    for ref_run, resumed_run in zip(*(r["variants"]["lns"]["runs"] for r in (reference, resumed)),
+                                    strict=True):  # fmt: skip
+        assert {**ref_run, "tokens_per_second": 0} == {**resumed_run, "tokens_per_second": 0}
