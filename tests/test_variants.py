@@ -289,3 +289,56 @@ def test_variant_parameters_reload_at_every_layout(parallel_results, variant):
         assert merged.keys() == saved.keys(), layout
         for name, value in merged.items():
             torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=f"{layout} {name}")
+
+
+# --- through the trainer: a checkpoint of each variant resumes bitwise.
+
+RESUME_CASES = [
+    ("post_ln", "none", "normal"),
+    ("deepnorm", "none", "normal"),
+    ("mix_ln", "none", "normal"),
+    ("layerscale", "lns", "normal"),
+    ("skipinit", "none", "normal"),
+    ("pre_ln", "none", "depth_scaled"),
+]
+
+
+def _losses_of(run_dir) -> list[tuple[int, float]]:
+    import json
+
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+def _straight_and_resumed(tmp: str) -> dict:
+    from pathlib import Path
+
+    from helpers import tiny_run_config
+
+    from megatron_lns.training.trainer import Trainer
+
+    curves = {}
+    for variant, norm_scaling, init in RESUME_CASES:
+        keys = [f"model.layer_variant={variant}", f"model.norm_scaling={norm_scaling}",
+                f"model.output_layer_init={init}", "model.mix_ln_post_fraction=0.5"]  # fmt: skip
+        straight, resumed = Path(tmp) / variant / "straight", Path(tmp) / variant / "resumed"
+        Trainer(tiny_run_config(straight, *keys)).fit()
+        first = Trainer(tiny_run_config(resumed, *keys, "trainer.exit_interval=3")).fit()
+        second = Trainer(tiny_run_config(resumed, *keys)).fit()
+        curves[variant] = {
+            "resumed_from": second.resumed_from,
+            "stopped_at": first.steps,
+            "straight": _losses_of(straight / "lns"),
+            "resumed": _losses_of(resumed / "lns"),
+        }
+    return curves
+
+
+@pytest.mark.slow
+def test_each_variant_resumes_bitwise_through_the_trainer(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRON_LNS_CACHE", str(tmp_path / "corpus_cache"))
+    curves = run_distributed(_straight_and_resumed, 1, tmp_path, str(tmp_path))[0]
+    for variant, run in curves.items():
+        assert (run["stopped_at"], run["resumed_from"]) == (3, 3), variant
+        assert [step for step, _ in run["straight"]] == list(range(1, 7)), variant
+        assert run["resumed"] == run["straight"], variant
