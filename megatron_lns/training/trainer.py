@@ -206,6 +206,12 @@ class Trainer:
             self.dp_size,
             m.rampup_batch_size,
         )
+        if m.rampup_batch_size is not None:
+            start, increment, samples = m.rampup_batch_size
+            self._print(
+                f"batch-size ramp-up: {start} to {m.global_batch_size} sequences per step, "
+                f"in increments of {increment}, over the first {samples} samples"
+            )
         # Validation always uses full global batches, as Megatron-LM's evaluation does.
         self.validation_num_microbatches = m.global_batch_size // (
             m.micro_batch_size * self.dp_size
