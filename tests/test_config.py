@@ -694,10 +694,6 @@ def test_nemo_data_prefix_is_required():
             "model.fp32_residual_connection=true",
             "model.fp32_residual_connection=True is not supported yet",
         ),
-        (
-            "model.rampup_batch_size=[4,4,1000]",
-            "model.rampup_batch_size=[4, 4, 1000] is not supported yet",
-        ),
         ("model.overlap_p2p_comm=true", "model.overlap_p2p_comm=True is not supported yet"),
         ("model.ub_tp_comm_overlap=true", "model.ub_tp_comm_overlap=True is not supported yet"),
         ("model.cpu_offloading=true", "model.cpu_offloading=True is not supported yet"),

@@ -261,7 +261,6 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
     "model.reduce_amax": Fixed((True,), "FP8 amax is reduced across ranks"),
     "model.use_emha": Fixed((False,), "NeMo itself does not support it"),
     # model: performance and memory, honoured by a later release
-    "model.rampup_batch_size": _not_yet(None, "batch-size ramp-up"),
     "model.context_parallel_size": _not_yet(1, "context parallelism"),
     "model.kv_channels": When(
         _head_dim, "the head dimension is hidden_size / num_attention_heads", not_yet=True

@@ -74,6 +74,10 @@ global_ranks = Check(
     lambda v: len(v) > 0 and all(_finite(r) and r >= 0 and int(r) == r for r in v),
 )
 non_empty = Check("a non-empty name", lambda v: bool(str(v).strip()))
+rampup_batch_sizes = Check(
+    "[start_batch_size, batch_size_increment, ramp_up_samples], three positive integers",
+    lambda v: len(v) == 3 and all(_finite(x) and x > 0 for x in v),
+)
 
 _SPLIT_NUMBER = re.compile(r"^\s*\d+(\.\d*)?\s*$|^\s*\.\d+\s*$")
 

@@ -24,6 +24,7 @@ from megatron_lns.config.rules import (
     one_of,
     positive,
     probability,
+    rampup_batch_sizes,
     rng_seed,
     signal_lead_seconds,
     split_weights,
@@ -168,6 +169,9 @@ class NsysProfileConfig:
 class ModelConfig:
     micro_batch_size: int = checked(4, positive)
     global_batch_size: int = checked(8, positive)
+    # Batch-size ramp-up (Megatron-LM's --rampup-batch-size): [start_batch_size,
+    # batch_size_increment, ramp_up_samples]; null trains at global_batch_size throughout.
+    rampup_batch_size: list[int] | None = field(default=None, metadata={CHECK: rampup_batch_sizes})
     tensor_model_parallel_size: int = checked(1, positive)
     pipeline_model_parallel_size: int = checked(1, positive)
     virtual_pipeline_model_parallel_size: int | None = checked(None, positive)

@@ -134,6 +134,8 @@ def validate(
             f"model.global_batch_size ({m.global_batch_size}) is not divisible by "
             f"model.micro_batch_size x data-parallel size ({m.micro_batch_size} x {dp})"
         )
+    if m.rampup_batch_size is not None:
+        _check_rampup(m, dp)
     _check_profile_window(m.nsys_profile, world, t.max_steps)
     sched = m.optim.sched
     decay_steps = t.max_steps - sched.constant_steps
@@ -200,6 +202,34 @@ def _check_recompute(m) -> None:
                 f"{key}num_layers ({num_layers}) exceeds the layers per pipeline stage "
                 f"({per_stage} = model.num_layers / model.pipeline_model_parallel_size)"
             )
+
+
+def _check_rampup(m, dp: int) -> None:
+    """Every batch size of the ramp must split into whole micro-batches on every
+    data-parallel rank (and, with a virtual pipeline, into a multiple of the pipeline
+    size): that holds for all of them when it holds for the start and the increment."""
+    start, increment, _ = m.rampup_batch_size
+    key = f"model.rampup_batch_size={list(m.rampup_batch_size)}"
+    unit, shown = m.micro_batch_size * dp, f"{m.micro_batch_size} x {dp}"
+    by = "model.micro_batch_size x data-parallel size"
+    if m.virtual_pipeline_model_parallel_size is not None:
+        # megatron's interleaved schedule runs micro-batches in groups of the pipeline size.
+        unit *= m.pipeline_model_parallel_size
+        shown += f" x {m.pipeline_model_parallel_size}"
+        by += " x model.pipeline_model_parallel_size (virtual pipeline)"
+    for name, value in (("start_batch_size", start), ("batch_size_increment", increment)):
+        if value % unit:
+            raise ConfigError(f"{key}: {name} ({value}) is not divisible by {by} ({shown})")
+    if start > m.global_batch_size:
+        raise ConfigError(
+            f"{key}: start_batch_size ({start}) exceeds model.global_batch_size "
+            f"({m.global_batch_size})"
+        )
+    if (m.global_batch_size - start) % increment:
+        raise ConfigError(
+            f"{key}: model.global_batch_size - start_batch_size ({m.global_batch_size} - "
+            f"{start}) is not divisible by batch_size_increment ({increment})"
+        )
 
 
 def _check_profile_window(profile, world_size: int, max_steps: int) -> None:

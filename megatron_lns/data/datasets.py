@@ -227,9 +227,11 @@ def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:
 class PretrainingBatchSampler:
     """Index lists of one data-parallel rank's micro-batches, from ``consumed_samples`` on.
 
-    Within each step of ``M * D`` samples (``M`` micro batch size, ``D`` data-parallel
+    Within each draw of ``M * D`` samples (``M`` micro batch size, ``D`` data-parallel
     size), rank ``r`` takes ``[r*M, (r+1)*M)``: the layout of Megatron-LM's pretraining
-    sampler. The position is a single integer, which is what a checkpoint stores.
+    sampler. A step of ``k`` micro-batches per rank therefore consumes the next ``k*M*D``
+    samples in order, whatever ``k`` is (a batch-size ramp-up changes it between steps).
+    The position is a single integer, which is what a checkpoint stores.
     """
 
     def __init__(

@@ -51,7 +51,8 @@ def lm_forward_step(data_iterator: Iterator[Batch], model: GPTModel):
 @dataclass
 class StepResult:
     loss: float
-    num_tokens: int
+    num_tokens: int  # loss tokens of the whole step, all data-parallel ranks together
+    num_samples: int = 0  # sequences of the whole step (its global batch size)
     grad_norm: float | None = None
     update_successful: bool = True
 
@@ -93,7 +94,10 @@ def forward_backward(
         )
         totals = device_totals.cpu()
     loss_sum, tokens = totals.tolist()
-    return StepResult(loss=loss_sum / max(tokens, 1.0), num_tokens=int(tokens))
+    num_samples = len(microbatches) * first.shape[0] * parallel_state.get_data_parallel_world_size()
+    return StepResult(
+        loss=loss_sum / max(tokens, 1.0), num_tokens=int(tokens), num_samples=num_samples
+    )
 
 
 def train_step(

@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import (
-    destroy_num_microbatches_calculator,
     get_num_microbatches,
-    init_num_microbatches_calculator,
+    update_num_microbatches,
 )
 
 from megatron_lns.config import ExperimentConfig, to_yaml
@@ -42,6 +41,7 @@ from megatron_lns.training.assembly import (
     profile_window,
     tokenizer_spec,
 )
+from megatron_lns.training.batch_size import init_batch_size_calculator
 from megatron_lns.training.checkpoint import latest_complete_checkpoint, save_checkpoint
 from megatron_lns.training.manual_gc import ManualGarbageCollection
 from megatron_lns.training.metrics import MetricsLogger
@@ -183,7 +183,7 @@ class Trainer:
             tokenizer_spec(cfg),
             self.model_config.vocab_size,
             num_samples=(
-                t.max_steps * m.global_batch_size,
+                t.max_steps * m.global_batch_size,  # a bound: ramp-up steps take fewer
                 t.limit_val_batches * m.global_batch_size * num_evals,
                 0,
             ),
@@ -199,11 +199,23 @@ class Trainer:
         )
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
-        destroy_num_microbatches_calculator()
-        init_num_microbatches_calculator(
-            dist.get_rank(), None, m.global_batch_size, m.micro_batch_size, self.dp_size
+        init_batch_size_calculator(
+            dist.get_rank(),
+            m.global_batch_size,
+            m.micro_batch_size,
+            self.dp_size,
+            m.rampup_batch_size,
         )
-        self.num_microbatches = get_num_microbatches()
+        if m.rampup_batch_size is not None:
+            start, increment, samples = m.rampup_batch_size
+            self._print(
+                f"batch-size ramp-up: {start} to {m.global_batch_size} sequences per step, "
+                f"in increments of {increment}, over the first {samples} samples"
+            )
+        # Validation always uses full global batches, as Megatron-LM's evaluation does.
+        self.validation_num_microbatches = m.global_batch_size // (
+            m.micro_batch_size * self.dp_size
+        )
 
         self.state, self.resumed_path = resume(
             cfg, self.checkpoint_dir, self.model, self.optimizer, self.scheduler
@@ -267,18 +279,22 @@ class Trainer:
             self.splits.valid, 0, self.cfg.model.micro_batch_size, self.dp_size, self.dp_rank, 0
         )
         for _ in range(self.cfg.trainer.limit_val_batches):
-            yield [next(loader) for _ in range(self.num_microbatches)]
+            yield [next(loader) for _ in range(self.validation_num_microbatches)]
 
     def train_step(self) -> StepResult:
         """One global batch: forward/backward, optimizer step, schedule.
 
-        The data position always advances; the iteration counter and the LR schedule
-        advance only when the optimizer applied the update (an fp16 loss-scale overflow
-        skips it, as in Megatron-LM).
+        megatron's num-microbatches calculator sets the batch size from the samples
+        consumed so far (it changes only during a batch-size ramp-up). The data position
+        always advances; the iteration counter and the LR schedule advance only when the
+        optimizer applied the update (an fp16 loss-scale overflow skips it, as in
+        Megatron-LM). The LR schedule counts optimizer steps, as NeMo's does, also
+        during a ramp-up (docs/configuration.md).
         """
-        microbatches = [next(self.train_batches) for _ in range(self.num_microbatches)]
+        update_num_microbatches(self.state.consumed_samples, consistency_check=True)
+        microbatches = [next(self.train_batches) for _ in range(get_num_microbatches())]
         result = train_step(self.model, self.optimizer, microbatches)
-        self.state.consumed_samples += self.cfg.model.global_batch_size
+        self.state.consumed_samples += result.num_samples
         if not result.update_successful:
             self.consecutive_skips += 1
             if self.consecutive_skips >= MAX_CONSECUTIVE_SKIPPED_STEPS:
@@ -338,6 +354,8 @@ class Trainer:
                 "ppl": math.exp(min(result.loss, 50.0)),
                 "lr": lr,
                 "grad_norm": _or_nan(result.grad_norm),
+                "global_batch_size": result.num_samples,
+                "consumed_samples": self.state.consumed_samples,
                 "tokens_per_s": tokens_per_second,
                 "tflops_per_device": self._tflops_per_device(tokens_per_second),
             },
