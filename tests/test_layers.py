@@ -26,6 +26,7 @@ LAYERS = [
     "demo",
     "launch",
     "convert",
+    "analyze",
     "cli",
 ]
 
