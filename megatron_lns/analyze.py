@@ -37,7 +37,7 @@ from megatron_lns.config.bundled import resolve_config_path
 from megatron_lns.config.validate import check_environment
 from megatron_lns.convert.hf_export import resolve_checkpoint
 from megatron_lns.convert.hf_import import import_hf
-from megatron_lns.convert.output import check_output_dir, staged_output_dir
+from megatron_lns.convert.output import check_apart, check_output_dir, staged_output_dir
 from megatron_lns.errors import UserError
 
 REPORT_NAME = "analysis.json"
@@ -234,6 +234,8 @@ def analyze(
     out_dir = Path(out_dir)
     check_output_dir(out_dir, overwrite)
     items = resolve_inputs(inputs, labels)
+    for item in items:
+        check_apart(out_dir, item.source)
     external = "RANK" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if external else None
     with tempfile.TemporaryDirectory(prefix="megatron-lns-analyze-") as scratch:

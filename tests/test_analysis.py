@@ -28,9 +28,7 @@ def model(seeded):
 @pytest.fixture()
 def batches():
     cfg = tiny_config()
-    return [
-        fixed_microbatches(cfg.vocab_size, cfg.seq_length, seed=seed) for seed in range(2)
-    ]
+    return [fixed_microbatches(cfg.vocab_size, cfg.seq_length, seed=seed) for seed in range(2)]
 
 
 def _zero_branches(layer: torch.nn.Module) -> None:

@@ -113,23 +113,33 @@ def test_a_hugging_face_export_gives_the_checkpoint_numbers(run, tmp_path):
         assert theirs["pruning_drop"] == pytest.approx(ours["pruning_drop"], abs=1e-5)
 
 
-def test_cli_at_pipeline_parallel_2_matches_one_process(run, tmp_path):
+@pytest.fixture(scope="module")
+def one_process(run, tmp_path_factory):
+    """The run analysed in one process, without layer removal."""
     run_dir, _ = run
-    single = run_distributed(
-        _analyze, 1, tmp_path, [run_dir], tmp_path / "one", {"prune": False}
-    )[0]
-    out = tmp_path / "pp2"
+    root = tmp_path_factory.mktemp("one_process")
+    return run_distributed(_analyze, 1, root, [run_dir], root / "out", {"prune": False})[0]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [["model.pipeline_model_parallel_size=2"], ["model.data.num_workers=0"]],
+    ids=["pp2", "dp2"],
+)
+def test_cli_on_two_processes_matches_one_process(run, one_process, tmp_path, layout):
+    run_dir, _ = run
+    out = tmp_path / "out"
     command = [
         sys.executable, "-m", "megatron_lns.cli", "analyze", str(run_dir), "--out", str(out),
-        "--labels", "pp2", "--no-prune",
-        "model.pipeline_model_parallel_size=2", "trainer.devices=2",
+        "--labels", "two", "--no-prune", "trainer.devices=2", *layout,
     ]  # fmt: skip
     done = subprocess.run(command, env=fresh_launch_env(), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"wrote {out / 'analysis.json'}" in done.stdout
 
-    ours = _by_label(json.loads((out / "analysis.json").read_text()))["pp2"]
-    reference = single["inputs"][0]
+    ours = _by_label(json.loads((out / "analysis.json").read_text()))["two"]
+    reference = one_process["inputs"][0]
+    assert ours["num_tokens"] == reference["num_tokens"]
     assert ours["loss"] == pytest.approx(reference["loss"], rel=1e-5)
     for theirs, mine in zip(reference["layers"], ours["layers"], strict=True):
         assert mine["layer_number"] == theirs["layer_number"]

@@ -70,7 +70,10 @@ def import_hf(
     overwrite: bool = False,
     progress: Callable[[str], None] | None = print,
 ) -> Path:
-    """Convert ``hf_dir`` into a run directory ``out_dir``; returns its config path."""
+    """Convert ``hf_dir`` into a run directory ``out_dir``; returns its config path.
+
+    ``base_config`` (a YAML path or an OmegaConf mapping) gives the non-architecture keys.
+    """
     say = progress or (lambda _: None)
     hf_dir, out_dir = Path(hf_dir), Path(out_dir).absolute()
     overrides = list(overrides or [])
