@@ -236,6 +236,11 @@ def analyze(
     items = resolve_inputs(inputs, labels)
     for item in items:
         check_apart(out_dir, item.source)
+    if config is not None and not any(item.kind == "huggingface" for item in items):
+        raise AnalysisError(
+            f"--config {config} is for Hugging Face inputs; a run or checkpoint is analysed "
+            "with its own config.yaml (change its data or layout with key=value settings)"
+        )
     external = "RANK" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if external else None
     with tempfile.TemporaryDirectory(prefix="megatron-lns-analyze-") as scratch:

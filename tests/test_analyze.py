@@ -169,6 +169,10 @@ def test_bad_inputs_are_refused_in_one_line(run, tmp_path, capsys):
     error = _error_line(capsys, str(run_dir), "--labels", "a", "b", "--out", out)
     assert "2 labels for 1 inputs" in error
     assert "--batches 0" in _error_line(capsys, str(run_dir), "--batches", "0", "--out", out)
+    error = _error_line(
+        capsys, str(run_dir), "--config", str(run_dir / "config.yaml"), "--out", out
+    )
+    assert "is for Hugging Face inputs" in error
 
     hf = tmp_path / "hf"
     hf.mkdir()

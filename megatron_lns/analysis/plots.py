@@ -48,6 +48,9 @@ def plot_loss_curves(runs: dict[str, Path], output: str | Path, title: str = "")
 
 
 def _depth_axes(ax, ylabel: str, title: str) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("layer")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
