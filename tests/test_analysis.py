@@ -113,3 +113,42 @@ def test_statistics_match_a_direct_computation(model, batches):
         assert row.output_variance == pytest.approx(outputs.var(unbiased=False).item())
         assert row.angular_distance == pytest.approx(distance.mean().item())
         assert row.angular_distance_last_token == pytest.approx(distance[-1].mean().item())
+
+
+def _diagnostics_at(layout, weights, save: bool) -> dict:
+    """Diagnostics of the tiny model at ``layout``; its weights saved to or loaded from
+    ``weights`` (a distributed checkpoint, so any layout loads them)."""
+    from megatron_lns.runtime import init_distributed
+    from megatron_lns.training.checkpoint import load_model_weights, save_model_weights
+
+    init_distributed(layout, device="cpu")
+    chunks = build_model(tiny_config(num_layers=NUM_LAYERS, norm_scaling="none"), layout)
+    if save:
+        save_model_weights(chunks, weights)
+    else:
+        load_model_weights(chunks, weights)
+    cfg = tiny_config()
+    batches = [fixed_microbatches(cfg.vocab_size, cfg.seq_length, seed=s) for s in range(2)]
+    return depth_diagnostics(chunks, batches).to_dict()
+
+
+@pytest.mark.slow
+def test_tensor_and_sequence_parallel_give_the_one_process_report(tmp_path):
+    """Under sequence parallelism each TP rank holds a slice of the sequence and only the
+    last one holds the last token: the sums must still cover every token once."""
+    from helpers import run_distributed
+
+    from megatron_lns.runtime import ParallelLayout
+
+    weights = tmp_path / "weights"
+    single = run_distributed(_diagnostics_at, 1, tmp_path / "one", ParallelLayout(), weights, True)
+    tp2 = ParallelLayout(tensor=2, sequence_parallel=True)
+    ranks = run_distributed(_diagnostics_at, 2, tmp_path / "two", tp2, weights, False)
+
+    assert ranks[0] == ranks[1]
+    reference, report = single[0], ranks[0]
+    assert report["num_tokens"] == reference["num_tokens"]
+    assert report["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+    for ours, theirs in zip(report["layers"], reference["layers"], strict=True):
+        for key in theirs:
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
