@@ -1,5 +1,5 @@
 """``megatron-lns`` command line: train, submit, compare, demo, preprocess, export-hf,
-import-hf.
+import-hf, analyze.
 
 Errors in the input (config, data, checkpoints, run directory) end the command with one
 line, ``error: ...``, and exit code 2; ``MEGATRON_LNS_DEBUG=1`` shows their traceback.
@@ -221,6 +221,53 @@ def _add_out_and_dry_run(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
 
 
+def _analyze(args: argparse.Namespace) -> int:
+    from megatron_lns.analyze import analyze, is_override
+
+    arguments = [*args.inputs, *args.overrides]
+    analyze(
+        [arg for arg in arguments if not is_override(arg)],
+        args.out or f"analysis-{time.strftime('%Y%m%d-%H%M%S')}",
+        labels=args.labels,
+        batches=args.batches,
+        overrides=[arg for arg in arguments if is_override(arg)],
+        config=args.config,
+        prune=not args.no_prune,
+        overwrite=args.overwrite,
+    )
+    return 0
+
+
+def _add_analyze_command(sub) -> None:
+    analyze = sub.add_parser(
+        "analyze",
+        help="per-layer angular distance, variance and pruning drop of trained models",
+    )
+    analyze.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="RUN_OR_CHECKPOINT",
+        help="run directories, iter_NNNNNNN checkpoints or Hugging Face exports; key=value "
+        "settings (held-out data, batch sizes, layout, devices) apply to all of them",
+    )
+    analyze.add_argument("--out", default=None, help="output directory (default: analysis-TIME)")
+    analyze.add_argument(
+        "--batches",
+        type=int,
+        default=None,
+        help="held-out global batches (default: each run's trainer.limit_val_batches)",
+    )
+    analyze.add_argument("--labels", nargs="+", default=None, help="one name per input")
+    analyze.add_argument(
+        "--config", default=None, help="run config giving Hugging Face inputs their held-out data"
+    )
+    analyze.add_argument(
+        "--no-prune", action="store_true", help="skip the held-out loss without each layer"
+    )
+    analyze.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    analyze.set_defaults(func=_analyze, overrides=[])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-lns", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -285,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--quiet", action="store_true", help="no progress bar")
     prep.set_defaults(func=_preprocess)
     _add_conversion_commands(sub)
+    _add_analyze_command(sub)
     return parser
 
 

@@ -26,6 +26,7 @@ LAYERS = [
     "compare",
     "launch",
     "convert",
+    "analyze",
     "cli",
 ]
 

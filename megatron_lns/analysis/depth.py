@@ -1,17 +1,29 @@
-"""Per-layer hidden-state statistics: the curse-of-depth signature.
+"""Per-layer diagnostics of a trained model: the curse-of-depth signature.
 
 In a Pre-LN transformer the variance of the residual stream grows with depth, and
-deep layers change their input less and less (their output is close to their
-input: small angular distance). LNS is meant to curb both. These statistics are
-collected with forward hooks on megatron's own layers, so they work at any
-TP/PP/VP layout; under pipeline parallelism every rank returns the full table.
+deep layers change their input less and less: their output is close to their input
+(small angular distance) and removing one costs little held-out loss (small pruning
+drop). LNS is meant to curb all three. :func:`depth_diagnostics` measures them on
+held-out batches for any model chunks this package builds or trains:
+
+* angular distance ``arccos(cos(x_in, x_out)) / pi`` between a layer's input and output
+  hidden state, averaged over every token and over the last token of each sequence only
+  (the ShortGPT measure the LNS paper's scripts use);
+* the variance of the layer's output hidden state over all its elements;
+* the held-out loss with the layer replaced by the identity (its output is its input,
+  as when the layer is deleted from the residual stream), minus the full model's loss.
+
+Everything is collected with forward hooks on megatron's own layers and run through
+megatron's pipeline schedules, so it works at any TP/SP/PP/VP/DP layout; rows are keyed
+by the global (1-based) layer number and every rank returns the same report.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -20,83 +32,242 @@ from megatron.core import parallel_state
 from megatron_lns.model import unwrap
 from megatron_lns.training.step import Batch, forward_backward
 
+# Columns of a layer's running totals.
+_SUM, _SUM_SQ, _COUNT, _ANGLE, _TOKENS, _LAST_ANGLE, _SEQUENCES = range(7)
+
 
 @dataclass
 class LayerStats:
+    """Statistics of one layer's output on held-out data."""
+
     layer_number: int
     output_variance: float
     angular_distance: float
+    angular_distance_last_token: float = float("nan")
+
+
+@dataclass
+class LayerDiagnostics(LayerStats):
+    """:class:`LayerStats` plus the held-out loss without the layer (NaN if not measured)."""
+
+    loss_without_layer: float = float("nan")
+    pruning_drop: float = float("nan")
+
+
+@dataclass
+class DepthReport:
+    """The held-out loss of the full model and the diagnostics of each layer."""
+
+    loss: float
+    num_tokens: int
+    layers: list[LayerDiagnostics]
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(min(self.loss, 50.0))
+
+    def variance_growth(self) -> float:
+        """Output variance of the last layer relative to the first."""
+        return variance_growth(self.layers)
+
+    def to_dict(self) -> dict:
+        """Plain JSON types; an unmeasured value (NaN) becomes None."""
+        return {
+            "loss": self.loss,
+            "perplexity": self.perplexity,
+            "num_tokens": self.num_tokens,
+            "variance_growth": self.variance_growth(),
+            "layers": [
+                {key: _none_if_nan(value) for key, value in asdict(layer).items()}
+                for layer in self.layers
+            ],
+        }
+
+
+def _none_if_nan(value):
+    return None if isinstance(value, float) and math.isnan(value) else value
+
+
+def angular_distance(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``arccos(cos(x, y)) / pi`` along the last dimension, in [0, 1]."""
+    cosine = torch.nn.functional.cosine_similarity(x, y, dim=-1)
+    return torch.arccos(cosine.clamp(-1.0, 1.0)) / math.pi
 
 
 class _Accumulator:
-    def __init__(self) -> None:
-        # sum, sum of squares, element count, sum of per-token angular distance, tokens
-        self.totals = torch.zeros(5, dtype=torch.float64)
+    """Forward hook summing one layer's statistics over every micro-batch it sees.
+
+    Hidden states are megatron's ``[sequence, batch, hidden]``; under sequence
+    parallelism this rank holds a slice of the sequence, and only the last tensor-parallel
+    rank holds the last token.
+    """
+
+    def __init__(self, holds_last_token: bool) -> None:
+        self.holds_last_token = holds_last_token
+        self.totals: torch.Tensor | None = None
 
     def __call__(self, module, args, kwargs, output) -> None:
         hidden_in = kwargs.get("hidden_states", args[0] if args else None)
         hidden_out = output[0] if isinstance(output, tuple) else output
-        x = hidden_out.detach().double()
-        cosine = torch.nn.functional.cosine_similarity(
-            hidden_in.detach().double(), x, dim=-1
-        ).clamp(-1.0, 1.0)
-        self.totals += torch.stack(
+        x_in, x_out = hidden_in.detach().double(), hidden_out.detach().double()
+        distance = angular_distance(x_in, x_out)
+        zero = distance.new_zeros(())
+        last = distance[-1] if self.holds_last_token else None
+        update = torch.stack(
             [
-                x.sum().cpu(),
-                x.pow(2).sum().cpu(),
-                torch.tensor(float(x.numel()), dtype=torch.float64),
-                (torch.arccos(cosine) / math.pi).sum().cpu(),
-                torch.tensor(float(cosine.numel()), dtype=torch.float64),
+                x_out.sum(),
+                x_out.pow(2).sum(),
+                zero + x_out.numel(),
+                distance.sum(),
+                zero + distance.numel(),
+                last.sum() if last is not None else zero,
+                zero + (last.numel() if last is not None else 0),
             ]
         )
+        self.totals = update if self.totals is None else self.totals + update
+
+
+def _local_layers(model: Sequence[torch.nn.Module]) -> Iterator[torch.nn.Module]:
+    for chunk in model:
+        yield from unwrap(chunk).decoder.layers
+
+
+def _reduce_totals(model: Sequence[torch.nn.Module], local: dict[int, torch.Tensor]) -> dict:
+    """Every layer's totals summed over the ranks that saw parts of them."""
+    config = unwrap(model[0]).config
+    device = next(unwrap(model[0]).parameters()).device
+    totals = torch.zeros(config.num_layers, 7, dtype=torch.float64, device=device)
+    for number, sums in local.items():
+        totals[number - 1] += sums.to(device)
+    if config.sequence_parallel:
+        dist.all_reduce(totals, group=parallel_state.get_tensor_model_parallel_group())
+    dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+    dist.all_reduce(totals, group=parallel_state.get_pipeline_model_parallel_group())
+    return {number: totals[number - 1].cpu() for number in range(1, config.num_layers + 1)}
+
+
+def _stats_from_totals(number: int, totals: torch.Tensor) -> LayerStats:
+    t = totals.tolist()
+    mean = t[_SUM] / t[_COUNT]
+    return LayerStats(
+        layer_number=number,
+        output_variance=t[_SUM_SQ] / t[_COUNT] - mean * mean,
+        angular_distance=t[_ANGLE] / t[_TOKENS],
+        angular_distance_last_token=t[_LAST_ANGLE] / t[_SEQUENCES],
+    )
+
+
+@contextlib.contextmanager
+def _eval_mode(model: Sequence[torch.nn.Module]) -> Iterator[None]:
+    was_training = [chunk.training for chunk in model]
+    for chunk in model:
+        chunk.eval()
+    try:
+        yield
+    finally:
+        for chunk, training in zip(model, was_training, strict=True):
+            chunk.train(training)
 
 
 @torch.no_grad()
-def layer_statistics(
-    model: Sequence[torch.nn.Module], batches: Sequence[Batch]
-) -> list[LayerStats]:
-    """Output variance and input/output angular distance of every layer, in global order."""
-    accumulators: dict[int, _Accumulator] = {}
-    handles = []
-    for chunk in model:
-        for layer in unwrap(chunk).decoder.layers:
-            acc = accumulators[layer.layer_number] = _Accumulator()
-            handles.append(layer.register_forward_hook(acc, with_kwargs=True))
+def held_out_loss(
+    model: Sequence[torch.nn.Module], batches: Sequence[Sequence[Batch]]
+) -> tuple[float, int]:
+    """Token-mean loss over ``batches`` (each one pipeline pass of micro-batches) and the
+    number of tokens, as the trainer's evaluation computes it."""
+    loss_sum, tokens = 0.0, 0
+    for microbatches in batches:
+        result = forward_backward(model, microbatches, forward_only=True)
+        loss_sum += result.loss * result.num_tokens
+        tokens += result.num_tokens
+    return loss_sum / max(tokens, 1), tokens
+
+
+def _replace_output_by_input(module, args, kwargs, output):
+    hidden_in = kwargs.get("hidden_states", args[0] if args else None)
+    if isinstance(output, tuple):
+        return (hidden_in, *output[1:])
+    return hidden_in
+
+
+@contextlib.contextmanager
+def layer_removed(model: Sequence[torch.nn.Module], layer_number: int) -> Iterator[None]:
+    """Global layer ``layer_number`` acts as the identity (its output is its input) on
+    whichever rank holds it; the model is left unchanged afterwards."""
+    handles = [
+        layer.register_forward_hook(_replace_output_by_input, with_kwargs=True)
+        for layer in _local_layers(model)
+        if layer.layer_number == layer_number
+    ]
     try:
-        forward_backward(model, batches, forward_only=True)
+        yield
     finally:
         for handle in handles:
             handle.remove()
 
-    local = {number: acc.totals for number, acc in accumulators.items()}
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        # With sequence parallelism each TP rank saw a slice of the sequence.
-        config = unwrap(model[0]).config
-        if config.sequence_parallel:
-            for totals in local.values():
-                reduced = totals.clone()
-                dist.all_reduce(reduced, group=parallel_state.get_tensor_model_parallel_group())
-                totals.copy_(reduced)
-    gathered: list[dict[int, torch.Tensor]] = [
-        {}
-    ] * parallel_state.get_pipeline_model_parallel_world_size()
-    dist.all_gather_object(
-        gathered, local, group=parallel_state.get_pipeline_model_parallel_group()
-    )
-    merged = {number: totals for part in gathered for number, totals in part.items()}
 
-    stats = []
-    for number in sorted(merged):
-        total, total_sq, count, angle_sum, tokens = merged[number].tolist()
-        mean = total / count
-        stats.append(
-            LayerStats(
-                layer_number=number,
-                output_variance=total_sq / count - mean * mean,
-                angular_distance=angle_sum / tokens,
-            )
-        )
-    return stats
+@torch.no_grad()
+def _layer_totals(
+    model: Sequence[torch.nn.Module], batches: Sequence[Sequence[Batch]]
+) -> tuple[dict[int, torch.Tensor], float, int]:
+    config = unwrap(model[0]).config
+    holds_last_token = not config.sequence_parallel or (
+        parallel_state.get_tensor_model_parallel_rank()
+        == parallel_state.get_tensor_model_parallel_world_size() - 1
+    )
+    accumulators: dict[int, _Accumulator] = {}
+    handles = []
+    for layer in _local_layers(model):
+        acc = accumulators[layer.layer_number] = _Accumulator(holds_last_token)
+        handles.append(layer.register_forward_hook(acc, with_kwargs=True))
+    try:
+        loss, tokens = held_out_loss(model, batches)
+    finally:
+        for handle in handles:
+            handle.remove()
+    local = {n: acc.totals for n, acc in accumulators.items() if acc.totals is not None}
+    return _reduce_totals(model, local), loss, tokens
+
+
+def layer_statistics(
+    model: Sequence[torch.nn.Module], microbatches: Sequence[Batch]
+) -> list[LayerStats]:
+    """Output variance and input/output angular distance of every layer, in global order,
+    from one pipeline pass over ``microbatches`` (all ranks call it)."""
+    with _eval_mode(model):
+        totals, _, _ = _layer_totals(model, [microbatches])
+    return [_stats_from_totals(n, t) for n, t in sorted(totals.items())]
+
+
+def depth_diagnostics(
+    model: Sequence[torch.nn.Module],
+    batches: Sequence[Sequence[Batch]],
+    prune: bool = True,
+    progress: Callable[[int], None] | None = None,
+) -> DepthReport:
+    """Diagnostics of every layer of ``model`` on the held-out ``batches``.
+
+    ``model`` is this rank's chunks (bare, Float16Module- or DDP-wrapped: a trained
+    ``Trainer.model`` serves); ``batches`` a sequence of global batches, each this rank's
+    micro-batches (``list(trainer.validation_microbatches())``). All ranks call it and
+    get the same report. With ``prune`` the held-out loss is measured again once per
+    layer with that layer removed (``num_layers`` further passes over ``batches``);
+    ``progress`` is called with each layer number once its removal is measured. The
+    model is put in eval mode for the measurement and returned to its previous mode.
+    """
+    with _eval_mode(model):
+        totals, loss, tokens = _layer_totals(model, batches)
+        layers = [
+            LayerDiagnostics(**asdict(_stats_from_totals(n, t))) for n, t in sorted(totals.items())
+        ]
+        if prune:
+            for row in layers:
+                with layer_removed(model, row.layer_number):
+                    row.loss_without_layer, _ = held_out_loss(model, batches)
+                row.pruning_drop = row.loss_without_layer - loss
+                if progress is not None:
+                    progress(row.layer_number)
+    return DepthReport(loss=loss, num_tokens=tokens, layers=layers)
 
 
 def variance_growth(stats: Sequence[LayerStats]) -> float:

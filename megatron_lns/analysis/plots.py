@@ -1,14 +1,16 @@
-"""Plots of a comparison: loss curves with their spread over seeds, and depth profiles."""
+"""Plots: loss curves with their spread over seeds (``compare``), and per-layer diagnostics
+of :mod:`~megatron_lns.analysis.depth` overlaid for several models (``analyze``)."""
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from megatron_lns.analysis.depth import LayerStats
+from megatron_lns.analysis.depth import DepthReport, LayerStats
 
 COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
           "tab:pink", "tab:gray", "tab:olive", "tab:cyan")  # fmt: skip
@@ -108,8 +110,62 @@ def plot_depth_profiles(
     return _save(fig, output)
 
 
+def _depth_axes(ax, ylabel: str, title: str) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("layer")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+
+
+def plot_depth_reports(reports: dict[str, DepthReport], out_dir: str | Path) -> list[Path]:
+    """One PNG per diagnostic, every report overlaid: angular distance (all tokens and
+    last token), output variance (log scale) and pruning drop, against the layer number."""
+    plt = _pyplot()
+    out_dir = Path(out_dir)
+
+    def curve(report: DepthReport, field: str) -> tuple[list[int], list[float]]:
+        return [r.layer_number for r in report.layers], [getattr(r, field) for r in report.layers]
+
+    written = []
+    fig, (all_tokens, last_token) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=120, sharey=True)
+    for label, report in reports.items():
+        all_tokens.plot(*curve(report, "angular_distance"), "o-", label=label)
+        last_token.plot(*curve(report, "angular_distance_last_token"), "o-", label=label)
+    _depth_axes(all_tokens, "arccos(cos(input, output)) / pi", "angular distance, all tokens")
+    _depth_axes(last_token, "", "angular distance, last token")
+    written.append(_save(fig, out_dir / "angular_distance.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for label, report in reports.items():
+        ax.plot(*curve(report, "output_variance"), "o-", label=label)
+    ax.set_yscale("log")
+    _depth_axes(ax, "variance of the layer's output", "hidden-state variance")
+    written.append(_save(fig, out_dir / "variance.png"))
+
+    pruned = {
+        label: report
+        for label, report in reports.items()
+        if any(not math.isnan(row.pruning_drop) for row in report.layers)
+    }
+    if pruned:
+        fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+        for label, report in pruned.items():
+            ax.plot(*curve(report, "pruning_drop"), "o-", label=label)
+        ax.axhline(0.0, color="grey", linewidth=0.8)
+        _depth_axes(
+            ax, "held-out loss without the layer - full model", "pruning drop (layer removed)"
+        )
+        written.append(_save(fig, out_dir / "pruning_drop.png"))
+    return written
+
+
 def _save(fig, output: str | Path) -> Path:
     output = Path(output)
+    fig.tight_layout()
     fig.savefig(output)
     _pyplot().close(fig)
     return output

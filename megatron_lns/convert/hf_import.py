@@ -66,11 +66,14 @@ def import_hf(
     out_dir: str | Path,
     overrides: list[str] | None = None,
     lns: bool = False,
-    base_config: str | Path | None = None,
+    base_config: str | Path | DictConfig | None = None,
     overwrite: bool = False,
     progress: Callable[[str], None] | None = print,
 ) -> Path:
-    """Convert ``hf_dir`` into a run directory ``out_dir``; returns its config path."""
+    """Convert ``hf_dir`` into a run directory ``out_dir``; returns its config path.
+
+    ``base_config`` (a YAML path or an OmegaConf mapping) gives the non-architecture keys.
+    """
     say = progress or (lambda _: None)
     hf_dir, out_dir = Path(hf_dir), Path(out_dir).absolute()
     overrides = list(overrides or [])
@@ -151,9 +154,11 @@ def _read_hf_config(hf_dir: Path):
         raise ConversionError(f"{hf_dir}/config.json: {message}") from err
 
 
-def _read_base_config(path: str | Path | None) -> DictConfig:
+def _read_base_config(path: str | Path | DictConfig | None) -> DictConfig:
     if path is None:
         return OmegaConf.create({})
+    if isinstance(path, DictConfig):
+        return path.copy()
     if not Path(path).is_file():
         raise ConversionError(f"--config {path} does not exist")
     try:

@@ -276,3 +276,20 @@ def micro_batch_loader(
         persistent_workers=num_workers > 0,
     )
     return iter(loader)
+
+
+def held_out_batches(
+    dataset: torch.utils.data.Dataset,
+    num_batches: int,
+    micro_batch_size: int,
+    num_microbatches: int,
+    data_parallel_size: int,
+    data_parallel_rank: int,
+) -> Iterator[list[dict[str, torch.Tensor]]]:
+    """The first ``num_batches`` global batches of ``dataset``, one global batch (this
+    rank's ``num_microbatches`` micro-batches) at a time; every call yields the same."""
+    loader = micro_batch_loader(
+        dataset, 0, micro_batch_size, data_parallel_size, data_parallel_rank, 0
+    )
+    for _ in range(num_batches):
+        yield [next(loader) for _ in range(num_microbatches)]

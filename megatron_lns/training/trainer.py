@@ -27,12 +27,13 @@ from megatron.core.num_microbatches_calculator import (
 
 from megatron_lns.config import ExperimentConfig, to_yaml
 from megatron_lns.config.paths import run_directory
-from megatron_lns.data.datasets import micro_batch_loader
+from megatron_lns.data.datasets import held_out_batches, micro_batch_loader
 from megatron_lns.data.tokenizer import build_tokenizer
 from megatron_lns.errors import UserError
 from megatron_lns.runtime import init_distributed
 from megatron_lns.training.assembly import (
     build_trainable,
+    dataset_num_samples,
     dataset_settings,
     device_setting,
     model_config,
@@ -178,15 +179,8 @@ class Trainer:
         m, t = cfg.model, cfg.trainer
         tokenizer = build_tokenizer(*tokenizer_spec(cfg))
         self.model_config = model_config(cfg, tokenizer.vocab_size)
-        num_evals = t.max_steps // t.val_check_interval + 1
         self.splits = dataset_settings(cfg).build(
-            tokenizer_spec(cfg),
-            self.model_config.vocab_size,
-            num_samples=(
-                t.max_steps * m.global_batch_size,  # a bound: ramp-up steps take fewer
-                t.limit_val_batches * m.global_batch_size * num_evals,
-                0,
-            ),
+            tokenizer_spec(cfg), self.model_config.vocab_size, dataset_num_samples(cfg)
         )
 
         trainable = build_trainable(
@@ -275,11 +269,14 @@ class Trainer:
     def validation_microbatches(self) -> Iterator[list[Batch]]:
         """The first ``limit_val_batches`` global batches of the validation split, one
         global batch (this rank's micro-batches) at a time; every call yields the same."""
-        loader = micro_batch_loader(
-            self.splits.valid, 0, self.cfg.model.micro_batch_size, self.dp_size, self.dp_rank, 0
+        return held_out_batches(
+            self.splits.valid,
+            self.cfg.trainer.limit_val_batches,
+            self.cfg.model.micro_batch_size,
+            self.validation_num_microbatches,
+            self.dp_size,
+            self.dp_rank,
         )
-        for _ in range(self.cfg.trainer.limit_val_batches):
-            yield [next(loader) for _ in range(self.validation_num_microbatches)]
 
     def train_step(self) -> StepResult:
         """One global batch: forward/backward, optimizer step, schedule.

@@ -1,0 +1,422 @@
+"""``megatron-lns analyze``: depth diagnostics of trained models on held-out data.
+
+Each input is a run directory (its newest complete checkpoint), one ``iter_NNNNNNN``
+checkpoint, or a Hugging Face model written by ``megatron-lns export-hf``. A megatron
+checkpoint carries its run config, and the held-out data is that run's validation
+split, exactly as the trainer drew it (same data, split, seed and sample counts, so
+the full-model loss over the run's ``trainer.limit_val_batches`` batches is the run's
+last ``val_loss``). A Hugging Face directory says only the architecture: the held-out
+data comes from ``--config`` (e.g. the training run's ``config.yaml``) and/or
+``key=value`` overrides, and the model is imported into a temporary weights-only
+checkpoint (``convert.hf_import``) which is then analysed like any other.
+
+Every input is measured by :func:`~megatron_lns.analysis.depth.depth_diagnostics` at
+the parallel layout of its config (overridable), on ``trainer.devices`` local
+processes or under an external launcher (torchrun, srun). The output directory gets
+``analysis.json`` and PNG plots overlaying all inputs; it is written all at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from megatron_lns.analysis.depth import DepthReport, LayerDiagnostics, depth_diagnostics
+from megatron_lns.analysis.plots import plot_depth_reports
+from megatron_lns.config import ConfigError, ExperimentConfig, load_config, validate
+from megatron_lns.config.bundled import resolve_config_path
+from megatron_lns.config.validate import check_environment
+from megatron_lns.convert.hf_export import resolve_checkpoint
+from megatron_lns.convert.hf_import import import_hf
+from megatron_lns.convert.output import check_apart, check_output_dir, staged_output_dir
+from megatron_lns.errors import UserError
+
+REPORT_NAME = "analysis.json"
+# What an analysis may change in a run's config: where the held-out data comes from and
+# how much of it, how the model is laid out on devices, and the backend. Anything else
+# would describe another model than the one the checkpoint holds.
+OVERRIDABLE = (
+    "trainer.",
+    "model.data.",
+    "model.tokenizer.",
+    "model.seed",
+    "model.micro_batch_size",
+    "model.global_batch_size",
+    "model.tensor_model_parallel_size",
+    "model.pipeline_model_parallel_size",
+    "model.virtual_pipeline_model_parallel_size",
+    "model.sequence_parallel",
+    "model.transformer_engine",
+    "model.fp8",
+)
+# Keys of a --config base that describe a training run rather than the imported model:
+# its directory, and the LNS/variant choice, which a Hugging Face export has folded in.
+_NOT_FROM_BASE = ("exp_manager", "model.norm_scaling", "model.layer_variant")
+_OVERRIDE = re.compile(r"^\+?[A-Za-z_][\w.]*=")
+
+
+class AnalysisError(UserError, ValueError):
+    """An input, label or setting that ``analyze`` cannot use; the message names it."""
+
+
+def is_override(arg: str) -> bool:
+    """Whether a command-line argument is a ``key=value`` setting rather than a path."""
+    return bool(_OVERRIDE.match(arg)) and not Path(arg).exists()
+
+
+def check_overrides(overrides: Sequence[str]) -> None:
+    for override in overrides:
+        key = override.lstrip("+~").split("=", 1)[0]
+        if not key.startswith(OVERRIDABLE):
+            raise AnalysisError(
+                f"{key}: analyze does not change the trained model; it accepts settings of "
+                "the held-out data, batch sizes, parallel layout and devices (trainer.*, "
+                "model.data.*, model.tokenizer.*, model.*_parallel_size, ...)"
+            )
+
+
+def is_hf_model(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+@dataclass
+class Input:
+    """One model to analyse and where it came from."""
+
+    label: str
+    source: Path
+    kind: str  # "run", "checkpoint" or "huggingface"
+    checkpoint: Path | None = None  # for "huggingface": set once imported
+    cfg: ExperimentConfig | None = None
+
+
+def _default_label(path: Path, kind: str) -> str:
+    path = path.absolute()
+    if kind == "checkpoint":
+        run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+        return f"{run.name}/{path.name}"
+    return path.name
+
+
+def resolve_inputs(paths: Sequence[str | Path], labels: Sequence[str] | None) -> list[Input]:
+    """Classify every input (checking it exists and holds a model) and label it."""
+    if not paths:
+        raise AnalysisError("give at least one run directory, checkpoint or Hugging Face model")
+    if labels and len(labels) != len(paths):
+        raise AnalysisError(
+            f"--labels gives {len(labels)} labels for {len(paths)} inputs; give one per input"
+        )
+    inputs = []
+    for path in map(Path, paths):
+        if not path.exists():
+            raise AnalysisError(f"{path} does not exist")
+        if not path.is_dir():
+            raise AnalysisError(
+                f"{path} is not a directory (a run directory, an iter_NNNNNNN checkpoint or "
+                "a Hugging Face model directory)"
+            )
+        if is_hf_model(path):
+            inputs.append(Input(_default_label(path, "huggingface"), path, "huggingface"))
+            continue
+        checkpoint = resolve_checkpoint(path)
+        kind = "checkpoint" if checkpoint == path else "run"
+        inputs.append(Input(_default_label(path, kind), path, kind, checkpoint))
+    if labels:
+        for item, label in zip(inputs, labels, strict=True):
+            item.label = label
+    seen = [item.label for item in inputs]
+    repeated = sorted({label for label in seen if seen.count(label) > 1})
+    if repeated:
+        raise AnalysisError(
+            f"inputs share the label {repeated[0]!r}; name them apart with --labels"
+        )
+    return inputs
+
+
+def _hf_base(config: str | Path | None):
+    """The --config YAML without the keys an imported model sets itself."""
+    if config is None:
+        return OmegaConf.create({})
+    path = resolve_config_path(config)
+    try:
+        base = OmegaConf.load(path)
+    except Exception as err:  # YAML syntax errors come in several types
+        raise AnalysisError(f"--config {path}: {str(err).splitlines()[0]}") from err
+    for key in _NOT_FROM_BASE:
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(base, parent) if parent else base
+        if node is not None and leaf in node:
+            del node[leaf]
+    return base
+
+
+def _import_hf(item: Input, work: Path, overrides: list[str], config: str | Path | None) -> None:
+    """Import ``item`` into a weights-only checkpoint under ``work``.
+
+    It is imported as plain Pre-LN: an exported model has any LNS factors folded into
+    its norm weights, so that model computes exactly what the trained one did.
+    """
+    base = _hf_base(config)
+    has_data = OmegaConf.select(base, "model.data.data_prefix", default=None) or any(
+        o.lstrip("+").startswith("model.data.data_prefix=") for o in overrides
+    )
+    if not has_data:
+        raise AnalysisError(
+            f"{item.source} is a Hugging Face model, which does not say its held-out data: "
+            "pass --config RUN/config.yaml (the training run's config) or "
+            "model.data.data_prefix=..."
+        )
+    run_dir = work / f"hf-import-{len(list(work.iterdir()))}"
+    import_hf(item.source, run_dir, overrides, lns=False, base_config=base, progress=None)
+    item.checkpoint = resolve_checkpoint(run_dir)
+
+
+def input_config(item: Input, overrides: list[str], work: Path, world: int | None):
+    """The checkpoint's run config with the analysis overrides, validated for this world.
+
+    The run directory is pointed at ``work``: an analysis writes nothing into the run
+    it reads (which may be read-only, or still training).
+    """
+    path = item.checkpoint / "config.yaml"
+    if not path.is_file():
+        raise AnalysisError(f"{path} is missing: the checkpoint does not say its model")
+    try:
+        cfg = load_config(path, overrides)
+    except ConfigError as err:
+        raise AnalysisError(f"{item.label}: {err}") from err
+    exp = dataclasses.replace(cfg.exp_manager, exp_dir=str(work), name="analysis")
+    cfg = dataclasses.replace(cfg, exp_manager=exp)
+    try:
+        validate(cfg, world)
+        check_environment(cfg)
+    except ConfigError as err:
+        raise AnalysisError(f"{item.label} ({path}): {err}") from err
+    return cfg
+
+
+def _iteration(checkpoint: Path) -> int | None:
+    try:
+        return json.loads((checkpoint / "complete.json").read_text()).get("iteration")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def analyze(
+    inputs: Sequence[str | Path],
+    out_dir: str | Path,
+    labels: Sequence[str] | None = None,
+    batches: int | None = None,
+    overrides: Sequence[str] = (),
+    config: str | Path | None = None,
+    prune: bool = True,
+    overwrite: bool = False,
+) -> Path:
+    """Analyse every input and write ``out_dir`` (report and plots); returns its report.
+
+    ``batches`` is the number of held-out global batches (default: each run's
+    ``trainer.limit_val_batches``); ``overrides`` are ``key=value`` settings applied to
+    every input's config (see ``OVERRIDABLE``); ``config`` is the base config of
+    Hugging Face inputs; ``prune=False`` skips the layer-removal measurements.
+    """
+    overrides = list(overrides)
+    check_overrides(overrides)
+    if batches is not None and batches < 1:
+        raise AnalysisError(f"--batches {batches}: give at least 1 held-out batch")
+    out_dir = Path(out_dir)
+    check_output_dir(out_dir, overwrite)
+    items = resolve_inputs(inputs, labels)
+    for item in items:
+        check_apart(out_dir, item.source)
+    if config is not None and not any(item.kind == "huggingface" for item in items):
+        raise AnalysisError(
+            f"--config {config} is for Hugging Face inputs; a run or checkpoint is analysed "
+            "with its own config.yaml (change its data or layout with key=value settings)"
+        )
+    external = "RANK" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if external else None
+    with tempfile.TemporaryDirectory(prefix="megatron-lns-analyze-") as scratch:
+        work = Path(scratch)
+        for item in items:
+            if item.kind == "huggingface":
+                if external and world != 1:
+                    raise AnalysisError(
+                        f"{item.source}: a Hugging Face input is imported in one process; run "
+                        "analyze without torchrun/srun (it starts trainer.devices processes "
+                        "itself), or import-hf it first and analyze that run directory"
+                    )
+                _import_hf(item, work, overrides, config)
+            item.cfg = input_config(item, overrides, work, world)
+            if batches is None and item.cfg.trainer.limit_val_batches < 1:
+                raise AnalysisError(
+                    f"{item.label}: its trainer.limit_val_batches is 0; say how many held-out "
+                    "batches to use with --batches N"
+                )
+        results = []
+        for index, item in enumerate(items):
+            cfg = item.cfg
+            num_batches = batches or cfg.trainer.limit_val_batches
+            result_path = work / f"result-{index}.json"
+            _say(
+                f"analyze: {item.label}: {item.checkpoint} ({cfg.model.num_layers} layers, "
+                f"{num_batches} held-out batches of {cfg.model.global_batch_size} sequences)"
+            )
+            _run(cfg, external, item.checkpoint, num_batches, prune, str(result_path))
+            if result_path.is_file():  # under an external launcher, on rank 0 only
+                results.append((item, num_batches, json.loads(result_path.read_text())))
+        if not results:
+            return out_dir / REPORT_NAME
+        reports = {item.label: _report_from_dict(result) for item, _, result in results}
+        with staged_output_dir(out_dir, overwrite) as stage:
+            report = {
+                "inputs": [_input_entry(item, n, result) for item, n, result in results],
+            }
+            (stage / REPORT_NAME).write_text(json.dumps(report, indent=1) + "\n")
+            plots = plot_depth_reports(reports, stage)
+    for label, rep in reports.items():
+        deepest = rep.layers[-1]
+        _say(
+            f"analyze: {label}: held-out loss {rep.loss:.4f} (ppl {rep.perplexity:.3f}, "
+            f"{rep.num_tokens} tokens); variance growth L/1 {rep.variance_growth():.3g}; "
+            f"last layer: angular distance {deepest.angular_distance:.4f}, pruning drop "
+            f"{deepest.pruning_drop:.4f}"
+        )
+    _say(f"analyze: wrote {out_dir / REPORT_NAME} and {', '.join(p.name for p in plots)}")
+    return out_dir / REPORT_NAME
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def _input_entry(item: Input, num_batches: int, result: dict) -> dict:
+    m = item.cfg.model
+    return {
+        "label": item.label,
+        "kind": item.kind,
+        "source": str(item.source.absolute()),
+        "checkpoint": None if item.kind == "huggingface" else str(item.checkpoint.absolute()),
+        "iteration": None if item.kind == "huggingface" else _iteration(item.checkpoint),
+        "model": {
+            "num_layers": m.num_layers,
+            "hidden_size": m.hidden_size,
+            "norm_scaling": m.norm_scaling,
+            "layer_variant": m.layer_variant,
+        },
+        "held_out": {
+            "data_prefix": [str(p) for p in m.data.data_prefix],
+            "splits_string": m.data.splits_string,
+            "batches": num_batches,
+            "sequences": num_batches * m.global_batch_size,
+            "seq_length": m.data.seq_length,
+        },
+        **result,
+    }
+
+
+def _report_from_dict(result: dict) -> DepthReport:
+    return DepthReport(
+        loss=result["loss"],
+        num_tokens=result["num_tokens"],
+        layers=[
+            LayerDiagnostics(**{k: float("nan") if v is None else v for k, v in row.items()})
+            for row in result["layers"]
+        ],
+    )
+
+
+def _run(cfg, external: bool, *args) -> None:
+    from megatron_lns.runtime import spawn_local
+
+    world = cfg.trainer.num_nodes * cfg.trainer.devices
+    if external or world == 1:
+        analysis_job(cfg, *args)
+    elif cfg.trainer.num_nodes > 1:
+        raise AnalysisError(
+            "trainer.num_nodes > 1 needs a multi-node launcher (torchrun or srun starting "
+            "`megatron-lns analyze` on every rank), or set trainer.num_nodes=1"
+        )
+    else:
+        spawn_local(analysis_job, world, cfg, *args)
+
+
+def analysis_job(
+    cfg: ExperimentConfig,
+    checkpoint: Path,
+    num_batches: int,
+    prune: bool,
+    result_path: str,
+) -> None:
+    """On every rank: build the model at the config's layout, load ``checkpoint``, measure
+    it on ``num_batches`` held-out batches; rank 0 writes the report to ``result_path``."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_lns.data.datasets import held_out_batches
+    from megatron_lns.data.tokenizer import build_tokenizer
+    from megatron_lns.model import build_model
+    from megatron_lns.runtime import init_distributed
+    from megatron_lns.training.assembly import (
+        dataset_num_samples,
+        dataset_settings,
+        device_setting,
+        model_config,
+        parallel_layout,
+        tokenizer_spec,
+    )
+    from megatron_lns.training.checkpoint import load_model_weights
+
+    layout = parallel_layout(cfg)
+    device = init_distributed(layout, device=device_setting(cfg), seed=cfg.model.seed)
+    m = cfg.model
+    gpt = model_config(cfg, build_tokenizer(*tokenizer_spec(cfg)).vocab_size)
+    train, valid, test = dataset_num_samples(cfg)
+    valid = max(valid, num_batches * m.global_batch_size)
+    splits = dataset_settings(cfg).build(tokenizer_spec(cfg), gpt.vocab_size, (train, valid, test))
+    if splits.valid is None:
+        raise AnalysisError(
+            f"model.data.splits_string={m.data.splits_string} gives the validation split no "
+            "data: there is nothing held out to measure on"
+        )
+    chunks = build_model(gpt, layout, device)
+    if gpt.precision != "fp32":
+        chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
+    load_model_weights(chunks, checkpoint)
+
+    dp_size = parallel_state.get_data_parallel_world_size()
+    num_microbatches = m.global_batch_size // (m.micro_batch_size * dp_size)
+    batches = [
+        [{key: value.to(device) for key, value in mb.items()} for mb in batch]
+        for batch in held_out_batches(
+            splits.valid,
+            num_batches,
+            m.micro_batch_size,
+            num_microbatches,
+            dp_size,
+            parallel_state.get_data_parallel_rank(),
+        )
+    ]
+    rank0 = dist.get_rank() == 0
+    bar = None
+    if prune and rank0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=m.num_layers, desc="layer removal", unit="layer", file=sys.stderr)
+    try:
+        report = depth_diagnostics(
+            chunks, batches, prune=prune, progress=None if bar is None else lambda _: bar.update()
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    if rank0:
+        Path(result_path).write_text(json.dumps(report.to_dict()))

@@ -1,0 +1,187 @@
+"""``megatron-lns analyze`` end to end on a tiny trained run: its report and plots, the
+same numbers from the run's Hugging Face export and at another parallel layout, and
+one-line refusals of bad inputs."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from helpers import fresh_launch_env, run_distributed, tiny_run_config
+
+from megatron_lns.cli import main
+
+pytestmark = pytest.mark.slow
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PLOTS = ("angular_distance.png", "variance.png", "pruning_drop.png")
+
+
+def _train(cfg):
+    from megatron_lns.training.trainer import Trainer
+
+    return Trainer(cfg).fit().valid_loss
+
+
+def _analyze(inputs, out_dir, options=None):
+    from megatron_lns.analyze import analyze
+
+    return json.loads(analyze(inputs, out_dir, **(options or {})).read_text())
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MEGATRON_LNS_CACHE", str(tmp_path_factory.getbasetemp() / "corpus_cache"))
+        yield
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, cache):
+    """A six-step run validated on 2 held-out batches; returns (run dir, last val_loss).
+
+    Its vocabulary is not padded: a Hugging Face export drops megatron's padding rows,
+    and imported back they are zero, which changes the softmax over the padded vocabulary
+    (docs/analysis.md); without padding the export computes exactly the same loss.
+    """
+    root = tmp_path_factory.mktemp("analyze")
+    cfg = tiny_run_config(
+        root, "trainer.limit_val_batches=2", "model.make_vocab_size_divisible_by=1"
+    )
+    valid_loss = run_distributed(_train, 1, root / "train", cfg)[0]
+    return root / "lns", valid_loss
+
+
+def _by_label(report: dict) -> dict[str, dict]:
+    return {entry["label"]: entry for entry in report["inputs"]}
+
+
+def test_analyze_a_run_and_a_checkpoint(run, tmp_path):
+    run_dir, valid_loss = run
+    out = tmp_path / "out"
+    older = run_dir / "checkpoints" / "iter_0000003"
+    report = run_distributed(_analyze, 1, tmp_path, [run_dir, older], out)[0]
+
+    entries = _by_label(report)
+    assert list(entries) == ["lns", "lns/iter_0000003"]
+    latest, early = entries["lns"], entries["lns/iter_0000003"]
+    assert latest["kind"] == "run" and latest["iteration"] == 6
+    assert early["kind"] == "checkpoint" and early["iteration"] == 3
+    # The run's own held-out batches: the full-model loss is its last val_loss.
+    assert latest["loss"] == pytest.approx(valid_loss, rel=1e-6)
+    assert latest["held_out"]["batches"] == 2 and latest["num_tokens"] == 2 * 4 * 32
+    assert early["loss"] != pytest.approx(latest["loss"], rel=1e-4)
+    for entry in entries.values():
+        rows = entry["layers"]
+        assert [row["layer_number"] for row in rows] == [1, 2, 3, 4]
+        for row in rows:
+            assert 0.0 < row["angular_distance"] < 1.0
+            assert 0.0 < row["angular_distance_last_token"] < 1.0
+            assert row["output_variance"] > 0.0
+            assert row["pruning_drop"] == pytest.approx(row["loss_without_layer"] - entry["loss"])
+        assert entry["perplexity"] == pytest.approx(math.exp(entry["loss"]))
+    for name in PLOTS:
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC
+    assert not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_a_hugging_face_export_gives_the_checkpoint_numbers(run, tmp_path):
+    from megatron_lns.convert import export_hf
+
+    run_dir, _ = run
+    hf = export_hf(run_dir, tmp_path / "hf", progress=None)
+    report = run_distributed(
+        _analyze,
+        1,
+        tmp_path,
+        [run_dir, hf],
+        tmp_path / "out",
+        {"config": run_dir / "config.yaml"},
+    )[0]
+
+    entries = _by_label(report)
+    megatron, exported = entries["lns"], entries["hf"]
+    assert exported["kind"] == "huggingface" and exported["checkpoint"] is None
+    assert exported["num_tokens"] == megatron["num_tokens"]
+    assert exported["loss"] == pytest.approx(megatron["loss"], rel=1e-5)
+    for ours, theirs in zip(megatron["layers"], exported["layers"], strict=True):
+        for key in ("angular_distance", "angular_distance_last_token", "output_variance"):
+            assert theirs[key] == pytest.approx(ours[key], rel=1e-4)
+        assert theirs["pruning_drop"] == pytest.approx(ours["pruning_drop"], abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def one_process(run, tmp_path_factory):
+    """The run analysed in one process, without layer removal."""
+    run_dir, _ = run
+    root = tmp_path_factory.mktemp("one_process")
+    return run_distributed(_analyze, 1, root, [run_dir], root / "out", {"prune": False})[0]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [["model.pipeline_model_parallel_size=2"], ["model.data.num_workers=0"]],
+    ids=["pp2", "dp2"],
+)
+def test_cli_on_two_processes_matches_one_process(run, one_process, tmp_path, layout):
+    run_dir, _ = run
+    out = tmp_path / "out"
+    command = [
+        sys.executable, "-m", "megatron_lns.cli", "analyze", str(run_dir), "--out", str(out),
+        "--labels", "two", "--no-prune", "trainer.devices=2", *layout,
+    ]  # fmt: skip
+    done = subprocess.run(command, env=fresh_launch_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"wrote {out / 'analysis.json'}" in done.stdout
+
+    ours = _by_label(json.loads((out / "analysis.json").read_text()))["two"]
+    reference = one_process["inputs"][0]
+    assert ours["num_tokens"] == reference["num_tokens"]
+    assert ours["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+    for theirs, mine in zip(reference["layers"], ours["layers"], strict=True):
+        assert mine["layer_number"] == theirs["layer_number"]
+        for key in ("angular_distance", "angular_distance_last_token", "output_variance"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5)
+        assert mine["pruning_drop"] is None
+
+
+def _error_line(capsys, *argv: str) -> str:
+    assert main(["analyze", *argv]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_bad_inputs_are_refused_in_one_line(run, tmp_path, capsys):
+    run_dir, _ = run
+    out = str(tmp_path / "out")
+    assert "does not exist" in _error_line(capsys, str(tmp_path / "nope"), "--out", out)
+    (tmp_path / "file").write_text("x")
+    assert "is not a directory" in _error_line(capsys, str(tmp_path / "file"), "--out", out)
+    assert "no complete checkpoint" in _error_line(capsys, str(tmp_path), "--out", out)
+    error = _error_line(capsys, str(run_dir), "model.num_layers=8", "--out", out)
+    assert "model.num_layers: analyze does not change the trained model" in error
+    error = _error_line(capsys, str(run_dir), str(run_dir), "--out", out)
+    assert "share the label 'lns'" in error
+    error = _error_line(capsys, str(run_dir), "--labels", "a", "b", "--out", out)
+    assert "2 labels for 1 inputs" in error
+    assert "--batches 0" in _error_line(capsys, str(run_dir), "--batches", "0", "--out", out)
+    error = _error_line(
+        capsys, str(run_dir), "--config", str(run_dir / "config.yaml"), "--out", out
+    )
+    assert "is for Hugging Face inputs" in error
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    assert "does not say its held-out data" in _error_line(capsys, str(hf), "--out", out)
+    assert not (tmp_path / "out").exists()
+
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("x")
+    error = _error_line(capsys, str(run_dir), "--out", str(tmp_path / "taken"))
+    assert "pass --overwrite" in error
