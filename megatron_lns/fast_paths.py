@@ -26,7 +26,8 @@ What each switch needs is read from megatron-core 0.19:
 * ``overlap_grad_reduce`` / ``overlap_param_gather``: megatron DDP's bucketed
   asynchronous collectives; the parameter all-gather only exists with the distributed
   optimizer.
-* ``batch_p2p_comm``: batched pipeline send/receive, wrong on gloo (``runtime.uses_gloo``).
+* ``batch_p2p_comm``: batched pipeline send/receive, wrong on gloo (``runtime.uses_gloo``)
+  once there is a pipeline; without one there is nothing to send.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class FastPathRequest:
     batch_p2p_comm: bool | None = None
     overlap_p2p_comm: bool = False
     # The model and run the switches apply to.
+    pipeline_parallel: bool = False
     transformer_engine: bool = False
     rope: bool = True
     gelu_without_bias: bool = False
@@ -212,7 +214,7 @@ def resolve_fast_paths(request: FastPathRequest, facts: MachineFacts) -> FastPat
         "model.batch_p2p_comm",
         r.batch_p2p_comm,
         default=not r.overlap_p2p_comm,
-        runs=cuda,
+        runs=cuda or not r.pipeline_parallel,
         why_not="is wrong on gloo (CPU): batched sends and receives between the same two "
         "ranks can be matched out of order",
     )

@@ -41,6 +41,7 @@ def fast_path_request(cfg: ExperimentConfig) -> FastPathRequest:
         bucket_cap_mb=o.bucket_cap_mb,
         batch_p2p_comm=m.batch_p2p_comm,
         overlap_p2p_comm=m.overlap_p2p_comm,
+        pipeline_parallel=m.pipeline_model_parallel_size > 1,
         transformer_engine=m.transformer_engine,
         rope=m.position_embedding_type == "rope",
         gelu_without_bias=m.activation == "gelu" and not m.bias,
