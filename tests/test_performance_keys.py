@@ -4,6 +4,7 @@ key, and a short CPU run with several of them set trains like one without."""
 
 import dataclasses
 import math
+import sys
 import warnings
 from pathlib import Path
 
@@ -420,3 +421,57 @@ def test_a_run_with_the_fast_paths_on_trains_like_one_without(tmp_path, monkeypa
     assert all(math.isfinite(loss) for loss in losses)
     # Overlapped bucketed reduction and the fused kernels compute the same numbers.
     assert losses == pytest.approx(plain[0][0], rel=1e-5)
+
+
+# --- The OLMo-7B production config ---
+
+OLMO = Path(__file__).resolve().parents[1] / "nemo_configs" / "olmo_7b_lns_20b.yaml"
+OLMO_TOKENIZER_VOCAB = 50280  # GPT-NeoX / OLMo tokenizer (docs/REFERENCE: padded 50304)
+
+
+def _memory_module():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "memory_per_gpu.py"
+    spec = importlib.util.spec_from_file_location("memory_per_gpu", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_olmo_7b_config_validates_and_quotes_its_current_memory_arithmetic():
+    memory = _memory_module()
+    cfg = memory.load_for_estimate(OLMO)
+    validate(cfg, check_files=False)
+    m = cfg.model
+    assert m.optim.name == "distributed_fused_adam" and m.optim.overlap_param_sync
+    assert m.optim.overlap_grad_sync and m.context_parallel_size == 1 and m.fp8 == "delayed"
+    assert m.activations_checkpoint_granularity is None
+    block = memory.comment_block(cfg, OLMO_TOKENIZER_VOCAB)
+    assert block in OLMO.read_text(), "rerun benchmarks/memory_per_gpu.py and update the YAML"
+    estimate = memory.estimate(cfg, OLMO_TOKENIZER_VOCAB)
+    assert estimate.total_gb < 80  # an H100 (80 GB)
+    # The arithmetic's pieces: 16 layers of 202M parameters over TP=2, plus half the
+    # padded embedding (50304 x 4096 / 2); 36 = (2(PP-1) + (VP-1)PP + 1) chunks x 4 layers.
+    assert estimate.parameters == 16 * (4 * 4096**2 + 3 * 4096 * 11008) // 2 + 50304 * 4096 // 2
+    assert estimate.layer_microbatches == 36
+
+
+def test_memory_arithmetic_follows_recomputation():
+    memory = _memory_module()
+    base = ["model.tokenizer.type=x", "model.data.data_prefix=[x]"]
+    kept = memory.estimate(load_config(OLMO, base), OLMO_TOKENIZER_VOCAB).activations_gb
+    full = memory.estimate(
+        load_config(
+            OLMO,
+            [
+                *base,
+                "model.activations_checkpoint_granularity=full",
+                "+model.activations_checkpoint_method=uniform",
+                "+model.activations_checkpoint_num_layers=1",
+            ],
+        ),
+        OLMO_TOKENIZER_VOCAB,
+    ).activations_gb
+    assert full < kept / 5
