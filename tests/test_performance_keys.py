@@ -475,3 +475,52 @@ def test_memory_arithmetic_follows_recomputation():
         OLMO_TOKENIZER_VOCAB,
     ).activations_gb
     assert full < kept / 5
+
+
+# --- model.dist_ckpt_parallel_load ---
+
+
+def _save_then_load_in_parallel(checkpoint_root):
+    from helpers import fixed_microbatches, tiny_config
+
+    from megatron_lns.optim import OptimSettings
+    from megatron_lns.runtime import ParallelLayout, init_distributed
+    from megatron_lns.training.assembly import build_trainable
+    from megatron_lns.training.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+    from megatron_lns.training.step import train_step
+
+    layout = ParallelLayout()  # DP = 2
+    device = init_distributed(layout, device="cpu", seed=1)
+    config = tiny_config()
+    trained = build_trainable(config, layout, device, OptimSettings(lr=1e-2), total_steps=10)
+    batches = fixed_microbatches(config.vocab_size, config.seq_length)
+    train_step(trained.model, trained.optimizer, batches)
+    path = save_checkpoint(
+        checkpoint_root,
+        trained.model,
+        trained.optimizer,
+        trained.scheduler,
+        TrainingState(1, 4),
+        "",
+    )
+    init_distributed(layout, device="cpu", seed=2)  # other initial weights
+    fresh = build_trainable(config, layout, device, OptimSettings(lr=1e-2), total_steps=10)
+    state = load_checkpoint(path, fresh.model, fresh.optimizer, fresh.scheduler, parallel_load=True)
+    same_weights = all(
+        torch.equal(a, b)
+        for a, b in zip(
+            trained.model[0].module.parameters(), fresh.model[0].module.parameters(), strict=True
+        )
+    )
+    # The next step from the loaded state matches the next step of the original.
+    after_trained = train_step(trained.model, trained.optimizer, batches).loss
+    after_fresh = train_step(fresh.model, fresh.optimizer, batches).loss
+    return same_weights, state.iteration, after_trained, after_fresh
+
+
+@pytest.mark.slow
+def test_parallel_load_restores_what_was_saved(tmp_path):
+    results = run_distributed(_save_then_load_in_parallel, 2, tmp_path, str(tmp_path / "ckpt"))
+    for same_weights, iteration, after_trained, after_fresh in results:
+        assert same_weights and iteration == 1
+        assert after_fresh == after_trained

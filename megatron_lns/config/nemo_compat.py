@@ -305,7 +305,6 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
     "model.dist_ckpt_format": Inert("checkpoints are written in torch_dist format"),
     "model.dist_ckpt_load_on_device": Inert("where a checkpoint is read into"),
     "model.dist_ckpt_parallel_save": _not_yet(False, "parallel checkpoint saving"),
-    "model.dist_ckpt_parallel_load": _not_yet(False, "parallel checkpoint loading"),
     # model: kernels and communication no megatron-core component here reads
     "model.persist_layer_norm": Inert(
         "megatron-core reads it only in Apex's FusedLayerNorm, which neither layer spec here "

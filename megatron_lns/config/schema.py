@@ -244,6 +244,8 @@ class ModelConfig:
     native_amp_init_scale: float = checked(2.0**32, positive)  # initial_loss_scale
     native_amp_growth_interval: int = checked(1000, positive)  # loss_scale_window
     hysteresis: int = checked(2, positive)
+    # megatron-core's fully parallel checkpoint load across data-parallel replicas.
+    dist_ckpt_parallel_load: bool = False
 
     # Transformer Engine and FP8 (GPU only).
     transformer_engine: bool = False
