@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Literal, get_args
 
@@ -129,7 +130,6 @@ class GPTModelConfig:
     overlap_p2p_comm: bool = False
     fp32_residual_connection: bool = False
     apply_query_key_layer_scaling: bool = False
-    fp16_lm_cross_entropy: bool = False
     extra_transformer_config: dict = field(default_factory=dict)
 
     def variant_settings(self) -> VariantSettings:
@@ -250,6 +250,10 @@ def build_model(
     Requires megatron's parallel state to be initialised (see ``runtime.init_distributed``).
     """
     tf_config = config.transformer_config(layout)
+    if config.backend == "te" and config.apply_query_key_layer_scaling:
+        # Transformer Engine reads query-key layer scaling from the environment only, and
+        # megatron-core refuses a config that disagrees with it.
+        os.environ["NVTE_APPLY_QK_LAYER_SCALING"] = "1"
     num_chunks = layout.virtual_pipeline or 1
     chunks = []
     for vp_stage in range(num_chunks):
@@ -272,7 +276,6 @@ def build_model(
             share_embeddings_and_output_weights=config.share_embeddings_and_output_weights,
             position_embedding_type=config.position_embedding_type,
             rotary_base=config.rotary_base,
-            fp16_lm_cross_entropy=config.fp16_lm_cross_entropy,
             vp_stage=vp,
         )
         if device is not None:

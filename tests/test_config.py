@@ -685,6 +685,10 @@ def test_nemo_data_prefix_is_required():
         ),
         ("model.fp8_interval=4", "model.fp8_interval=4 is not supported (FP8 scaling factors"),
         (
+            "model.fp16_lm_cross_entropy=true",
+            "model.fp16_lm_cross_entropy=True is not supported (megatron-core 0.19's GPTModel",
+        ),
+        (
             "model.rampup_batch_size=[4,4,1000]",
             "model.rampup_batch_size=[4, 4, 1000] is not supported yet",
         ),

@@ -233,11 +233,9 @@ def test_fp16_loss_scaling_keys_reach_the_optimizer_config():
         "+model.native_amp_init_scale=65536",
         "+model.native_amp_growth_interval=200",
         "+model.hysteresis=4",
-        "+model.fp16_lm_cross_entropy=true",
     )
     opt = optim_settings(cfg).megatron_config(torch.float16)
     assert (opt.initial_loss_scale, opt.loss_scale_window, opt.hysteresis) == (65536, 200, 4)
-    assert model_config(cfg, 256).fp16_lm_cross_entropy
 
 
 def test_context_parallel_reaches_the_layout_and_transformer_config():
@@ -302,11 +300,6 @@ def test_pipeline_communication_keys_reach_the_transformer_config():
             ["trainer.precision=16-mixed", "+model.optim.grad_sync_dtype=bf16"],
             None,
             "model.optim.grad_sync_dtype=bf16 needs trainer.precision=bf16-mixed",
-        ),
-        (
-            ["trainer.precision=bf16-mixed", "+model.fp16_lm_cross_entropy=true"],
-            None,
-            "model.fp16_lm_cross_entropy=true needs trainer.precision=16-mixed",
         ),
         (
             ["trainer.precision=bf16-mixed", "+model.hysteresis=4"],

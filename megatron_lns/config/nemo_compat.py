@@ -258,6 +258,11 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
     "model.fp8_e4m3": Translated(_fp8_e4m3_onto_fp8_format),
     # Accepted either way: true is the default format, false defers to fp8_e4m3 (as NeMo).
     "model.fp8_hybrid": Fixed((True, False), "model.fp8_format picks the FP8 format"),
+    "model.fp16_lm_cross_entropy": Fixed(
+        (False,),
+        "megatron-core 0.19's GPTModel takes fp16_lm_cross_entropy but never reads it: its "
+        "vocab-parallel cross entropy always computes in fp32",
+    ),
     "model.fp8_interval": Fixed(
         (1,),
         "FP8 scaling factors update every step: Transformer Engine >= 1.8 ignores "

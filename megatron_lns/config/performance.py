@@ -95,8 +95,6 @@ def check_performance_keys(cfg: ExperimentConfig) -> None:
             f"model.optim.grad_sync_dtype={dtype} needs trainer.precision={dtype}-mixed: "
             "gradients are reduced in fp32 or in the model's own dtype"
         )
-    if m.fp16_lm_cross_entropy and precision != "fp16":
-        raise ConfigError("model.fp16_lm_cross_entropy=true needs trainer.precision=16-mixed")
     if precision != "fp16":
         for key, default in LOSS_SCALE_DEFAULTS.items():
             value = getattr(m, key)

@@ -238,7 +238,6 @@ class ModelConfig:
     batch_p2p_comm: bool | None = None  # null: batched on NCCL, unbatched on gloo
     fp32_residual_connection: bool = False
     apply_query_key_layer_scaling: bool = False
-    fp16_lm_cross_entropy: bool = False
     do_layer_norm_weight_decay: bool = False  # true: weight decay on norms and biases too
     # fp16 dynamic loss scaling (megatron's OptimizerConfig).
     native_amp_init_scale: float = checked(2.0**32, positive)  # initial_loss_scale

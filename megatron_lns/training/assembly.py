@@ -127,7 +127,6 @@ def model_config(
         overlap_p2p_comm=m.overlap_p2p_comm,
         fp32_residual_connection=m.fp32_residual_connection,
         apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
-        fp16_lm_cross_entropy=m.fp16_lm_cross_entropy,
         **kernels,
     )
 
