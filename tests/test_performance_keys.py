@@ -517,3 +517,37 @@ def test_parallel_load_restores_what_was_saved(tmp_path):
     for same_weights, iteration, after_trained, after_fresh in results:
         assert same_weights and iteration == 1
         assert after_fresh == after_trained
+
+
+# --- Context parallelism at run time: what CPU can check without Transformer Engine ---
+
+
+def _cp_rank_batch():
+    from megatron.core import parallel_state
+
+    from megatron_lns.runtime import ParallelLayout, init_distributed
+    from megatron_lns.training.step import lm_forward_step, make_batch
+
+    init_distributed(ParallelLayout(context=2), device="cpu")
+    tokens = torch.arange(17).unsqueeze(0)  # one sequence of 16 inputs + 1
+    seen = {}
+
+    def model(tokens, position_ids, attention_mask, labels):
+        seen.update(tokens=tokens.tolist(), labels=labels.tolist())
+        return torch.zeros(labels.shape)
+
+    lm_forward_step(iter([make_batch(tokens)]), model)
+    dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    return parallel_state.get_context_parallel_rank(), seen, dp_cp
+
+
+@pytest.mark.slow
+def test_each_context_parallel_rank_gets_its_two_load_balanced_chunks(tmp_path):
+    results = run_distributed(_cp_rank_batch, 2, tmp_path)
+    chunks = {rank: seen for rank, seen, _ in results}
+    # 16 positions in 2 x CP = 4 chunks of 4: rank 0 holds chunks 0 and 3, rank 1 1 and 2.
+    assert chunks[0]["tokens"] == [[0, 1, 2, 3, 12, 13, 14, 15]]
+    assert chunks[1]["tokens"] == [[4, 5, 6, 7, 8, 9, 10, 11]]
+    assert chunks[0]["labels"] == [[1, 2, 3, 4, 13, 14, 15, 16]]
+    # The loss is summed over data x context parallel ranks: both CP ranks here.
+    assert all(dp_cp == 2 for _, _, dp_cp in results)
