@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Literal, get_args
 
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
@@ -73,6 +75,11 @@ class GPTModelConfig:
     unchanged: ``"selective"`` recomputes the core attention (megatron's default
     ``recompute_modules``), ``"full"`` whole layers, chosen by ``recompute_method`` and
     ``recompute_num_layers``. They trade compute for memory; the result is the same.
+
+    The fusion switches, ``attention_backend`` and the pipeline communication settings
+    are megatron's ``TransformerConfig`` fields of the same names, passed through; their
+    defaults are what runs anywhere (``fast_paths.py`` chooses them per machine).
+    ``batch_p2p_comm=None`` batches pipeline send/receive except on gloo.
     """
 
     num_layers: int
@@ -112,6 +119,17 @@ class GPTModelConfig:
     fp8_margin: int = 0
     fp8_amax_history_len: int = 1024
     fp8_amax_compute_algo: Literal["max", "most_recent"] = "max"
+    bias_activation_fusion: bool = False
+    bias_dropout_fusion: bool = False
+    masked_softmax_fusion: bool = False
+    apply_rope_fusion: bool = False
+    gradient_accumulation_fusion: bool = False
+    cross_entropy_loss_fusion: bool = False
+    attention_backend: Literal["auto", "flash", "fused"] = "auto"
+    batch_p2p_comm: bool | None = None
+    overlap_p2p_comm: bool = False
+    fp32_residual_connection: bool = False
+    apply_query_key_layer_scaling: bool = False
     extra_transformer_config: dict = field(default_factory=dict)
 
     def variant_settings(self) -> VariantSettings:
@@ -171,20 +189,31 @@ class GPTModelConfig:
             output_layer_init_method=output_init,
             hidden_dropout=self.hidden_dropout,
             attention_dropout=self.attention_dropout,
-            bias_dropout_fusion=False,
-            masked_softmax_fusion=False,
-            apply_rope_fusion=False,
-            persist_layer_norm=False,
+            bias_activation_fusion=self.bias_activation_fusion,
+            bias_dropout_fusion=self.bias_dropout_fusion,
+            masked_softmax_fusion=self.masked_softmax_fusion,
+            apply_rope_fusion=self.apply_rope_fusion,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            cross_entropy_loss_fusion=self.cross_entropy_loss_fusion,
+            attention_backend=AttnBackend[self.attention_backend],
+            fp32_residual_connection=self.fp32_residual_connection,
+            apply_query_key_layer_scaling=self.apply_query_key_layer_scaling,
             tensor_model_parallel_size=layout.tensor,
             pipeline_model_parallel_size=layout.pipeline,
             virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
+            context_parallel_size=layout.context,
             sequence_parallel=layout.sequence_parallel,
             params_dtype=dtype,
             pipeline_dtype=dtype,
             bf16=self.precision == "bf16",
             fp16=self.precision == "fp16",
             use_cpu_initialization=cpu_init,
-            batch_p2p_comm=not uses_gloo(),
+            batch_p2p_comm=(
+                not uses_gloo() and not self.overlap_p2p_comm
+                if self.batch_p2p_comm is None
+                else self.batch_p2p_comm
+            ),
+            overlap_p2p_comm=self.overlap_p2p_comm,
             # Mix-LN layers differ in their parameters: checkpoint each layer under its own
             # key rather than stacked along a layer axis.
             hetereogenous_dist_checkpoint=self.layer_variant == "mix_ln",
@@ -221,6 +250,10 @@ def build_model(
     Requires megatron's parallel state to be initialised (see ``runtime.init_distributed``).
     """
     tf_config = config.transformer_config(layout)
+    if config.backend == "te" and config.apply_query_key_layer_scaling:
+        # Transformer Engine reads query-key layer scaling from the environment only, and
+        # megatron-core refuses a config that disagrees with it.
+        os.environ["NVTE_APPLY_QK_LAYER_SCALING"] = "1"
     num_chunks = layout.virtual_pipeline or 1
     chunks = []
     for vp_stage in range(num_chunks):

@@ -39,6 +39,12 @@ class OptimSettings:
     decay_steps: int | None = None
     decay_style: DecayStyle = "cosine"
     use_distributed_optimizer: bool = False
+    # false: megatron's default, no weight decay on biases and 1-D tensors (norm weights)
+    decay_norms_and_biases: bool = False
+    # fp16 dynamic loss scaling (unused in bf16/fp32)
+    initial_loss_scale: float = 2.0**32
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
 
     def megatron_config(self, params_dtype: torch.dtype = torch.float32) -> OptimizerConfig:
         return OptimizerConfig(
@@ -55,14 +61,24 @@ class OptimSettings:
             fp16=params_dtype == torch.float16,
             params_dtype=params_dtype,
             use_distributed_optimizer=self.use_distributed_optimizer,
+            initial_loss_scale=self.initial_loss_scale,
+            loss_scale_window=self.loss_scale_window,
+            hysteresis=self.hysteresis,
         )
 
 
 def build_optimizer(
-    model: Sequence[DistributedDataParallel], optimizer_config: OptimizerConfig
+    model: Sequence[DistributedDataParallel],
+    optimizer_config: OptimizerConfig,
+    decay_norms_and_biases: bool = False,
 ) -> MegatronOptimizer:
-    """megatron's optimizer; its loss scaling is hooked into the pipeline schedules."""
-    optimizer = get_megatron_optimizer(optimizer_config, list(model))
+    """megatron's optimizer; its loss scaling is hooked into the pipeline schedules.
+
+    ``decay_norms_and_biases`` applies weight decay to every parameter (NeMo's
+    ``do_layer_norm_weight_decay``): no per-parameter override instead of megatron's
+    standard one that exempts biases and 1-D tensors."""
+    overrides = {} if decay_norms_and_biases else None
+    optimizer = get_megatron_optimizer(optimizer_config, list(model), config_overrides=overrides)
     get_model_config(model[0]).grad_scale_func = optimizer.scale_loss
     return optimizer
 
@@ -80,7 +96,9 @@ def build_optimizer_and_scheduler(
             f"warmup_steps ({settings.warmup_steps}) must be smaller than the lr decay steps "
             f"({decay_steps}); shorten the warmup or train longer"
         )
-    optimizer = build_optimizer(model, settings.megatron_config(params_dtype))
+    optimizer = build_optimizer(
+        model, settings.megatron_config(params_dtype), settings.decay_norms_and_biases
+    )
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if settings.warmup_steps else settings.lr,

@@ -152,7 +152,7 @@ def test_override_of_unknown_key_says_how_to_add():
         (
             ["model.tensor_model_parallel_size=2"],
             3,
-            "world size 3 (trainer.num_nodes x trainer.devices) is not divisible by tensor x pipeline parallel size (2 x 1)",
+            "world size 3 (trainer.num_nodes x trainer.devices) is not divisible by tensor x pipeline x context parallel size (2 x 1 x 1)",
         ),
         (
             ["model.sequence_parallel=true"],
@@ -560,7 +560,7 @@ def test_data_caches_that_cannot_be_written_are_refused(tmp_path, monkeypatch):
         ),
         (
             ["+model.context_parallel_size=2"],
-            "error: model.context_parallel_size=2 is not supported yet",
+            "error: model.context_parallel_size=2 needs model.transformer_engine=true",
         ),
     ],
 )
@@ -662,10 +662,6 @@ def test_nemo_data_prefix_is_required():
             "model.rotary_percentage=0.5 is not supported (RoPE rotates",
         ),
         (
-            "model.context_parallel_size=2",
-            "model.context_parallel_size=2 is not supported yet (context parallelism)",
-        ),
-        (
             "model.resume_from_checkpoint=/ckpt/step100",
             "model.resume_from_checkpoint='/ckpt/step100' is not supported (NeMo's Lightning",
         ),
@@ -681,31 +677,20 @@ def test_nemo_data_prefix_is_required():
             "model.normalize_attention_scores=False is not supported",
         ),
         ("model.ffn_dropout=0.1", "model.ffn_dropout=0.1 is not supported"),
-        ("model.kv_channels=128", "model.kv_channels=128 is not supported yet (the head dimension"),
+        ("model.kv_channels=128", "model.kv_channels=128 is not supported (the head dimension"),
         (
-            "model.apply_query_key_layer_scaling=true",
-            "model.apply_query_key_layer_scaling=True is not supported yet",
+            "model.num_micro_batches_with_partial_activation_checkpoints=2",
+            "model.num_micro_batches_with_partial_activation_checkpoints=2 is not supported "
+            "(megatron-core 0.19's pipeline schedules",
         ),
+        ("model.fp8_interval=4", "model.fp8_interval=4 is not supported (FP8 scaling factors"),
         (
-            "model.do_layer_norm_weight_decay=true",
-            "model.do_layer_norm_weight_decay=True is not supported yet",
+            "model.fp16_lm_cross_entropy=true",
+            "model.fp16_lm_cross_entropy=True is not supported (megatron-core 0.19's GPTModel",
         ),
-        (
-            "model.fp32_residual_connection=true",
-            "model.fp32_residual_connection=True is not supported yet",
-        ),
-        ("model.overlap_p2p_comm=true", "model.overlap_p2p_comm=True is not supported yet"),
         ("model.ub_tp_comm_overlap=true", "model.ub_tp_comm_overlap=True is not supported yet"),
         ("model.cpu_offloading=true", "model.cpu_offloading=True is not supported yet"),
         ("model.sharp=true", "model.sharp=True is not supported yet"),
-        (
-            "model.native_amp_init_scale=65536",
-            "model.native_amp_init_scale=65536 is not supported yet",
-        ),
-        (
-            "model.grad_allreduce_chunk_size_mb=32",
-            "model.grad_allreduce_chunk_size_mb=32 is not supported yet",
-        ),
         (
             "+model.dist_ckpt_parallel_save=true",
             "model.dist_ckpt_parallel_save=True is not supported yet",
@@ -736,10 +721,6 @@ def test_nemo_data_prefix_is_required():
             "+model.optim.sched.max_steps=5000",
             "model.optim.sched.max_steps=5000 is not supported (the schedule spans trainer.max_steps)",
         ),
-        (
-            "+model.optim.overlap_param_sync=true",
-            "model.optim.overlap_param_sync=True is not supported yet",
-        ),
         ("trainer.max_epochs=0", "trainer.max_epochs=0 is not supported"),
         ("+trainer.max_time=00:04:00:00", "trainer.max_time='00:04:00:00' is not supported"),
         ("trainer.accumulate_grad_batches=4", "trainer.accumulate_grad_batches=4 is not supported"),
@@ -764,7 +745,6 @@ def test_nemo_data_prefix_is_required():
             "+model.output_layer_init=normal",
             "model.use_scaled_init_method=True contradicts model.output_layer_init='normal'",
         ),
-        ("model.transformer_engine=false", None),  # use_flash_attention stays False: fine
     ],
 )
 def test_nemo_keys_that_change_the_model_or_run_are_refused_by_name(override, expected):
@@ -779,17 +759,16 @@ def test_nemo_keys_that_change_the_model_or_run_are_refused_by_name(override, ex
 
 def test_nemo_keys_depending_on_other_settings():
     assert _load_nemo("model.kv_channels=64")[0].model.hidden_size == 768  # = 768 / 12
-    _load_nemo("model.use_flash_attention=true")  # with transformer_engine: TE picks it
-    with pytest.raises(ConfigError, match=r"model.use_flash_attention=True is not supported yet"):
-        _load_nemo("model.use_flash_attention=true", "model.transformer_engine=false")
     _load_nemo("+model.optim.sched.max_steps=100000")  # = trainer.max_steps
     fp8 = ["model.fp8=delayed", "model.fp8_format=hybrid", "trainer.precision=bf16-mixed"]
     assert _load_nemo(*fp8)[0].model.fp8 == "delayed"
     with pytest.raises(
-        ConfigError, match=r"model.fp8_e4m3=True is not supported \(with model.fp8 set"
+        ConfigError, match=r"model.fp8_e4m3=True contradicts model.fp8_format='hybrid'"
     ):
         _load_nemo(*fp8, "model.fp8_e4m3=true")
-    _load_nemo("model.fp8_e4m3=true")  # FP8 off: the format flags mean nothing
+    # NeMo's precedence: fp8_e4m3 wins over its YAML's fp8_hybrid: True.
+    assert _load_nemo("model.fp8=delayed", "model.fp8_e4m3=true")[0].model.fp8_format == "e4m3"
+    assert _load_nemo("model.fp8=delayed")[0].model.fp8_format is None  # = hybrid
     cfg, _ = _load_nemo("model.use_scaled_init_method=false")
     assert cfg.model.output_layer_init == "normal"
 

@@ -16,6 +16,7 @@ LAYERS = [
     "variants",
     "fused_norm",
     "te",
+    "fast_paths",
     "specs",
     "model",
     "optim",

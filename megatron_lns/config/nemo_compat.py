@@ -125,17 +125,25 @@ def _head_dim(value: Any, cfg: ExperimentConfig) -> bool:
     return value is None or value * m.num_attention_heads == m.hidden_size
 
 
-def _fp8_format_flag(fmt: str) -> Callable[[Any, ExperimentConfig], bool]:
-    def agrees(value: Any, cfg: ExperimentConfig) -> bool:
-        return not value or cfg.model.fp8 is None or cfg.model.fp8_format == fmt
+def _fp8_e4m3_onto_fp8_format(value: Any, cfg: ExperimentConfig) -> None:
+    """NeMo's ``fp8_e4m3: true`` is ``model.fp8_format: e4m3``; false says nothing.
 
-    return agrees
+    NeMo picks E4M3 when ``fp8_e4m3`` is true and HYBRID otherwise when ``fp8_hybrid`` is
+    (its own YAML sets ``fp8_hybrid: True``); ``model.fp8_format`` null means hybrid, so
+    ``fp8_hybrid`` never changes anything and only ``fp8_e4m3`` can contradict it.
+    """
+    if not value:
+        return
+    current = cfg.model.fp8_format
+    if current is None:
+        cfg.model.fp8_format = "e4m3"
+    elif current != "e4m3":
+        raise NemoSettingError(
+            f"model.fp8_e4m3=True contradicts model.fp8_format={current!r}: they are the "
+            "same setting; keep one of them"
+        )
 
 
-KERNEL = Inert(
-    "a kernel choice: the fused and unfused paths compute the same function; "
-    "megatron-core selects the kernels for the layer spec"
-)
 LIGHTNING = Inert("PyTorch Lightning internals; megatron-lns runs its own loop")
 ONLY_WITH_REFUSED = Inert("read only when a feature refused here is switched on")
 
@@ -247,43 +255,50 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
         "bf16/fp16 always train megatron's way: half-precision model, fp32 main weights "
         "in the optimizer (NeMo's O2)"
     ),
-    "model.native_amp_init_scale": _not_yet(2**32, "fp16 loss scaling starts at 2**32"),
-    "model.native_amp_growth_interval": _not_yet(1000, "fp16 loss scale grows every 1000 steps"),
-    "model.hysteresis": _not_yet(2, "fp16 loss-scale hysteresis is 2"),
-    "model.fp16_lm_cross_entropy": _not_yet(False, "cross entropy in half precision"),
-    "model.fp32_residual_connection": _not_yet(False, "an fp32 residual stream"),
-    "model.apply_query_key_layer_scaling": _not_yet(False, "query-key layer scaling"),
-    "model.fp8_e4m3": When(_fp8_format_flag("e4m3"), "with model.fp8 set, use model.fp8_format"),
-    "model.fp8_hybrid": When(
-        _fp8_format_flag("hybrid"), "with model.fp8 set, use model.fp8_format"
+    "model.fp8_e4m3": Translated(_fp8_e4m3_onto_fp8_format),
+    # Accepted either way: true is the default format, false defers to fp8_e4m3 (as NeMo).
+    "model.fp8_hybrid": Fixed((True, False), "model.fp8_format picks the FP8 format"),
+    "model.fp16_lm_cross_entropy": Fixed(
+        (False,),
+        "megatron-core 0.19's GPTModel takes fp16_lm_cross_entropy but never reads it: its "
+        "vocab-parallel cross entropy always computes in fp32",
     ),
-    "model.fp8_interval": _not_yet(1, "FP8 scaling factors update every step"),
+    "model.fp8_interval": Fixed(
+        (1,),
+        "FP8 scaling factors update every step: Transformer Engine >= 1.8 ignores "
+        "megatron-core's fp8_interval",
+    ),
     "model.reduce_amax": Fixed((True,), "FP8 amax is reduced across ranks"),
     "model.use_emha": Fixed((False,), "NeMo itself does not support it"),
     # model: performance and memory, honoured by a later release
-    "model.context_parallel_size": _not_yet(1, "context parallelism"),
     "model.kv_channels": When(
-        _head_dim, "the head dimension is hidden_size / num_attention_heads", not_yet=True
+        _head_dim,
+        "the head dimension is hidden_size / num_attention_heads: checkpoint conversion to "
+        "and from Hugging Face derives it so",
     ),
-    "model.do_layer_norm_weight_decay": _not_yet(
-        False, "norm weights and biases are excluded from weight decay"
+    "model.grad_allreduce_chunk_size_mb": Inert(
+        "the chunk size of NeMo's own gradient all-reduce in its fp32 main-params wrapper, "
+        "which megatron-core does not have; megatron DDP's buckets are model.optim.bucket_cap_mb"
     ),
-    "model.grad_allreduce_chunk_size_mb": _not_yet(125, "megatron DDP buckets gradients"),
     "model.recompute_granularity": _megatron_name_for("activations_checkpoint_granularity"),
     "model.recompute_method": _megatron_name_for("activations_checkpoint_method"),
     "model.recompute_num_layers": _megatron_name_for("activations_checkpoint_num_layers"),
-    "model.num_micro_batches_with_partial_activation_checkpoints": _not_yet(
-        None, "activation recomputation"
+    "model.num_micro_batches_with_partial_activation_checkpoints": Fixed(
+        (None,),
+        "megatron-core 0.19's pipeline schedules compute the per-micro-batch flag but its "
+        "GPTModel has no input that takes it (only Megatron-LM's legacy model did)",
     ),
-    "model.activations_checkpoint_layers_per_pipeline": _not_yet(None, "activation recomputation"),
-    "model.overlap_p2p_comm": _not_yet(False, "overlapping pipeline communication"),
-    "model.ub_tp_comm_overlap": _not_yet(False, "tensor-parallel communication overlap"),
+    "model.activations_checkpoint_layers_per_pipeline": Fixed(
+        (None,),
+        "megatron-core 0.19 has no per-pipeline-stage recompute layer count; use "
+        "model.activations_checkpoint_num_layers",
+    ),
+    "model.ub_tp_comm_overlap": _not_yet(
+        False,
+        "tensor-parallel communication overlap needs Transformer Engine's userbuffers "
+        "initialised for the sequence x hidden shape, which megatron-lns does not do yet",
+    ),
     "model.ub_tp_comm_overlap_cfg": ONLY_WITH_REFUSED,
-    "model.use_flash_attention": When(
-        lambda v, cfg: not v or cfg.model.transformer_engine,
-        "flash attention comes with model.transformer_engine=true, which picks it itself",
-        not_yet=True,
-    ),
     "model.cpu_offloading": _not_yet(False, "offloading activations and weights to the CPU"),
     "model.cpu_offloading_num_layers": ONLY_WITH_REFUSED,
     "model.cpu_offloading_activations": ONLY_WITH_REFUSED,
@@ -294,18 +309,19 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
     "model.dist_ckpt_format": Inert("checkpoints are written in torch_dist format"),
     "model.dist_ckpt_load_on_device": Inert("where a checkpoint is read into"),
     "model.dist_ckpt_parallel_save": _not_yet(False, "parallel checkpoint saving"),
-    "model.dist_ckpt_parallel_load": _not_yet(False, "parallel checkpoint loading"),
-    # model: kernels and communication that compute the same thing either way
-    "model.persist_layer_norm": KERNEL,
-    "model.grad_div_ar_fusion": KERNEL,
-    "model.gradient_accumulation_fusion": KERNEL,
-    "model.bias_activation_fusion": KERNEL,
-    "model.bias_dropout_add_fusion": KERNEL,
-    "model.masked_softmax_fusion": KERNEL,
-    "model.get_attention_mask_from_fusion": KERNEL,
-    "model.apply_rope_fusion": KERNEL,
-    "model.cross_entropy_loss_fusion": KERNEL,
-    "model.batch_p2p_comm": Inert("pipeline send/receive are batched where the backend can"),
+    # model: kernels and communication no megatron-core component here reads
+    "model.persist_layer_norm": Inert(
+        "megatron-core reads it only in Apex's FusedLayerNorm, which neither layer spec here "
+        "uses (local: megatron-lns's norms; TE: the norm fused into TE's LayerNormLinear)"
+    ),
+    "model.grad_div_ar_fusion": Inert(
+        "NeMo's distributed Adam fuses the gradient division into its all-reduce; megatron "
+        "DDP scales gradients itself"
+    ),
+    "model.get_attention_mask_from_fusion": Inert(
+        "NeMo's switch for building the causal mask inside its fused softmax; megatron-core "
+        "builds it from the attention mask type"
+    ),
     "model.sync_batch_comm": Inert("a stream synchronisation after pipeline communication"),
     "model.use_cpu_initialization": Inert("where weights are initialised (CPU without CUDA)"),
     "model.gradient_as_bucket_view": Inert("megatron DDP always uses contiguous grad buffers"),
@@ -338,13 +354,7 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
     ),
     "model.data.num_dataset_builder_threads": Inert("threads building the same datasets"),
     # model.optim
-    "model.optim.bucket_cap_mb": _not_yet(None, "gradient bucket size"),
-    "model.optim.overlap_grad_sync": _not_yet(
-        True, "on GPUs the gradient reduction always overlaps the backward pass"
-    ),
-    "model.optim.overlap_param_sync": _not_yet(False, "overlapping the parameter all-gather"),
     "model.optim.contiguous_grad_buffer": Fixed((True,), "gradients live in contiguous buffers"),
-    "model.optim.grad_sync_dtype": _not_yet(None, "gradients are reduced in fp32"),
     "model.optim.sched.max_steps": When(
         lambda v, cfg: v is None or v == cfg.trainer.max_steps,
         "the schedule spans trainer.max_steps",

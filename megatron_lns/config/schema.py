@@ -64,6 +64,8 @@ ACCELERATORS = {"auto": "auto", "cpu": "cpu", "gpu": "cuda"}
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 FP8_FORMATS = ("hybrid", "e4m3")
 FP8_AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+# model.optim.grad_sync_dtype: the dtype megatron DDP reduces gradients in.
+GRAD_SYNC_DTYPES = ("fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -127,6 +129,11 @@ class OptimConfig:
     eps: float = checked(1e-8, positive)
     weight_decay: float = checked(0.0, non_negative)
     sched: SchedConfig = field(default_factory=SchedConfig)
+    # megatron DDP (fast_paths.py decides the null defaults: on CUDA on, on CPU off).
+    overlap_grad_sync: bool | None = None  # overlap_grad_reduce
+    overlap_param_sync: bool | None = None  # overlap_param_gather (distributed optimizer)
+    bucket_cap_mb: float | None = checked(None, positive)  # DDP bucket_size, in MB of grads
+    grad_sync_dtype: str | None = checked(None, one_of(GRAD_SYNC_DTYPES))  # null: fp32
 
 
 @dataclass
@@ -220,12 +227,35 @@ class ModelConfig:
     mix_ln_post_fraction: float = checked(0.25, probability)  # Mix-LN: Post-LN layers' share
     layerscale_init: float = checked(1e-3, positive)  # LayerScale: initial per-channel scale
 
+    # Performance and memory (docs/configuration.md#model-performance-and-memory). Fusion
+    # and overlap switches left null are on where megatron-core and the installed kernels
+    # run them (CUDA) and off on CPU (fast_paths.py).
+    context_parallel_size: int = checked(1, positive)
+    bias_activation_fusion: bool | None = None
+    bias_dropout_add_fusion: bool | None = None
+    masked_softmax_fusion: bool | None = None
+    apply_rope_fusion: bool | None = None
+    gradient_accumulation_fusion: bool | None = None
+    cross_entropy_loss_fusion: bool | None = None
+    use_flash_attention: bool | None = None  # TE's attention_backend: flash | fused | auto
+    overlap_p2p_comm: bool = False  # interleaved pipeline only
+    batch_p2p_comm: bool | None = None  # null: batched on NCCL, unbatched on gloo
+    fp32_residual_connection: bool = False
+    apply_query_key_layer_scaling: bool = False
+    do_layer_norm_weight_decay: bool = False  # true: weight decay on norms and biases too
+    # fp16 dynamic loss scaling (megatron's OptimizerConfig).
+    native_amp_init_scale: float = checked(2.0**32, positive)  # initial_loss_scale
+    native_amp_growth_interval: int = checked(1000, positive)  # loss_scale_window
+    hysteresis: int = checked(2, positive)
+    # megatron-core's fully parallel checkpoint load across data-parallel replicas.
+    dist_ckpt_parallel_load: bool = False
+
     # Transformer Engine and FP8 (GPU only).
     transformer_engine: bool = False
     # null | delayed | tensorwise | blockwise | mxfp8 (NeMo's boolean: false = null)
     fp8: str | None = checked(None, one_of(FP8_RECIPES))
-    # hybrid (E4M3 forward, E5M2 gradients) | e4m3
-    fp8_format: str = checked("hybrid", one_of(FP8_FORMATS))
+    # hybrid (E4M3 forward, E5M2 gradients) | e4m3; null: hybrid (NeMo: fp8_hybrid/fp8_e4m3)
+    fp8_format: str | None = checked(None, one_of(FP8_FORMATS))
     fp8_param: bool = False  # keep weights in FP8 too (else bf16 weights, fp32 main copy)
     fp8_margin: int = checked(0, non_negative)
     fp8_amax_history_len: int = checked(1024, positive)

@@ -13,9 +13,11 @@ from pathlib import Path
 from megatron_lns.config.cluster import validate_cluster
 from megatron_lns.config.loader import ConfigError
 from megatron_lns.config.paths import check_writable_paths
+from megatron_lns.config.performance import check_performance_keys, resolved_fast_paths
 from megatron_lns.config.rules import value_errors
 from megatron_lns.config.schema import PRECISIONS, SCHEDULES, ExperimentConfig
 from megatron_lns.data.blend import DataBlend, DataBlendError
+from megatron_lns.fast_paths import MachineFacts
 from megatron_lns.optim import warmup_fits
 from megatron_lns.runtime import ParallelLayout
 from megatron_lns.variants import PRE_NORM_VARIANTS
@@ -85,6 +87,7 @@ def validate(
     if m.sequence_parallel and tp < 2:
         raise ConfigError("model.sequence_parallel needs model.tensor_model_parallel_size > 1")
     _check_recompute(m)
+    check_performance_keys(cfg)
     if m.data.seq_length != m.encoder_seq_length:
         raise ConfigError(
             f"model.data.seq_length ({m.data.seq_length}) differs from "
@@ -122,12 +125,13 @@ def validate(
             )
 
     world = world_size if world_size is not None else t.num_nodes * t.devices
+    cp = m.context_parallel_size
     try:
-        dp = ParallelLayout(tensor=tp, pipeline=pp).data_parallel(world)
+        dp = ParallelLayout(tensor=tp, pipeline=pp, context=cp).data_parallel(world)
     except ValueError:
         raise ConfigError(
             f"world size {world} (trainer.num_nodes x trainer.devices) is not divisible by "
-            f"tensor x pipeline parallel size ({tp} x {pp})"
+            f"tensor x pipeline x context parallel size ({tp} x {pp} x {cp})"
         ) from None
     if m.global_batch_size % (m.micro_batch_size * dp):
         raise ConfigError(
@@ -303,6 +307,8 @@ def check_environment(cfg: ExperimentConfig) -> None:
                 f"model.fp8={m.fp8} needs CUDA >= {needed_cuda[0]}.{needed_cuda[1]}, "
                 f"this PyTorch is {have}"
             )
+    # Fusions and overlaps the user set must run on this machine.
+    resolved_fast_paths(cfg, MachineFacts.detect(cuda and cfg.trainer.accelerator != "cpu"))
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:

@@ -23,19 +23,22 @@ Device = Literal["auto", "cpu", "cuda"]
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Model-parallel sizes; data parallel is whatever the world size leaves."""
+    """Model-parallel sizes; data parallel is whatever the world size leaves
+    (world = tensor x pipeline x context x data, megatron's rank order)."""
 
     tensor: int = 1
     pipeline: int = 1
     virtual_pipeline: int | None = None
     sequence_parallel: bool = False
+    context: int = 1
 
     def data_parallel(self, world_size: int) -> int:
-        model_parallel = self.tensor * self.pipeline
+        model_parallel = self.tensor * self.pipeline * self.context
         if world_size % model_parallel:
             raise ValueError(
                 f"world size {world_size} is not divisible by tensor_model_parallel_size "
-                f"({self.tensor}) x pipeline_model_parallel_size ({self.pipeline})"
+                f"({self.tensor}) x pipeline_model_parallel_size ({self.pipeline}) x "
+                f"context_parallel_size ({self.context})"
             )
         return world_size // model_parallel
 
@@ -77,6 +80,7 @@ def init_distributed(
         tensor_model_parallel_size=layout.tensor,
         pipeline_model_parallel_size=layout.pipeline,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
+        context_parallel_size=layout.context,
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -23,6 +23,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
+from megatron_lns.config.performance import resolved_fast_paths
 from megatron_lns.config.schema import (
     ACCELERATORS,
     NORMALIZATIONS,
@@ -33,6 +34,7 @@ from megatron_lns.config.schema import (
 )
 from megatron_lns.config.validate import data_blend
 from megatron_lns.data.datasets import DatasetSettings
+from megatron_lns.fast_paths import FastPaths, MachineFacts
 from megatron_lns.model import GPTModelConfig, build_model, padded_vocab_size
 from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
 from megatron_lns.runtime import ParallelLayout
@@ -46,6 +48,7 @@ def parallel_layout(cfg: ExperimentConfig) -> ParallelLayout:
         pipeline=m.pipeline_model_parallel_size,
         virtual_pipeline=m.virtual_pipeline_model_parallel_size,
         sequence_parallel=m.sequence_parallel,
+        context=m.context_parallel_size,
     )
 
 
@@ -59,8 +62,29 @@ def tokenizer_spec(cfg: ExperimentConfig) -> tuple[str, str | None, str | None]:
     return tok.library, tok.type, tok.model
 
 
-def model_config(cfg: ExperimentConfig, tokenizer_vocab_size: int) -> GPTModelConfig:
+def fast_paths(cfg: ExperimentConfig, device: torch.device) -> FastPaths:
+    """The fusions, attention backend and overlaps this run uses on ``device``."""
+    return resolved_fast_paths(cfg, MachineFacts.detect(cuda=device.type == "cuda"))
+
+
+def model_config(
+    cfg: ExperimentConfig, tokenizer_vocab_size: int, fast: FastPaths | None = None
+) -> GPTModelConfig:
+    """The model's config; without ``fast`` (building a model to convert weights, on CPU)
+    every fusion is off and pipeline send/receive is batched except on gloo."""
     m = cfg.model
+    kernels = {}
+    if fast is not None:
+        kernels = dict(
+            bias_activation_fusion=fast.bias_activation_fusion,
+            bias_dropout_fusion=fast.bias_dropout_fusion,
+            masked_softmax_fusion=fast.masked_softmax_fusion,
+            apply_rope_fusion=fast.apply_rope_fusion,
+            gradient_accumulation_fusion=fast.gradient_accumulation_fusion,
+            cross_entropy_loss_fusion=fast.cross_entropy_loss_fusion,
+            attention_backend=fast.attention_backend,
+            batch_p2p_comm=fast.batch_p2p_comm,
+        )
     return GPTModelConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -95,11 +119,15 @@ def model_config(cfg: ExperimentConfig, tokenizer_vocab_size: int) -> GPTModelCo
         precision=PRECISIONS[str(cfg.trainer.precision)],
         backend="te" if m.transformer_engine else "local",
         fp8=m.fp8,
-        fp8_format=m.fp8_format,
+        fp8_format=m.fp8_format or "hybrid",
         fp8_param=m.fp8_param,
         fp8_margin=m.fp8_margin,
         fp8_amax_history_len=m.fp8_amax_history_len,
         fp8_amax_compute_algo=m.fp8_amax_compute_algo,
+        overlap_p2p_comm=m.overlap_p2p_comm,
+        fp32_residual_connection=m.fp32_residual_connection,
+        apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
+        **kernels,
     )
 
 
@@ -130,6 +158,27 @@ def optim_settings(cfg: ExperimentConfig) -> OptimSettings:
         decay_steps=cfg.trainer.max_steps - sched.constant_steps,
         decay_style=SCHEDULES[sched.name],
         use_distributed_optimizer=o.name == "distributed_fused_adam",
+        decay_norms_and_biases=cfg.model.do_layer_norm_weight_decay,
+        initial_loss_scale=cfg.model.native_amp_init_scale,
+        loss_scale_window=cfg.model.native_amp_growth_interval,
+        hysteresis=cfg.model.hysteresis,
+    )
+
+
+def ddp_config(cfg: ExperimentConfig, fast: FastPaths) -> DistributedDataParallelConfig:
+    """megatron DDP's settings: overlap, bucket size and reduction dtype."""
+    o = cfg.model.optim
+    reduce_in_fp32 = (o.grad_sync_dtype or "fp32") == "fp32"
+    bucket_size = None
+    if o.bucket_cap_mb is not None:
+        # megatron counts a bucket in parameters; NeMo sizes it in MB of reduced gradients.
+        bucket_size = int(o.bucket_cap_mb * 2**20 / (4 if reduce_in_fp32 else 2))
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=reduce_in_fp32,
+        overlap_grad_reduce=fast.overlap_grad_reduce,
+        overlap_param_gather=fast.overlap_param_gather,
+        use_distributed_optimizer=o.name == "distributed_fused_adam",
+        bucket_size=bucket_size,
     )
 
 
@@ -202,20 +251,23 @@ def build_trainable(
     settings: OptimSettings,
     total_steps: int,
     chunk_transform: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+    ddp: DistributedDataParallelConfig | None = None,
 ) -> Trainable:
     """Model chunks -> (``chunk_transform``) -> Float16Module for bf16/fp16 -> megatron DDP
-    -> optimizer and schedule. Needs megatron's parallel state (``init_distributed``)."""
+    -> optimizer and schedule. Needs megatron's parallel state (``init_distributed``).
+
+    ``ddp`` defaults to fp32 reduction, overlapped with backward on CUDA."""
     chunks = build_model(model_cfg, layout, device)
     if chunk_transform is not None:
         chunks = [chunk_transform(chunk) for chunk in chunks]
     if model_cfg.precision != "fp32":
         chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
-    ddp_config = DistributedDataParallelConfig(
+    ddp = ddp or DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=device.type == "cuda",
         use_distributed_optimizer=settings.use_distributed_optimizer,
     )
-    model = wrap_with_ddp(chunks, ddp_config)
+    model = wrap_with_ddp(chunks, ddp)
     optimizer, scheduler = build_optimizer_and_scheduler(
         model, settings, total_steps, chunks[0].config.params_dtype
     )

@@ -109,17 +109,35 @@ def check_shapes_match(template: dict, directory: str | Path) -> None:
             )
 
 
-def _load(template: dict, directory: str | Path) -> dict:
-    """``dist_checkpointing.load`` after a shape check; any failure names the checkpoint."""
+def _load(template: dict, directory: str | Path, parallel: bool = False) -> dict:
+    """``dist_checkpointing.load`` after a shape check; any failure names the checkpoint.
+
+    ``parallel``: megatron-core's fully parallel load, in which the data-parallel replicas
+    split the reads of the shards they share and exchange them (NeMo's
+    ``dist_ckpt_parallel_load``), instead of every replica reading all of them.
+    """
     try:
         check_shapes_match(template, directory)
-        return dist_checkpointing.load(template, str(directory))
+        strategy = _parallel_load_strategy(directory) if parallel else None
+        return dist_checkpointing.load(template, str(directory), sharded_strategy=strategy)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as err:
         # torch's CheckpointException derives from BaseException.
         cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"could not load checkpoint {directory}: {cause}") from err
+
+
+def _parallel_load_strategy(directory: str | Path):
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+    )
+
+    return FullyParallelLoadStrategyWrapper(
+        get_default_load_sharded_strategy(str(directory)),
+        parallel_state.get_data_parallel_group(with_context_parallel=True),
+    )
 
 
 def _load_chunks(model: Sequence[torch.nn.Module], loaded: dict) -> None:
@@ -280,8 +298,11 @@ def latest_complete_checkpoint(root: str | Path) -> Path | None:
     return found[0] if found else None
 
 
-def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> TrainingState:
-    """Restore model, optimizer, scheduler, RNG (same layout only) and data position.
+def load_checkpoint(
+    path: str | Path, model, optimizer, scheduler, parallel_load: bool = False
+) -> TrainingState:
+    """Restore model, optimizer, scheduler, RNG (same layout only) and data position
+    (``parallel_load``: see ``_load``).
 
     A weights-only checkpoint (``WEIGHTS_ONLY`` in its marker) restores the weights and
     the data position and leaves optimizer, scheduler and RNG as they are.
@@ -306,7 +327,7 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> TrainingSt
     template = _state_dict(
         model, optimizer, scheduler, TrainingState(), with_rng=same_layout, is_loading=True
     )
-    loaded = _load(template, path)
+    loaded = _load(template, path, parallel=parallel_load)
     _load_chunks(model, loaded)
     optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(loaded["scheduler"])

@@ -2,7 +2,7 @@
 
 ``get_forward_backward_func`` picks megatron's no-pipelining, 1F1B or interleaved
 (virtual pipeline) schedule from the parallel state; the same code runs at any
-TP/PP/VP. Loss is the token-mean masked cross-entropy, reported on every rank.
+TP/PP/VP/CP. Loss is the token-mean masked cross-entropy, reported on every rank.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_batch_on_this_cp_rank
 
 Batch = dict[str, torch.Tensor]
 
@@ -42,8 +43,16 @@ def _masked_token_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 
 
 def lm_forward_step(data_iterator: Iterator[Batch], model: GPTModel):
-    """megatron ``forward_step_func``: run one micro-batch, return (output, loss_func)."""
+    """megatron ``forward_step_func``: run one micro-batch, return (output, loss_func).
+
+    With context parallelism every rank of a CP group reads the same micro-batch and
+    keeps its two (load-balanced) chunks of each sequence, as megatron-core slices them.
+    """
     batch = next(data_iterator)
+    if parallel_state.get_context_parallel_world_size() > 1:
+        batch = get_batch_on_this_cp_rank(
+            dict(batch), is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group()
+        )
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(_masked_token_loss, batch["loss_mask"])
 
@@ -64,8 +73,9 @@ def forward_backward(
 ) -> StepResult:
     """Run every micro-batch through the pipeline; returns the token-mean loss.
 
-    All ranks get the same loss: it is summed over data-parallel ranks on the last
-    pipeline stage and broadcast from there.
+    All ranks get the same loss: it is summed over data-parallel (and context-parallel,
+    each holding part of every sequence) ranks on the last pipeline stage and broadcast
+    from there.
     """
     first = microbatches[0]["tokens"]
     num_chunks = len(model)
@@ -84,7 +94,10 @@ def forward_backward(
         for reported in losses:
             totals += reported["lm loss"].detach().to(torch.float64).cpu()
         device_totals = totals.to(first.device)
-        dist.all_reduce(device_totals, group=parallel_state.get_data_parallel_group())
+        dist.all_reduce(
+            device_totals,
+            group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+        )
         totals = device_totals.cpu()
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         device_totals = totals.to(first.device)
@@ -114,3 +127,18 @@ def train_step(
     result.grad_norm = None if grad_norm is None else float(grad_norm)
     result.update_successful = bool(update_successful)
     return result
+
+
+def sync_parameters(model: Sequence[DistributedDataParallel]) -> None:
+    """Make every rank's parameters current before they are read outside a forward pass
+    (a checkpoint save).
+
+    With ``overlap_param_gather`` the distributed optimizer's update reaches a rank's
+    parameters in the next forward pass's pre-hooks; until then the parameters that
+    other ranks updated are stale. Megatron-LM's own pattern: disabling the hooks
+    all-gathers synchronously, then they are re-armed for the next step.
+    """
+    for chunk in model:
+        if chunk.ddp_config.overlap_param_gather:
+            chunk.disable_forward_pre_hook(param_sync=True)
+            chunk.enable_forward_pre_hook()

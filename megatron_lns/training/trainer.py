@@ -35,7 +35,9 @@ from megatron_lns.training.assembly import (
     build_trainable,
     dataset_num_samples,
     dataset_settings,
+    ddp_config,
     device_setting,
+    fast_paths,
     model_config,
     optim_settings,
     parallel_layout,
@@ -50,7 +52,13 @@ from megatron_lns.training.profiling import StepProfiler
 from megatron_lns.training.resume import resume
 from megatron_lns.training.run_dir import RunDirError, RunDirLock, claim_run_dir
 from megatron_lns.training.run_status import write_run_status
-from megatron_lns.training.step import Batch, StepResult, forward_backward, train_step
+from megatron_lns.training.step import (
+    Batch,
+    StepResult,
+    forward_backward,
+    sync_parameters,
+    train_step,
+)
 
 # Consecutive skipped updates after which an fp16 run stops: megatron's dynamic loss
 # scale halves on every overflow (after a hysteresis of 2), so 50 skips take it from its
@@ -178,13 +186,19 @@ class Trainer:
         cfg = self.cfg
         m, t = cfg.model, cfg.trainer
         tokenizer = build_tokenizer(*tokenizer_spec(cfg))
-        self.model_config = model_config(cfg, tokenizer.vocab_size)
+        self.fast_paths = fast_paths(cfg, self.device)
+        self.model_config = model_config(cfg, tokenizer.vocab_size, self.fast_paths)
         self.splits = dataset_settings(cfg).build(
             tokenizer_spec(cfg), self.model_config.vocab_size, dataset_num_samples(cfg)
         )
 
         trainable = build_trainable(
-            self.model_config, self.layout, self.device, optim_settings(cfg), t.max_steps
+            self.model_config,
+            self.layout,
+            self.device,
+            optim_settings(cfg),
+            t.max_steps,
+            ddp=ddp_config(cfg, self.fast_paths),
         )
         self.model, self.optimizer, self.scheduler = (
             trainable.model,
@@ -334,6 +348,7 @@ class Trainer:
 
     def save(self) -> Path:
         """A complete checkpoint of the current step (all ranks must call it)."""
+        sync_parameters(self.model)
         return save_checkpoint(
             self.checkpoint_dir,
             self.model,

@@ -1,0 +1,171 @@
+"""Memory per GPU of a config, by arithmetic (not measured): weights, gradients,
+optimizer state and stored activations on the pipeline stage that holds the most.
+
+    .venv/bin/python benchmarks/memory_per_gpu.py nemo_configs/olmo_7b_lns_20b.yaml \
+        --vocab-size 50280
+
+Prints the comment block that ``nemo_configs/olmo_7b_lns_20b.yaml`` quotes
+(``tests/test_performance_keys.py`` checks that the YAML carries this output).
+
+The model of memory, for megatron-core's mixed-precision training:
+
+* weights in bf16/fp16 (2 bytes/parameter), sharded by TP and split by PP; the first
+  stage holds the embedding, the last the output layer (untied);
+* gradients in megatron DDP's buffer: 4 bytes/parameter when reduced in fp32
+  (``grad_sync_dtype`` null/fp32), else 2;
+* optimizer state: fp32 main weights and Adam's two moments, 12 bytes/parameter, divided
+  by the data-parallel size (x context parallel) with the distributed optimizer;
+* with FP8, Transformer Engine's FP8 copy of each GEMM weight and its transpose
+  (2 bytes/parameter of the transformer layers);
+* activations kept for backward, per layer and micro-batch, in 2-byte elements, with
+  sequence parallelism dividing them by TP: the input and output of both pre-norms
+  (4 x s*b*h), the query and output of attention (2 x s*b*h), key and value
+  (2 x s*b*kv), the MLP's fc1 output and the SwiGLU output (3 x s*b*ffn). Flash/fused
+  attention keeps no s x s matrix; the local backend's unfused attention keeps the
+  softmax probabilities (b*heads*s*s), which selective recomputation drops. Full
+  recomputation keeps only each recomputed group's input. The first pipeline stage
+  holds the most micro-batches in flight: PP for 1F1B, and for the interleaved schedule
+  (2(PP-1) + (VP-1)PP + 1) chunk forwards of L/(PP VP) layers (megatron-core's warm-up
+  count + 1).
+
+Not counted: the CUDA context, NCCL and TE workspaces, the allocator's fragmentation,
+the logits of the loss (s*b*vocab/TP fp32 for one micro-batch at a time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    parameters: int  # on this GPU
+    weights_gb: float
+    grads_gb: float
+    optimizer_gb: float
+    fp8_weight_copies_gb: float
+    activations_gb: float
+    layer_microbatches: int  # layers x micro-batches whose activations are held at the peak
+
+    @property
+    def total_gb(self) -> float:
+        return (
+            self.weights_gb
+            + self.grads_gb
+            + self.optimizer_gb
+            + self.fp8_weight_copies_gb
+            + self.activations_gb
+        )
+
+
+def estimate(cfg, vocab_size: int, world_size: int | None = None) -> MemoryEstimate:
+    """The first pipeline stage's memory for the run ``cfg`` (an ExperimentConfig)."""
+    from megatron_lns.config.schema import PRECISIONS
+    from megatron_lns.model import padded_vocab_size
+
+    m = cfg.model
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    vp, cp = m.virtual_pipeline_model_parallel_size or 1, m.context_parallel_size
+    world = world_size or cfg.trainer.num_nodes * cfg.trainer.devices
+    dp = world // (tp * pp * cp)
+    h, layers, heads = m.hidden_size, m.num_layers, m.num_attention_heads
+    ffn = m.ffn_hidden_size or 4 * h
+    kv = h * (m.num_query_groups or heads) // heads
+    vocab = padded_vocab_size(vocab_size, tp, m.make_vocab_size_divisible_by)
+    glu = 2 if m.activation == "swiglu" else 1
+    norms = 0 if not m.norm_affine else (2 * h if m.normalization != "rmsnorm" else h)
+    per_layer = h * (h + 2 * kv) + h * h + h * glu * ffn + ffn * h + 2 * norms
+    layers_here = layers // pp
+    linear_params = layers_here * per_layer // tp
+    params = linear_params + vocab * h // tp  # the embedding (first stage)
+    if pp == 1 and not m.share_embeddings_and_output_weights:
+        params += vocab * h // tp  # and the output layer
+
+    precision = PRECISIONS[str(cfg.trainer.precision)]
+    weight_bytes = 4 if precision == "fp32" else 2
+    grad_bytes = 4 if (m.optim.grad_sync_dtype or "fp32") == "fp32" else 2
+    optimizer_bytes = 12 if precision != "fp32" else 8  # (+ fp32 main copy) + Adam m, v
+    shards = dp * cp if m.optim.name == "distributed_fused_adam" else 1
+
+    s, b = m.encoder_seq_length // cp, m.micro_batch_size
+    sp = tp if m.sequence_parallel else 1
+    elements = s * b * (6 * h + 2 * kv + glu * ffn + ffn) // sp
+    if not m.transformer_engine and m.activations_checkpoint_granularity != "selective":
+        elements += b * (heads // tp) * s * s * cp  # softmax probabilities (unfused attention)
+    layers_per_chunk = layers // (pp * vp)
+    if vp > 1:
+        in_flight_chunks = 2 * (pp - 1) + (vp - 1) * pp + 1
+        layer_microbatches = in_flight_chunks * layers_per_chunk
+    else:
+        layer_microbatches = pp * layers_here
+    if m.activations_checkpoint_granularity == "full":
+        group = m.activations_checkpoint_num_layers
+        kept_per_layer = s * b * h // sp / group  # one group input per `group` layers
+        if m.activations_checkpoint_method == "block":
+            recomputed = min(group, layers_per_chunk) / layers_per_chunk
+            per_layer_elements = recomputed * s * b * h // sp + (1 - recomputed) * elements
+        else:
+            per_layer_elements = kept_per_layer
+        # ... plus one group's full activations while it is recomputed in backward.
+        activations = (layer_microbatches * per_layer_elements + group * elements) * 2
+    else:
+        activations = layer_microbatches * elements * 2
+
+    return MemoryEstimate(
+        parameters=params,
+        weights_gb=params * weight_bytes / GB,
+        grads_gb=params * grad_bytes / GB,
+        optimizer_gb=params * optimizer_bytes / shards / GB,
+        fp8_weight_copies_gb=(2 * linear_params / GB) if m.fp8 else 0.0,
+        activations_gb=activations / GB,
+        layer_microbatches=layer_microbatches,
+    )
+
+
+def comment_block(cfg, vocab_size: int) -> str:
+    """The YAML comment lines quoting :func:`estimate` for ``cfg``."""
+    e = estimate(cfg, vocab_size)
+    m = cfg.model
+    lines = [
+        "Memory per GPU, first pipeline stage (benchmarks/memory_per_gpu.py, arithmetic):",
+        f"  parameters on this GPU       {e.parameters / 1e9:6.2f} B",
+        f"  weights                      {e.weights_gb:6.1f} GB",
+        f"  gradient buffer              {e.grads_gb:6.1f} GB",
+        f"  optimizer state (shard)      {e.optimizer_gb:6.1f} GB",
+        f"  FP8 weight copies            {e.fp8_weight_copies_gb:6.1f} GB",
+        f"  activations ({e.layer_microbatches} layer x micro-batches, mbs {m.micro_batch_size}, "
+        f"seq {m.encoder_seq_length})",
+        f"                               {e.activations_gb:6.1f} GB",
+        f"  total                        {e.total_gb:6.1f} GB",
+    ]
+    return "\n".join("# " + line for line in lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", type=Path)
+    parser.add_argument("overrides", nargs="*", help="key=value, as for megatron-lns train")
+    parser.add_argument("--vocab-size", type=int, required=True, help="the tokenizer's size")
+    args = parser.parse_intermixed_args(argv)
+    print(comment_block(load_for_estimate(args.config, args.overrides), args.vocab_size))
+    return 0
+
+
+def load_for_estimate(path: Path, overrides: list[str] | None = None):
+    """The config with its data and tokenizer placeholders filled (they cost no memory)."""
+    from megatron_lns.config import load_config
+
+    return load_config(
+        path,
+        ["model.data.data_prefix=[unused]", "model.tokenizer.type=unused", *(overrides or [])],
+    )
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.exit(main())
