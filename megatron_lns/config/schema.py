@@ -86,6 +86,9 @@ class TrainerConfig:
 class CheckpointCallbackParams:
     every_n_train_steps: int = checked(1000, positive)
     save_last: bool = True
+    # Write checkpoints in the background (megatron-core's asynchronous dist_checkpointing
+    # save); a checkpoint counts once every rank has written it (docs/resuming.md).
+    async_save: bool = False
 
 
 @dataclass
@@ -205,6 +208,11 @@ class ModelConfig:
     # gc_interval steps on every rank at once; 0 leaves automatic collection on.
     gc_interval: int = checked(0, non_negative)
     nsys_profile: NsysProfileConfig = field(default_factory=NsysProfileConfig)
+    # Checkpoint I/O spread over the data-parallel ranks (megatron-core's fully parallel
+    # save / load strategy wrappers): which rank writes or reads a replicated shard, not
+    # what the checkpoint holds.
+    dist_ckpt_parallel_save: bool = False
+    dist_ckpt_parallel_load: bool = False
 
     # LayerNorm Scaling.
     norm_scaling: str = checked("lns", one_of(NORM_SCALING_CHOICES))
