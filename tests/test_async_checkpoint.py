@@ -16,7 +16,7 @@ from helpers import TINY_RUN_OVERRIDES, fresh_launch_env, run_distributed, tiny_
 
 from megatron_lns.training.checkpoint import COMPLETE_MARKER, latest_complete_checkpoint
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("private_corpus_cache")]
+pytestmark = pytest.mark.usefixtures("private_corpus_cache")
 
 ROOT = Path(__file__).resolve().parents[1]
 ASYNC = "exp_manager.checkpoint_callback_params.async_save=true"
@@ -42,47 +42,81 @@ def _run(tmp_path, cfg):
     return run_distributed(_train, world, tmp_path / f"r{time.monotonic_ns()}", cfg)
 
 
+def test_an_async_save_takes_the_state_at_once_and_counts_only_once_committed(seeded, tmp_path):
+    import torch
+    from helpers import fixed_microbatches, tiny_config
+
+    from megatron_lns.model import build_model
+    from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
+    from megatron_lns.training.assembly import wrap_with_ddp
+    from megatron_lns.training.checkpoint import TrainingState, load_model_weights
+    from megatron_lns.training.checkpoint_writer import CheckpointWriter
+    from megatron_lns.training.step import train_step
+
+    cfg = tiny_config()
+    model = wrap_with_ddp(build_model(cfg))
+    optimizer, scheduler = build_optimizer_and_scheduler(model, OptimSettings(warmup_steps=1), 10)
+    batches = fixed_microbatches(cfg.vocab_size, cfg.seq_length)
+    train_step(model, optimizer, batches)
+    saved = [p.detach().clone() for p in model[0].parameters()]
+    before = set(psutil.Process().children(recursive=True))
+
+    writer = CheckpointWriter(tmp_path, asynchronous=True)
+    path = writer.save(model, optimizer, scheduler, TrainingState(1, 4), "a: 1\n")
+    train_step(model, optimizer, batches)  # training goes on while the save is written
+    assert writer.pending == [path] and not path.exists()
+    assert not (tmp_path / "iter_0000001.partial" / COMPLETE_MARKER).exists()
+    assert latest_complete_checkpoint(tmp_path) is None
+    assert writer.wait() == [path]
+    assert latest_complete_checkpoint(tmp_path) == path
+    assert (path / "config.yaml").read_text() == "a: 1\n"
+    writer.close()
+    assert set(psutil.Process().children(recursive=True)) <= before
+
+    load_model_weights(model, path)  # the weights of the step saved, not of the next one
+    for loaded, expected in zip(model[0].parameters(), saved, strict=True):
+        assert torch.equal(loaded, expected)
+
+
+@pytest.mark.slow
 def test_async_saves_resume_bitwise_and_leave_no_process(tmp_path):
-    straight = _run(tmp_path, tiny_run_config(tmp_path / "straight"))[0]
-    resumed_dir = tmp_path / "resumed"
-    # exit_interval=4: the step-3 save is committed by a later step's poll, the step-4
-    # one by the wait before the run stops.
-    first = _run(tmp_path, tiny_run_config(resumed_dir, ASYNC, "trainer.exit_interval=4"))[0]
-    assert [s for s, _ in first["losses"]] == [1, 2, 3, 4]
-    assert first["children"] == []
-    checkpoints = resumed_dir / "lns" / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["iter_0000003", "iter_0000004"]
-    second = _run(tmp_path, tiny_run_config(resumed_dir, ASYNC))[0]
-    assert second["resumed_from"] == 4
-    assert first["losses"] + second["losses"] == straight["losses"]  # bitwise on CPU
-    assert second["valid"] == straight["valid"]
-    assert second["children"] == []
-    assert latest_complete_checkpoint(checkpoints).name == "iter_0000006"
-
-
-def test_parallel_async_save_at_dp2_loads_at_dp2_and_at_tp2(tmp_path):
-    dp2 = ["trainer.devices=2"]
-    straight = _run(tmp_path, tiny_run_config(tmp_path / "straight", *dp2))[0]
-    run_dir = tmp_path / "parallel"
-    stopped = _run(
-        tmp_path, tiny_run_config(run_dir, *dp2, ASYNC, PARALLEL_SAVE, "trainer.exit_interval=3")
-    )
-    assert all(rank["children"] == [] for rank in stopped)
-    checkpoint = run_dir / "lns" / "checkpoints" / "iter_0000003"
-    # Both data-parallel ranks wrote shards of the replicated weights and optimizer state.
-    assert sorted(p.name for p in checkpoint.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-
-    resumed = _run(tmp_path, tiny_run_config(run_dir, *dp2, PARALLEL_LOAD))[0]
+    # Saves at steps 3 (committed by a later step's poll) and 6 (by the final wait).
+    whole = _run(tmp_path, tiny_run_config(tmp_path / "whole", ASYNC))[0]
+    assert whole["children"] == []
+    step3 = tmp_path / "whole" / "lns" / "checkpoints" / "iter_0000003"
+    # Resumed from step 3, stopped by exit_interval at 5: the run waits for that save.
+    resumed = _run(
+        tmp_path,
+        tiny_run_config(
+            tmp_path / "resumed", ASYNC, "trainer.exit_interval=5",
+            f"exp_manager.resume_from_checkpoint={step3}",
+        ),
+    )[0]  # fmt: skip
     assert resumed["resumed_from"] == 3
-    assert stopped[0]["losses"] + resumed["losses"] == straight["losses"]
+    assert resumed["losses"] == whole["losses"][3:5]  # bitwise on CPU
+    assert resumed["children"] == []
+    from megatron_lns.training.run_status import read_run_status
 
-    tp2 = ["trainer.devices=2", "model.tensor_model_parallel_size=2"]
-    resume_at_tp2 = f"exp_manager.resume_from_checkpoint={checkpoint}"
-    resharded = _run(tmp_path, tiny_run_config(tmp_path / "tp2", *tp2, resume_at_tp2))[0]
-    assert resharded["resumed_from"] == 3
-    expected = dict(straight["losses"])
-    for step, loss in resharded["losses"]:
-        assert loss == pytest.approx(expected[step], rel=1e-4), step
+    run_dir = tmp_path / "resumed" / "lns"
+    assert latest_complete_checkpoint(run_dir / "checkpoints").name == "iter_0000005"
+    assert read_run_status(run_dir) == ("stopped", 5)
+
+
+@pytest.mark.slow
+def test_parallel_async_save_at_dp2_resumes_bitwise_with_parallel_load(tmp_path):
+    dp2 = ["trainer.devices=2", ASYNC, PARALLEL_SAVE]
+    whole = _run(tmp_path, tiny_run_config(tmp_path / "whole", *dp2))
+    assert all(rank["children"] == [] for rank in whole)
+    step3 = tmp_path / "whole" / "lns" / "checkpoints" / "iter_0000003"
+    # Both data-parallel ranks wrote a share of the replicated weights and optimizer
+    # state (without the parallel save rank 1 writes only its RNG state).
+    rank0, rank1 = (step3 / f"__{rank}_0.distcp" for rank in (0, 1))
+    assert rank1.stat().st_size > rank0.stat().st_size / 3
+
+    resume = f"exp_manager.resume_from_checkpoint={step3}"
+    resumed = _run(tmp_path, tiny_run_config(tmp_path / "resumed", *dp2, PARALLEL_LOAD, resume))
+    assert resumed[0]["resumed_from"] == 3
+    assert resumed[0]["losses"] == whole[0]["losses"][3:]
 
 
 # Training whose background write of the step-4 checkpoint never ends: the writer (a
@@ -110,6 +144,7 @@ KILLED_DURING_ASYNC_SAVE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_job_killed_during_an_async_save_leaves_nothing_to_resume_from_or_running(tmp_path):
     every_2 = "exp_manager.checkpoint_callback_params.every_n_train_steps=2"
     args = ["train", str(DEMO), *TINY_RUN_OVERRIDES, every_2, ASYNC]
@@ -129,7 +164,7 @@ def test_job_killed_during_an_async_save_leaves_nothing_to_resume_from_or_runnin
     assert writer in helpers  # and the server of the writer's result queue
     job.send_signal(signal.SIGKILL)
     job.wait(timeout=30)
-    gone, alive = psutil.wait_procs(helpers, timeout=10)
+    _, alive = psutil.wait_procs(helpers, timeout=10)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
 
     checkpoints = tmp_path / "lns" / "checkpoints"
@@ -140,6 +175,6 @@ def test_job_killed_during_an_async_save_leaves_nothing_to_resume_from_or_runnin
 
     resumed = _run(tmp_path, tiny_run_config(tmp_path, every_2, ASYNC))[0]
     assert resumed["resumed_from"] == 2
-    straight = _run(tmp_path, tiny_run_config(tmp_path / "straight", every_2))[0]
-    assert resumed["losses"] == straight["losses"][2:]
+    assert [step for step, _ in resumed["losses"]] == [3, 4, 5, 6]
     assert latest_complete_checkpoint(checkpoints).name == "iter_0000006"
+    assert not (checkpoints / "iter_0000004.partial").exists()  # replaced by step 4's save
