@@ -78,6 +78,41 @@ def test_an_async_save_takes_the_state_at_once_and_counts_only_once_committed(se
         assert torch.equal(loaded, expected)
 
 
+def test_a_failed_background_write_is_one_error_naming_the_checkpoint(
+    seeded, tmp_path, monkeypatch
+):
+    from helpers import tiny_config
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync,
+    )
+
+    from megatron_lns.model import build_model
+    from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
+    from megatron_lns.training.assembly import wrap_with_ddp
+    from megatron_lns.training.checkpoint import CheckpointError, TrainingState
+    from megatron_lns.training.checkpoint_writer import CheckpointWriter
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    # Inherited by the writer process that megatron forks.
+    monkeypatch.setattr(FileSystemWriterAsync, "write_preloaded_data", staticmethod(disk_full))
+    model = wrap_with_ddp(build_model(tiny_config()))
+    optimizer, scheduler = build_optimizer_and_scheduler(model, OptimSettings(), 10)
+    writer = CheckpointWriter(tmp_path, asynchronous=True)
+    writer.save(model, optimizer, scheduler, TrainingState(1, 4), "")
+    with pytest.raises(CheckpointError) as info:
+        writer.wait()
+    writer.close()
+    message = str(info.value)
+    assert message.startswith(
+        f"could not save checkpoint {tmp_path / 'iter_0000001'} (left as "
+        "iter_0000001.partial, which resume ignores): "
+    )
+    assert "\n" not in message
+    assert writer.pending == [] and latest_complete_checkpoint(tmp_path) is None
+
+
 @pytest.mark.slow
 def test_async_saves_resume_bitwise_and_leave_no_process(tmp_path):
     # Saves at steps 3 (committed by a later step's poll) and 6 (by the final wait).
