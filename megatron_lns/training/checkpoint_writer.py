@@ -103,9 +103,10 @@ class CheckpointWriter:
             self.root, model, optimizer, scheduler, state, config_yaml,
             save_strategy(self.parallel), self._results(),
         )  # fmt: skip
-        request = request._replace(
-            async_fn=partial(_write_following_rank, os.getpid(), request.async_fn)
-        )
+        if request.async_fn is not None:  # None: this rank has nothing to write
+            request = request._replace(
+                async_fn=partial(_write_following_rank, os.getpid(), request.async_fn)
+            )
         self._pending[self._calls.schedule_async_request(request)] = final
         return final
 
