@@ -108,7 +108,9 @@ def _write_results_into(results_queue) -> Iterator[None]:
         filesystem_async._results_queue = previous
 
 
-def save_strategy(parallel: bool = False):
+def save_strategy(
+    parallel: bool = False,
+) -> TorchDistSaveShardedStrategy | FullyParallelSaveStrategyWrapper:
     """megatron's torch_dist writer; ``parallel`` spreads the writing of replicated
     shards (weights and optimizer state held by every data-parallel rank) over the
     data-parallel ranks instead of leaving it all to the first of them
@@ -120,7 +122,9 @@ def save_strategy(parallel: bool = False):
     return FullyParallelSaveStrategyWrapper(strategy, group)
 
 
-def load_strategy(parallel: bool = False):
+def load_strategy(
+    parallel: bool = False,
+) -> TorchDistLoadShardedStrategy | FullyParallelLoadStrategyWrapper:
     """megatron's torch_dist reader; ``parallel`` has each data-parallel rank read a
     part of the replicated shards and exchange them with the others
     (``model.dist_ckpt_parallel_load``, Megatron-LM's ``--ckpt-fully-parallel-load``)."""
@@ -139,7 +143,9 @@ def _save(sharded_state_dict: dict, directory: str | Path, strategy=None) -> Non
         )
 
 
-def _start_save(sharded_state_dict: dict, directory: str | Path, strategy, results_queue):
+def _start_save(
+    sharded_state_dict: dict, directory: str | Path, strategy, results_queue
+) -> AsyncRequest:
     """Plan an asynchronous ``dist_checkpointing.save``: the returned request writes this
     rank's shards when scheduled and finalises (metadata) once every rank has."""
     with _write_results_into(results_queue):

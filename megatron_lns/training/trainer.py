@@ -408,7 +408,6 @@ class Trainer:
                 if periodic or stop_now:
                     self.save()
                 if stop_now:
-                    self._print(f"stopping at step {step} (checkpoint saved; rerun to resume)")
                     summary.stopped_early = True
                     break
 
@@ -419,6 +418,9 @@ class Trainer:
                     self.save()
             # Before run_status says the run is resumable (or done).
             self.wait_for_checkpoints()
+            if summary.stopped_early:
+                step = self.state.iteration
+                self._print(f"stopping at step {step} (checkpoint saved; rerun to resume)")
         finally:
             self.close()
         self._write_run_status(summary)
