@@ -190,10 +190,14 @@ def test_job_killed_during_an_async_save_leaves_nothing_to_resume_from_or_runnin
         cwd=ROOT, env=fresh_launch_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
     deadline = time.monotonic() + 600  # a loaded CI machine
-    while not (marker.exists() and marker.read_text()):
-        assert job.poll() is None, job.stderr.read().decode()
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    try:
+        while not (marker.exists() and marker.read_text()):
+            assert job.poll() is None, job.stderr.read().decode()
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    except AssertionError:
+        job.kill()  # with the writer and the queue server, which die with it
+        raise
     helpers = psutil.Process(job.pid).children(recursive=True)
     writer = psutil.Process(int(marker.read_text()))
     assert writer in helpers  # and the server of the writer's result queue
