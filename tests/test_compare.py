@@ -56,7 +56,11 @@ def test_variant_names_set_only_their_keys():
     assert scaled.model_settings["output_layer_init"] == "scaled"
     cfg = load_config(DEMO_CONFIG, TINY)
     run = run_config(cfg, post, 7, Path("/out"))
-    assert (run.model.seed, run.model.layer_variant, run.model.norm_scaling) == (7, "post_ln", "none")
+    assert (run.model.seed, run.model.layer_variant, run.model.norm_scaling) == (
+        7,
+        "post_ln",
+        "none",
+    )
     assert (run.exp_manager.exp_dir, run.exp_manager.name) == ("/out/post_ln", "seed7")
     assert run.model.hidden_size == cfg.model.hidden_size and run.trainer == cfg.trainer
     assert seeds_for(cfg, 3) == [cfg.model.seed, cfg.model.seed + 1, cfg.model.seed + 2]

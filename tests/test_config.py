@@ -691,10 +691,7 @@ def test_nemo_data_prefix_is_required():
         ("model.ub_tp_comm_overlap=true", "model.ub_tp_comm_overlap=True is not supported yet"),
         ("model.cpu_offloading=true", "model.cpu_offloading=True is not supported yet"),
         ("model.sharp=true", "model.sharp=True is not supported yet"),
-        (
-            "+model.dist_ckpt_parallel_save=true",
-            "model.dist_ckpt_parallel_save=True is not supported yet",
-        ),
+        (),
         ("model.fp8=true", "model.fp8=True: here model.fp8 names the FP8 recipe"),
         (
             "model.tokenizer.vocab_file=/t/vocab.json",
@@ -736,10 +733,6 @@ def test_nemo_data_prefix_is_required():
             "exp_manager.checkpoint_callback_params.always_save_nemo=true",
             "always_save_nemo=True is not supported",
         ),
-        (
-            "exp_manager.checkpoint_callback_params.async_save=true",
-            "async_save=True is not supported yet",
-        ),
         ("model.use_scaled_init_method=true", None),  # honoured (scaled init)
         (
             "+model.output_layer_init=normal",
@@ -778,6 +771,16 @@ def test_hydra_defaults_that_compose_a_group_are_refused():
     raw.defaults = ["_self_", {"tp_overlap@model.ub_tp_comm_overlap_cfg": "ub_cfg_h100"}]
     with pytest.raises(ConfigError, match=r"defaults=.* is not supported \(Hydra config groups"):
         load_config(raw, NEMO_READY)
+
+
+def test_nemo_checkpoint_io_keys_are_honoured():
+    cfg, _ = _load_nemo(
+        "exp_manager.checkpoint_callback_params.async_save=true",
+        "+model.dist_ckpt_parallel_save=true",
+        "+model.dist_ckpt_parallel_load=true",
+    )
+    assert cfg.exp_manager.checkpoint_callback_params.async_save
+    assert cfg.model.dist_ckpt_parallel_save and cfg.model.dist_ckpt_parallel_load
 
 
 def test_nemo_table_and_schema_do_not_overlap_and_are_documented():

@@ -20,10 +20,7 @@ def _demo(cfg, out):
     from megatron_lns.compare import DEFAULT_VARIANTS, parse_variants, run_comparison
 
     comparison = run_comparison(cfg, parse_variants(DEFAULT_VARIANTS), 1, Path(out))
-    return [
-        (variant.label, comparison.results[variant.name][0])
-        for variant in comparison.variants
-    ]
+    return [(variant.label, comparison.results[variant.name][0]) for variant in comparison.variants]
 
 
 def test_demo_trains_both_arms_and_writes_its_outputs(

@@ -221,9 +221,6 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
     "exp_manager.checkpoint_callback_params.save_weights_only": Fixed(
         (False,), "checkpoints hold the optimizer state so that runs can resume"
     ),
-    "exp_manager.checkpoint_callback_params.async_save": _not_yet(
-        False, "asynchronous checkpoint saving"
-    ),
     # model: what is built
     "model.mcore_gpt": Fixed((True,), "the model is megatron-core's GPTModel"),
     "model.transformer_block_type": Fixed(
@@ -308,7 +305,6 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
     "model.megatron_timer_kwargs": ONLY_WITH_REFUSED,
     "model.dist_ckpt_format": Inert("checkpoints are written in torch_dist format"),
     "model.dist_ckpt_load_on_device": Inert("where a checkpoint is read into"),
-    "model.dist_ckpt_parallel_save": _not_yet(False, "parallel checkpoint saving"),
     # model: kernels and communication no megatron-core component here reads
     "model.persist_layer_norm": Inert(
         "megatron-core reads it only in Apex's FusedLayerNorm, which neither layer spec here "

@@ -89,6 +89,9 @@ class TrainerConfig:
 class CheckpointCallbackParams:
     every_n_train_steps: int = checked(1000, positive)
     save_last: bool = True
+    # Write checkpoints in the background (megatron-core's asynchronous dist_checkpointing
+    # save); a checkpoint counts once every rank has written it (docs/resuming.md).
+    async_save: bool = False
 
 
 @dataclass
@@ -216,6 +219,11 @@ class ModelConfig:
     # gc_interval steps on every rank at once; 0 leaves automatic collection on.
     gc_interval: int = checked(0, non_negative)
     nsys_profile: NsysProfileConfig = field(default_factory=NsysProfileConfig)
+    # Checkpoint I/O spread over the data-parallel ranks (megatron-core's fully parallel
+    # save / load strategy wrappers): which rank writes or reads a replicated shard, not
+    # what the checkpoint holds.
+    dist_ckpt_parallel_save: bool = False
+    dist_ckpt_parallel_load: bool = False
 
     # LayerNorm Scaling.
     norm_scaling: str = checked("lns", one_of(NORM_SCALING_CHOICES))
@@ -247,8 +255,6 @@ class ModelConfig:
     native_amp_init_scale: float = checked(2.0**32, positive)  # initial_loss_scale
     native_amp_growth_interval: int = checked(1000, positive)  # loss_scale_window
     hysteresis: int = checked(2, positive)
-    # megatron-core's fully parallel checkpoint load across data-parallel replicas.
-    dist_ckpt_parallel_load: bool = False
 
     # Transformer Engine and FP8 (GPU only).
     transformer_engine: bool = False

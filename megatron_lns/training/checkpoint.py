@@ -10,19 +10,23 @@ Layout under the experiment directory::
 
 A save writes into ``iter_N.partial`` and, once every rank has finished, rank 0 adds
 ``complete.json`` and renames the directory to ``iter_N``: a killed job can only
-leave a ``.partial`` directory behind, which resume never picks. Sharded tensors carry
+leave a ``.partial`` directory behind, which resume never picks. An asynchronous save
+(:func:`start_checkpoint_save`) commits the same way, from the finalisation step that
+megatron runs once the background writes of every rank have finished
+(``training/checkpoint_writer.py`` schedules it). Sharded tensors carry
 global keys and offsets, so a checkpoint written at one TP/PP/VP layout loads at any
 other. Each virtual-pipeline chunk is stored under ``model{i}`` as Megatron-LM does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import random
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +37,15 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
+from megatron.core.dist_checkpointing.strategies.torch import (
+    TorchDistLoadShardedStrategy,
+    TorchDistSaveShardedStrategy,
+)
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lns.errors import UserError
@@ -72,17 +85,77 @@ def model_sharded_state_dict(model: Sequence[torch.nn.Module]) -> dict:
     }
 
 
-def _save(sharded_state_dict: dict, directory: str | Path) -> None:
-    """``dist_checkpointing.save``, synchronous, without a helper process.
+# megatron-core's own asynchronous writer (``async_utils`` / ``filesystem_async``). Its
+# default, "nvrx", needs nvidia-resiliency-ext, which megatron-lns does not depend on.
+ASYNC_STRATEGY = "mcore"
 
-    megatron's writer reports through a ``multiprocessing.Manager().Queue()`` created on
-    first use: a server process per rank that outlives a rank that is killed. A
-    synchronous save writes from threads of this process, for which an ordinary queue
-    serves.
+
+@contextlib.contextmanager
+def _write_results_into(results_queue) -> Iterator[None]:
+    """megatron's writer reports its results through a queue it takes from a module
+    global when it plans the write (and keeps): make that global ``results_queue``.
+
+    megatron would otherwise create a ``multiprocessing.Manager().Queue()``: a server
+    process per rank that outlives a rank that is killed. A synchronous save writes from
+    threads of this process, for which an ordinary queue serves; an asynchronous one
+    brings a queue whose server dies with this rank (``checkpoint_writer.py``).
     """
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
-    dist_checkpointing.save(sharded_state_dict, str(directory))
+    previous = filesystem_async._results_queue
+    filesystem_async._results_queue = results_queue
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = previous
+
+
+def save_strategy(
+    parallel: bool = False,
+) -> TorchDistSaveShardedStrategy | FullyParallelSaveStrategyWrapper:
+    """megatron's torch_dist writer; ``parallel`` spreads the writing of replicated
+    shards (weights and optimizer state held by every data-parallel rank) over the
+    data-parallel ranks instead of leaving it all to the first of them
+    (``model.dist_ckpt_parallel_save``, Megatron-LM's ``--ckpt-fully-parallel-save``)."""
+    strategy = TorchDistSaveShardedStrategy()
+    if not parallel:
+        return strategy
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return FullyParallelSaveStrategyWrapper(strategy, group)
+
+
+def load_strategy(
+    parallel: bool = False,
+) -> TorchDistLoadShardedStrategy | FullyParallelLoadStrategyWrapper:
+    """megatron's torch_dist reader; ``parallel`` has each data-parallel rank read a
+    part of the replicated shards and exchange them with the others
+    (``model.dist_ckpt_parallel_load``, Megatron-LM's ``--ckpt-fully-parallel-load``)."""
+    strategy = TorchDistLoadShardedStrategy()
+    if not parallel:
+        return strategy
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return FullyParallelLoadStrategyWrapper(strategy, group)
+
+
+def _save(sharded_state_dict: dict, directory: str | Path, strategy=None) -> None:
+    """``dist_checkpointing.save``, synchronous, without a helper process."""
+    with _write_results_into(queue.Queue()):
+        dist_checkpointing.save(
+            sharded_state_dict, str(directory), strategy, async_strategy=ASYNC_STRATEGY
+        )
+
+
+def _start_save(
+    sharded_state_dict: dict, directory: str | Path, strategy, results_queue
+) -> AsyncRequest:
+    """Plan an asynchronous ``dist_checkpointing.save``: the returned request writes this
+    rank's shards when scheduled and finalises (metadata) once every rank has."""
+    with _write_results_into(results_queue):
+        return dist_checkpointing.save(
+            sharded_state_dict,
+            str(directory),
+            strategy,
+            async_sharded_save=True,
+            async_strategy=ASYNC_STRATEGY,
+        )
 
 
 def save_model_weights(model: Sequence[torch.nn.Module], directory: str | Path) -> None:
@@ -109,35 +182,17 @@ def check_shapes_match(template: dict, directory: str | Path) -> None:
             )
 
 
-def _load(template: dict, directory: str | Path, parallel: bool = False) -> dict:
-    """``dist_checkpointing.load`` after a shape check; any failure names the checkpoint.
-
-    ``parallel``: megatron-core's fully parallel load, in which the data-parallel replicas
-    split the reads of the shards they share and exchange them (NeMo's
-    ``dist_ckpt_parallel_load``), instead of every replica reading all of them.
-    """
+def _load(template: dict, directory: str | Path, strategy=None) -> dict:
+    """``dist_checkpointing.load`` after a shape check; any failure names the checkpoint."""
     try:
         check_shapes_match(template, directory)
-        strategy = _parallel_load_strategy(directory) if parallel else None
-        return dist_checkpointing.load(template, str(directory), sharded_strategy=strategy)
+        return dist_checkpointing.load(template, str(directory), strategy)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as err:
         # torch's CheckpointException derives from BaseException.
         cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"could not load checkpoint {directory}: {cause}") from err
-
-
-def _parallel_load_strategy(directory: str | Path):
-    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
-        FullyParallelLoadStrategyWrapper,
-    )
-
-    return FullyParallelLoadStrategyWrapper(
-        get_default_load_sharded_strategy(str(directory)),
-        parallel_state.get_data_parallel_group(with_context_parallel=True),
-    )
 
 
 def _load_chunks(model: Sequence[torch.nn.Module], loaded: dict) -> None:
@@ -222,23 +277,20 @@ def checkpoint_path(root: str | Path, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
 
-def save_checkpoint(
-    root: str | Path,
-    model,
-    optimizer,
-    scheduler,
-    state: TrainingState,
-    config_yaml: str,
-) -> Path:
-    """Save everything needed to resume; returns the committed directory."""
-    final = checkpoint_path(root, state.iteration)
+def _prepare_partial(root: str | Path, iteration: int) -> tuple[Path, Path]:
+    """The committed and the in-progress directory of a save, the latter made empty."""
+    final = checkpoint_path(root, iteration)
     partial = final.with_name(final.name + ".partial")
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)  # left by a killed save of this step
         partial.mkdir(parents=True)
     dist.barrier()
-    _save(_state_dict(model, optimizer, scheduler, state, True), partial)
-    dist.barrier()
+    return final, partial
+
+
+def _commit(partial: Path, final: Path, state: TrainingState, config_yaml: str) -> None:
+    """Make a fully written checkpoint count: called on every rank once every rank's
+    shards are on disk; rank 0 writes the marker and renames."""
     if dist.get_rank() == 0:
         (partial / "config.yaml").write_text(config_yaml)
         marker = {"iteration": state.iteration, "consumed_samples": state.consumed_samples}
@@ -247,7 +299,49 @@ def save_checkpoint(
             shutil.rmtree(final)
         partial.rename(final)
     dist.barrier()
+
+
+def save_checkpoint(
+    root: str | Path,
+    model,
+    optimizer,
+    scheduler,
+    state: TrainingState,
+    config_yaml: str,
+    strategy=None,
+) -> Path:
+    """Save everything needed to resume; returns the committed directory."""
+    final, partial = _prepare_partial(root, state.iteration)
+    _save(_state_dict(model, optimizer, scheduler, state, True), partial, strategy)
+    dist.barrier()
+    _commit(partial, final, state, config_yaml)
     return final
+
+
+def start_checkpoint_save(
+    root: str | Path,
+    model,
+    optimizer,
+    scheduler,
+    state: TrainingState,
+    config_yaml: str,
+    strategy,
+    results_queue,
+) -> tuple[Path, AsyncRequest]:
+    """Plan an asynchronous save of everything needed to resume.
+
+    Returns the directory the checkpoint will have and megatron's request, whose last
+    finalisation step commits it. Nothing counts until that step has run on every rank.
+    Schedule the request before the model or optimizer change again: the state is
+    taken when it is scheduled (copied off the GPU, or forked on CPU).
+    """
+    final, partial = _prepare_partial(root, state.iteration)
+    # A copy: the request outlives this step, the trainer's state does not.
+    saved = TrainingState(state.iteration, state.consumed_samples)
+    sharded = _state_dict(model, optimizer, scheduler, saved, True)
+    request = _start_save(sharded, partial, strategy, results_queue)
+    request.add_finalize_fn(lambda: _commit(partial, final, saved, config_yaml))
+    return final, request
 
 
 def save_weights_only_checkpoint(
@@ -298,14 +392,13 @@ def latest_complete_checkpoint(root: str | Path) -> Path | None:
     return found[0] if found else None
 
 
-def load_checkpoint(
-    path: str | Path, model, optimizer, scheduler, parallel_load: bool = False
-) -> TrainingState:
-    """Restore model, optimizer, scheduler, RNG (same layout only) and data position
-    (``parallel_load``: see ``_load``).
+def load_checkpoint(path: str | Path, model, optimizer, scheduler, strategy=None) -> TrainingState:
+    """Restore model, optimizer, scheduler, RNG (same layout only) and data position.
 
     A weights-only checkpoint (``WEIGHTS_ONLY`` in its marker) restores the weights and
-    the data position and leaves optimizer, scheduler and RNG as they are.
+    the data position and leaves optimizer, scheduler and RNG as they are. ``strategy``:
+    megatron's reader (:func:`load_strategy`); the default reads everything each rank
+    needs itself.
     """
     path = Path(path)
     if not is_complete(path):
@@ -327,7 +420,7 @@ def load_checkpoint(
     template = _state_dict(
         model, optimizer, scheduler, TrainingState(), with_rng=same_layout, is_loading=True
     )
-    loaded = _load(template, path, parallel=parallel_load)
+    loaded = _load(template, path, strategy)
     _load_chunks(model, loaded)
     optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(loaded["scheduler"])

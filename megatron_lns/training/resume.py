@@ -28,6 +28,7 @@ from megatron_lns.training.checkpoint import (
     complete_checkpoints,
     is_complete,
     load_checkpoint,
+    load_strategy,
 )
 
 # megatron scheduler state -> the config keys that set it.
@@ -113,7 +114,7 @@ def resume(
             if saved is not None:
                 _set_param_group_lr_bounds(optimizer, saved["max_lr"], saved["min_lr"])
             state = load_checkpoint(
-                path, model, optimizer, scheduler, cfg.model.dist_ckpt_parallel_load
+                path, model, optimizer, scheduler, load_strategy(cfg.model.dist_ckpt_parallel_load)
             )
         except CheckpointError as err:
             if index + 1 == len(candidates) or isinstance(err, ScheduleChangedError):

@@ -2,7 +2,8 @@
 
 The trainer writes ``<run_dir>/run_status`` when it returns: one line, ``finished
 STEP`` (max_steps reached) or ``stopped STEP`` (a stop request or exit_interval:
-checkpoint saved, resumable). A plain-text line so that a shell (SLURM's batch
+checkpoint saved, resumable); with asynchronous saves, only after the last one is
+committed on every rank. A plain-text line so that a shell (SLURM's batch
 script, outside any container) can read it with ``read -r state step``. A crash
 writes nothing; launchers remove the file before each run.
 """

@@ -45,7 +45,8 @@ from megatron_lns.training.assembly import (
     tokenizer_spec,
 )
 from megatron_lns.training.batch_size import init_batch_size_calculator
-from megatron_lns.training.checkpoint import latest_complete_checkpoint, save_checkpoint
+from megatron_lns.training.checkpoint import latest_complete_checkpoint
+from megatron_lns.training.checkpoint_writer import CheckpointWriter
 from megatron_lns.training.manual_gc import ManualGarbageCollection
 from megatron_lns.training.metrics import MetricsLogger
 from megatron_lns.training.profiling import StepProfiler
@@ -161,6 +162,11 @@ class Trainer:
         self.is_rank0 = dist.get_rank() == 0
         self.config_yaml = to_yaml(cfg)
         self.run_lock = self._claim_run_dir()
+        self.checkpoints = CheckpointWriter(
+            self.checkpoint_dir,
+            asynchronous=cfg.exp_manager.checkpoint_callback_params.async_save,
+            parallel=cfg.model.dist_ckpt_parallel_save,
+        )
         try:
             self._build()
         except BaseException:
@@ -257,7 +263,11 @@ class Trainer:
 
     def close(self) -> None:
         """Close the logs, release the run directory, restore the signal handlers
-        (idempotent)."""
+        (idempotent). A checkpoint still being written in the background is abandoned
+        (left ``.partial``) unless :meth:`wait_for_checkpoints` ran first on every rank."""
+        checkpoints = getattr(self, "checkpoints", None)
+        if checkpoints is not None:
+            checkpoints.close()
         self.stop_request.restore()
         manual_gc = getattr(self, "manual_gc", None)
         if manual_gc is not None:
@@ -309,6 +319,7 @@ class Trainer:
         if not result.update_successful:
             self.consecutive_skips += 1
             if self.consecutive_skips >= MAX_CONSECUTIVE_SKIPPED_STEPS:
+                self.wait_for_checkpoints()  # every rank stops here
                 raise TrainingStopped(
                     f"the last {self.consecutive_skips} optimizer updates after step "
                     f"{self.state.iteration} were all skipped (fp16 gradients overflow even "
@@ -318,6 +329,7 @@ class Trainer:
             return result
         grad_norm = result.grad_norm if result.grad_norm is not None else 0.0
         if not (math.isfinite(result.loss) and math.isfinite(grad_norm)):
+            self.wait_for_checkpoints()  # every rank stops here (loss and norm are global)
             raise TrainingStopped(
                 f"step {self.state.iteration + 1}: loss {result.loss}, gradient norm "
                 f"{result.grad_norm}: the run diverged and stops before its next checkpoint "
@@ -347,16 +359,20 @@ class Trainer:
         return loss
 
     def save(self) -> Path:
-        """A complete checkpoint of the current step (all ranks must call it)."""
-        sync_parameters(self.model)
-        return save_checkpoint(
-            self.checkpoint_dir,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            self.state,
-            self.config_yaml,
+        """Checkpoint the current step (all ranks must call it); returns its directory.
+
+        With ``async_save`` the checkpoint is written in the background and counts once
+        :meth:`wait_for_checkpoints` (or a later step's poll) has committed it.
+        """
+        sync_parameters(self.model)  # with overlap_param_sync the weights lag the update
+        return self.checkpoints.save(
+            self.model, self.optimizer, self.scheduler, self.state, self.config_yaml
         )
+
+    def wait_for_checkpoints(self) -> None:
+        """Wait for checkpoints being written in the background and commit them (all
+        ranks must call it)."""
+        self.checkpoints.wait()
 
     def _log_train_step(self, result: StepResult, lr: float, tokens_per_second: float) -> None:
         self.logger.log(
@@ -405,6 +421,7 @@ class Trainer:
                     result = self.train_step()
                 throughput.add(result.num_tokens, time.perf_counter() - start)
                 step, advanced = self.state.iteration, result.update_successful
+                self.checkpoints.poll()  # commit a background save every rank has written
                 if advanced:
                     self.manual_gc.after_step(step)
                     summary.train_losses.append((step, result.loss))
@@ -423,7 +440,6 @@ class Trainer:
                 if periodic or stop_now:
                     self.save()
                 if stop_now:
-                    self._print(f"stopping at step {step} (checkpoint saved; rerun to resume)")
                     summary.stopped_early = True
                     break
 
@@ -432,6 +448,11 @@ class Trainer:
                     summary.valid_loss = self.evaluate()
                 if cfg.exp_manager.checkpoint_callback_params.save_last:
                     self.save()
+            # Before run_status says the run is resumable (or done).
+            self.wait_for_checkpoints()
+            if summary.stopped_early:
+                step = self.state.iteration
+                self._print(f"stopping at step {step} (checkpoint saved; rerun to resume)")
         finally:
             self.close()
         self._write_run_status(summary)

@@ -54,6 +54,39 @@ def test_local_backend_runs_on_cuda(tmp_path):
     assert run_distributed(_local_backend_on_cuda_worker, 1, tmp_path)[0] < 1e-5
 
 
+def _async_save_worker(directory, device_name="cuda"):
+    """An asynchronous save takes the weights of its step (copied off the GPU before
+    it returns), however they change while it is written; no helper process stays."""
+    import psutil
+
+    from megatron_lns.model import build_model
+    from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
+    from megatron_lns.runtime import ParallelLayout, init_distributed
+    from megatron_lns.training.assembly import wrap_with_ddp
+    from megatron_lns.training.checkpoint import TrainingState, load_model_weights
+    from megatron_lns.training.checkpoint_writer import CheckpointWriter
+
+    device = init_distributed(ParallelLayout(), device=device_name)
+    model = wrap_with_ddp(build_model(tiny_config(), device=device))
+    optimizer, scheduler = build_optimizer_and_scheduler(model, OptimSettings(), 10)
+    saved = [p.detach().clone() for p in model[0].parameters()]
+    writer = CheckpointWriter(directory, asynchronous=True)
+    path = writer.save(model, optimizer, scheduler, TrainingState(1, 4), "")
+    with torch.no_grad():
+        for param in model[0].parameters():
+            param.add_(1.0)
+    writer.wait()
+    writer.close()
+    load_model_weights(model, path)
+    same = all(torch.equal(a, b) for a, b in zip(model[0].parameters(), saved, strict=True))
+    return same, [p.pid for p in psutil.Process().children(recursive=True)]
+
+
+def test_async_checkpoint_save_on_cuda(tmp_path):
+    same, children = run_distributed(_async_save_worker, 1, tmp_path, str(tmp_path / "ckpt"))[0]
+    assert same and children == []
+
+
 def _gpu_check():
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import gpu_check
