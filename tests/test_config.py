@@ -691,7 +691,6 @@ def test_nemo_data_prefix_is_required():
         ("model.ub_tp_comm_overlap=true", "model.ub_tp_comm_overlap=True is not supported yet"),
         ("model.cpu_offloading=true", "model.cpu_offloading=True is not supported yet"),
         ("model.sharp=true", "model.sharp=True is not supported yet"),
-        (),
         ("model.fp8=true", "model.fp8=True: here model.fp8 names the FP8 recipe"),
         (
             "model.tokenizer.vocab_file=/t/vocab.json",
