@@ -479,7 +479,12 @@ def _save_then_load_in_parallel(checkpoint_root):
     from megatron_lns.optim import OptimSettings
     from megatron_lns.runtime import ParallelLayout, init_distributed
     from megatron_lns.training.assembly import build_trainable
-    from megatron_lns.training.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+    from megatron_lns.training.checkpoint import (
+        TrainingState,
+        load_checkpoint,
+        load_strategy,
+        save_checkpoint,
+    )
     from megatron_lns.training.step import train_step
 
     layout = ParallelLayout()  # DP = 2
@@ -498,7 +503,9 @@ def _save_then_load_in_parallel(checkpoint_root):
     )
     init_distributed(layout, device="cpu", seed=2)  # other initial weights
     fresh = build_trainable(config, layout, device, OptimSettings(lr=1e-2), total_steps=10)
-    state = load_checkpoint(path, fresh.model, fresh.optimizer, fresh.scheduler, parallel_load=True)
+    state = load_checkpoint(
+        path, fresh.model, fresh.optimizer, fresh.scheduler, strategy=load_strategy(parallel=True)
+    )
     same_weights = all(
         torch.equal(a, b)
         for a, b in zip(
