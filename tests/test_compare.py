@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import DEMO_CONFIG, run_distributed
+from helpers import DEMO_CONFIG, TINY_RUN_OVERRIDES, run_distributed
 
 from megatron_lns.analysis.depth import LayerStats
 from megatron_lns.analysis.plots import trailing_mean
@@ -25,27 +25,7 @@ from megatron_lns.compare import (
 )
 from megatron_lns.config import load_config, validate
 
-TINY = [
-    "model.num_layers=4",
-    "model.hidden_size=32",
-    "model.num_attention_heads=2",
-    "model.ffn_hidden_size=64",
-    "model.encoder_seq_length=16",
-    "model.micro_batch_size=2",
-    "model.global_batch_size=2",
-    "model.data.splits_string=90,10,0",
-    "model.optim.sched.warmup_steps=1",
-    "trainer.max_steps=6",
-    "trainer.val_check_interval=3",
-    "trainer.limit_val_batches=1",
-    "trainer.log_every_n_steps=3",
-    "exp_manager.checkpoint_callback_params.every_n_train_steps=3",
-]
-
-
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("MEGATRON_LNS_CACHE", str(tmp_path_factory.getbasetemp() / "corpus_cache"))
+pytestmark = pytest.mark.usefixtures("private_corpus_cache")
 
 
 def test_variant_names_set_only_their_keys():
@@ -54,7 +34,7 @@ def test_variant_names_set_only_their_keys():
     assert post.model_settings == {"norm_scaling": "none", "layer_variant": "post_ln"}
     assert scaled.label == "Pre-LN + scaled init"
     assert scaled.model_settings["output_layer_init"] == "scaled"
-    cfg = load_config(DEMO_CONFIG, TINY)
+    cfg = load_config(DEMO_CONFIG, TINY_RUN_OVERRIDES)
     run = run_config(cfg, post, 7, Path("/out"))
     assert (run.model.seed, run.model.layer_variant, run.model.norm_scaling) == (
         7,
@@ -128,7 +108,7 @@ def _compare_twice(cfg, out):
 
 @pytest.mark.slow
 def test_two_variants_two_seeds_reproducible_distinct_and_tabulated(tmp_path):
-    cfg = load_config(DEMO_CONFIG, TINY)
+    cfg = load_config(DEMO_CONFIG, TINY_RUN_OVERRIDES)
     validate(cfg)
     run_distributed(_compare_twice, 1, tmp_path, cfg, str(tmp_path))
     first, again = tmp_path / "first", tmp_path / "again"
@@ -168,8 +148,8 @@ def _interrupted_then_resumed(cfg, stopping_cfg, out):
 
 @pytest.mark.slow
 def test_an_interrupted_comparison_resumes_to_the_same_curves(tmp_path):
-    cfg = load_config(DEMO_CONFIG, TINY)
-    stopping = load_config(DEMO_CONFIG, [*TINY, "trainer.exit_interval=3"])
+    cfg = load_config(DEMO_CONFIG, TINY_RUN_OVERRIDES)
+    stopping = load_config(DEMO_CONFIG, [*TINY_RUN_OVERRIDES, "trainer.exit_interval=3"])
     stopped, finished, untouched = run_distributed(
         _interrupted_then_resumed, 1, tmp_path, cfg, stopping, str(tmp_path)
     )[0]
