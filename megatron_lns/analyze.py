@@ -269,7 +269,7 @@ def analyze(
                 f"analyze: {item.label}: {item.checkpoint} ({cfg.model.num_layers} layers, "
                 f"{num_batches} held-out batches of {cfg.model.global_batch_size} sequences)"
             )
-            _run(cfg, external, item.checkpoint, num_batches, prune, str(result_path))
+            _run(cfg, item.checkpoint, num_batches, prune, str(result_path))
             if result_path.is_file():  # under an external launcher, on rank 0 only
                 results.append((item, num_batches, json.loads(result_path.read_text())))
         if not results:
@@ -333,19 +333,14 @@ def _report_from_dict(result: dict) -> DepthReport:
     )
 
 
-def _run(cfg, external: bool, *args) -> None:
-    from megatron_lns.runtime import spawn_local
+def _run(cfg, *args) -> None:
+    from megatron_lns.runtime import run_job
 
-    world = cfg.trainer.num_nodes * cfg.trainer.devices
-    if external or world == 1:
-        analysis_job(cfg, *args)
-    elif cfg.trainer.num_nodes > 1:
-        raise AnalysisError(
-            "trainer.num_nodes > 1 needs a multi-node launcher (torchrun or srun starting "
-            "`megatron-lns analyze` on every rank), or set trainer.num_nodes=1"
-        )
-    else:
-        spawn_local(analysis_job, world, cfg, *args)
+    run_job(
+        analysis_job, cfg.trainer.num_nodes, cfg.trainer.devices, cfg, *args,
+        multi_node_hint=" (torchrun or srun starting `megatron-lns analyze` on every rank), "
+        "or set trainer.num_nodes=1",
+    )  # fmt: skip
 
 
 def analysis_job(

@@ -51,19 +51,13 @@ def _compare_job(cfg, variant_names: list[str], num_seeds: int, out: str) -> Non
 def _launch(cfg, job: Callable[..., Any], *args: Any) -> None:
     """Run ``job(cfg, *args)`` on every rank: in-process under torchrun/SLURM or for one
     device, else as ``trainer.devices`` local processes."""
-    from megatron_lns.config import ConfigError
-    from megatron_lns.runtime import spawn_local
+    from megatron_lns.runtime import run_job
 
-    world = cfg.trainer.num_nodes * cfg.trainer.devices
-    if "RANK" in os.environ or world == 1:
-        job(cfg, *args)
-    elif cfg.trainer.num_nodes > 1:
-        raise ConfigError(
-            "trainer.num_nodes > 1 needs a multi-node launcher: `megatron-lns submit` on "
-            "SLURM, or one process per GPU started by torchrun or srun"
-        )
-    else:
-        spawn_local(job, world, cfg, *args)
+    run_job(
+        job, cfg.trainer.num_nodes, cfg.trainer.devices, cfg, *args,
+        multi_node_hint=": `megatron-lns submit` on SLURM, or one process per GPU started by "
+        "torchrun or srun",
+    )  # fmt: skip
 
 
 def _load(config: str, overrides: list[str], dry_run: bool = False):

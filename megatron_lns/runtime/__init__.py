@@ -8,16 +8,18 @@ from megatron_lns.runtime.distributed import (
     resolve_device,
     uses_gloo,
 )
-from megatron_lns.runtime.launch import RankFailed, spawn_local
+from megatron_lns.runtime.launch import NoMultiNodeLauncher, RankFailed, run_job, spawn_local
 
 __all__ = [
     "ParallelLayout",
+    "NoMultiNodeLauncher",
     "RankFailed",
     "cpu_compat_installed",
     "destroy_distributed",
     "init_distributed",
     "install_cpu_compat",
     "resolve_device",
+    "run_job",
     "spawn_local",
     "uses_gloo",
 ]

@@ -136,3 +136,24 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
                     if process.is_alive():
                         process.kill()
                         process.join()
+
+
+class NoMultiNodeLauncher(UserError, RuntimeError):
+    """``trainer.num_nodes > 1`` without torchrun or srun starting every rank."""
+
+
+def run_job(fn: Callable[..., Any], num_nodes: int, devices: int, *args: Any,
+            multi_node_hint: str) -> None:  # fmt: skip
+    """Run ``fn(*args)`` on every rank: in this process under an external launcher
+    (torchrun, srun: ``RANK`` is set) or for one device, else on ``devices`` local
+    processes (:func:`spawn_local`). Several nodes need the external launcher;
+    ``multi_node_hint`` ends the refusal with what the calling command offers."""
+    world = num_nodes * devices
+    if "RANK" in os.environ or world == 1:
+        fn(*args)
+    elif num_nodes > 1:
+        raise NoMultiNodeLauncher(
+            "trainer.num_nodes > 1 needs a multi-node launcher" + multi_node_hint
+        )
+    else:
+        spawn_local(fn, world, *args)
