@@ -23,7 +23,8 @@ The model of memory, for megatron-core's mixed-precision training:
   (2 x s*b*kv), the MLP's fc1 output and the SwiGLU output (3 x s*b*ffn). Flash/fused
   attention keeps no s x s matrix; the local backend's unfused attention keeps the
   softmax probabilities (b*heads*s*s), which selective recomputation drops. Full
-  recomputation keeps only each recomputed group's input. The first pipeline stage
+  recomputation keeps only each recomputed group's input; activation offloading keeps
+  the layers that are not offloaded. The first pipeline stage
   holds the most micro-batches in flight: PP for 1F1B, and for the interleaved schedule
   (2(PP-1) + (VP-1)PP + 1) chunk forwards of L/(PP VP) layers (megatron-core's warm-up
   count + 1).
@@ -65,6 +66,7 @@ class MemoryEstimate:
 
 def estimate(cfg, vocab_size: int, world_size: int | None = None) -> MemoryEstimate:
     """The first pipeline stage's memory for the run ``cfg`` (an ExperimentConfig)."""
+    from megatron_lns.config.performance import cpu_offloading_num_layers
     from megatron_lns.config.schema import PRECISIONS
     from megatron_lns.model import padded_vocab_size
 
@@ -103,6 +105,10 @@ def estimate(cfg, vocab_size: int, world_size: int | None = None) -> MemoryEstim
         layer_microbatches = in_flight_chunks * layers_per_chunk
     else:
         layer_microbatches = pp * layers_here
+    if m.cpu_offloading:
+        # Transformer Engine's schedule keeps (layers - offloaded) layers' activations on the
+        # GPU at the peak (offloading needs PP = 1: one micro-batch in flight).
+        layer_microbatches -= cpu_offloading_num_layers(m)
     if m.activations_checkpoint_granularity == "full":
         group = m.activations_checkpoint_num_layers
         kept_per_layer = s * b * h // sp / group  # one group input per `group` layers

@@ -33,7 +33,7 @@ POSITION_EMBEDDINGS: tuple[str, ...] = get_args(PositionEmbedding)
 OUTPUT_LAYER_INITS: tuple[str, ...] = get_args(OutputLayerInit)
 RECOMPUTE_GRANULARITIES: tuple[str, ...] = get_args(RecomputeGranularity)
 RECOMPUTE_METHODS: tuple[str, ...] = get_args(RecomputeMethod)
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -80,6 +80,10 @@ class GPTModelConfig:
     are megatron's ``TransformerConfig`` fields of the same names, passed through; their
     defaults are what runs anywhere (``fast_paths.py`` chooses them per machine).
     ``batch_p2p_comm=None`` batches pipeline send/receive except on gloo.
+
+    ``tp_comm_overlap`` and ``cpu_offloading*`` are megatron's fields of the same names,
+    passed through; both run in Transformer Engine (``tp_comm_overlap`` after
+    ``userbuffers.initialize_userbuffers``).
     """
 
     num_layers: int
@@ -130,6 +134,12 @@ class GPTModelConfig:
     overlap_p2p_comm: bool = False
     fp32_residual_connection: bool = False
     apply_query_key_layer_scaling: bool = False
+    tp_comm_overlap: bool = False
+    tp_comm_bootstrap_backend: Literal["nccl", "mpi", "gloo"] = "nccl"
+    cpu_offloading: bool = False
+    cpu_offloading_num_layers: int = 0
+    cpu_offloading_activations: bool = True
+    cpu_offloading_weights: bool = False
     extra_transformer_config: dict = field(default_factory=dict)
 
     def variant_settings(self) -> VariantSettings:
@@ -164,7 +174,7 @@ class GPTModelConfig:
         """The megatron ``TransformerConfig`` for this architecture and parallel layout."""
         if cpu_init is None:
             cpu_init = not torch.cuda.is_available()
-        dtype = _DTYPES[self.precision]
+        dtype = PARAMS_DTYPES[self.precision]
         if self.resolved_output_layer_init() in ("normal", "depth_scaled"):
             # depth_scaled: each layer replaces this with its own std (variants.py).
             output_init = init_method_normal(self.init_method_std)
@@ -220,6 +230,12 @@ class GPTModelConfig:
             recompute_granularity=self.recompute_granularity,
             recompute_method=self.recompute_method,
             recompute_num_layers=self.recompute_num_layers,
+            tp_comm_overlap=self.tp_comm_overlap,
+            tp_comm_bootstrap_backend=self.tp_comm_bootstrap_backend,
+            cpu_offloading=self.cpu_offloading,
+            cpu_offloading_num_layers=self.cpu_offloading_num_layers,
+            cpu_offloading_activations=self.cpu_offloading_activations,
+            cpu_offloading_weights=self.cpu_offloading_weights,
             **self._fp8_settings(),
             **self.extra_transformer_config,
         )

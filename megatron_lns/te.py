@@ -20,6 +20,9 @@ from megatron_lns.fused_norm import fused_norm_layer_spec
 from megatron_lns.norms import local_norm_builder
 from megatron_lns.scaling import NormScaling
 
+# The `te` extra's floor: fused_norm.py was checked against TE 2.8's and 2.10's source, and
+# the userbuffers and offloading code uses their interfaces.
+TE_MIN_VERSION = "2.8"
 INSTALL_HINT = (
     "Transformer Engine is not installed (it needs CUDA): install it with "
     "`pip install 'megatron-lns[te]'` on a CUDA machine or use an NGC PyTorch container, "

@@ -605,7 +605,6 @@ def test_nemo_megatron_gpt_config_loads_with_one_warning_of_inert_keys():
     for key in (
         "trainer.logger",
         "model.megatron_amp_O2",
-        "model.ub_tp_comm_overlap_cfg",
         "model.data.skip_warmup",
     ):
         assert key in listed
@@ -688,9 +687,6 @@ def test_nemo_data_prefix_is_required():
             "model.fp16_lm_cross_entropy=true",
             "model.fp16_lm_cross_entropy=True is not supported (megatron-core 0.19's GPTModel",
         ),
-        ("model.ub_tp_comm_overlap=true", "model.ub_tp_comm_overlap=True is not supported yet"),
-        ("model.cpu_offloading=true", "model.cpu_offloading=True is not supported yet"),
-        ("model.sharp=true", "model.sharp=True is not supported yet"),
         ("model.fp8=true", "model.fp8=True: here model.fp8 names the FP8 recipe"),
         (
             "model.tokenizer.vocab_file=/t/vocab.json",

@@ -16,6 +16,7 @@ LAYERS = [
     "variants",
     "fused_norm",
     "te",
+    "userbuffers",
     "fast_paths",
     "specs",
     "model",

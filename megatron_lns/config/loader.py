@@ -32,7 +32,7 @@ from megatron_lns.config.nemo_compat import (
     normalize_nemo_spellings,
     register_nemo_resolvers,
 )
-from megatron_lns.config.schema import ExperimentConfig
+from megatron_lns.config.schema import FREE_FORM, ExperimentConfig
 from megatron_lns.errors import UserError
 
 
@@ -55,7 +55,7 @@ def _schema_paths(cls: type = ExperimentConfig, prefix: str = "") -> dict[str, b
             paths[path] = False
             paths.update(_schema_paths(type(default), path + "."))
         else:
-            paths[path] = isinstance(default, dict)
+            paths[path] = isinstance(default, dict) or bool(f.metadata.get(FREE_FORM))
     return paths
 
 

@@ -290,17 +290,6 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
         "megatron-core 0.19 has no per-pipeline-stage recompute layer count; use "
         "model.activations_checkpoint_num_layers",
     ),
-    "model.ub_tp_comm_overlap": _not_yet(
-        False,
-        "tensor-parallel communication overlap needs Transformer Engine's userbuffers "
-        "initialised for the sequence x hidden shape, which megatron-lns does not do yet",
-    ),
-    "model.ub_tp_comm_overlap_cfg": ONLY_WITH_REFUSED,
-    "model.cpu_offloading": _not_yet(False, "offloading activations and weights to the CPU"),
-    "model.cpu_offloading_num_layers": ONLY_WITH_REFUSED,
-    "model.cpu_offloading_activations": ONLY_WITH_REFUSED,
-    "model.cpu_offloading_weights": ONLY_WITH_REFUSED,
-    "model.sharp": _not_yet(False, "NCCL SHARP"),
     "model.enable_megatron_timers": _not_yet(False, "megatron's internal timers"),
     "model.megatron_timer_kwargs": ONLY_WITH_REFUSED,
     "model.dist_ckpt_format": Inert("checkpoints are written in torch_dist format"),
@@ -400,10 +389,17 @@ def normalize_nemo_spellings(raw: DictConfig) -> None:
 
 
 def register_nemo_resolvers() -> None:
-    """NeMo's custom OmegaConf resolvers used inside its YAML files."""
+    """NeMo's custom OmegaConf resolvers used inside its YAML files (``multiply``;
+    ``sum`` in ``cpu_offloading_num_layers: ${sum:${.num_layers},-1}``)."""
     if not OmegaConf.has_resolver("multiply"):
         OmegaConf.register_resolver("multiply", _multiply, replace=True)
+    if not OmegaConf.has_resolver("sum"):
+        OmegaConf.register_resolver("sum", _sum, replace=True)
 
 
 def _multiply(x: Any, y: Any) -> Any:
     return x * y
+
+
+def _sum(*values: Any) -> Any:
+    return sum(values)

@@ -3,13 +3,16 @@
 :func:`fast_path_request` reads the fusion, attention and overlap switches for
 ``fast_paths.resolve_fast_paths``; :func:`check_performance_keys` holds the rules that
 relate these keys to the rest of the config (context parallelism, precision-bound keys,
-pipeline communication). Both are used by ``validate.py`` and the run assembly.
+pipeline communication, tensor-parallel communication overlap, activation offloading).
+Both are used by ``validate.py`` and the run assembly.
 """
 
 from __future__ import annotations
 
+from omegaconf import DictConfig, OmegaConf
+
 from megatron_lns.config.loader import ConfigError
-from megatron_lns.config.schema import PRECISIONS, ExperimentConfig
+from megatron_lns.config.schema import PRECISIONS, ExperimentConfig, ModelConfig
 from megatron_lns.fast_paths import (
     FastPathError,
     FastPathRequest,
@@ -17,6 +20,7 @@ from megatron_lns.fast_paths import (
     MachineFacts,
     resolve_fast_paths,
 )
+from megatron_lns.userbuffers import UserbufferSettingsError, read_userbuffer_settings
 
 # fp16 loss-scaling keys and the values megatron-core uses when they are not set.
 LOSS_SCALE_DEFAULTS = {
@@ -57,8 +61,30 @@ def resolved_fast_paths(cfg: ExperimentConfig, facts: MachineFacts) -> FastPaths
         raise ConfigError(str(err)) from None
 
 
-def check_performance_keys(cfg: ExperimentConfig) -> None:
-    """Rules of the performance keys that hold on any machine."""
+def cpu_offloading_num_layers(m: ModelConfig) -> int:
+    """How many layers' activations go to CPU memory; null is NeMo's every layer but the
+    last (whose backward follows its forward at once, so offloading it gains nothing)."""
+    if not m.cpu_offloading:
+        return 0
+    if m.cpu_offloading_num_layers is None:
+        return m.num_layers - 1
+    return m.cpu_offloading_num_layers
+
+
+def userbuffer_settings(cfg: ExperimentConfig) -> dict | None:
+    """``model.ub_tp_comm_overlap_cfg`` read and checked (a YAML path or a mapping)."""
+    source = cfg.model.ub_tp_comm_overlap_cfg
+    if isinstance(source, DictConfig):
+        source = OmegaConf.to_container(source, resolve=True)
+    try:
+        return read_userbuffer_settings(source, "model.ub_tp_comm_overlap_cfg")
+    except UserbufferSettingsError as err:
+        raise ConfigError(str(err)) from None
+
+
+def check_performance_keys(cfg: ExperimentConfig, check_files: bool = True) -> None:
+    """Rules of the performance keys that hold on any machine (``check_files``: also read
+    the files they name)."""
     m, precision = cfg.model, PRECISIONS[str(cfg.trainer.precision)]
     # Checked against the most capable machine this config can ask for: what is refused
     # here is refused everywhere; what depends on the machine is check_environment's.
@@ -89,6 +115,8 @@ def check_performance_keys(cfg: ExperimentConfig) -> None:
             "model.overlap_p2p_comm=true needs model.virtual_pipeline_model_parallel_size "
             "(megatron-core overlaps pipeline communication in the interleaved schedule only)"
         )
+    _check_tp_comm_overlap(cfg, check_files)
+    _check_cpu_offloading(m)
     dtype = cfg.model.optim.grad_sync_dtype
     if dtype is not None and dtype != "fp32" and dtype != precision:
         raise ConfigError(
@@ -103,3 +131,74 @@ def check_performance_keys(cfg: ExperimentConfig) -> None:
                     f"model.{key}={value} applies to fp16 loss scaling only "
                     f"(trainer.precision=16-mixed); trainer.precision={cfg.trainer.precision}"
                 )
+
+
+def _check_tp_comm_overlap(cfg: ExperimentConfig, check_files: bool) -> None:
+    m = cfg.model
+    if not m.ub_tp_comm_overlap:
+        if m.ub_tp_comm_overlap_cfg is not None:
+            raise ConfigError(
+                "model.ub_tp_comm_overlap_cfg is set but model.ub_tp_comm_overlap=false: "
+                "the userbuffer settings would not be used"
+            )
+        return
+    if not m.transformer_engine:
+        raise ConfigError(
+            "model.ub_tp_comm_overlap=true needs model.transformer_engine=true: the overlap "
+            "runs inside Transformer Engine's linear layers"
+        )
+    if not m.sequence_parallel:
+        raise ConfigError(
+            "model.ub_tp_comm_overlap=true needs model.sequence_parallel=true: it overlaps "
+            "the sequence-parallel all-gather and reduce-scatter with the GEMMs"
+        )
+    if check_files or not isinstance(m.ub_tp_comm_overlap_cfg, str):
+        userbuffer_settings(cfg)
+
+
+def _check_cpu_offloading(m: ModelConfig) -> None:
+    """megatron-core's and Transformer Engine's rules for activation offloading."""
+    if not m.cpu_offloading:
+        return
+    if not m.transformer_engine:
+        raise ConfigError(
+            "model.cpu_offloading=true needs model.transformer_engine=true: megatron-core "
+            "offloads through Transformer Engine's offload context"
+        )
+    if m.pipeline_model_parallel_size > 1:
+        raise ConfigError(
+            "model.cpu_offloading=true needs model.pipeline_model_parallel_size=1 "
+            "(megatron-core does not offload with pipeline parallelism)"
+        )
+    if m.activations_checkpoint_granularity is not None:
+        raise ConfigError(
+            "model.cpu_offloading=true and model.activations_checkpoint_granularity="
+            f"{m.activations_checkpoint_granularity} cannot be combined (megatron-core does "
+            "not offload recomputed layers); choose one"
+        )
+    layers = cpu_offloading_num_layers(m)
+    if not 1 <= layers <= m.num_layers - 1:
+        raise ConfigError(
+            f"model.cpu_offloading_num_layers={layers} must be between 1 and "
+            f"model.num_layers - 1 ({m.num_layers - 1}): the last layer is never offloaded"
+        )
+    if m.cpu_offloading_weights:
+        raise ConfigError(
+            "model.cpu_offloading_weights=true: Transformer Engine no longer offloads weights "
+            "(deprecated since 2.3, the flag is ignored; megatron-lns needs >= 2.8); set it "
+            "to false"
+        )
+    if not m.cpu_offloading_activations:
+        raise ConfigError(
+            "model.cpu_offloading=true with model.cpu_offloading_activations=false offloads nothing"
+        )
+
+
+def check_performance_environment(cfg: ExperimentConfig, cuda: bool) -> None:
+    """What the performance keys need of the machine (beyond Transformer Engine, which
+    check_environment checks): NCCL for SHARP."""
+    if cfg.model.sharp and not (cuda and cfg.trainer.accelerator != "cpu"):
+        raise ConfigError(
+            "model.sharp=true needs NCCL on CUDA GPUs: SHARP reduces NCCL's data-parallel "
+            "collectives in the InfiniBand switches (gloo has no SHARP)"
+        )

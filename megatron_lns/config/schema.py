@@ -66,6 +66,11 @@ FP8_FORMATS = ("hybrid", "e4m3")
 FP8_AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 # model.optim.grad_sync_dtype: the dtype megatron DDP reduces gradients in.
 GRAD_SYNC_DTYPES = ("fp32", "bf16", "fp16")
+# Field metadata of a key whose value may be a mapping with keys of its own (checked by the
+# key's own validation, not as config keys).
+FREE_FORM = "free_form"
+# model.ub_tp_comm_bootstrap_backend: the collectives that set up TE's userbuffers.
+UB_BOOTSTRAP_BACKENDS = ("nccl", "mpi", "gloo")
 
 
 @dataclass
@@ -249,6 +254,22 @@ class ModelConfig:
     overlap_p2p_comm: bool = False  # interleaved pipeline only
     batch_p2p_comm: bool | None = None  # null: batched on NCCL, unbatched on gloo
     fp32_residual_connection: bool = False
+    # NCCL SHARP: data-parallel reductions in the InfiniBand switches (megatron's use_sharp).
+    sharp: bool = False
+    # Tensor-parallel all-gather / reduce-scatter overlapped with the GEMMs through Transformer
+    # Engine's userbuffers (megatron's tp_comm_overlap); needs sequence parallelism.
+    ub_tp_comm_overlap: bool = False
+    # Userbuffers settings per GEMM (qkv_fprop, fc2_dgrad, ...): a YAML file or the mapping
+    # itself; null: Transformer Engine's defaults.
+    ub_tp_comm_overlap_cfg: Any = field(default=None, metadata={FREE_FORM: True})
+    ub_tp_comm_bootstrap_backend: str = checked("nccl", one_of(UB_BOOTSTRAP_BACKENDS))
+    # Transformer Engine moves the activations of the first cpu_offloading_num_layers layers
+    # to CPU memory after their forward and back before their backward (megatron's
+    # cpu_offloading*); null: every layer but the last (NeMo's default).
+    cpu_offloading: bool = False
+    cpu_offloading_num_layers: int | None = checked(None, non_negative)
+    cpu_offloading_activations: bool = True
+    cpu_offloading_weights: bool = False
     apply_query_key_layer_scaling: bool = False
     do_layer_norm_weight_decay: bool = False  # true: weight decay on norms and biases too
     # fp16 dynamic loss scaling (megatron's OptimizerConfig).

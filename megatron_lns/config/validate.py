@@ -13,7 +13,11 @@ from pathlib import Path
 from megatron_lns.config.cluster import validate_cluster
 from megatron_lns.config.loader import ConfigError
 from megatron_lns.config.paths import check_writable_paths
-from megatron_lns.config.performance import check_performance_keys, resolved_fast_paths
+from megatron_lns.config.performance import (
+    check_performance_environment,
+    check_performance_keys,
+    resolved_fast_paths,
+)
 from megatron_lns.config.rules import value_errors
 from megatron_lns.config.schema import PRECISIONS, SCHEDULES, ExperimentConfig
 from megatron_lns.data.blend import DataBlend, DataBlendError
@@ -87,7 +91,7 @@ def validate(
     if m.sequence_parallel and tp < 2:
         raise ConfigError("model.sequence_parallel needs model.tensor_model_parallel_size > 1")
     _check_recompute(m)
-    check_performance_keys(cfg)
+    check_performance_keys(cfg, check_files)
     if m.data.seq_length != m.encoder_seq_length:
         raise ConfigError(
             f"model.data.seq_length ({m.data.seq_length}) differs from "
@@ -269,12 +273,19 @@ def check_environment(cfg: ExperimentConfig) -> None:
     if cfg.trainer.accelerator == "gpu" and not cuda:
         raise ConfigError("trainer.accelerator=gpu but CUDA is not available on this machine")
     if m.transformer_engine:
-        from megatron_lns.te import INSTALL_HINT, te_available
+        from megatron_lns.te import INSTALL_HINT, TE_MIN_VERSION, te_available
 
         if not cuda:
             raise ConfigError("model.transformer_engine=true needs a CUDA GPU")
         if not te_available():
             raise ConfigError(f"model.transformer_engine=true: {INSTALL_HINT}")
+        from megatron.core.utils import get_te_version, is_te_min_version
+
+        if not is_te_min_version(TE_MIN_VERSION):
+            raise ConfigError(
+                f"model.transformer_engine=true needs Transformer Engine >= {TE_MIN_VERSION} "
+                f"(installed: {get_te_version()}): install megatron-lns[te]"
+            )
     if m.optim.name == "distributed_fused_adam":
         from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
 
@@ -307,6 +318,7 @@ def check_environment(cfg: ExperimentConfig) -> None:
                 f"model.fp8={m.fp8} needs CUDA >= {needed_cuda[0]}.{needed_cuda[1]}, "
                 f"this PyTorch is {have}"
             )
+    check_performance_environment(cfg, cuda)
     # Fusions and overlaps the user set must run on this machine.
     resolved_fast_paths(cfg, MachineFacts.detect(cuda and cfg.trainer.accelerator != "cpu"))
 

@@ -48,13 +48,12 @@ from megatron_lns.convert.mapping import (
 )
 from megatron_lns.convert.output import check_apart, check_output_dir, staged_output_dir
 from megatron_lns.convert.safetensors_io import SafetensorsCheckpoint
-from megatron_lns.model import GPTModelConfig, build_model, padded_vocab_size
+from megatron_lns.model import PARAMS_DTYPES, GPTModelConfig, build_model, padded_vocab_size
 from megatron_lns.specs import LOCAL_TO_FUSED_NORM_NAMES
 from megatron_lns.training.assembly import model_config
 from megatron_lns.training.checkpoint import save_weights_only_checkpoint
 
 PRECISION_OF_DTYPE = {torch.float32: "32", torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Checkpoint (fused) norm names -> the local-backend parameter names import fills.
 _FUSED_TO_LOCAL = {fused: local for local, fused in LOCAL_TO_FUSED_NORM_NAMES.items()}
 # Set from OUT_DIR: a different value would point the run at another directory.
@@ -112,7 +111,7 @@ def import_hf(
                 "trained without LNS, and with it the model computes a different function"
             )
         gpt = _model_config(cfg, vocab)
-        model_dtype = _DTYPES[gpt.precision]
+        model_dtype = PARAMS_DTYPES[gpt.precision]
         if model_dtype != dtype:
             say(f"import-hf: note: casting {dtype} weights to {model_dtype} (trainer.precision)")
         with staged_output_dir(out_dir, overwrite) as stage:

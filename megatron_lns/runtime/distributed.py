@@ -31,6 +31,8 @@ class ParallelLayout:
     virtual_pipeline: int | None = None
     sequence_parallel: bool = False
     context: int = 1
+    # NCCL SHARP for the data-parallel collectives (megatron's use_sharp; NCCL only).
+    sharp: bool = False
 
     def data_parallel(self, world_size: int) -> int:
         model_parallel = self.tensor * self.pipeline * self.context
@@ -75,12 +77,15 @@ def init_distributed(
             world_size=int(os.environ["WORLD_SIZE"]),
         )
     layout.data_parallel(dist.get_world_size())
+    if layout.sharp and dev.type != "cuda":
+        raise ValueError("SHARP needs NCCL on CUDA GPUs; this run uses gloo")
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tensor,
         pipeline_model_parallel_size=layout.pipeline,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
         context_parallel_size=layout.context,
+        use_sharp=layout.sharp,
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

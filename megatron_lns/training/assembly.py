@@ -23,7 +23,11 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
-from megatron_lns.config.performance import resolved_fast_paths
+from megatron_lns.config.performance import (
+    cpu_offloading_num_layers,
+    resolved_fast_paths,
+    userbuffer_settings,
+)
 from megatron_lns.config.schema import (
     ACCELERATORS,
     NORMALIZATIONS,
@@ -35,10 +39,11 @@ from megatron_lns.config.schema import (
 from megatron_lns.config.validate import data_blend
 from megatron_lns.data.datasets import DatasetSettings
 from megatron_lns.fast_paths import FastPaths, MachineFacts
-from megatron_lns.model import GPTModelConfig, build_model, padded_vocab_size
+from megatron_lns.model import PARAMS_DTYPES, GPTModelConfig, build_model, padded_vocab_size
 from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
 from megatron_lns.runtime import ParallelLayout
 from megatron_lns.training.profiling import ProfileWindow
+from megatron_lns.userbuffers import UserbufferLayout, initialize_userbuffers
 
 
 def parallel_layout(cfg: ExperimentConfig) -> ParallelLayout:
@@ -49,6 +54,7 @@ def parallel_layout(cfg: ExperimentConfig) -> ParallelLayout:
         virtual_pipeline=m.virtual_pipeline_model_parallel_size,
         sequence_parallel=m.sequence_parallel,
         context=m.context_parallel_size,
+        sharp=m.sharp,
     )
 
 
@@ -127,7 +133,33 @@ def model_config(
         overlap_p2p_comm=m.overlap_p2p_comm,
         fp32_residual_connection=m.fp32_residual_connection,
         apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
+        tp_comm_overlap=m.ub_tp_comm_overlap,
+        tp_comm_bootstrap_backend=m.ub_tp_comm_bootstrap_backend,
+        cpu_offloading=m.cpu_offloading,
+        cpu_offloading_num_layers=cpu_offloading_num_layers(m),
+        cpu_offloading_activations=m.cpu_offloading_activations,
+        cpu_offloading_weights=m.cpu_offloading_weights,
         **kernels,
+    )
+
+
+def initialize_tp_comm_overlap(cfg: ExperimentConfig) -> None:
+    """Transformer Engine's userbuffers for ``model.ub_tp_comm_overlap``, sized for one
+    micro-batch; every rank calls it before the model is built."""
+    m = cfg.model
+    precision = PRECISIONS[str(cfg.trainer.precision)]
+    initialize_userbuffers(
+        UserbufferLayout(
+            seq_length=m.encoder_seq_length,
+            micro_batch_size=m.micro_batch_size,
+            hidden_size=m.hidden_size,
+            tensor_parallel=m.tensor_model_parallel_size,
+            context_parallel=m.context_parallel_size,
+        ),
+        dtype=PARAMS_DTYPES[precision],
+        fp8=m.fp8 is not None,
+        settings=userbuffer_settings(cfg),
+        bootstrap_backend=m.ub_tp_comm_bootstrap_backend,
     )
 
 

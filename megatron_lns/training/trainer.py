@@ -38,6 +38,7 @@ from megatron_lns.training.assembly import (
     ddp_config,
     device_setting,
     fast_paths,
+    initialize_tp_comm_overlap,
     model_config,
     optim_settings,
     parallel_layout,
@@ -198,6 +199,8 @@ class Trainer:
             tokenizer_spec(cfg), self.model_config.vocab_size, dataset_num_samples(cfg)
         )
 
+        if m.ub_tp_comm_overlap:
+            initialize_tp_comm_overlap(cfg)
         trainable = build_trainable(
             self.model_config,
             self.layout,
