@@ -145,6 +145,18 @@ def test_override_of_unknown_key_says_how_to_add():
             "needs model.pipeline_model_parallel_size > 1",
         ),
         (
+            [
+                "model.pipeline_model_parallel_size=2",
+                "model.virtual_pipeline_model_parallel_size=2",
+                "model.micro_batch_size=2",
+                "model.global_batch_size=6",
+                "trainer.devices=2",
+            ],
+            None,
+            "model.global_batch_size / (model.micro_batch_size x data-parallel size) = 3 "
+            "micro-batches per step is not a multiple of model.pipeline_model_parallel_size (2)",
+        ),
+        (
             ["model.global_batch_size=10"],
             2,
             "model.global_batch_size (10) is not divisible by model.micro_batch_size x data-parallel size (4 x 2)",

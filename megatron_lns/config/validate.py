@@ -144,6 +144,14 @@ def validate(
         )
     if m.rampup_batch_size is not None:
         _check_rampup(m, dp)
+    elif vp is not None and (m.global_batch_size // (m.micro_batch_size * dp)) % pp:
+        microbatches = m.global_batch_size // (m.micro_batch_size * dp)
+        raise ConfigError(
+            f"model.global_batch_size / (model.micro_batch_size x data-parallel size) = "
+            f"{microbatches} micro-batches per step is not a multiple of "
+            f"model.pipeline_model_parallel_size ({pp}): megatron's interleaved schedule "
+            "(virtual pipeline) runs micro-batches in groups of the pipeline size"
+        )
     _check_profile_window(m.nsys_profile, world, t.max_steps)
     sched = m.optim.sched
     decay_steps = t.max_steps - sched.constant_steps
