@@ -121,6 +121,20 @@ class FastPaths:
     batch_p2p_comm: bool
     overlap_p2p_comm: bool
 
+    def model_fields(self) -> dict:
+        """The settings that are fields of the model config (``GPTModelConfig`` and
+        megatron's ``TransformerConfig`` alike); the overlaps of DDP are not."""
+        return dict(
+            bias_activation_fusion=self.bias_activation_fusion,
+            bias_dropout_fusion=self.bias_dropout_fusion,
+            masked_softmax_fusion=self.masked_softmax_fusion,
+            apply_rope_fusion=self.apply_rope_fusion,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            cross_entropy_loss_fusion=self.cross_entropy_loss_fusion,
+            attention_backend=self.attention_backend,
+            batch_p2p_comm=self.batch_p2p_comm,
+        )
+
 
 def _choose(
     key: str, requested: bool | None, default: bool, runs: bool = True, why_not: str = ""

@@ -558,3 +558,17 @@ def test_each_context_parallel_rank_gets_its_two_load_balanced_chunks(tmp_path):
     assert chunks[0]["labels"] == [[1, 2, 3, 4, 13, 14, 15, 16]]
     # The loss is summed over data x context parallel ranks: both CP ranks here.
     assert all(dp_cp == 2 for _, _, dp_cp in results)
+
+
+def test_timing_benchmarks_use_the_fast_paths_a_training_run_gets(monkeypatch):
+    from helpers import tiny_config
+
+    from megatron_lns.training import benchmark
+
+    cfg = tiny_config()
+    on_cpu = benchmark.with_default_fast_paths(cfg, torch.device("cpu"))
+    assert not any(getattr(on_cpu, name) for name in FUSIONS)
+    monkeypatch.setattr(MachineFacts, "detect", classmethod(lambda cls, cuda: H100_TE_APEX))
+    on_gpu = benchmark.with_default_fast_paths(cfg, torch.device("cuda", 0))
+    assert all(getattr(on_gpu, name) for name in FUSIONS if name != "apply_rope_fusion")
+    assert not on_gpu.apply_rope_fusion  # TE's fused RoPE; tiny_config is the local backend

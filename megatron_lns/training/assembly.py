@@ -79,18 +79,7 @@ def model_config(
     """The model's config; without ``fast`` (building a model to convert weights, on CPU)
     every fusion is off and pipeline send/receive is batched except on gloo."""
     m = cfg.model
-    kernels = {}
-    if fast is not None:
-        kernels = dict(
-            bias_activation_fusion=fast.bias_activation_fusion,
-            bias_dropout_fusion=fast.bias_dropout_fusion,
-            masked_softmax_fusion=fast.masked_softmax_fusion,
-            apply_rope_fusion=fast.apply_rope_fusion,
-            gradient_accumulation_fusion=fast.gradient_accumulation_fusion,
-            cross_entropy_loss_fusion=fast.cross_entropy_loss_fusion,
-            attention_backend=fast.attention_backend,
-            batch_p2p_comm=fast.batch_p2p_comm,
-        )
+    kernels = fast.model_fields() if fast is not None else {}
     return GPTModelConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,

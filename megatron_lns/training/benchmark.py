@@ -7,6 +7,7 @@ absolute numbers from different runs.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_lns.fast_paths import FastPathRequest, MachineFacts, resolve_fast_paths
 from megatron_lns.model import GPTModelConfig
 from megatron_lns.optim import OptimSettings
 from megatron_lns.runtime import ParallelLayout
@@ -40,15 +42,36 @@ def _sync(device: torch.device) -> None:
 TIMING_OPTIMIZER = OptimSettings(lr=1e-4, min_lr=1e-4, decay_style="constant")
 
 
+def with_default_fast_paths(cfg: GPTModelConfig, device: torch.device) -> GPTModelConfig:
+    """``cfg`` with the fused kernels and attention backend a training run of it gets by
+    default on ``device`` (``fast_paths.py``: on CUDA where the kernels are installed, off
+    on CPU), so that timings are of the kernels production runs use."""
+    request = FastPathRequest(
+        transformer_engine=cfg.backend == "te",
+        rope=cfg.position_embedding_type == "rope",
+        gelu_without_bias=cfg.activation == "gelu" and not cfg.bias,
+    )
+    fast = resolve_fast_paths(request, MachineFacts.detect(cuda=device.type == "cuda"))
+    return dataclasses.replace(cfg, **fast.model_fields())
+
+
 def trainable_for_timing(
     cfg: GPTModelConfig,
     layout: ParallelLayout,
     device: torch.device,
     chunk_transform: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
 ) -> Trainable:
-    """Model and optimizer assembled exactly as for training (``cfg.precision`` decides
-    the wrapping), with a flat learning rate."""
-    return build_trainable(cfg, layout, device, TIMING_OPTIMIZER, 10**6, chunk_transform)
+    """Model and optimizer assembled as for training (``cfg.precision`` decides the
+    wrapping, :func:`with_default_fast_paths` the kernels, gradient reduction overlaps on
+    CUDA), with a flat learning rate."""
+    return build_trainable(
+        with_default_fast_paths(cfg, device),
+        layout,
+        device,
+        TIMING_OPTIMIZER,
+        10**6,
+        chunk_transform,
+    )
 
 
 def compare_step_times(
