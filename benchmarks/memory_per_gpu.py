@@ -19,15 +19,15 @@ The model of memory, for megatron-core's mixed-precision training:
   (2 bytes/parameter of the transformer layers);
 * activations kept for backward, per layer and micro-batch, in 2-byte elements, with
   sequence parallelism dividing them by TP: the input and output of both pre-norms
-  (4 x s*b*h), the query and output of attention (2 x s*b*h), key and value
-  (2 x s*b*kv), the MLP's fc1 output and the SwiGLU output (3 x s*b*ffn). Flash/fused
-  attention keeps no s x s matrix; the local backend's unfused attention keeps the
-  softmax probabilities (b*heads*s*s), which selective recomputation drops. Full
-  recomputation keeps only each recomputed group's input; activation offloading keeps
-  the layers that are not offloaded. The first pipeline stage
-  holds the most micro-batches in flight: PP for 1F1B, and for the interleaved schedule
-  (2(PP-1) + (VP-1)PP + 1) chunk forwards of L/(PP VP) layers (megatron-core's warm-up
-  count + 1).
+  (4 x s*b*h), the query and output of attention (2 x s*b*q, q = heads x head size
+  ``model.kv_channels``), key and value (2 x s*b*kv), the MLP's fc1 output and the
+  SwiGLU output (3 x s*b*ffn). Flash/fused attention keeps no s x s matrix; the local
+  backend's unfused attention keeps the softmax probabilities (b*heads*s*s), which
+  selective recomputation drops. Full recomputation keeps only each recomputed group's
+  input; activation offloading keeps the layers that are not offloaded. The first
+  pipeline stage holds the most micro-batches in flight: PP for 1F1B,
+  and for the interleaved schedule (2(PP-1) + (VP-1)PP + 1) chunk forwards of L/(PP VP)
+  layers (megatron-core's warm-up count + 1).
 
 Not counted: the CUDA context, NCCL and TE workspaces, the allocator's fragmentation,
 the logits of the loss (s*b*vocab/TP fp32 for one micro-batch at a time).
@@ -77,11 +77,13 @@ def estimate(cfg, vocab_size: int, world_size: int | None = None) -> MemoryEstim
     dp = world // (tp * pp * cp)
     h, layers, heads = m.hidden_size, m.num_layers, m.num_attention_heads
     ffn = m.ffn_hidden_size or 4 * h
-    kv = h * (m.num_query_groups or heads) // heads
+    head_size = m.kv_channels or h // heads
+    q = heads * head_size  # all query heads (and the attention output) together
+    kv = (m.num_query_groups or heads) * head_size
     vocab = padded_vocab_size(vocab_size, tp, m.make_vocab_size_divisible_by)
     glu = 2 if m.activation == "swiglu" else 1
     norms = 0 if not m.norm_affine else (2 * h if m.normalization != "rmsnorm" else h)
-    per_layer = h * (h + 2 * kv) + h * h + h * glu * ffn + ffn * h + 2 * norms
+    per_layer = h * (q + 2 * kv) + q * h + h * glu * ffn + ffn * h + 2 * norms
     layers_here = layers // pp
     linear_params = layers_here * per_layer // tp
     params = linear_params + vocab * h // tp  # the embedding (first stage)
@@ -96,7 +98,7 @@ def estimate(cfg, vocab_size: int, world_size: int | None = None) -> MemoryEstim
 
     s, b = m.encoder_seq_length // cp, m.micro_batch_size
     sp = tp if m.sequence_parallel else 1
-    elements = s * b * (6 * h + 2 * kv + glu * ffn + ffn) // sp
+    elements = s * b * (4 * h + 2 * q + 2 * kv + glu * ffn + ffn) // sp
     if not m.transformer_engine and m.activations_checkpoint_granularity != "selective":
         elements += b * (heads // tp) * s * s * cp  # softmax probabilities (unfused attention)
     layers_per_chunk = layers // (pp * vp)

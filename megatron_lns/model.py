@@ -84,6 +84,10 @@ class GPTModelConfig:
     ``tp_comm_overlap`` and ``cpu_offloading*`` are megatron's fields of the same names,
     passed through; both run in Transformer Engine (``tp_comm_overlap`` after
     ``userbuffers.initialize_userbuffers``).
+
+    ``kv_channels`` is the attention head size (megatron's name); ``None`` is
+    ``hidden_size // num_attention_heads``. The query, key and value projections are
+    ``heads x kv_channels`` wide, so attention need not be as wide as the residual stream.
     """
 
     num_layers: int
@@ -93,6 +97,7 @@ class GPTModelConfig:
     seq_length: int
     ffn_hidden_size: int | None = None
     num_query_groups: int | None = None
+    kv_channels: int | None = None
     max_position_embeddings: int | None = None
     norm_scaling: NormScaling = "lns"
     layer_variant: LayerVariant = "pre_ln"
@@ -157,16 +162,22 @@ class GPTModelConfig:
             return self.output_layer_init
         return "normal" if self.norm_scaling == "lns" else "scaled"
 
+    @property
+    def head_size(self) -> int:
+        """Channels per attention head: ``kv_channels``, else hidden / heads."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
     def flops_per_token(self) -> float:
         """Training (forward + backward) FLOPs per token: 6 x matmul parameters plus causal
         attention, the count behind model TFLOP/s and MFU (as nanoGPT's ``estimate_mfu``)."""
         h, layers, s = self.hidden_size, self.num_layers, self.seq_length
         ffn = self.ffn_hidden_size or 4 * h
         groups = self.num_query_groups or self.num_attention_heads
-        kv = 2 * h * groups // self.num_attention_heads
+        q = self.num_attention_heads * self.head_size  # width of all query (and output) heads
+        kv = 2 * groups * self.head_size
         mlp_in = 2 * ffn if self.activation == "swiglu" else ffn
-        per_layer = h * (h + kv) + h * h + h * mlp_in + ffn * h
-        return 6.0 * (layers * per_layer + h * self.vocab_size) + 6.0 * layers * h * s
+        per_layer = h * (q + kv) + q * h + h * mlp_in + ffn * h
+        return 6.0 * (layers * per_layer + h * self.vocab_size) + 6.0 * layers * q * s
 
     def transformer_config(
         self, layout: ParallelLayout = ParallelLayout(), cpu_init: bool | None = None
@@ -187,6 +198,7 @@ class GPTModelConfig:
             ffn_hidden_size=self.ffn_hidden_size,
             num_attention_heads=self.num_attention_heads,
             num_query_groups=self.num_query_groups,
+            kv_channels=self.kv_channels,
             normalization=self.normalization,
             layernorm_epsilon=self.layernorm_epsilon,
             layernorm_zero_centered_gamma=self.layernorm_zero_centered_gamma,

@@ -39,11 +39,12 @@ class ReferenceLlama(nn.Module):
         rotary_base: int = 10000,
         variant: str = "pre_ln",
         mix_ln_post_layers: int = 0,
+        head_dim: int | None = None,
     ):
         super().__init__()
         self.num_layers, self.hidden = num_layers, hidden_size
         self.heads, self.groups = num_heads, num_query_groups
-        self.head_dim = hidden_size // num_heads
+        self.head_dim = head_dim or hidden_size // num_heads
         self.lns, self.normalization, self.eps = lns, normalization, eps
         self.rotary_base = rotary_base
         self.variant = variant
@@ -73,7 +74,7 @@ class ReferenceLlama(nn.Module):
                 torch.empty(qkv_rows, hidden_size)
             )
             p[pre + "self_attention.linear_proj.weight"] = nn.Parameter(
-                torch.empty(hidden_size, hidden_size)
+                torch.empty(hidden_size, num_heads * self.head_dim)
             )
             p[pre + "mlp.linear_fc1.weight"] = nn.Parameter(
                 torch.empty(2 * ffn_hidden_size, hidden_size)
@@ -120,7 +121,7 @@ class ReferenceLlama(nn.Module):
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
         causal = torch.ones(s, s, dtype=torch.bool).triu(1)
         probs = scores.masked_fill(causal, float("-inf")).softmax(-1)
-        out = (probs @ v).transpose(1, 2).reshape(b, s, self.hidden)
+        out = (probs @ v).transpose(1, 2).reshape(b, s, self.heads * hd)
         return out @ self.p[f"decoder.layers.{i}.self_attention.linear_proj.weight"].T
 
     def _mlp(self, x: torch.Tensor, i: int) -> torch.Tensor:

@@ -122,6 +122,16 @@ def test_override_of_unknown_key_says_how_to_add():
             "model.num_attention_heads (4) is not divisible by model.num_query_groups (3)",
         ),
         (
+            ["model.kv_channels=15"],
+            None,
+            "model.kv_channels=15 is odd: model.position_embedding_type=rope rotates pairs",
+        ),
+        (
+            ["model.hidden_size=72", "model.num_attention_heads=8"],
+            None,
+            "the head size hidden_size / num_attention_heads = 9 is odd",
+        ),
+        (
             [
                 "model.pipeline_model_parallel_size=3",
                 "trainer.devices=3",
@@ -236,6 +246,22 @@ def test_override_of_unknown_key_says_how_to_add():
 )
 def test_validation_errors_name_the_key(overrides, world_size, expected):
     assert expected in _invalid(*overrides, world_size=world_size)
+
+
+def test_kv_channels_sets_the_head_size_apart_from_hidden_size():
+    """A head size other than hidden / heads (Gemma-style) reaches the megatron config, and
+    hidden_size then need not divide by the heads."""
+    from megatron_lns.training.assembly import model_config
+
+    cfg = _load("model.hidden_size=130", "model.kv_channels=48")
+    validate(cfg, check_files=False)
+    tf = model_config(cfg, tokenizer_vocab_size=257).transformer_config()
+    assert (tf.kv_channels, tf.hidden_size, tf.num_attention_heads) == (48, 130, 4)
+    default = model_config(_load(), tokenizer_vocab_size=257).transformer_config()
+    assert default.kv_channels == default.hidden_size // default.num_attention_heads
+    # NeMo's key of the same name (its megatron_gpt_config.yaml sets it to null).
+    assert _load_nemo()[0].model.kv_channels is None
+    assert _load_nemo("model.kv_channels=128")[0].model.kv_channels == 128
 
 
 def test_resolved_config_round_trips(tmp_path):
@@ -370,6 +396,7 @@ def test_every_schema_key_is_documented():
         ("model.num_layers=0", "model.num_layers must be positive, got 0"),
         ("model.hidden_size=0", "model.hidden_size must be positive, got 0"),
         ("model.ffn_hidden_size=-1", "model.ffn_hidden_size must be positive, got -1"),
+        ("model.kv_channels=0", "model.kv_channels must be positive, got 0"),
         ("model.num_attention_heads=0", "model.num_attention_heads must be positive"),
         ("model.num_query_groups=0", "model.num_query_groups must be positive, got 0"),
         ("model.encoder_seq_length=0", "model.encoder_seq_length must be positive"),
@@ -688,7 +715,6 @@ def test_nemo_data_prefix_is_required():
             "model.normalize_attention_scores=False is not supported",
         ),
         ("model.ffn_dropout=0.1", "model.ffn_dropout=0.1 is not supported"),
-        ("model.kv_channels=128", "model.kv_channels=128 is not supported (the head dimension"),
         (
             "model.num_micro_batches_with_partial_activation_checkpoints=2",
             "model.num_micro_batches_with_partial_activation_checkpoints=2 is not supported "
@@ -758,7 +784,6 @@ def test_nemo_keys_that_change_the_model_or_run_are_refused_by_name(override, ex
 
 
 def test_nemo_keys_depending_on_other_settings():
-    assert _load_nemo("model.kv_channels=64")[0].model.hidden_size == 768  # = 768 / 12
     _load_nemo("+model.optim.sched.max_steps=100000")  # = trainer.max_steps
     fp8 = ["model.fp8=delayed", "model.fp8_format=hybrid", "trainer.precision=bf16-mixed"]
     assert _load_nemo(*fp8)[0].model.fp8 == "delayed"

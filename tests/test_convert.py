@@ -135,6 +135,8 @@ PARITY_CASES = {
         normalization="layernorm", share_embeddings_and_output_weights=True
     ),
     "layernorm1p-lns": dict(normalization="layernorm1p"),
+    # Llama's head_dim: four 24-channel heads (96 wide) over a 64-wide residual stream.
+    "rmsnorm-lns-kv-channels": dict(kv_channels=24),
 }
 
 
@@ -148,6 +150,8 @@ def test_export_matches_megatron_logits(seeded, tmp_path, case):
     assert config["architectures"] == [expected]
     assert config["vocab_size"] == VOCAB and config["eos_token_id"] == ByteTokenizer().eod
     assert config["tie_word_embeddings"] == cfg.model.share_embeddings_and_output_weights
+    if expected == "LlamaForCausalLM":
+        assert config["head_dim"] == (cfg.model.kv_channels or 16)
     assert_parity(checkpoint, cfg, out)
 
 
@@ -252,13 +256,16 @@ def assert_same_files(a: Path, b: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "model", [dict(), dict(normalization="layernorm", norm_affine=False)], ids=["llama", "olmo"]
+    "model",
+    [dict(), dict(normalization="layernorm", norm_affine=False), dict(kv_channels=24)],
+    ids=["llama", "olmo", "llama-kv-channels"],
 )
 def test_export_import_export_is_bitwise_identical(seeded, tmp_path, model):
     cfg = run_config(**model)
     save_run(tmp_path / "run", cfg)
     first = export_hf(tmp_path / "run", tmp_path / "hf", progress=silent)
-    import_hf(first, tmp_path / "imported", lns=True, progress=silent)
+    imported = load_config(import_hf(first, tmp_path / "imported", lns=True, progress=silent))
+    assert imported.model.kv_channels == (cfg.model.kv_channels or 16)
     second = export_hf(tmp_path / "imported", tmp_path / "hf2", progress=silent)
     assert_same_files(first, second)
 
@@ -283,7 +290,7 @@ def test_export_shards_with_an_index_of_exactly_the_written_tensors(seeded, tmp_
     assert one.keys() == many.keys() and all(torch.equal(one[k], many[k]) for k in one)
 
 
-def _tiny_hf_llama(path: Path, tied: bool = False) -> Path:
+def _tiny_hf_llama(path: Path, tied: bool = False, head_dim: int | None = None) -> Path:
     """A random LlamaForCausalLM saved with stock transformers, with the byte tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -301,6 +308,7 @@ def _tiny_hf_llama(path: Path, tied: bool = False) -> Path:
         rope_theta=50000.0,
         rms_norm_eps=1e-6,
         tie_word_embeddings=tied,
+        head_dim=head_dim,
         bos_token_id=None,
         eos_token_id=ByteTokenizer().eod,
     )
@@ -311,13 +319,18 @@ def _tiny_hf_llama(path: Path, tied: bool = False) -> Path:
     return path
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_hf_model_import_export_is_bitwise_identical(seeded, tmp_path, tied):
-    source = _tiny_hf_llama(tmp_path / "source", tied)
+@pytest.mark.parametrize(
+    ("tied", "head_dim"),
+    [(False, None), (True, None), (False, 24)],
+    ids=["untied", "tied", "head-dim-24"],
+)
+def test_hf_model_import_export_is_bitwise_identical(seeded, tmp_path, tied, head_dim):
+    source = _tiny_hf_llama(tmp_path / "source", tied, head_dim)
     config = import_hf(source, tmp_path / "imported", progress=silent)
     cfg = load_config(config)
     assert cfg.model.norm_scaling == "none" and cfg.model.rotary_base == 50000
     assert cfg.model.num_query_groups == 2 and cfg.model.layernorm_epsilon == 1e-6
+    assert cfg.model.kv_channels == (head_dim or 16)
     checkpoint = tmp_path / "imported" / "checkpoints" / "iter_0000000"
     assert_parity(checkpoint, cfg, source)
     out = export_hf(tmp_path / "imported", tmp_path / "hf", progress=silent)
@@ -485,6 +498,32 @@ def test_unexportable_settings_name_the_setting(seeded, tmp_path):
         Architecture.from_model_config(run_config(normalization="layernorm", bias=True).model)
     with pytest.raises(ConversionError, match=r"model.layer_variant=skipinit cannot be exported"):
         Architecture.from_model_config(run_config(layer_variant="skipinit").model)
+
+
+def test_stablelm_refuses_a_head_size_other_than_hidden_over_heads(seeded, tmp_path):
+    """StableLM's attention always has hidden_size / heads channels per head."""
+    stablelm = dict(normalization="layernorm", norm_affine=False)
+    cfg = run_config(kv_channels=24, **stablelm)
+    save_run(tmp_path / "run", cfg)
+    with pytest.raises(
+        ConversionError,
+        match=r"^model.kv_channels=24 cannot be exported with model.normalization=layernorm: "
+        r"StableLM's attention has hidden_size / num_attention_heads channels per head",
+    ):
+        export_hf(tmp_path / "run", tmp_path / "hf", progress=silent)
+    assert_nothing_written(tmp_path / "hf")
+    # kv_channels equal to hidden / heads is the same model, and exports.
+    save_run(tmp_path / "same", run_config(kv_channels=16, **stablelm))
+    source = export_hf(tmp_path / "same", tmp_path / "stablelm", progress=silent)
+    config = json.loads((source / "config.json").read_text())
+    config["head_dim"] = 24
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ConversionError,
+        match=r"config.json: head_dim=24 x num_attention_heads=4 != hidden_size=64: StableLM",
+    ):
+        import_hf(source, tmp_path / "imported", progress=silent)
+    assert_nothing_written(tmp_path / "imported")
 
 
 def test_truncated_safetensors_is_refused_and_nothing_written(seeded, tmp_path):

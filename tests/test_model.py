@@ -31,12 +31,15 @@ def _reference_for(cfg, lns):
         lns=lns,
         normalization=cfg.normalization,
         eps=cfg.layernorm_epsilon,
+        head_dim=cfg.head_size,
     ).double()
 
 
 @pytest.mark.parametrize("norm_scaling", ["lns", "none"])
-def test_logits_and_gradients_match_independent_reference(seeded, norm_scaling):
-    cfg = tiny_config(norm_scaling=norm_scaling, num_layers=6)
+# kv_channels=24: four 24-channel heads, 96 wide, over a 64-wide residual stream.
+@pytest.mark.parametrize("kv_channels", [None, 24], ids=["hidden_over_heads", "kv_channels"])
+def test_logits_and_gradients_match_independent_reference(seeded, norm_scaling, kv_channels):
+    cfg = tiny_config(norm_scaling=norm_scaling, num_layers=6, kv_channels=kv_channels)
     model = build_model(cfg)[0].double()
     perturb_norm_weights(model)
     reference = _reference_for(cfg, lns=norm_scaling == "lns")
@@ -56,6 +59,21 @@ def test_logits_and_gradients_match_independent_reference(seeded, norm_scaling):
         torch.testing.assert_close(
             param.grad, reference.p[name].grad, rtol=1e-8, atol=1e-10, msg=name
         )
+
+
+@pytest.mark.parametrize("kv_channels", [None, 24], ids=["hidden_over_heads", "kv_channels"])
+def test_flops_per_token_counts_the_models_matmul_weights(seeded, kv_channels):
+    """6 FLOPs per matmul weight per token (every linear layer and the output layer, not the
+    embedding lookup), plus causal attention over heads x head size channels."""
+    cfg = tiny_config(kv_channels=kv_channels)
+    model = build_model(cfg)[0]
+    matmul_weights = sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if p.dim() == 2 and not name.startswith("embedding.")
+    )
+    attention = 6 * cfg.num_layers * cfg.num_attention_heads * cfg.head_size * cfg.seq_length
+    assert cfg.flops_per_token() == 6 * matmul_weights + attention
 
 
 def test_lns_changes_the_function(seeded):

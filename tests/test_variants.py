@@ -96,19 +96,25 @@ def test_new_parameters_start_as_the_papers_define_them(seeded):
     torch.testing.assert_close(hidden, skipinit.decoder.final_layernorm(embedded))
 
 
-def test_deepnorm_scales_value_output_and_ffn_init_by_beta_and_residual_by_alpha(seeded):
+@pytest.mark.parametrize("head_dim", [16, 24], ids=["hidden_over_heads", "kv_channels"])
+def test_deepnorm_scales_value_output_and_ffn_init_by_beta_and_residual_by_alpha(seeded, head_dim):
+    kv_channels = None if head_dim == 16 else head_dim
     state = torch.random.get_rng_state()
-    post = build_model(tiny_config(layer_variant="post_ln", norm_scaling="none"))[0]
+    post = build_model(
+        tiny_config(layer_variant="post_ln", norm_scaling="none", kv_channels=kv_channels)
+    )[0]
     torch.random.set_rng_state(state)
-    deep = build_model(tiny_config(layer_variant="deepnorm", norm_scaling="none"))[0]
+    deep = build_model(
+        tiny_config(layer_variant="deepnorm", norm_scaling="none", kv_channels=kv_channels)
+    )[0]
     beta = deepnorm_beta(4)
     assert beta == pytest.approx(32**-0.25)
     assert deepnorm_alpha(4) == pytest.approx(8**0.25)
     for post_layer, deep_layer in zip(post.decoder.layers, deep.decoder.layers, strict=True):
         assert deep_layer.self_attn_bda.residual_scale == pytest.approx(8**0.25)
-        # linear_qkv rows per query group: [q, q | k | v] x head_dim 16 (4 heads, 2 groups).
-        p_qkv = post_layer.self_attention.linear_qkv.weight.view(2, 4, 16, 64)
-        d_qkv = deep_layer.self_attention.linear_qkv.weight.view(2, 4, 16, 64)
+        # linear_qkv rows per query group: [q, q | k | v] x head_dim (4 heads, 2 groups).
+        p_qkv = post_layer.self_attention.linear_qkv.weight.view(2, 4, head_dim, 64)
+        d_qkv = deep_layer.self_attention.linear_qkv.weight.view(2, 4, head_dim, 64)
         torch.testing.assert_close(d_qkv[:, :3], p_qkv[:, :3], rtol=0, atol=0)
         torch.testing.assert_close(d_qkv[:, 3], p_qkv[:, 3] * beta)
         for name in ("self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"):

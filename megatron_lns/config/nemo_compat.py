@@ -120,11 +120,6 @@ def _hydra_defaults_without_groups(value: Any, cfg: ExperimentConfig) -> bool:
     return isinstance(value, list) and all(composes_nothing(item) for item in value)
 
 
-def _head_dim(value: Any, cfg: ExperimentConfig) -> bool:
-    m = cfg.model
-    return value is None or value * m.num_attention_heads == m.hidden_size
-
-
 def _fp8_e4m3_onto_fp8_format(value: Any, cfg: ExperimentConfig) -> None:
     """NeMo's ``fp8_e4m3: true`` is ``model.fp8_format: e4m3``; false says nothing.
 
@@ -268,11 +263,6 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
     "model.reduce_amax": Fixed((True,), "FP8 amax is reduced across ranks"),
     "model.use_emha": Fixed((False,), "NeMo itself does not support it"),
     # model: performance and memory, honoured by a later release
-    "model.kv_channels": When(
-        _head_dim,
-        "the head dimension is hidden_size / num_attention_heads: checkpoint conversion to "
-        "and from Hugging Face derives it so",
-    ),
     "model.grad_allreduce_chunk_size_mb": Inert(
         "the chunk size of NeMo's own gradient all-reduce in its fp32 main-params wrapper, "
         "which megatron-core does not have; megatron DDP's buckets are model.optim.bucket_cap_mb"

@@ -198,6 +198,9 @@ class ModelConfig:
     hidden_size: int = checked(768, positive)
     ffn_hidden_size: int | None = checked(None, positive)
     num_attention_heads: int = checked(12, positive)
+    # The attention head size (megatron-core's kv_channels): the width of each query, key
+    # and value head. null: hidden_size / num_attention_heads.
+    kv_channels: int | None = checked(None, positive)
     num_query_groups: int | None = checked(None, positive)
     position_embedding_type: str = checked("rope", one_of(POSITION_EMBEDDINGS))
     rotary_base: int = checked(10000, positive)

@@ -70,7 +70,7 @@ def validate(
     )
     heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
     tp_key = "model.tensor_model_parallel_size"
-    _divisible("model.hidden_size", m.hidden_size, "model.num_attention_heads", heads)
+    _check_head_size(m)
     _divisible("model.num_attention_heads", heads, "model.num_query_groups", groups)
     _divisible("model.num_attention_heads", heads, tp_key, tp)
     _divisible("model.num_query_groups", groups, tp_key, tp)
@@ -184,6 +184,26 @@ def validate(
             raise ConfigError(f"model.data.data_prefix: {missing} does not exist")
         check_writable_paths(cfg, blend)
     validate_cluster(cfg)
+
+
+def _check_head_size(m) -> None:
+    """The head size is model.kv_channels, or hidden_size / num_attention_heads when that
+    is null (which must then divide, as Megatron-LM requires); RoPE rotates pairs of
+    channels, so with it the head size must be even."""
+    heads = m.num_attention_heads
+    if m.kv_channels is None:
+        _divisible("model.hidden_size", m.hidden_size, "model.num_attention_heads", heads)
+    head_size = m.kv_channels or m.hidden_size // heads
+    if m.position_embedding_type == "rope" and head_size % 2:
+        source = (
+            f"model.kv_channels={head_size}"
+            if m.kv_channels is not None
+            else f"the head size hidden_size / num_attention_heads = {head_size}"
+        )
+        raise ConfigError(
+            f"{source} is odd: model.position_embedding_type=rope rotates pairs of channels "
+            "and needs an even head size"
+        )
 
 
 def _check_recompute(m) -> None:

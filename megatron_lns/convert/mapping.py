@@ -2,10 +2,11 @@
 
 A megatron-lns decoder (RoPE, SwiGLU, pre-norms, optional LNS) is exactly one of:
 
-* RMSNorm (affine or not)              -> ``LlamaForCausalLM``
+* RMSNorm (affine or not)              -> ``LlamaForCausalLM`` (``head_dim`` = the head size)
 * LayerNorm, no linear biases          -> ``StableLmForCausalLM`` (``partial_rotary_factor``
   1.0, ``use_parallel_residual`` false, ``use_qkv_bias`` false): its LayerNorms have a
-  weight and a bias, so they can carry the LNS factor and OLMo's parameter-free norm
+  weight and a bias, so they can carry the LNS factor and OLMo's parameter-free norm;
+  its heads are always hidden_size / num_attention_heads wide
 
 Anything else is refused with the setting that prevents it (see
 :meth:`Architecture.from_model_config`). The tensors of block ``l`` (1-based) map as
@@ -108,6 +109,7 @@ class Architecture:
     ffn_hidden_size: int
     num_attention_heads: int
     num_query_groups: int
+    head_dim: int  # channels per attention head (model.kv_channels, Llama's head_dim)
     rmsnorm: bool
     norm_affine: bool
     zero_centered_gamma: bool
@@ -117,10 +119,6 @@ class Architecture:
     eps: float
     rotary_base: float
     max_position_embeddings: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
 
     @property
     def norm_has_bias(self) -> bool:
@@ -164,6 +162,15 @@ class Architecture:
                 "output-projection or MLP biases; Llama (with biases) needs "
                 "model.normalization=rmsnorm"
             )
+        heads = m.num_attention_heads
+        head_dim = m.kv_channels or m.hidden_size // heads
+        if not rmsnorm and head_dim * heads != m.hidden_size:
+            raise ConversionError(
+                f"model.kv_channels={head_dim} cannot be exported with model.normalization="
+                f"{m.normalization}: StableLM's attention has hidden_size / num_attention_heads "
+                f"channels per head ({m.hidden_size} / {heads}); Llama "
+                "(model.normalization=rmsnorm) carries its own head_dim"
+            )
         ffn = m.ffn_hidden_size or 4 * m.hidden_size
         return cls(
             hf_class=LLAMA if rmsnorm else STABLELM,
@@ -172,6 +179,7 @@ class Architecture:
             ffn_hidden_size=ffn,
             num_attention_heads=m.num_attention_heads,
             num_query_groups=m.num_query_groups or m.num_attention_heads,
+            head_dim=head_dim,
             rmsnorm=rmsnorm,
             norm_affine=m.norm_affine,
             zero_centered_gamma=m.normalization == "layernorm1p",
@@ -214,11 +222,14 @@ class Architecture:
                 f"config.json: hidden_act={config.hidden_act} is not supported (swiglu only)"
             )
         heads = config.num_attention_heads
+        # Llama's config always has head_dim (hidden_size // heads unless set), and its
+        # attention uses it; StableLM's attention always uses hidden_size / heads.
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        if head_dim * heads != config.hidden_size:
+        if hf_class == STABLELM and head_dim * heads != config.hidden_size:
             raise ConversionError(
                 f"config.json: head_dim={head_dim} x num_attention_heads={heads} != "
-                f"hidden_size={config.hidden_size} (megatron-lns derives head_dim from them)"
+                f"hidden_size={config.hidden_size}: StableLM's attention has hidden_size / "
+                "num_attention_heads channels per head, so model.kv_channels cannot differ"
             )
         if hf_class == LLAMA:
             attention_bias = bool(getattr(config, "attention_bias", False))
@@ -248,6 +259,7 @@ class Architecture:
             ffn_hidden_size=config.intermediate_size,
             num_attention_heads=heads,
             num_query_groups=config.num_key_value_heads or heads,
+            head_dim=head_dim,
             rmsnorm=hf_class == LLAMA,
             norm_affine=True,
             zero_centered_gamma=False,
@@ -267,6 +279,7 @@ class Architecture:
             "ffn_hidden_size": self.ffn_hidden_size,
             "num_attention_heads": self.num_attention_heads,
             "num_query_groups": self.num_query_groups,
+            "kv_channels": self.head_dim,
             "normalization": "rmsnorm" if self.rmsnorm else "layernorm",
             "norm_affine": self.norm_affine,
             "layernorm_epsilon": self.eps,
@@ -336,7 +349,7 @@ class Architecture:
         qkv = (self.num_attention_heads + 2 * self.num_query_groups) * hd
         shapes = {
             QKV_WEIGHT: (qkv, h),
-            PROJ_WEIGHT: (h, h),
+            PROJ_WEIGHT: (h, self.num_attention_heads * hd),
             FC1_WEIGHT: (2 * ffn, h),
             FC2_WEIGHT: (h, ffn),
             ATTN_NORM_WEIGHT: (h,),
@@ -398,7 +411,7 @@ class Architecture:
             "self_attn.q_proj.": (q, h),
             "self_attn.k_proj.": (kv, h),
             "self_attn.v_proj.": (kv, h),
-            "self_attn.o_proj.": (h, h),
+            "self_attn.o_proj.": (h, q),
             "mlp.gate_proj.": (ffn, h),
             "mlp.up_proj.": (ffn, h),
             "mlp.down_proj.": (h, ffn),

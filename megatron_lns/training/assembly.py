@@ -90,6 +90,7 @@ def model_config(
         seq_length=m.encoder_seq_length,
         ffn_hidden_size=m.ffn_hidden_size,
         num_query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels,
         max_position_embeddings=m.max_position_embeddings,
         norm_scaling=m.norm_scaling,
         layer_variant=m.layer_variant,
