@@ -19,6 +19,33 @@ TE_FP8 = [
 ]
 
 
+def _simulate_installed_te(monkeypatch, version: str = "2.10") -> None:
+    """A CUDA machine with Transformer Engine ``version`` installed, as the launch check
+    sees it."""
+    import megatron.core.utils as mcore_utils
+    from packaging.version import Version
+
+    import megatron_lns.te as te
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(te, "te_available", lambda: True)
+    monkeypatch.setattr(mcore_utils, "get_te_version", lambda: Version(version))
+    monkeypatch.setattr(
+        mcore_utils, "is_te_min_version", lambda wanted: Version(version) >= Version(wanted)
+    )
+
+
+def test_transformer_engine_older_than_2_8_is_refused_at_launch(monkeypatch):
+    _simulate_installed_te(monkeypatch, "2.5")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    with pytest.raises(
+        ConfigError,
+        match=r"^model.transformer_engine=true needs Transformer Engine >= 2.8 \(installed: "
+        r"2.5\)",
+    ):
+        check_environment(load_config(DEMO, TE_FP8))
+
+
 @pytest.mark.skipif(te_available(), reason="Transformer Engine is installed")
 def test_te_spec_without_te_says_how_to_install():
     from megatron_lns.specs import get_lns_layer_spec
@@ -109,7 +136,7 @@ def test_environment_check_rejects_te_missing_and_old_gpus(monkeypatch):
     ):
         check_environment(cfg)
 
-    monkeypatch.setattr(te, "te_available", lambda: True)
+    _simulate_installed_te(monkeypatch)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")
     with pytest.raises(
@@ -139,11 +166,9 @@ def test_distributed_optimizer_without_te_or_apex_is_refused(monkeypatch):
 
 
 def test_blockwise_fp8_needs_hopper_and_cuda_12_9(monkeypatch):
-    import megatron_lns.te as te
 
     cfg = load_config(DEMO, [*TE_FP8, "model.fp8=blockwise"])
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(te, "te_available", lambda: True)
+    _simulate_installed_te(monkeypatch)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(torch.version, "cuda", "12.8")
