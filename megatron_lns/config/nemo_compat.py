@@ -301,8 +301,6 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
     "model.cpu_offloading_activations": ONLY_WITH_REFUSED,
     "model.cpu_offloading_weights": ONLY_WITH_REFUSED,
     "model.sharp": _not_yet(False, "NCCL SHARP"),
-    "model.enable_megatron_timers": _not_yet(False, "megatron's internal timers"),
-    "model.megatron_timer_kwargs": ONLY_WITH_REFUSED,
     "model.dist_ckpt_format": Inert("checkpoints are written in torch_dist format"),
     "model.dist_ckpt_load_on_device": Inert("where a checkpoint is read into"),
     # model: kernels and communication no megatron-core component here reads

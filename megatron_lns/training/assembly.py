@@ -39,6 +39,7 @@ from megatron_lns.model import GPTModelConfig, build_model, padded_vocab_size
 from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
 from megatron_lns.runtime import ParallelLayout
 from megatron_lns.training.profiling import ProfileWindow
+from megatron_lns.training.timers import TimerSettings
 
 
 def parallel_layout(cfg: ExperimentConfig) -> ParallelLayout:
@@ -141,6 +142,18 @@ def profile_window(cfg: ExperimentConfig) -> ProfileWindow | None:
         ranks=tuple(p.ranks),
         record_shapes=p.gen_shape,
         torch_trace=p.torch_trace,
+    )
+
+
+def timer_settings(cfg: ExperimentConfig) -> TimerSettings | None:
+    """megatron's timers, or None when ``model.enable_megatron_timers`` is off."""
+    if not cfg.model.enable_megatron_timers:
+        return None
+    kwargs = cfg.model.megatron_timer_kwargs
+    return TimerSettings(
+        log_every_n_steps=kwargs.log_every_n_steps or cfg.trainer.log_every_n_steps,
+        log_option=kwargs.log_option or kwargs.log_mode or "minmax",
+        barrier=kwargs.barrier,
     )
 
 

@@ -24,6 +24,7 @@ from megatron.core.num_microbatches_calculator import (
     get_num_microbatches,
     update_num_microbatches,
 )
+from megatron.core.utils import get_model_config
 
 from megatron_lns.config import ExperimentConfig, to_yaml
 from megatron_lns.config.paths import run_directory
@@ -42,6 +43,7 @@ from megatron_lns.training.assembly import (
     optim_settings,
     parallel_layout,
     profile_window,
+    timer_settings,
     tokenizer_spec,
 )
 from megatron_lns.training.batch_size import init_batch_size_calculator
@@ -60,6 +62,7 @@ from megatron_lns.training.step import (
     sync_parameters,
     train_step,
 )
+from megatron_lns.training.timers import MegatronTimers, TimerReport
 
 # Consecutive skipped updates after which an fp16 run stops: megatron's dynamic loss
 # scale halves on every overflow (after a hysteresis of 2), so 50 skips take it from its
@@ -211,6 +214,8 @@ class Trainer:
             trainable.optimizer,
             trainable.scheduler,
         )
+        self.megatron_timers = MegatronTimers(timer_settings(cfg))
+        self.megatron_timers.install(get_model_config(self.model[0]), self.optimizer)
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         init_batch_size_calculator(
@@ -313,7 +318,8 @@ class Trainer:
         during a ramp-up (docs/configuration.md).
         """
         update_num_microbatches(self.state.consumed_samples, consistency_check=True)
-        microbatches = [next(self.train_batches) for _ in range(get_num_microbatches())]
+        with self.megatron_timers.timing("batch-generator", log_level=2):
+            microbatches = [next(self.train_batches) for _ in range(get_num_microbatches())]
         result = train_step(self.model, self.optimizer, microbatches)
         self.state.consumed_samples += result.num_samples
         if not result.update_successful:
@@ -346,10 +352,11 @@ class Trainer:
         for chunk in self.model:
             chunk.eval()
         loss_sum = tokens = 0.0
-        for batches in self.validation_microbatches():
-            result = forward_backward(self.model, batches, forward_only=True)
-            loss_sum += result.loss * result.num_tokens
-            tokens += result.num_tokens
+        with self.megatron_timers.paused():
+            for batches in self.validation_microbatches():
+                result = forward_backward(self.model, batches, forward_only=True)
+                loss_sum += result.loss * result.num_tokens
+                tokens += result.num_tokens
         for chunk in self.model:
             chunk.train()
         loss = loss_sum / tokens
@@ -389,6 +396,14 @@ class Trainer:
             },
         )
 
+    def _log_megatron_timers(self, step: int, report: TimerReport) -> None:
+        if report.table is not None:
+            self._print(
+                f"step {step}: megatron timers, per step of the last {report.steps}, {report.table}"
+            )
+        if report.max_seconds:
+            self.logger.log(step, report.max_seconds, console=False)
+
     def _tflops_per_device(self, tokens_per_second: float) -> float:
         """Model TFLOP/s per device (all ranks share the tokens)."""
         flops = tokens_per_second * self.model_config.flops_per_token()
@@ -422,6 +437,9 @@ class Trainer:
                 throughput.add(result.num_tokens, time.perf_counter() - start)
                 step, advanced = self.state.iteration, result.update_successful
                 self.checkpoints.poll()  # commit a background save every rank has written
+                timer_report = self.megatron_timers.step_done(step, advanced)
+                if timer_report is not None:
+                    self._log_megatron_timers(step, timer_report)
                 if advanced:
                     self.manual_gc.after_step(step)
                     summary.train_losses.append((step, result.loss))
