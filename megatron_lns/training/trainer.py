@@ -437,9 +437,6 @@ class Trainer:
                 throughput.add(result.num_tokens, time.perf_counter() - start)
                 step, advanced = self.state.iteration, result.update_successful
                 self.checkpoints.poll()  # commit a background save every rank has written
-                timer_report = self.megatron_timers.step_done(step, advanced)
-                if timer_report is not None:
-                    self._log_megatron_timers(step, timer_report)
                 if advanced:
                     self.manual_gc.after_step(step)
                     summary.train_losses.append((step, result.loss))
@@ -452,6 +449,9 @@ class Trainer:
                 else:
                     summary.skipped_steps += 1
                     self.logger.log(step, {"skipped_steps": summary.skipped_steps}, console=False)
+                timer_report = self.megatron_timers.step_done(step, advanced)
+                if timer_report is not None:
+                    self._log_megatron_timers(step, timer_report)
                 periodic = advanced and step % every == 0 and step < t.max_steps
                 exit_interval = advanced and bool(t.exit_interval) and step % t.exit_interval == 0
                 stop_now = (exit_interval and step < t.max_steps) or stop.agreed(self.device)
