@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.timers import Timers
 
 # Every timer megatron-core 0.19 starts (pipeline_parallel/, distributed/,
@@ -100,7 +102,7 @@ class MegatronTimers:
         self._configs: list[Any] = []
         self._steps_in_interval = 0
 
-    def install(self, model_config: Any, optimizer: Any) -> None:
+    def install(self, model_config: ModelParallelConfig, optimizer: MegatronOptimizer) -> None:
         """Hand the timers to megatron-core: the model's config (pipeline schedules,
         send/receive, ``finalize_model_grads``) and each optimizer's config."""
         if self.timers is None:
