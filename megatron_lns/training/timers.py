@@ -145,7 +145,8 @@ class MegatronTimers:
         table = self.timers.get_all_timers_string(
             names, normalizer=steps, reset=False, barrier=self.settings.barrier
         )
-        # megatron's own source for Timers.write (TensorBoard), which takes only a writer.
+        # What megatron's Timers.write computes for TensorBoard; write() itself takes a
+        # SummaryWriter only, and these metrics also go to metrics.jsonl and W&B.
         min_max = self.timers._get_global_min_max_time(
             names, reset=True, barrier=False, normalizer=steps
         )
