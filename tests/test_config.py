@@ -654,6 +654,10 @@ def test_nemo_megatron_gpt_config_loads_with_one_warning_of_inert_keys():
         "model.context_parallel_size",
         "model.data.data_impl",
         "model.fp8_hybrid",
+        # Honoured: megatron's timers (off in NeMo's YAML, its kwargs read).
+        "model.enable_megatron_timers",
+        "model.megatron_timer_kwargs",
+        "model.megatron_timer_kwargs.log_mode",
     ):
         assert key not in listed
     m = cfg.model
@@ -666,6 +670,9 @@ def test_nemo_megatron_gpt_config_loads_with_one_warning_of_inert_keys():
     )
     assert m.position_embedding_type == "learned_absolute" and m.share_embeddings_and_output_weights
     assert m.fp8 is None  # NeMo's fp8: False
+    assert not m.enable_megatron_timers
+    timer_kwargs = m.megatron_timer_kwargs
+    assert (timer_kwargs.log_every_n_steps, timer_kwargs.log_mode) == (10, "minmax")
     assert m.output_layer_init == "scaled"  # use_scaled_init_method: True, honoured
     assert (m.optim.betas, m.optim.sched.constant_steps) == ([0.9, 0.98], 50000)
     assert m.data.splits_string == "900,50,50" and m.data.seq_length == 512

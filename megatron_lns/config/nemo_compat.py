@@ -7,8 +7,7 @@ other key of NeMo's GPT config has one entry in :data:`NEMO_KEYS`:
   internals, ``.nemo`` naming, sub-keys of refused features, kernel choices that
   compute the same function). Accepted and listed together in one warning.
 * ``Fixed``: megatron-lns always does one thing; the key is accepted silently when
-  its value asks for that, and refused by name otherwise. ``not_yet`` marks the
-  performance and memory features a later release honours.
+  its value asks for that, and refused by name otherwise.
 * ``When``: as ``Fixed``, but what is accepted depends on other settings.
 * ``Translated``: honoured by setting a schema key.
 
@@ -31,9 +30,8 @@ class NemoSettingError(ValueError):
     ConfigError)."""
 
 
-def _refusal(key: str, value: Any, why: str, not_yet: bool) -> NemoSettingError:
-    status = "is not supported yet" if not_yet else "is not supported"
-    return NemoSettingError(f"{key}={value!r} {status} ({why})")
+def _refusal(key: str, value: Any, why: str) -> NemoSettingError:
+    return NemoSettingError(f"{key}={value!r} is not supported ({why})")
 
 
 @dataclass(frozen=True)
@@ -45,22 +43,20 @@ class Inert:
 class Fixed:
     accepted: tuple[Any, ...]
     why: str
-    not_yet: bool = False
 
     def apply(self, key: str, value: Any, cfg: ExperimentConfig) -> None:
         if value not in self.accepted:
-            raise _refusal(key, value, self.why, self.not_yet)
+            raise _refusal(key, value, self.why)
 
 
 @dataclass(frozen=True)
 class When:
     accepts: Callable[[Any, ExperimentConfig], bool]
     why: str
-    not_yet: bool = False
 
     def apply(self, key: str, value: Any, cfg: ExperimentConfig) -> None:
         if not self.accepts(value, cfg):
-            raise _refusal(key, value, self.why, self.not_yet)
+            raise _refusal(key, value, self.why)
 
 
 @dataclass(frozen=True)
@@ -69,10 +65,6 @@ class Translated:
 
     def apply(self, key: str, value: Any, cfg: ExperimentConfig) -> None:
         self.onto(value, cfg)
-
-
-def _not_yet(accepted: Any, feature: str) -> Fixed:
-    return Fixed((accepted,), feature, not_yet=True)
 
 
 def _scaled_init_onto_output_layer_init(value: Any, cfg: ExperimentConfig) -> None:
@@ -262,7 +254,8 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
     ),
     "model.reduce_amax": Fixed((True,), "FP8 amax is reduced across ranks"),
     "model.use_emha": Fixed((False,), "NeMo itself does not support it"),
-    # model: performance and memory, honoured by a later release
+    # model: performance and memory (megatron-core names of schema keys; keys without a
+    # megatron-core 0.19 counterpart)
     "model.grad_allreduce_chunk_size_mb": Inert(
         "the chunk size of NeMo's own gradient all-reduce in its fp32 main-params wrapper, "
         "which megatron-core does not have; megatron DDP's buckets are model.optim.bucket_cap_mb"
@@ -280,8 +273,6 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
         "megatron-core 0.19 has no per-pipeline-stage recompute layer count; use "
         "model.activations_checkpoint_num_layers",
     ),
-    "model.enable_megatron_timers": _not_yet(False, "megatron's internal timers"),
-    "model.megatron_timer_kwargs": ONLY_WITH_REFUSED,
     "model.dist_ckpt_format": Inert("checkpoints are written in torch_dist format"),
     "model.dist_ckpt_load_on_device": Inert("where a checkpoint is read into"),
     # model: kernels and communication no megatron-core component here reads

@@ -71,6 +71,9 @@ GRAD_SYNC_DTYPES = ("fp32", "bf16", "fp16")
 FREE_FORM = "free_form"
 # model.ub_tp_comm_bootstrap_backend: the collectives that set up TE's userbuffers.
 UB_BOOTSTRAP_BACKENDS = ("nccl", "mpi", "gloo")
+# megatron.core.timers.Timers' log_option: the maximum over ranks, the minimum and maximum,
+# or every rank's time.
+TIMER_LOG_OPTIONS = ("max", "minmax", "all")
 
 
 @dataclass
@@ -181,6 +184,18 @@ class NsysProfileConfig:
 
 
 @dataclass
+class MegatronTimerKwargs:
+    """How megatron-core's own timers are reported (``training/timers.py``)."""
+
+    log_every_n_steps: int | None = checked(None, positive)  # null: trainer.log_every_n_steps
+    # max | minmax | all; null: minmax. NeMo's YAML spells it log_mode while NeMo's code
+    # reads log_option: either key sets it.
+    log_mode: str | None = checked(None, one_of(TIMER_LOG_OPTIONS))
+    log_option: str | None = checked(None, one_of(TIMER_LOG_OPTIONS))
+    barrier: bool = False  # a barrier on every rank before the times are read
+
+
+@dataclass
 class ModelConfig:
     micro_batch_size: int = checked(4, positive)
     global_batch_size: int = checked(8, positive)
@@ -232,6 +247,10 @@ class ModelConfig:
     # what the checkpoint holds.
     dist_ckpt_parallel_save: bool = False
     dist_ckpt_parallel_load: bool = False
+    # megatron-core's timers (pipeline schedule, communication, gradient sync, optimizer),
+    # reported every megatron_timer_kwargs.log_every_n_steps steps.
+    enable_megatron_timers: bool = False
+    megatron_timer_kwargs: MegatronTimerKwargs = field(default_factory=MegatronTimerKwargs)
 
     # LayerNorm Scaling.
     norm_scaling: str = checked("lns", one_of(NORM_SCALING_CHOICES))

@@ -153,6 +153,7 @@ def validate(
             "(virtual pipeline) runs micro-batches in groups of the pipeline size"
         )
     _check_profile_window(m.nsys_profile, world, t.max_steps)
+    _check_timer_log_option(m.megatron_timer_kwargs)
     sched = m.optim.sched
     decay_steps = t.max_steps - sched.constant_steps
     if not warmup_fits(sched.warmup_steps, decay_steps, SCHEDULES[sched.name]):
@@ -285,6 +286,17 @@ def _check_profile_window(profile, world_size: int, max_steps: int) -> None:
     if outside:
         raise ConfigError(
             f"{key}ranks {outside} are not ranks of this run (world size {world_size})"
+        )
+
+
+def _check_timer_log_option(kwargs) -> None:
+    """NeMo's YAML names it log_mode, NeMo's code log_option: one setting, two keys."""
+    mode, option = kwargs.log_mode, kwargs.log_option
+    if mode is not None and option is not None and mode != option:
+        key = "model.megatron_timer_kwargs."
+        raise ConfigError(
+            f"{key}log_option={option!r} contradicts {key}log_mode={mode!r}: they are the "
+            "same setting; keep one of them"
         )
 
 

@@ -43,6 +43,7 @@ from megatron_lns.model import PARAMS_DTYPES, GPTModelConfig, build_model, padde
 from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
 from megatron_lns.runtime import ParallelLayout
 from megatron_lns.training.profiling import ProfileWindow
+from megatron_lns.training.timers import TimerSettings
 from megatron_lns.userbuffers import UserbufferLayout, initialize_userbuffers
 
 
@@ -163,6 +164,18 @@ def profile_window(cfg: ExperimentConfig) -> ProfileWindow | None:
         ranks=tuple(p.ranks),
         record_shapes=p.gen_shape,
         torch_trace=p.torch_trace,
+    )
+
+
+def timer_settings(cfg: ExperimentConfig) -> TimerSettings | None:
+    """megatron's timers, or None when ``model.enable_megatron_timers`` is off."""
+    if not cfg.model.enable_megatron_timers:
+        return None
+    kwargs = cfg.model.megatron_timer_kwargs
+    return TimerSettings(
+        log_every_n_steps=kwargs.log_every_n_steps or cfg.trainer.log_every_n_steps,
+        log_option=kwargs.log_option or kwargs.log_mode or "minmax",
+        barrier=kwargs.barrier,
     )
 
 

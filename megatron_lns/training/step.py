@@ -20,6 +20,8 @@ from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_batch_on_this_cp_rank
 
+from megatron_lns.training.timers import timed
+
 Batch = dict[str, torch.Tensor]
 
 
@@ -123,7 +125,9 @@ def train_step(
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     result = forward_backward(model, microbatches)
-    update_successful, grad_norm, _ = optimizer.step()
+    config = optimizer.config  # megatron's timers, when the run has them (timers.py)
+    with timed(config.timers, "optimizer", barrier=config.barrier_with_L1_time):
+        update_successful, grad_norm, _ = optimizer.step()
     result.grad_norm = None if grad_norm is None else float(grad_norm)
     result.update_successful = bool(update_successful)
     return result

@@ -24,6 +24,7 @@ from megatron.core.num_microbatches_calculator import (
     get_num_microbatches,
     update_num_microbatches,
 )
+from megatron.core.utils import get_model_config
 
 from megatron_lns.config import ExperimentConfig, to_yaml
 from megatron_lns.config.paths import run_directory
@@ -43,6 +44,7 @@ from megatron_lns.training.assembly import (
     optim_settings,
     parallel_layout,
     profile_window,
+    timer_settings,
     tokenizer_spec,
 )
 from megatron_lns.training.batch_size import init_batch_size_calculator
@@ -61,6 +63,7 @@ from megatron_lns.training.step import (
     sync_parameters,
     train_step,
 )
+from megatron_lns.training.timers import MegatronTimers, TimerReport
 
 # Consecutive skipped updates after which an fp16 run stops: megatron's dynamic loss
 # scale halves on every overflow (after a hysteresis of 2), so 50 skips take it from its
@@ -214,6 +217,8 @@ class Trainer:
             trainable.optimizer,
             trainable.scheduler,
         )
+        self.megatron_timers = MegatronTimers(timer_settings(cfg))
+        self.megatron_timers.install(get_model_config(self.model[0]), self.optimizer)
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         init_batch_size_calculator(
@@ -316,7 +321,8 @@ class Trainer:
         during a ramp-up (docs/configuration.md).
         """
         update_num_microbatches(self.state.consumed_samples, consistency_check=True)
-        microbatches = [next(self.train_batches) for _ in range(get_num_microbatches())]
+        with self.megatron_timers.timing("batch-generator", log_level=2):
+            microbatches = [next(self.train_batches) for _ in range(get_num_microbatches())]
         result = train_step(self.model, self.optimizer, microbatches)
         self.state.consumed_samples += result.num_samples
         if not result.update_successful:
@@ -349,10 +355,11 @@ class Trainer:
         for chunk in self.model:
             chunk.eval()
         loss_sum = tokens = 0.0
-        for batches in self.validation_microbatches():
-            result = forward_backward(self.model, batches, forward_only=True)
-            loss_sum += result.loss * result.num_tokens
-            tokens += result.num_tokens
+        with self.megatron_timers.paused():
+            for batches in self.validation_microbatches():
+                result = forward_backward(self.model, batches, forward_only=True)
+                loss_sum += result.loss * result.num_tokens
+                tokens += result.num_tokens
         for chunk in self.model:
             chunk.train()
         loss = loss_sum / tokens
@@ -391,6 +398,14 @@ class Trainer:
                 "tflops_per_device": self._tflops_per_device(tokens_per_second),
             },
         )
+
+    def _log_megatron_timers(self, step: int, report: TimerReport) -> None:
+        if report.table is not None:
+            self._print(
+                f"step {step}: megatron timers, per step of the last {report.steps}, {report.table}"
+            )
+        if report.max_seconds:
+            self.logger.log(step, report.max_seconds, console=False)
 
     def _tflops_per_device(self, tokens_per_second: float) -> float:
         """Model TFLOP/s per device (all ranks share the tokens)."""
@@ -437,6 +452,9 @@ class Trainer:
                 else:
                     summary.skipped_steps += 1
                     self.logger.log(step, {"skipped_steps": summary.skipped_steps}, console=False)
+                timer_report = self.megatron_timers.step_done(step, advanced)
+                if timer_report is not None:
+                    self._log_megatron_timers(step, timer_report)
                 periodic = advanced and step % every == 0 and step < t.max_steps
                 exit_interval = advanced and bool(t.exit_interval) and step % t.exit_interval == 0
                 stop_now = (exit_interval and step < t.max_steps) or stop.agreed(self.device)
