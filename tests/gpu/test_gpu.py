@@ -205,3 +205,52 @@ def _step_time_worker(backend):
 def test_te_lns_step_time_within_one_percent_of_pre_ln(tmp_path):
     ratio = run_distributed(_step_time_worker, 1, tmp_path, "te")[0]
     assert ratio < 1.01, ratio
+
+
+def _offloading_worker():
+    """One forward and backward of an fp32 TE model with and without activation
+    offloading, from the same weights: the relative loss difference, the largest gradient
+    difference relative to the largest gradient, and whether the offloaded model's block
+    holds TE's offload context. Offloading copies activations out and back, so the two
+    differ by no more than kernel nondeterminism."""
+    from megatron_lns.model import build_model
+    from megatron_lns.runtime import ParallelLayout, init_distributed
+
+    device = init_distributed(ParallelLayout(), device="cuda")
+    # Transformer Engine offloads tensors of at least 2**20 elements: seq 256 x batch 8 x
+    # hidden 512 activations are.
+    shape = dict(
+        num_layers=4,
+        hidden_size=512,
+        num_attention_heads=8,
+        num_query_groups=8,
+        ffn_hidden_size=1024,
+        vocab_size=512,
+        seq_length=256,
+        backend="te",
+    )
+    plain = build_model(tiny_config(**shape), device=device)[0]
+    offloaded = build_model(
+        tiny_config(**shape, cpu_offloading=True, cpu_offloading_num_layers=3), device=device
+    )[0]
+    offloaded.load_state_dict(plain.state_dict())
+    tokens = torch.randint(0, shape["vocab_size"], (8, shape["seq_length"]), device=device)
+    losses, grads = [], []
+    for model in (plain, offloaded):
+        loss = _logits(model, tokens).float().pow(2).mean()
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    largest = max(g.abs().max().item() for g in grads[0].values())
+    grad_difference = max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0])
+    has_context = offloaded.decoder.config._cpu_offloading_context is not None
+    return abs(losses[0] - losses[1]) / abs(losses[0]), grad_difference / largest, has_context
+
+
+@needs_te
+def test_cpu_offloading_gives_the_same_loss_and_gradients(tmp_path):
+    loss_difference, grad_difference, has_context = run_distributed(
+        _offloading_worker, 1, tmp_path
+    )[0]
+    assert has_context
+    assert loss_difference < 1e-6 and grad_difference < 1e-5
