@@ -73,13 +73,19 @@ def fresh_launch_env(**extra: str) -> dict[str, str]:
     return env
 
 
+# The longest a multi-process test may run: its slowest case takes a few minutes on a
+# loaded 2-core CI machine; a hang (ranks waiting on a collective) fails instead of
+# stalling CI until its limit.
+RANKS_TIMEOUT_S = 1200
+
+
 def run_distributed(
     fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: Any
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` real processes (gloo); return each rank's result."""
     out_dir = tmp_path / "rank_results"
     out_dir.mkdir(parents=True, exist_ok=True)
-    spawn_local(_run_and_record, world_size, fn, str(out_dir), args)
+    spawn_local(_run_and_record, world_size, fn, str(out_dir), args, timeout_s=RANKS_TIMEOUT_S)
     results = []
     for rank in range(world_size):
         with open(out_dir / f"rank{rank}.pkl", "rb") as f:

@@ -189,3 +189,21 @@ def test_a_user_error_in_every_rank_is_reported_once(tmp_path):
     assert lines == ["error: exp_manager.resume_from_checkpoint: /no/such/iter_0000003 is not a "
                      "complete checkpoint (an iter_NNNNNNN directory with complete.json)"]  # fmt: skip
     assert "Traceback" not in err
+
+
+def _record_pid_and_wait_forever(directory):
+    Path(directory, f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+    while True:
+        time.sleep(1)
+
+
+def test_ranks_that_outlive_the_timeout_are_killed_and_reported(tmp_path):
+    from megatron_lns.runtime import RanksTimedOut, spawn_local
+
+    start = time.monotonic()
+    with pytest.raises(RanksTimedOut, match=r"^2 rank\(s\) still running after 20 s; killed$"):
+        spawn_local(_record_pid_and_wait_forever, 2, str(tmp_path), timeout_s=20)
+    assert time.monotonic() - start < 120
+    pids = [int(path.read_text()) for path in sorted(tmp_path.glob("rank*.pid"))]
+    assert len(pids) == 2
+    assert not any(psutil.pid_exists(pid) for pid in pids)

@@ -8,12 +8,19 @@ from megatron_lns.runtime.distributed import (
     resolve_device,
     uses_gloo,
 )
-from megatron_lns.runtime.launch import NoMultiNodeLauncher, RankFailed, run_job, spawn_local
+from megatron_lns.runtime.launch import (
+    NoMultiNodeLauncher,
+    RankFailed,
+    RanksTimedOut,
+    run_job,
+    spawn_local,
+)
 
 __all__ = [
     "ParallelLayout",
     "NoMultiNodeLauncher",
     "RankFailed",
+    "RanksTimedOut",
     "cpu_compat_installed",
     "destroy_distributed",
     "init_distributed",

@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -103,13 +104,17 @@ def _forward_stop_signals(processes: list) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+def spawn_local(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float | None = None
+) -> None:
     """Run ``fn(*args)`` in ``world_size`` fresh processes on this machine.
 
     Each process gets the torchrun environment (RANK, WORLD_SIZE, MASTER_*), so ``fn``
     calls ``init_distributed`` exactly as it would under torchrun or SLURM. A rank's
     failure raises :class:`RankFailed` (after a user error, which the rank reported)
-    or torch's ``ProcessRaisedException`` with the rank's traceback (a bug).
+    or torch's ``ProcessRaisedException`` with the rank's traceback (a bug). With
+    ``timeout_s`` (tests), ranks still running after it are killed and
+    :class:`RanksTimedOut` is raised: ranks that disagree on a collective wait forever.
     """
     import torch.multiprocessing as mp
 
@@ -125,10 +130,16 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
             )
         finally:
             del os.environ[REPORT_MARKER_ENV]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with _forward_stop_signals(context.processes):
             try:
-                while not context.join(grace_period=FAILURE_GRACE_SECONDS):
-                    pass
+                while not context.join(
+                    timeout=_seconds_until(deadline), grace_period=FAILURE_GRACE_SECONDS
+                ):
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise RanksTimedOut(
+                            f"{world_size} rank(s) still running after {timeout_s:g} s; killed"
+                        )
             except mp.ProcessExitedException as err:
                 raise RankFailed(err.error_index, err.exit_code) from None
             finally:
@@ -136,6 +147,14 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
                     if process.is_alive():
                         process.kill()
                         process.join()
+
+
+class RanksTimedOut(RuntimeError):
+    """Ranks of :func:`spawn_local` outlived its ``timeout_s``."""
+
+
+def _seconds_until(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 class NoMultiNodeLauncher(UserError, RuntimeError):
