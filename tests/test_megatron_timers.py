@@ -75,6 +75,16 @@ def test_defaults_and_nemo_codes_log_option_spelling():
         ),
         ([f"{K}log_every_n_steps=0"], f"{K}log_every_n_steps must be positive, got 0"),
         ([f"{K}log_mode=mean"], f"{K}log_mode='mean' is not one of"),
+        (
+            ["trainer.max_steps=20", f"{K}log_every_n_steps=25"],
+            f"model.enable_megatron_timers=true reports every 25 steps ({K}log_every_n_steps), "
+            "more than trainer.max_steps (20): no report would be made",
+        ),
+        (
+            ["trainer.max_steps=20", "trainer.log_every_n_steps=30"],
+            "model.enable_megatron_timers=true reports every 30 steps "
+            "(trainer.log_every_n_steps), more than trainer.max_steps (20)",
+        ),
     ],
 )
 def test_timer_kwargs_that_cannot_work_are_refused_by_name(overrides, expected):

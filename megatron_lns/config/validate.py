@@ -153,7 +153,7 @@ def validate(
             "(virtual pipeline) runs micro-batches in groups of the pipeline size"
         )
     _check_profile_window(m.nsys_profile, world, t.max_steps)
-    _check_timer_log_option(m.megatron_timer_kwargs)
+    _check_timers(m, t)
     sched = m.optim.sched
     decay_steps = t.max_steps - sched.constant_steps
     if not warmup_fits(sched.warmup_steps, decay_steps, SCHEDULES[sched.name]):
@@ -289,14 +289,24 @@ def _check_profile_window(profile, world_size: int, max_steps: int) -> None:
         )
 
 
-def _check_timer_log_option(kwargs) -> None:
-    """NeMo's YAML names it log_mode, NeMo's code log_option: one setting, two keys."""
+def _check_timers(m, t) -> None:
+    """NeMo's YAML names it log_mode, NeMo's code log_option: one setting, two keys. And
+    timers asked for must report at least once."""
+    kwargs, key = m.megatron_timer_kwargs, "model.megatron_timer_kwargs."
     mode, option = kwargs.log_mode, kwargs.log_option
     if mode is not None and option is not None and mode != option:
-        key = "model.megatron_timer_kwargs."
         raise ConfigError(
             f"{key}log_option={option!r} contradicts {key}log_mode={mode!r}: they are the "
             "same setting; keep one of them"
+        )
+    every = kwargs.log_every_n_steps or t.log_every_n_steps
+    if m.enable_megatron_timers and every > t.max_steps:
+        source = (
+            f"{key}log_every_n_steps" if kwargs.log_every_n_steps else ("trainer.log_every_n_steps")
+        )
+        raise ConfigError(
+            f"model.enable_megatron_timers=true reports every {every} steps ({source}), "
+            f"more than trainer.max_steps ({t.max_steps}): no report would be made"
         )
 
 
