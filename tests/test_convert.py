@@ -576,6 +576,8 @@ def test_import_refuses_conflicting_settings_and_unknown_architectures(seeded, t
         ConversionError, match=r"model.num_layers=8 conflicts with .*config.json, which gives 3"
     ):
         import_hf(source, tmp_path / "imported", ["model.num_layers=8"], progress=silent)
+    with pytest.raises(ConversionError, match=r"model.kv_channels=32 conflicts with .*gives 16"):
+        import_hf(source, tmp_path / "imported", ["model.kv_channels=32"], progress=silent)
     with pytest.raises(ConversionError, match=r"--lns says .* model.norm_scaling=none"):
         import_hf(
             source, tmp_path / "imported", ["model.norm_scaling=none"], lns=True, progress=silent
@@ -598,6 +600,19 @@ def test_import_refuses_conflicting_settings_and_unknown_architectures(seeded, t
     ):
         import_hf(source, tmp_path / "imported", progress=silent)
     assert_nothing_written(tmp_path / "imported")
+
+
+def test_a_null_that_means_the_config_jsons_value_is_no_conflict(seeded, tmp_path):
+    source = _tiny_hf_llama(tmp_path / "source")  # 4 heads of 16 channels, 2 KV groups
+    config_path = import_hf(
+        source, tmp_path / "imported", ["model.kv_channels=null"], progress=silent
+    )
+    assert load_config(config_path).model.kv_channels is None
+    # null query groups would mean one per head (4), not config.json's 2.
+    with pytest.raises(
+        ConversionError, match=r"model.num_query_groups=None conflicts with .*gives 2"
+    ):
+        import_hf(source, tmp_path / "other", ["model.num_query_groups=null"], progress=silent)
 
 
 def test_existing_output_is_kept_unless_overwrite(seeded, tmp_path):

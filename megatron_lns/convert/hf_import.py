@@ -217,7 +217,7 @@ def _run_config(
     typed = OmegaConf.structured(cfg)
     for key, value in fixed.items():
         got = OmegaConf.select(typed, key)
-        if got != value:
+        if got != value and not (got is None and _null_means(key, arch) == value):
             raise ConversionError(_conflict(key, got, value, hf_dir))
     if arch.lns and cfg.model.norm_scaling != "lns":
         raise ConversionError(
@@ -233,6 +233,16 @@ def _run_config(
     except ConfigError as err:
         raise ConversionError(str(err)) from err
     return cfg
+
+
+def _null_means(key: str, arch: Architecture) -> int | None:
+    """What null stands for in an architecture key whose null is derived (the head size,
+    the number of key/value groups), so that a user's null agrees with config.json."""
+    if key == "model.kv_channels":
+        return arch.hidden_size // arch.num_attention_heads
+    if key == "model.num_query_groups":
+        return arch.num_attention_heads
+    return None
 
 
 def _conflict(key: str, given, value, hf_dir: Path) -> str:
