@@ -13,7 +13,7 @@ from megatron_lns.model import build_model
 from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
 from megatron_lns.runtime.cpu import CpuRNGStatesTracker, CudaToCpuMode
 from megatron_lns.training.assembly import wrap_with_ddp
-from megatron_lns.training.step import train_step
+from megatron_lns.training.step import forward_backward, train_step
 
 
 def test_mode_maps_cuda_placements_to_cpu():
@@ -114,6 +114,19 @@ def test_reported_grad_norm_is_the_unclipped_global_norm(seeded):
         (loss / len(batches)).backward()
     norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in fresh.parameters())).item()
     assert result.grad_norm == pytest.approx(norm, rel=1e-4)
+
+
+def test_forward_only_records_no_autograd_graph(seeded):
+    cfg = tiny_config()
+    model = wrap_with_ddp(build_model(cfg))
+    grad_modes = []
+    model[0].module.register_forward_hook(lambda *_: grad_modes.append(torch.is_grad_enabled()))
+    batches = fixed_microbatches(cfg.vocab_size, cfg.seq_length)
+    forward_only = forward_backward(model, batches, forward_only=True)
+    assert grad_modes == [False, False]
+    training = forward_backward(model, batches)
+    assert grad_modes[2:] == [True, True]
+    assert forward_only.loss == pytest.approx(training.loss, rel=1e-6)
 
 
 def test_warmup_not_shorter_than_decay_is_a_clear_error(seeded):

@@ -82,15 +82,18 @@ def forward_backward(
     first = microbatches[0]["tokens"]
     num_chunks = len(model)
     iterators = [iter(microbatches) for _ in range(num_chunks)]
-    losses = get_forward_backward_func()(
-        forward_step_func=lm_forward_step,
-        data_iterator=iterators if num_chunks > 1 else iterators[0],
-        model=list(model) if num_chunks > 1 else model[0],
-        num_microbatches=len(microbatches),
-        seq_length=first.shape[1],
-        micro_batch_size=first.shape[0],
-        forward_only=forward_only,
-    )
+    # megatron's schedules record the autograd graph even with forward_only (Megatron-LM's
+    # evaluation wraps them in no_grad): nothing to keep for a backward that never runs.
+    with torch.set_grad_enabled(not forward_only):
+        losses = get_forward_backward_func()(
+            forward_step_func=lm_forward_step,
+            data_iterator=iterators if num_chunks > 1 else iterators[0],
+            model=list(model) if num_chunks > 1 else model[0],
+            num_microbatches=len(microbatches),
+            seq_length=first.shape[1],
+            micro_batch_size=first.shape[0],
+            forward_only=forward_only,
+        )
     totals = torch.zeros(2, dtype=torch.float64)
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         for reported in losses:
