@@ -18,7 +18,9 @@ from helpers import DEMO_CONFIG, run_distributed
 
 from megatron_lns.config import ConfigError, load_config, validate
 from megatron_lns.config.loader import NemoKeysIgnoredWarning
+from megatron_lns.config.performance import resolved_fast_paths
 from megatron_lns.config.validate import check_environment
+from megatron_lns.fast_paths import MachineFacts
 from megatron_lns.runtime import ParallelLayout
 from megatron_lns.training.assembly import (
     initialize_tp_comm_overlap,
@@ -34,6 +36,8 @@ TP_OVERLAP = [
     "+model.ub_tp_comm_overlap=true",
 ]
 OFFLOADING = ["model.transformer_engine=true", "+model.cpu_offloading=true"]
+# The kernels' facts do not matter here; TE's fused kernels cannot be configured without TE.
+NO_KERNELS = MachineFacts(cuda=False)
 
 
 def _cfg(*overrides, world_size=2, check_files=False):
@@ -42,17 +46,23 @@ def _cfg(*overrides, world_size=2, check_files=False):
     return cfg
 
 
-def _transformer_config(cfg):
-    return model_config(cfg, 256).transformer_config(parallel_layout(cfg), cpu_init=True)
+def _transformer_config(cfg, training=True):
+    """The TransformerConfig of a training run of ``cfg``, or (``training`` false) of the
+    model built to convert or analyse its weights."""
+    fast = resolved_fast_paths(cfg, NO_KERNELS) if training else None
+    return model_config(cfg, 256, fast).transformer_config(parallel_layout(cfg), cpu_init=True)
 
 
 # --- Tensor-parallel communication overlap ---
 
 
-def test_tp_comm_overlap_reaches_the_transformer_config():
-    tf = _transformer_config(_cfg(*TP_OVERLAP, "+model.ub_tp_comm_bootstrap_backend=gloo"))
+def test_tp_comm_overlap_reaches_the_transformer_config_of_training_runs():
+    cfg = _cfg(*TP_OVERLAP, "+model.ub_tp_comm_bootstrap_backend=gloo")
+    tf = _transformer_config(cfg)
     assert tf.tp_comm_overlap and tf.tp_comm_bootstrap_backend == "gloo"
     assert not _transformer_config(_cfg()).tp_comm_overlap
+    # A model built to convert or analyse weights has no userbuffers to overlap with.
+    assert not _transformer_config(cfg, training=False).tp_comm_overlap
 
 
 class _StandInTE:
@@ -219,6 +229,8 @@ def test_offloading_reaches_the_transformer_config_with_nemos_default_layer_coun
     tf = _transformer_config(_cfg(*OFFLOADING, "+model.cpu_offloading_num_layers=2"))
     assert tf.cpu_offloading_num_layers == 2
     assert not _transformer_config(_cfg()).cpu_offloading
+    # Forward-only uses of the weights (conversion, analyze) offload nothing.
+    assert not _transformer_config(_cfg(*OFFLOADING), training=False).cpu_offloading
 
 
 def test_nemos_offloading_keys_and_their_sum_interpolation_are_read():

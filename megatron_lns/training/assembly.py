@@ -77,10 +77,23 @@ def fast_paths(cfg: ExperimentConfig, device: torch.device) -> FastPaths:
 def model_config(
     cfg: ExperimentConfig, tokenizer_vocab_size: int, fast: FastPaths | None = None
 ) -> GPTModelConfig:
-    """The model's config; without ``fast`` (building a model to convert weights, on CPU)
-    every fusion is off and pipeline send/receive is batched except on gloo."""
+    """The model's config. ``fast`` is for training runs: their fusions, and then also
+    tensor-parallel communication overlap and activation offloading, which need the
+    run's set-up (userbuffers) and a backward pass. Without it (a model built to convert
+    or analyse weights) all of those are off and pipeline send/receive is batched except
+    on gloo; the model computes the same function either way."""
     m = cfg.model
-    kernels = fast.model_fields() if fast is not None else {}
+    kernels = {}
+    if fast is not None:
+        kernels = dict(
+            **fast.model_fields(),
+            tp_comm_overlap=m.ub_tp_comm_overlap,
+            tp_comm_bootstrap_backend=m.ub_tp_comm_bootstrap_backend,
+            cpu_offloading=m.cpu_offloading,
+            cpu_offloading_num_layers=cpu_offloading_num_layers(m),
+            cpu_offloading_activations=m.cpu_offloading_activations,
+            cpu_offloading_weights=m.cpu_offloading_weights,
+        )
     return GPTModelConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -124,12 +137,6 @@ def model_config(
         overlap_p2p_comm=m.overlap_p2p_comm,
         fp32_residual_connection=m.fp32_residual_connection,
         apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
-        tp_comm_overlap=m.ub_tp_comm_overlap,
-        tp_comm_bootstrap_backend=m.ub_tp_comm_bootstrap_backend,
-        cpu_offloading=m.cpu_offloading,
-        cpu_offloading_num_layers=cpu_offloading_num_layers(m),
-        cpu_offloading_activations=m.cpu_offloading_activations,
-        cpu_offloading_weights=m.cpu_offloading_weights,
         **kernels,
     )
 
