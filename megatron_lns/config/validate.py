@@ -142,10 +142,10 @@ def validate(
             f"model.global_batch_size ({m.global_batch_size}) is not divisible by "
             f"model.micro_batch_size x data-parallel size ({m.micro_batch_size} x {dp})"
         )
+    microbatches = m.global_batch_size // (m.micro_batch_size * dp)
     if m.rampup_batch_size is not None:
         _check_rampup(m, dp)
-    elif vp is not None and (m.global_batch_size // (m.micro_batch_size * dp)) % pp:
-        microbatches = m.global_batch_size // (m.micro_batch_size * dp)
+    elif vp is not None and microbatches % pp:
         raise ConfigError(
             f"model.global_batch_size / (model.micro_batch_size x data-parallel size) = "
             f"{microbatches} micro-batches per step is not a multiple of "
