@@ -356,11 +356,7 @@ def analysis_job(
     from megatron.core import parallel_state
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_lns.data.datasets import held_out_batches
-    from megatron_lns.data.tokenizer import build_tokenizer
-    from megatron_lns.model import build_model
-    from megatron_lns.runtime import init_distributed
-    from megatron_lns.training.assembly import (
+    from megatron_lns.build import (
         dataset_num_samples,
         dataset_settings,
         device_setting,
@@ -368,6 +364,10 @@ def analysis_job(
         parallel_layout,
         tokenizer_spec,
     )
+    from megatron_lns.data.datasets import held_out_batches
+    from megatron_lns.data.tokenizer import build_tokenizer
+    from megatron_lns.model import build_model
+    from megatron_lns.runtime import init_distributed
     from megatron_lns.training.checkpoint import load_model_weights
 
     layout = parallel_layout(cfg)

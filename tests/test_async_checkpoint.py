@@ -46,9 +46,9 @@ def test_an_async_save_takes_the_state_at_once_and_counts_only_once_committed(se
     import torch
     from helpers import fixed_microbatches, tiny_config
 
+    from megatron_lns.build import wrap_with_ddp
     from megatron_lns.model import build_model
     from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
-    from megatron_lns.training.assembly import wrap_with_ddp
     from megatron_lns.training.checkpoint import TrainingState, load_model_weights
     from megatron_lns.training.checkpoint_writer import CheckpointWriter
     from megatron_lns.training.step import train_step
@@ -86,9 +86,9 @@ def test_a_failed_background_write_is_one_error_naming_the_checkpoint(
         FileSystemWriterAsync,
     )
 
+    from megatron_lns.build import wrap_with_ddp
     from megatron_lns.model import build_model
     from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
-    from megatron_lns.training.assembly import wrap_with_ddp
     from megatron_lns.training.checkpoint import CheckpointError, TrainingState
     from megatron_lns.training.checkpoint_writer import CheckpointWriter
 

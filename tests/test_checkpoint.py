@@ -5,9 +5,9 @@ import shutil
 import pytest
 from helpers import fixed_microbatches, tiny_config
 
+from megatron_lns.build import wrap_with_ddp
 from megatron_lns.model import build_model
 from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
-from megatron_lns.training.assembly import wrap_with_ddp
 from megatron_lns.training.checkpoint import (
     CheckpointError,
     TrainingState,

@@ -10,13 +10,13 @@ import pytest
 import torch
 from helpers import run_distributed
 
+from megatron_lns.build import model_config
 from megatron_lns.config import load_config, to_yaml
 from megatron_lns.convert import ConversionError, export_hf, import_hf
 from megatron_lns.convert.mapping import Architecture
 from megatron_lns.data.tokenizer import ByteTokenizer
 from megatron_lns.model import build_model
 from megatron_lns.runtime import ParallelLayout
-from megatron_lns.training.assembly import model_config
 from megatron_lns.training.checkpoint import load_model_weights, save_model_weights
 
 VOCAB = ByteTokenizer().vocab_size  # 257, padded to 384 in the checkpoints
@@ -406,8 +406,8 @@ def test_sentencepiece_tokenizer_is_exported_only_if_reproduced(seeded, tmp_path
 def test_imported_weights_only_checkpoint_resumes_with_a_fresh_optimizer(seeded, tmp_path):
     from helpers import fixed_microbatches
 
+    from megatron_lns.build import wrap_with_ddp
     from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
-    from megatron_lns.training.assembly import wrap_with_ddp
     from megatron_lns.training.checkpoint import latest_complete_checkpoint, load_checkpoint
     from megatron_lns.training.step import train_step
 

@@ -23,6 +23,7 @@ LAYERS = [
     "optim",
     "data",
     "config",
+    "build",
     "training",
     "analysis",
     "compare",

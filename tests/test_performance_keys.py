@@ -12,6 +12,12 @@ import pytest
 import torch
 from helpers import DEMO_CONFIG, TINY_RUN_OVERRIDES, run_distributed
 
+from megatron_lns.build import (
+    ddp_config,
+    model_config,
+    optim_settings,
+    parallel_layout,
+)
 from megatron_lns.config import ConfigError, load_config, validate
 from megatron_lns.config.loader import NemoKeysIgnoredWarning
 from megatron_lns.config.performance import resolved_fast_paths
@@ -21,12 +27,6 @@ from megatron_lns.fast_paths import (
     FastPathRequest,
     MachineFacts,
     resolve_fast_paths,
-)
-from megatron_lns.training.assembly import (
-    ddp_config,
-    model_config,
-    optim_settings,
-    parallel_layout,
 )
 
 NEMO = Path(__file__).parent / "data" / "nemo_megatron_gpt_config.yaml"
@@ -476,9 +476,9 @@ def test_memory_arithmetic_follows_recomputation():
 def _save_then_load_in_parallel(checkpoint_root):
     from helpers import fixed_microbatches, tiny_config
 
+    from megatron_lns.build import build_trainable
     from megatron_lns.optim import OptimSettings
     from megatron_lns.runtime import ParallelLayout, init_distributed
-    from megatron_lns.training.assembly import build_trainable
     from megatron_lns.training.checkpoint import (
         TrainingState,
         load_checkpoint,

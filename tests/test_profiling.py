@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from megatron_lns.config import ConfigError, load_config, validate
-from megatron_lns.training.assembly import profile_window
-from megatron_lns.training.profiling import ProfileWindow, StepProfiler
+from megatron_lns.training.profiling import ProfileWindow, StepProfiler, profile_window
 
 
 def _run_steps(profiler: StepProfiler, steps: range) -> None:

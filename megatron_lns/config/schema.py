@@ -41,7 +41,7 @@ from megatron_lns.scaling import NORM_SCALING_CHOICES
 from megatron_lns.variants import LAYER_VARIANTS
 
 # The NeMo spellings a value may take, and what each means in megatron-core terms. The
-# assembly (training/assembly.py) translates through these maps; validation checks
+# build (build.py) translates through these maps; validation checks
 # values against their keys.
 PRECISIONS = {
     "32": "fp32",

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from megatron_lns.build import model_config
 from megatron_lns.config import ConfigError, load_config, to_yaml, validate
 from megatron_lns.config.schema import ExperimentConfig
 from megatron_lns.convert.errors import ConversionError
@@ -50,7 +51,6 @@ from megatron_lns.convert.output import check_apart, check_output_dir, staged_ou
 from megatron_lns.convert.safetensors_io import SafetensorsCheckpoint
 from megatron_lns.model import PARAMS_DTYPES, GPTModelConfig, build_model, padded_vocab_size
 from megatron_lns.specs import LOCAL_TO_FUSED_NORM_NAMES
-from megatron_lns.training.assembly import model_config
 from megatron_lns.training.checkpoint import save_weights_only_checkpoint
 
 PRECISION_OF_DTYPE = {torch.float32: "32", torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_lns.build import Trainable, build_trainable
 from megatron_lns.fast_paths import FastPathRequest, MachineFacts, resolve_fast_paths
 from megatron_lns.model import GPTModelConfig
 from megatron_lns.optim import OptimSettings
 from megatron_lns.runtime import ParallelLayout
-from megatron_lns.training.assembly import Trainable, build_trainable
 from megatron_lns.training.step import make_batch, train_step
 
 

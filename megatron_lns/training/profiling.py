@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_lns.config.schema import ExperimentConfig
+
 
 @dataclass(frozen=True)
 class ProfileWindow:
@@ -31,6 +33,19 @@ class ProfileWindow:
     record_shapes: bool = False
     # None: a torch trace on CPU only (on CUDA, nsys records the window).
     torch_trace: bool | None = None
+
+
+def profile_window(cfg: ExperimentConfig) -> ProfileWindow | None:
+    p = cfg.model.nsys_profile
+    if not p.enabled:
+        return None
+    return ProfileWindow(
+        start_step=p.start_step,
+        end_step=p.end_step,
+        ranks=tuple(p.ranks),
+        record_shapes=p.gen_shape,
+        torch_trace=p.torch_trace,
+    )
 
 
 class StepProfiler:

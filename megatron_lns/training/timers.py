@@ -28,6 +28,8 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.timers import Timers
 
+from megatron_lns.config.schema import ExperimentConfig
+
 # Every timer megatron-core 0.19 starts (pipeline_parallel/, distributed/,
 # optimizer/), then the two the loop adds, in Megatron-LM's reporting order.
 TIMER_NAMES = (
@@ -66,6 +68,18 @@ class TimerSettings:
     log_every_n_steps: int
     log_option: str = "minmax"  # max | minmax | all (megatron's Timers)
     barrier: bool = False  # a barrier before the times are read
+
+
+def timer_settings(cfg: ExperimentConfig) -> TimerSettings | None:
+    """megatron's timers, or None when ``model.enable_megatron_timers`` is off."""
+    if not cfg.model.enable_megatron_timers:
+        return None
+    kwargs = cfg.model.megatron_timer_kwargs
+    return TimerSettings(
+        log_every_n_steps=kwargs.log_every_n_steps or cfg.trainer.log_every_n_steps,
+        log_option=kwargs.log_option or kwargs.log_mode or "minmax",
+        barrier=kwargs.barrier,
+    )
 
 
 @dataclass

@@ -26,13 +26,7 @@ from megatron.core.num_microbatches_calculator import (
 )
 from megatron.core.utils import get_model_config
 
-from megatron_lns.config import ExperimentConfig, to_yaml
-from megatron_lns.config.paths import run_directory
-from megatron_lns.data.datasets import held_out_batches, micro_batch_loader
-from megatron_lns.data.tokenizer import build_tokenizer
-from megatron_lns.errors import UserError
-from megatron_lns.runtime import init_distributed
-from megatron_lns.training.assembly import (
+from megatron_lns.build import (
     build_trainable,
     dataset_num_samples,
     dataset_settings,
@@ -43,16 +37,20 @@ from megatron_lns.training.assembly import (
     model_config,
     optim_settings,
     parallel_layout,
-    profile_window,
-    timer_settings,
     tokenizer_spec,
 )
+from megatron_lns.config import ExperimentConfig, to_yaml
+from megatron_lns.config.paths import run_directory
+from megatron_lns.data.datasets import held_out_batches, micro_batch_loader
+from megatron_lns.data.tokenizer import build_tokenizer
+from megatron_lns.errors import UserError
+from megatron_lns.runtime import init_distributed
 from megatron_lns.training.batch_size import init_batch_size_calculator
 from megatron_lns.training.checkpoint import latest_complete_checkpoint
 from megatron_lns.training.checkpoint_writer import CheckpointWriter
 from megatron_lns.training.manual_gc import ManualGarbageCollection
 from megatron_lns.training.metrics import MetricsLogger
-from megatron_lns.training.profiling import StepProfiler
+from megatron_lns.training.profiling import StepProfiler, profile_window
 from megatron_lns.training.resume import resume
 from megatron_lns.training.run_dir import RunDirError, RunDirLock, claim_run_dir
 from megatron_lns.training.run_status import write_run_status
@@ -63,7 +61,7 @@ from megatron_lns.training.step import (
     sync_parameters,
     train_step,
 )
-from megatron_lns.training.timers import MegatronTimers, TimerReport
+from megatron_lns.training.timers import MegatronTimers, TimerReport, timer_settings
 
 # Consecutive skipped updates after which an fp16 run stops: megatron's dynamic loss
 # scale halves on every overflow (after a hysteresis of 2), so 50 skips take it from its

@@ -59,10 +59,10 @@ def _async_save_worker(directory, device_name="cuda"):
     it returns), however they change while it is written; no helper process stays."""
     import psutil
 
+    from megatron_lns.build import wrap_with_ddp
     from megatron_lns.model import build_model
     from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
     from megatron_lns.runtime import ParallelLayout, init_distributed
-    from megatron_lns.training.assembly import wrap_with_ddp
     from megatron_lns.training.checkpoint import TrainingState, load_model_weights
     from megatron_lns.training.checkpoint_writer import CheckpointWriter
 
@@ -126,13 +126,13 @@ def test_deep_layer_bf16_scale_is_as_precise_as_plain_gamma(tmp_path):
 def _fp8_training_worker(steps):
     from megatron.core.transformer.module import Float16Module
 
+    from megatron_lns.build import wrap_with_ddp
     from megatron_lns.data.blend import builtin_dataset_prefix
     from megatron_lns.data.datasets import build_gpt_datasets, micro_batch_loader
     from megatron_lns.data.tokenizer import ByteTokenizer
     from megatron_lns.model import build_model
     from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
     from megatron_lns.runtime import ParallelLayout, init_distributed
-    from megatron_lns.training.assembly import wrap_with_ddp
     from megatron_lns.training.step import train_step
 
     device = init_distributed(ParallelLayout(), device="cuda")

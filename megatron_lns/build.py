@@ -42,8 +42,6 @@ from megatron_lns.fast_paths import FastPaths, MachineFacts
 from megatron_lns.model import PARAMS_DTYPES, GPTModelConfig, build_model, padded_vocab_size
 from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
 from megatron_lns.runtime import ParallelLayout
-from megatron_lns.training.profiling import ProfileWindow
-from megatron_lns.training.timers import TimerSettings
 from megatron_lns.userbuffers import UserbufferLayout, initialize_userbuffers
 
 
@@ -158,31 +156,6 @@ def initialize_tp_comm_overlap(cfg: ExperimentConfig) -> None:
         fp8=m.fp8 is not None,
         settings=userbuffer_settings(cfg),
         bootstrap_backend=m.ub_tp_comm_bootstrap_backend,
-    )
-
-
-def profile_window(cfg: ExperimentConfig) -> ProfileWindow | None:
-    p = cfg.model.nsys_profile
-    if not p.enabled:
-        return None
-    return ProfileWindow(
-        start_step=p.start_step,
-        end_step=p.end_step,
-        ranks=tuple(p.ranks),
-        record_shapes=p.gen_shape,
-        torch_trace=p.torch_trace,
-    )
-
-
-def timer_settings(cfg: ExperimentConfig) -> TimerSettings | None:
-    """megatron's timers, or None when ``model.enable_megatron_timers`` is off."""
-    if not cfg.model.enable_megatron_timers:
-        return None
-    kwargs = cfg.model.megatron_timer_kwargs
-    return TimerSettings(
-        log_every_n_steps=kwargs.log_every_n_steps or cfg.trainer.log_every_n_steps,
-        log_option=kwargs.log_option or kwargs.log_mode or "minmax",
-        barrier=kwargs.barrier,
     )
 
 
