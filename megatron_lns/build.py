@@ -9,6 +9,7 @@ themselves (``model.py``, ``optim.py``, ``data/``) know nothing of YAML.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -23,18 +24,18 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
-from megatron_lns.config.performance import (
-    cpu_offloading_num_layers,
-    resolved_fast_paths,
-    userbuffer_settings,
-)
+from megatron_lns.config.performance import resolved_fast_paths, userbuffer_settings
 from megatron_lns.config.schema import (
     ACCELERATORS,
-    NORMALIZATIONS,
-    OPTIMIZERS,
     PRECISIONS,
-    SCHEDULES,
     ExperimentConfig,
+    uses_distributed_optimizer,
+)
+from megatron_lns.config.settings import (
+    DDP_TARGETS,
+    MODEL_TARGETS,
+    OPTIMIZER_TARGETS,
+    target_values,
 )
 from megatron_lns.config.validate import data_blend
 from megatron_lns.data.datasets import DatasetSettings
@@ -75,68 +76,26 @@ def fast_paths(cfg: ExperimentConfig, device: torch.device) -> FastPaths:
 def model_config(
     cfg: ExperimentConfig, tokenizer_vocab_size: int, fast: FastPaths | None = None
 ) -> GPTModelConfig:
-    """The model's config. ``fast`` is for training runs: their fusions, and then also
-    tensor-parallel communication overlap and activation offloading, which need the
-    run's set-up (userbuffers) and a backward pass. Without it (a model built to convert
-    or analyse weights) all of those are off and pipeline send/receive is batched except
-    on gloo; the model computes the same function either way."""
-    m = cfg.model
-    kernels = {}
+    """The model's config, from the declarations of the keys whose target is the model
+    (``settings.MODEL_TARGETS``): a field of ``GPTModelConfig`` is set by name, any other
+    ``TransformerConfig`` field goes to megatron-core as it is.
+
+    ``fast`` is for training runs: their fusions, and then also the training-only keys
+    (tensor-parallel communication overlap, activation offloading), which need the run's
+    set-up (userbuffers) and a backward pass. Without it (a model built to convert or
+    analyse weights) all of those are off and pipeline send/receive is batched except on
+    gloo; the model computes the same function either way."""
+    values = target_values(cfg, MODEL_TARGETS, training=fast is not None)
     if fast is not None:
-        kernels = dict(
-            **fast.model_fields(),
-            tp_comm_overlap=m.ub_tp_comm_overlap,
-            tp_comm_bootstrap_backend=m.ub_tp_comm_bootstrap_backend,
-            cpu_offloading=m.cpu_offloading,
-            cpu_offloading_num_layers=cpu_offloading_num_layers(m),
-            cpu_offloading_activations=m.cpu_offloading_activations,
-            cpu_offloading_weights=m.cpu_offloading_weights,
-        )
-    return GPTModelConfig(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        vocab_size=padded_vocab_size(
-            tokenizer_vocab_size, m.tensor_model_parallel_size, m.make_vocab_size_divisible_by
-        ),
-        seq_length=m.encoder_seq_length,
-        ffn_hidden_size=m.ffn_hidden_size,
-        num_query_groups=m.num_query_groups,
-        kv_channels=m.kv_channels,
-        max_position_embeddings=m.max_position_embeddings,
-        norm_scaling=m.norm_scaling,
-        layer_variant=m.layer_variant,
-        mix_ln_post_fraction=m.mix_ln_post_fraction,
-        layerscale_init=m.layerscale_init,
-        normalization=NORMALIZATIONS[m.normalization],
-        norm_affine=m.norm_affine,
-        layernorm_epsilon=m.layernorm_epsilon,
-        layernorm_zero_centered_gamma=m.normalization == "layernorm1p",
-        activation=m.activation,
-        bias=m.bias,
-        position_embedding_type=m.position_embedding_type,
-        rotary_base=m.rotary_base,
-        share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
-        init_method_std=m.init_method_std,
-        output_layer_init=m.output_layer_init,
-        hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout,
-        recompute_granularity=m.activations_checkpoint_granularity,
-        recompute_method=m.activations_checkpoint_method,
-        recompute_num_layers=m.activations_checkpoint_num_layers,
-        precision=PRECISIONS[str(cfg.trainer.precision)],
-        backend="te" if m.transformer_engine else "local",
-        fp8=m.fp8,
-        fp8_format=m.fp8_format or "hybrid",
-        fp8_param=m.fp8_param,
-        fp8_margin=m.fp8_margin,
-        fp8_amax_history_len=m.fp8_amax_history_len,
-        fp8_amax_compute_algo=m.fp8_amax_compute_algo,
-        overlap_p2p_comm=m.overlap_p2p_comm,
-        fp32_residual_connection=m.fp32_residual_connection,
-        apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
-        **kernels,
+        values.update(fast.model_fields())
+    fields = {f.name for f in dataclasses.fields(GPTModelConfig)}
+    passed_on = {name: values.pop(name) for name in list(values) if name not in fields}
+    values["vocab_size"] = padded_vocab_size(
+        tokenizer_vocab_size,
+        cfg.model.tensor_model_parallel_size,
+        cfg.model.make_vocab_size_divisible_by,
     )
+    return GPTModelConfig(**values, extra_transformer_config=passed_on)
 
 
 def initialize_tp_comm_overlap(cfg: ExperimentConfig) -> None:
@@ -160,40 +119,22 @@ def initialize_tp_comm_overlap(cfg: ExperimentConfig) -> None:
 
 
 def optim_settings(cfg: ExperimentConfig) -> OptimSettings:
-    o, sched = cfg.model.optim, cfg.model.optim.sched
-    return OptimSettings(
-        name=OPTIMIZERS[o.name],
-        lr=o.lr,
-        min_lr=sched.min_lr,
-        betas=(float(o.betas[0]), float(o.betas[1])),
-        eps=o.eps,
-        weight_decay=o.weight_decay,
-        clip_grad=float(cfg.trainer.gradient_clip_val or 0.0),
-        warmup_steps=sched.warmup_steps,
-        decay_steps=cfg.trainer.max_steps - sched.constant_steps,
-        decay_style=SCHEDULES[sched.name],
-        use_distributed_optimizer=o.name == "distributed_fused_adam",
-        decay_norms_and_biases=cfg.model.do_layer_norm_weight_decay,
-        initial_loss_scale=cfg.model.native_amp_init_scale,
-        loss_scale_window=cfg.model.native_amp_growth_interval,
-        hysteresis=cfg.model.hysteresis,
-    )
+    """The optimizer and LR schedule, from the declarations of the keys whose target is
+    megatron's optimizer or scheduler (``settings.OPTIMIZER_TARGETS``)."""
+    values = target_values(cfg, OPTIMIZER_TARGETS, training=True)
+    fields = {f.name for f in dataclasses.fields(OptimSettings)}
+    passed_on = {name: values.pop(name) for name in list(values) if name not in fields}
+    return OptimSettings(**values, extra_optimizer_config=passed_on)
 
 
 def ddp_config(cfg: ExperimentConfig, fast: FastPaths) -> DistributedDataParallelConfig:
-    """megatron DDP's settings: overlap, bucket size and reduction dtype."""
-    o = cfg.model.optim
-    reduce_in_fp32 = (o.grad_sync_dtype or "fp32") == "fp32"
-    bucket_size = None
-    if o.bucket_cap_mb is not None:
-        # megatron counts a bucket in parameters; NeMo sizes it in MB of reduced gradients.
-        bucket_size = int(o.bucket_cap_mb * 2**20 / (4 if reduce_in_fp32 else 2))
+    """megatron DDP's settings: the declared keys whose target is
+    ``DistributedDataParallelConfig`` and the overlaps resolved for this machine."""
     return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=reduce_in_fp32,
+        **target_values(cfg, DDP_TARGETS, training=True),
         overlap_grad_reduce=fast.overlap_grad_reduce,
         overlap_param_gather=fast.overlap_param_gather,
-        use_distributed_optimizer=o.name == "distributed_fused_adam",
-        bucket_size=bucket_size,
+        use_distributed_optimizer=uses_distributed_optimizer(cfg),
     )
 
 

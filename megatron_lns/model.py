@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -15,24 +15,21 @@ from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
+from megatron_lns.choices import (
+    Activation,
+    LayerVariant,
+    NormScaling,
+    OutputLayerInit,
+    PositionEmbedding,
+    RecomputeGranularity,
+    RecomputeMethod,
+)
 from megatron_lns.runtime import ParallelLayout, uses_gloo
-from megatron_lns.scaling import NormScaling
 from megatron_lns.specs import get_lns_block_spec
-from megatron_lns.variants import LayerVariant, VariantSettings
+from megatron_lns.variants import VariantSettings
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Normalization = Literal["RMSNorm", "LayerNorm"]
-Activation = Literal["swiglu", "gelu"]
-PositionEmbedding = Literal["rope", "learned_absolute"]
-OutputLayerInit = Literal["normal", "scaled", "depth_scaled"]
-RecomputeGranularity = Literal["selective", "full"]
-RecomputeMethod = Literal["uniform", "block"]
-# The choice lists, defined once by the types above; config validation imports them.
-ACTIVATIONS: tuple[str, ...] = get_args(Activation)
-POSITION_EMBEDDINGS: tuple[str, ...] = get_args(PositionEmbedding)
-OUTPUT_LAYER_INITS: tuple[str, ...] = get_args(OutputLayerInit)
-RECOMPUTE_GRANULARITIES: tuple[str, ...] = get_args(RecomputeGranularity)
-RECOMPUTE_METHODS: tuple[str, ...] = get_args(RecomputeMethod)
 PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

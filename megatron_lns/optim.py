@@ -7,8 +7,8 @@ model chunks, with no knowledge of YAML or of the training loop.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 from megatron.core.distributed import DistributedDataParallel
@@ -16,12 +16,7 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_model_config
 
-DecayStyle = Literal["cosine", "linear", "constant", "WSD", "inverse-square-root"]
-
-
-def warmup_fits(warmup_steps: int, decay_steps: int, decay_style: DecayStyle) -> bool:
-    """The schedule rule: a decaying schedule must finish its warmup before decay ends."""
-    return decay_style == "constant" or warmup_steps < decay_steps
+from megatron_lns.choices import DecayStyle, warmup_fits
 
 
 @dataclass
@@ -45,6 +40,8 @@ class OptimSettings:
     initial_loss_scale: float = 2.0**32
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    # Any other OptimizerConfig field, passed on as it is (a declared pass-through key).
+    extra_optimizer_config: dict[str, Any] = field(default_factory=dict)
 
     def megatron_config(self, params_dtype: torch.dtype = torch.float32) -> OptimizerConfig:
         return OptimizerConfig(
@@ -64,6 +61,7 @@ class OptimSettings:
             initial_loss_scale=self.initial_loss_scale,
             loss_scale_window=self.loss_scale_window,
             hysteresis=self.hysteresis,
+            **self.extra_optimizer_config,
         )
 
 

@@ -11,12 +11,11 @@ gradients, so forward and backward are exact.
 from __future__ import annotations
 
 import math
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
-NormScaling = Literal["lns", "none"]
-NORM_SCALING_CHOICES: tuple[str, ...] = ("lns", "none")
+from megatron_lns.choices import NORM_SCALING_CHOICES, NormScaling
 
 
 def lns_factor(layer_number: int) -> float:

@@ -18,13 +18,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from yaml import YAMLError
 
 from megatron_lns.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 # The GEMMs Transformer Engine overlaps (keys of initialize_ub's ub_cfgs): the QKV, attention
 # output projection, FC1 and FC2 linears, forward (fprop) and both backward GEMMs, as

@@ -24,7 +24,7 @@ import copy
 import math
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -38,13 +38,9 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.utils import get_pg_rank, init_method_normal
 from torch import Tensor
 
+from megatron_lns.choices import LAYER_VARIANTS, LayerVariant, lns_variant_conflict
 from megatron_lns.layer import LNSTransformerLayer
 from megatron_lns.scaling import NormScaling, ScaledNorm
-
-LayerVariant = Literal["pre_ln", "post_ln", "deepnorm", "mix_ln", "layerscale", "skipinit"]
-LAYER_VARIANTS: tuple[str, ...] = get_args(LayerVariant)
-# Variants whose every layer normalises the branch input: the only ones LNS applies to.
-PRE_NORM_VARIANTS: tuple[str, ...] = ("pre_ln", "layerscale", "skipinit")
 
 
 @dataclass(frozen=True)
@@ -62,12 +58,9 @@ class VariantSettings:
             raise ValueError(
                 f"layer_variant must be one of {LAYER_VARIANTS}, got {self.layer_variant!r}"
             )
-        if norm_scaling == "lns" and self.layer_variant not in PRE_NORM_VARIANTS:
-            raise ValueError(
-                f"norm_scaling='lns' scales pre-norm outputs, and layer_variant="
-                f"{self.layer_variant!r} has post-norm layers; use norm_scaling='none' or one "
-                f"of {PRE_NORM_VARIANTS}"
-            )
+        conflict = lns_variant_conflict(norm_scaling, self.layer_variant)
+        if conflict:
+            raise ValueError(conflict)
         if not 0.0 <= self.mix_ln_post_fraction <= 1.0:
             raise ValueError(
                 f"mix_ln_post_fraction must be in [0, 1], got {self.mix_ln_post_fraction!r}"

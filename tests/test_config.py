@@ -13,8 +13,8 @@ from omegaconf import OmegaConf
 from megatron_lns.config import ConfigError, load_config, to_yaml, validate
 from megatron_lns.config.loader import SCHEMA_PATHS, NemoKeysIgnoredWarning
 from megatron_lns.config.nemo_compat import NEMO_KEYS, Inert, nemo_rule
-from megatron_lns.config.rules import CHECK
 from megatron_lns.config.schema import ExperimentConfig
+from megatron_lns.config.settings import declaration
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "nemo_configs" / "tiny_cpu_demo.yaml"
@@ -483,7 +483,7 @@ def test_every_number_and_choice_declares_its_rule():
         for path, f, default in _fields(ExperimentConfig)
         if isinstance(default, (int, float))
         and not isinstance(default, bool)
-        and CHECK not in f.metadata
+        and declaration(f).check is None
     ]
     assert not unchecked, unchecked
 

@@ -32,7 +32,8 @@ from megatron_lns.config.nemo_compat import (
     normalize_nemo_spellings,
     register_nemo_resolvers,
 )
-from megatron_lns.config.schema import FREE_FORM, ExperimentConfig
+from megatron_lns.config.schema import ExperimentConfig
+from megatron_lns.config.settings import declaration
 from megatron_lns.errors import UserError
 
 
@@ -55,7 +56,7 @@ def _schema_paths(cls: type = ExperimentConfig, prefix: str = "") -> dict[str, b
             paths[path] = False
             paths.update(_schema_paths(type(default), path + "."))
         else:
-            paths[path] = isinstance(default, dict) or bool(f.metadata.get(FREE_FORM))
+            paths[path] = isinstance(default, dict) or declaration(f).free_form
     return paths
 
 

@@ -23,6 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_lns.config.schema import ExperimentConfig
+from megatron_lns.config.settings import declared_settings, section
 
 
 class NemoSettingError(ValueError):
@@ -81,22 +82,34 @@ def _scaled_init_onto_output_layer_init(value: Any, cfg: ExperimentConfig) -> No
         )
 
 
-def _megatron_name_for(nemo_key: str) -> Translated:
-    """A megatron-core name (``recompute_granularity``) for the NeMo-named schema key it
-    means (``activations_checkpoint_granularity``): the same setting, set either way."""
+def _alias_of(key: str, alias: str) -> Translated:
+    """Another name (megatron-core's ``model.recompute_granularity``) for the schema key it
+    means (``model.activations_checkpoint_granularity``): the same setting, set either way."""
+    name = key.rpartition(".")[2]
 
     def onto(value: Any, cfg: ExperimentConfig) -> None:
-        current = getattr(cfg.model, nemo_key)
+        holder = section(cfg, key)
+        current = getattr(holder, name)
         if current is None:
-            setattr(cfg.model, nemo_key, value)
+            setattr(holder, name, value)
         elif current != value:
-            megatron_key = "recompute_" + nemo_key.removeprefix("activations_checkpoint_")
             raise NemoSettingError(
-                f"model.{megatron_key}={value!r} contradicts model.{nemo_key}={current!r}: "
-                "they are the same setting; keep one of them"
+                f"{alias}={value!r} contradicts {key}={current!r}: they are the same setting; "
+                "keep one of them"
             )
 
     return Translated(onto)
+
+
+def _aliases() -> dict[str, Translated]:
+    """The rule of every alias a key declares (``settings.setting(aliases=...)``)."""
+    rules = {}
+    for item in declared_settings(ExperimentConfig):
+        parent = item.key.rpartition(".")[0]
+        for alias in item.setting.aliases:
+            dotted = f"{parent}.{alias}" if parent else alias
+            rules[dotted] = _alias_of(item.key, dotted)
+    return rules
 
 
 def _hydra_defaults_without_groups(value: Any, cfg: ExperimentConfig) -> bool:
@@ -260,9 +273,6 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
         "the chunk size of NeMo's own gradient all-reduce in its fp32 main-params wrapper, "
         "which megatron-core does not have; megatron DDP's buckets are model.optim.bucket_cap_mb"
     ),
-    "model.recompute_granularity": _megatron_name_for("activations_checkpoint_granularity"),
-    "model.recompute_method": _megatron_name_for("activations_checkpoint_method"),
-    "model.recompute_num_layers": _megatron_name_for("activations_checkpoint_num_layers"),
     "model.num_micro_batches_with_partial_activation_checkpoints": Fixed(
         (None,),
         "megatron-core 0.19's pipeline schedules compute the per-micro-batch flag but its "
@@ -326,6 +336,10 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
         "the schedule spans trainer.max_steps",
     ),
 }
+
+
+# Other names of schema keys, from the keys' declarations.
+NEMO_KEYS.update(_aliases())
 
 
 def nemo_rule(dotted: str) -> Inert | Fixed | When | Translated | None:

@@ -12,7 +12,14 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_lns.config.loader import ConfigError
-from megatron_lns.config.schema import PRECISIONS, ExperimentConfig, ModelConfig
+from megatron_lns.config.schema import (
+    PRECISIONS,
+    ExperimentConfig,
+    ModelConfig,
+    cpu_offloading_num_layers,
+    uses_distributed_optimizer,
+)
+from megatron_lns.config.settings import declared_settings, section
 from megatron_lns.fast_paths import (
     FastPathError,
     FastPathRequest,
@@ -31,25 +38,23 @@ LOSS_SCALE_DEFAULTS = {
 
 
 def fast_path_request(cfg: ExperimentConfig) -> FastPathRequest:
-    m, o = cfg.model, cfg.model.optim
+    """The user's value of every key whose null default is the machine's (declared
+    ``policy="machine"``), and the facts of the model they depend on."""
+    switches = {
+        item.name: getattr(section(cfg, item.key), item.name)
+        for item in declared_settings(ExperimentConfig)
+        if item.setting.policy == "machine"
+    }
+    m = cfg.model
     return FastPathRequest(
-        bias_activation_fusion=m.bias_activation_fusion,
-        bias_dropout_add_fusion=m.bias_dropout_add_fusion,
-        masked_softmax_fusion=m.masked_softmax_fusion,
-        apply_rope_fusion=m.apply_rope_fusion,
-        gradient_accumulation_fusion=m.gradient_accumulation_fusion,
-        cross_entropy_loss_fusion=m.cross_entropy_loss_fusion,
-        use_flash_attention=m.use_flash_attention,
-        overlap_grad_sync=o.overlap_grad_sync,
-        overlap_param_sync=o.overlap_param_sync,
-        bucket_cap_mb=o.bucket_cap_mb,
-        batch_p2p_comm=m.batch_p2p_comm,
+        **switches,
+        bucket_cap_mb=m.optim.bucket_cap_mb,
         overlap_p2p_comm=m.overlap_p2p_comm,
         pipeline_parallel=m.pipeline_model_parallel_size > 1,
         transformer_engine=m.transformer_engine,
         rope=m.position_embedding_type == "rope",
         gelu_without_bias=m.activation == "gelu" and not m.bias,
-        distributed_optimizer=o.name == "distributed_fused_adam",
+        distributed_optimizer=uses_distributed_optimizer(cfg),
     )
 
 
@@ -59,16 +64,6 @@ def resolved_fast_paths(cfg: ExperimentConfig, facts: MachineFacts) -> FastPaths
         return resolve_fast_paths(fast_path_request(cfg), facts)
     except FastPathError as err:
         raise ConfigError(str(err)) from None
-
-
-def cpu_offloading_num_layers(m: ModelConfig) -> int:
-    """How many layers' activations go to CPU memory; null is NeMo's every layer but the
-    last (whose backward follows its forward at once, so offloading it gains nothing)."""
-    if not m.cpu_offloading:
-        return 0
-    if m.cpu_offloading_num_layers is None:
-        return m.num_layers - 1
-    return m.cpu_offloading_num_layers
 
 
 def userbuffer_settings(cfg: ExperimentConfig) -> dict | None:

@@ -1,24 +1,21 @@
-"""Value rules declared next to the config fields, and the one validator that reads them.
+"""Value rules declared with the config fields, and the one validator that reads them.
 
-A field that needs more than its type says declares a :class:`Check` in its metadata::
+A key that needs more than its type says declares a :class:`Check` (``settings.py``)::
 
-    num_layers: int = checked(12, positive)
+    num_layers: int = setting(12, positive, ...)
 
-:func:`check_values` walks the dataclasses and reports the first value that breaks its
+``settings.value_errors`` walks the declarations and reports each value that breaks its
 rule, naming the dotted key. Rules here look at one value only; rules that relate
 several keys (divisibility, world size, ...) are in ``validate.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
-
-CHECK = "check"
 
 
 @dataclass(frozen=True)
@@ -93,24 +90,3 @@ split_weights = Check(
     "three comma-separated non-negative numbers with a positive sum (train,valid,test)",
     _is_split,
 )
-
-
-def checked(default: Any = dataclasses.MISSING, check: Check | None = None, **kwargs: Any):
-    """A dataclass field carrying its value rule: ``checked(1, positive)``."""
-    metadata = {CHECK: check} if check is not None else {}
-    return dataclasses.field(default=default, metadata=metadata, **kwargs)
-
-
-def value_errors(cfg: Any, prefix: str = "") -> Iterator[str]:
-    """Messages for every declared rule ``cfg`` breaks, in field order, depth first."""
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        key = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(value):
-            yield from value_errors(value, key + ".")
-            continue
-        check = f.metadata.get(CHECK)
-        if check is not None:
-            message = check.error(key, value)
-            if message:
-                yield message

@@ -1,12 +1,16 @@
-"""The NeMo-style experiment config as typed dataclasses.
+"""The NeMo-style experiment config as typed dataclasses, one declaration per key.
 
 Section and key names follow NeMo 1.x's ``megatron_gpt_config.yaml`` (``trainer``,
 ``exp_manager``, ``model`` with ``model.optim``, ``model.data``, ``model.tokenizer``),
-so a NeMo user's YAML reads the same here. Every key listed is honoured; the
-docstrings say what megatron-core setting each one drives (docs/configuration.md
-is the reference). OmegaConf checks types against these annotations; the rule each
-value must meet beyond its type is declared with it (``checked(default, rule)``, read
-by ``rules.value_errors``).
+so a NeMo user's YAML reads the same here. Every key is declared once, with
+``settings.setting``: its default, the rule its value must meet beyond its type, where
+it goes in megatron-core, how its null default is decided and what it means. Validation,
+the megatron-core configs (``build.py``), the NeMo aliases (``nemo_compat.py``) and the key
+tables of docs/configuration.md are derived from these declarations. A value that needs
+translating rather than passing through names a small function defined here, above the
+dataclasses. OmegaConf checks types against the annotations.
+
+Nothing here imports torch or megatron-core (``tests/test_config_light.py``).
 """
 
 from __future__ import annotations
@@ -14,10 +18,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_lns.choices import (
+    ACTIVATIONS,
+    LAYER_VARIANTS,
+    NORM_SCALING_CHOICES,
+    OUTPUT_LAYER_INITS,
+    POSITION_EMBEDDINGS,
+    RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_METHODS,
+    TOKENIZER_LIBRARIES,
+)
 from megatron_lns.config.rules import (
-    CHECK,
     adam_betas,
-    checked,
     global_ranks,
     non_empty,
     non_negative,
@@ -29,16 +41,7 @@ from megatron_lns.config.rules import (
     signal_lead_seconds,
     split_weights,
 )
-from megatron_lns.data.tokenizer import TOKENIZER_LIBRARIES
-from megatron_lns.model import (
-    ACTIVATIONS,
-    OUTPUT_LAYER_INITS,
-    POSITION_EMBEDDINGS,
-    RECOMPUTE_GRANULARITIES,
-    RECOMPUTE_METHODS,
-)
-from megatron_lns.scaling import NORM_SCALING_CHOICES
-from megatron_lns.variants import LAYER_VARIANTS
+from megatron_lns.config.settings import setting
 
 # The NeMo spellings a value may take, and what each means in megatron-core terms. The
 # build (build.py) translates through these maps; validation checks
@@ -66,9 +69,6 @@ FP8_FORMATS = ("hybrid", "e4m3")
 FP8_AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 # model.optim.grad_sync_dtype: the dtype megatron DDP reduces gradients in.
 GRAD_SYNC_DTYPES = ("fp32", "bf16", "fp16")
-# Field metadata of a key whose value may be a mapping with keys of its own (checked by the
-# key's own validation, not as config keys).
-FREE_FORM = "free_form"
 # model.ub_tp_comm_bootstrap_backend: the collectives that set up TE's userbuffers.
 UB_BOOTSTRAP_BACKENDS = ("nccl", "mpi", "gloo")
 # megatron.core.timers.Timers' log_option: the maximum over ranks, the minimum and maximum,
@@ -76,49 +76,221 @@ UB_BOOTSTRAP_BACKENDS = ("nccl", "mpi", "gloo")
 TIMER_LOG_OPTIONS = ("max", "minmax", "all")
 
 
+# Translations: the value a key gives its target, where that is not the value itself.
+# Each takes (value, whole config) and returns {target field: value}.
+
+
+def to(target_field: str):
+    """The value unchanged, under the name its target uses (``bias`` -> ``add_bias_linear``
+    is GPTModelConfig's ``bias``, which sets both of megatron-core's bias switches)."""
+    return lambda value, cfg: {target_field: value}
+
+
+def _precision(value: Any, cfg: Any) -> dict[str, Any]:
+    return {"precision": PRECISIONS[str(value)]}
+
+
+def _clip_grad(value: Any, cfg: Any) -> dict[str, Any]:
+    return {"clip_grad": float(value or 0.0)}
+
+
+def _normalization(value: str, cfg: Any) -> dict[str, Any]:
+    """layernorm1p is LayerNorm with zero-centred gamma (``1 + g``)."""
+    return {
+        "normalization": NORMALIZATIONS[value],
+        "layernorm_zero_centered_gamma": value == "layernorm1p",
+    }
+
+
+def _backend(value: bool, cfg: Any) -> dict[str, Any]:
+    return {"backend": "te" if value else "local"}
+
+
+def _fp8_format(value: str | None, cfg: Any) -> dict[str, Any]:
+    return {"fp8_format": value or "hybrid"}
+
+
+def cpu_offloading_num_layers(m: Any) -> int:
+    """How many layers' activations go to CPU memory; null is NeMo's every layer but the
+    last (whose backward follows its forward at once, so offloading it gains nothing)."""
+    if not m.cpu_offloading:
+        return 0
+    if m.cpu_offloading_num_layers is None:
+        return m.num_layers - 1
+    return m.cpu_offloading_num_layers
+
+
+def _cpu_offloading_num_layers(value: int | None, cfg: Any) -> dict[str, Any]:
+    return {"cpu_offloading_num_layers": cpu_offloading_num_layers(cfg.model)}
+
+
+def uses_distributed_optimizer(cfg: Any) -> bool:
+    """NeMo names the distributed optimizer as an optimizer of its own."""
+    return cfg.model.optim.name == "distributed_fused_adam"
+
+
+def _optimizer(value: str, cfg: Any) -> dict[str, Any]:
+    return {"name": OPTIMIZERS[value], "use_distributed_optimizer": uses_distributed_optimizer(cfg)}
+
+
+def _betas(value: list[float], cfg: Any) -> dict[str, Any]:
+    return {"betas": (float(value[0]), float(value[1]))}
+
+
+def _decay_style(value: str, cfg: Any) -> dict[str, Any]:
+    return {"decay_style": SCHEDULES[value]}
+
+
+def _decay_steps(constant_steps: int, cfg: Any) -> dict[str, Any]:
+    """The decay ends ``constant_steps`` before ``trainer.max_steps``."""
+    return {"decay_steps": cfg.trainer.max_steps - constant_steps}
+
+
+def _grad_reduce_in_fp32(value: str | None, cfg: Any) -> dict[str, Any]:
+    return {"grad_reduce_in_fp32": (value or "fp32") == "fp32"}
+
+
+def _bucket_size(value: float | None, cfg: Any) -> dict[str, Any]:
+    """megatron counts a bucket in parameters; NeMo sizes it in MB of reduced gradients."""
+    if value is None:
+        return {"bucket_size": None}
+    reduce_in_fp32 = _grad_reduce_in_fp32(cfg.model.optim.grad_sync_dtype, cfg)[
+        "grad_reduce_in_fp32"
+    ]
+    return {"bucket_size": int(value * 2**20 / (4 if reduce_in_fp32 else 2))}
+
+
 @dataclass
 class TrainerConfig:
-    num_nodes: int = checked(1, positive)
-    devices: int = checked(1, positive)
-    accelerator: str = checked("auto", one_of(ACCELERATORS))
-    max_steps: int = checked(1000, positive)
-    val_check_interval: int = checked(100, positive)
-    limit_val_batches: int = checked(10, non_negative)
-    log_every_n_steps: int = checked(10, positive)
-    # bf16-mixed | 16-mixed | 32 (and NeMo spellings bf16, 16)
-    precision: str = checked("bf16-mixed", one_of(PRECISIONS))
-    gradient_clip_val: float = checked(1.0, non_negative)
-    # Not in NeMo: Megatron-LM's --exit-interval. Checkpoint and exit when the step is a
-    # multiple of it (time-sliced jobs; the next job resumes).
-    exit_interval: int | None = checked(None, positive)
+    num_nodes: int = setting(
+        1,
+        positive,
+        doc="nodes; world size = `num_nodes x devices` (must equal the launcher's `WORLD_SIZE`)",
+    )
+    devices: int = setting(
+        1,
+        positive,
+        doc=(
+            "processes per node (GPUs, or CPU ranks with gloo); on one node megatron-lns spawns "
+            "them itself"
+        ),
+    )
+    accelerator: str = setting(
+        "auto",
+        one_of(ACCELERATORS),
+        doc="`gpu` (NCCL), `cpu` (gloo + the CPU compatibility layer) or `auto`",
+    )
+    max_steps: int = setting(
+        1000, positive, doc="optimizer steps; also the length of the lr schedule"
+    )
+    val_check_interval: int = setting(100, positive, doc="validate every N steps (and at the end)")
+    limit_val_batches: int = setting(
+        10,
+        non_negative,
+        doc=(
+            "global batches of the validation split per validation (always the same ones); 0 "
+            "disables validation"
+        ),
+    )
+    log_every_n_steps: int = setting(
+        10, positive, doc="console / TensorBoard / `metrics.jsonl` interval"
+    )
+    precision: str = setting(
+        "bf16-mixed",
+        one_of(PRECISIONS),
+        target="TransformerConfig.params_dtype",
+        translate=_precision,
+        doc=(
+            "`bf16-mixed`/`bf16`: `TransformerConfig.bf16` + `Float16Module` + megatron's "
+            "mixed-precision optimizer with fp32 main weights; `16-mixed`/`16`: the same in fp16 "
+            "with dynamic loss scaling; `32`: fp32"
+        ),
+    )
+    gradient_clip_val: float = setting(
+        1.0,
+        non_negative,
+        target="OptimizerConfig.clip_grad",
+        translate=_clip_grad,
+        doc=(
+            "`OptimizerConfig.clip_grad` (global-norm clipping across all model-parallel ranks); "
+            "0 disables"
+        ),
+    )
+    exit_interval: int | None = setting(
+        None,
+        positive,
+        doc=(
+            "not in NeMo: Megatron-LM's `--exit-interval`, checkpoint and exit when the step is a"
+            " multiple of it"
+        ),
+    )
 
 
 @dataclass
 class CheckpointCallbackParams:
-    every_n_train_steps: int = checked(1000, positive)
-    save_last: bool = True
-    # Write checkpoints in the background (megatron-core's asynchronous dist_checkpointing
-    # save); a checkpoint counts once every rank has written it (docs/resuming.md).
-    async_save: bool = False
+    every_n_train_steps: int = setting(
+        1000, positive, doc="checkpoint interval (`dist_checkpointing`, torch_dist format)"
+    )
+    save_last: bool = setting(True, doc="also checkpoint at the end of training")
+    async_save: bool = setting(
+        False,
+        doc=(
+            "write checkpoints in the background: megatron-core's asynchronous "
+            "`dist_checkpointing.save` (its `AsyncCallsQueue`; Megatron-LM's `--async-save`). A "
+            "save stalls training only while the state is taken (copied to host memory on GPU; a "
+            "`fork` on CPU); each rank's shards are written by a process it forks, and the "
+            "checkpoint counts (`complete.json`, `iter_N.partial` renamed to `iter_N`) only once "
+            "every rank has finished. The run waits for a pending save before the next one and "
+            "before it stops or ends. Host memory holds one more copy of the rank's state while a"
+            " save is written. See [resuming.md](resuming.md#asynchronous-and-parallel-saves)"
+        ),
+    )
 
 
 @dataclass
 class ExpManagerConfig:
-    exp_dir: str | None = None  # null: ./runs (NeMo: ./nemo_experiments)
-    name: str = checked("megatron_gpt", non_empty)
-    resume_if_exists: bool = True
-    # A checkpoint directory (iter_NNNNNNN) to resume from instead of the newest one.
-    resume_from_checkpoint: str | None = None
-    # Not in NeMo: when the newest complete checkpoint cannot be read, resume from the
-    # newest one that can (each skipped one is named) instead of stopping.
-    resume_past_unreadable: bool = False
-    # Not in NeMo: Megatron-LM's --override-opt_param-scheduler. Resume with this config's
-    # LR schedule and weight decay (lr, min_lr, warmup, decay style, max_steps) instead of
-    # refusing a checkpoint whose schedule differs.
-    override_opt_param_scheduler: bool = False
-    create_tensorboard_logger: bool = True
-    create_wandb_logger: bool = False
-    wandb_logger_kwargs: dict[str, Any] = field(default_factory=dict)
+    exp_dir: str | None = setting(None, null_means="`runs`", doc="root of experiment directories")
+    name: str = setting(
+        "megatron_gpt",
+        non_empty,
+        doc=(
+            "run directory `<exp_dir>/<name>/` with `config.yaml`, `metrics.jsonl`, "
+            "`tensorboard/`, `checkpoints/` (`metrics.jsonl`: every step's loss, the full metrics"
+            " every `log_every_n_steps`)"
+        ),
+    )
+    resume_if_exists: bool = setting(
+        True,
+        doc=(
+            "resume from the newest **complete** checkpoint in `checkpoints/` (partial saves are "
+            "never picked); false refuses a directory that already holds a run (see "
+            "[resuming.md](resuming.md))"
+        ),
+    )
+    resume_from_checkpoint: str | None = setting(
+        None, doc="an `iter_NNNNNNN` checkpoint directory to resume from instead of the newest"
+    )
+    resume_past_unreadable: bool = setting(
+        False,
+        doc=(
+            "not in NeMo: if the newest complete checkpoint cannot be read, resume from the "
+            "newest one that can"
+        ),
+    )
+    override_opt_param_scheduler: bool = setting(
+        False,
+        doc=(
+            "not in NeMo: Megatron-LM's `--override-opt_param-scheduler`; resume with this "
+            "config's LR schedule and weight decay instead of refusing a changed one"
+        ),
+    )
+    create_tensorboard_logger: bool = setting(True, doc="TensorBoard scalars under `tensorboard/`")
+    create_wandb_logger: bool = setting(
+        False, doc="Weights & Biases, if `wandb` is installed (a message says so if not)"
+    )
+    wandb_logger_kwargs: dict[str, Any] = setting(
+        default_factory=dict, doc="passed to `wandb.init` (`project`, `name`, ...)"
+    )
     checkpoint_callback_params: CheckpointCallbackParams = field(
         default_factory=CheckpointCallbackParams
     )
@@ -126,189 +298,968 @@ class ExpManagerConfig:
 
 @dataclass
 class SchedConfig:
-    name: str = checked("CosineAnnealing", one_of(SCHEDULES))
-    warmup_steps: int = checked(0, non_negative)
-    constant_steps: int = checked(0, non_negative)
-    min_lr: float = checked(0.0, non_negative)
+    name: str = setting(
+        "CosineAnnealing",
+        one_of(SCHEDULES),
+        target="OptimizerParamScheduler.lr_decay_style",
+        translate=_decay_style,
+        doc=(
+            "`OptimizerParamScheduler` decay style: `CosineAnnealing` -> cosine, "
+            "`LinearAnnealing` -> linear, `Constant` -> constant"
+        ),
+    )
+    warmup_steps: int = setting(
+        0,
+        non_negative,
+        target="OptimizerParamScheduler.lr_warmup_steps",
+        translate=to("warmup_steps"),
+        doc="linear warmup steps",
+    )
+    constant_steps: int = setting(
+        0,
+        non_negative,
+        target="OptimizerParamScheduler.lr_decay_steps",
+        translate=_decay_steps,
+        doc="steps held at `min_lr` at the end (decay spans `max_steps - constant_steps`)",
+    )
+    min_lr: float = setting(
+        0.0, non_negative, target="OptimizerConfig.min_lr", doc="final learning rate"
+    )
 
 
 @dataclass
 class OptimConfig:
-    name: str = checked("fused_adam", one_of(OPTIMIZERS))
-    lr: float = checked(1e-4, positive)
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95], metadata={CHECK: adam_betas})
-    eps: float = checked(1e-8, positive)
-    weight_decay: float = checked(0.0, non_negative)
+    name: str = setting(
+        "fused_adam",
+        one_of(OPTIMIZERS),
+        target="OptimizerConfig.optimizer",
+        translate=_optimizer,
+        doc=(
+            "`fused_adam`, `adam`, `adamw`: megatron's `adam` (decoupled weight decay, i.e. "
+            "AdamW); `distributed_fused_adam`: the same with the distributed optimizer "
+            "(`use_distributed_optimizer`); `sgd`"
+        ),
+    )
+    lr: float = setting(1e-4, positive, target="OptimizerConfig.lr", doc="peak learning rate")
+    betas: list[float] = setting(
+        check=adam_betas,
+        default_factory=lambda: [0.9, 0.95],
+        target="OptimizerConfig.adam_beta1",
+        translate=_betas,
+        doc="`adam_beta1`, `adam_beta2`",
+    )
+    eps: float = setting(
+        1e-8, positive, target="OptimizerConfig.adam_eps", translate=to("eps"), doc="`adam_eps`"
+    )
+    weight_decay: float = setting(
+        0.0, non_negative, target="OptimizerConfig.weight_decay", doc="`weight_decay`"
+    )
     sched: SchedConfig = field(default_factory=SchedConfig)
-    # megatron DDP (fast_paths.py decides the null defaults: on CUDA on, on CPU off).
-    overlap_grad_sync: bool | None = None  # overlap_grad_reduce
-    overlap_param_sync: bool | None = None  # overlap_param_gather (distributed optimizer)
-    bucket_cap_mb: float | None = checked(None, positive)  # DDP bucket_size, in MB of grads
-    grad_sync_dtype: str | None = checked(None, one_of(GRAD_SYNC_DTYPES))  # null: fp32
+    overlap_grad_sync: bool | None = setting(
+        None,
+        target="DistributedDataParallelConfig.overlap_grad_reduce",
+        policy="machine",
+        doc=(
+            "`DistributedDataParallelConfig.overlap_grad_reduce`: each gradient bucket's "
+            "all-reduce (reduce-scatter with the distributed optimizer) starts as soon as "
+            "backward has filled it. Runs on gloo too. null: on with CUDA"
+        ),
+    )
+    overlap_param_sync: bool | None = setting(
+        None,
+        target="DistributedDataParallelConfig.overlap_param_gather",
+        policy="machine",
+        doc=(
+            "`overlap_param_gather`: the distributed optimizer's all-gather of updated weights "
+            "overlaps the next forward pass (forward pre-hooks); before a checkpoint the weights "
+            "are gathered synchronously. Needs `name: distributed_fused_adam` and "
+            "`overlap_grad_sync`. null: on with CUDA and the distributed optimizer"
+        ),
+    )
+    bucket_cap_mb: float | None = setting(
+        None,
+        positive,
+        target="DistributedDataParallelConfig.bucket_size",
+        translate=_bucket_size,
+        doc=(
+            "`bucket_size` = MB x 2^20 / bytes per reduced gradient (4 in fp32, 2 in bf16/fp16); "
+            "null is megatron's max(40M, 1M x DP) parameters. Needs `overlap_grad_sync` (without "
+            "overlap megatron DDP reduces everything in one bucket, so a size would be ignored)"
+        ),
+    )
+    grad_sync_dtype: str | None = setting(
+        None,
+        one_of(GRAD_SYNC_DTYPES),
+        target="DistributedDataParallelConfig.grad_reduce_in_fp32",
+        translate=_grad_reduce_in_fp32,
+        null_means="`fp32`",
+        doc=(
+            "`grad_reduce_in_fp32`: `fp32` accumulates and reduces gradients in fp32; `bf16` / "
+            "`fp16` in the model's dtype (half the buffer and traffic), only with the matching "
+            "`trainer.precision`"
+        ),
+    )
 
 
 @dataclass
 class DataConfig:
-    # [weight, prefix, weight, prefix, ...] or [prefix, ...] or a single prefix.
-    # "builtin:pydoc" is the embedded demo corpus (prepared and cached on first use).
-    data_prefix: list[Any] = field(default_factory=list)
-    splits_string: str = checked("949,50,1", split_weights)
-    seq_length: int = checked(512, positive)
-    index_mapping_dir: str | None = None
-    num_workers: int = checked(2, non_negative)
-    reset_position_ids: bool = False
-    reset_attention_mask: bool = False
-    eod_mask_loss: bool = False
+    data_prefix: list[Any] = setting(
+        default_factory=list,
+        target="GPTDatasetConfig.blend",
+        doc=(
+            "`[prefix, ...]` or `[weight, prefix, weight, prefix, ...]`: "
+            "`GPTDatasetConfig.blend`; `builtin:pydoc` is the embedded demo corpus"
+        ),
+    )
+    splits_string: str = setting(
+        "949,50,1",
+        split_weights,
+        target="GPTDatasetConfig.split",
+        doc=(
+            "train/valid/test document split, three non-negative numbers with a positive sum "
+            "(`GPTDatasetConfig.split`)"
+        ),
+    )
+    seq_length: int = setting(
+        512,
+        positive,
+        target="GPTDatasetConfig.sequence_length",
+        doc="must equal `model.encoder_seq_length` (NeMo interpolates it)",
+    )
+    index_mapping_dir: str | None = setting(
+        None,
+        target="GPTDatasetConfig.path_to_cache",
+        doc="where `BlendedMegatronDatasetBuilder` caches its index mappings (`path_to_cache`)",
+    )
+    num_workers: int = setting(2, non_negative, doc="`torch` DataLoader workers per rank")
+    reset_position_ids: bool = setting(
+        False,
+        target="GPTDatasetConfig.reset_position_ids",
+        doc="`GPTDatasetConfig.reset_position_ids`",
+    )
+    reset_attention_mask: bool = setting(
+        False,
+        target="GPTDatasetConfig.reset_attention_mask",
+        doc="`GPTDatasetConfig.reset_attention_mask`",
+    )
+    eod_mask_loss: bool = setting(
+        False, target="GPTDatasetConfig.eod_mask_loss", doc="`GPTDatasetConfig.eod_mask_loss`"
+    )
 
 
 @dataclass
 class TokenizerConfig:
-    library: str = checked("byte", one_of(TOKENIZER_LIBRARIES))
-    type: str | None = None  # huggingface: local directory of the tokenizer
-    model: str | None = None  # sentencepiece: the .model file
+    library: str = setting(
+        "byte",
+        one_of(TOKENIZER_LIBRARIES),
+        doc="`byte` (UTF-8 bytes + EOD, vocab 257), `huggingface`, `sentencepiece`",
+    )
+    type: str | None = setting(
+        None, doc="Hugging Face: a local tokenizer directory (never downloaded)"
+    )
+    model: str | None = setting(None, doc="SentencePiece: the `.model` file")
 
 
 @dataclass
 class NsysProfileConfig:
     """A profiling window over training steps (``training/profiling.py``)."""
 
-    enabled: bool = False
-    # First and last profiled step, inclusive, numbered as logged (the first step is 1).
-    start_step: int = checked(10, positive)
-    end_step: int = checked(10, positive)
-    ranks: list[int] = field(default_factory=lambda: [0], metadata={CHECK: global_ranks})
-    gen_shape: bool = False  # record operator input shapes
-    # Not in NeMo: also write a torch.profiler trace to <run_dir>/profile/. null: on CPU
-    # yes, on CUDA no (nsys records the window there).
-    torch_trace: bool | None = None
+    enabled: bool = setting(
+        False,
+        group="operations",
+        doc=(
+            "profile the window below (`training/profiling.py`). On CUDA: "
+            "`torch.cuda.profiler.start()`/`stop()` around the window, for `nsys profile "
+            "--capture-range=cudaProfilerApi --capture-range-end=stop`, an NVTX range `step N` "
+            "per step and, via `torch.autograd.profiler.emit_nvtx`, one per operator. A PyTorch "
+            "profiler trace (Chrome trace format; Perfetto or chrome://tracing) goes to "
+            "`<run_dir>/profile/rank<R>_steps<A>-<B>.json`, see `torch_trace`"
+        ),
+    )
+    start_step: int = setting(
+        10,
+        positive,
+        group="operations",
+        doc=(
+            "first profiled step, numbered as the log numbers steps (the first step is 1; NeMo "
+            "counts completed steps, so its 10 is step 11 here). A run resumed inside the window "
+            "profiles the rest of it; one stopped inside it writes what it profiled"
+        ),
+    )
+    end_step: int = setting(
+        10,
+        positive,
+        group="operations",
+        doc=(
+            "last profiled step (inclusive); refused if before `start_step`, and a `start_step` "
+            "after `trainer.max_steps` is refused"
+        ),
+    )
+    ranks: list[int] = setting(
+        check=global_ranks,
+        default_factory=lambda: [0],
+        group="operations",
+        doc="global ranks that profile; refused if not ranks of the run",
+    )
+    gen_shape: bool = setting(
+        False,
+        group="operations",
+        doc=(
+            "record operator input shapes (`record_shapes` of the NVTX ranges and of the torch "
+            "trace)"
+        ),
+    )
+    torch_trace: bool | None = setting(
+        None,
+        group="operations",
+        doc=(
+            "not in NeMo: write the torch profiler trace (CPU and CUDA activity on a GPU). null: "
+            "on CPU yes, on CUDA no (nsys records the window). The autograd profiler records one "
+            "way at a time, so with a torch trace on CUDA the per-operator NVTX ranges are left "
+            "out (the step ranges and the capture window stay)"
+        ),
+    )
 
 
 @dataclass
 class MegatronTimerKwargs:
     """How megatron-core's own timers are reported (``training/timers.py``)."""
 
-    log_every_n_steps: int | None = checked(None, positive)  # null: trainer.log_every_n_steps
-    # max | minmax | all; null: minmax. NeMo's YAML spells it log_mode while NeMo's code
-    # reads log_option: either key sets it.
-    log_mode: str | None = checked(None, one_of(TIMER_LOG_OPTIONS))
-    log_option: str | None = checked(None, one_of(TIMER_LOG_OPTIONS))
-    barrier: bool = False  # a barrier on every rank before the times are read
+    log_every_n_steps: int | None = setting(
+        None,
+        positive,
+        group="operations",
+        doc=(
+            "report after every N-th applied update (step numbers, so a resumed run keeps the "
+            "grid); null: `trainer.log_every_n_steps`. An interval longer than "
+            "`trainer.max_steps` is refused (no report would be made)"
+        ),
+    )
+    log_mode: str | None = setting(
+        None,
+        one_of(TIMER_LOG_OPTIONS),
+        group="operations",
+        doc=(
+            "megatron's `log_option`: `minmax` (the fastest and slowest rank), `max`, or `all` "
+            "(every rank); null: `minmax`. NeMo's YAML spells the key `log_mode` while NeMo's "
+            "code reads `log_option`: either key sets it, and the two set differently are refused"
+        ),
+    )
+    log_option: str | None = setting(
+        None, one_of(TIMER_LOG_OPTIONS), group="operations", doc="the same setting as `log_mode`"
+    )
+    barrier: bool = setting(
+        False,
+        group="operations",
+        doc=(
+            "a barrier across all ranks before the times are read (megatron's "
+            "`get_all_timers_string(barrier=...)`)"
+        ),
+    )
 
 
 @dataclass
 class ModelConfig:
-    micro_batch_size: int = checked(4, positive)
-    global_batch_size: int = checked(8, positive)
-    # Batch-size ramp-up (Megatron-LM's --rampup-batch-size): [start_batch_size,
-    # batch_size_increment, ramp_up_samples]; null trains at global_batch_size throughout.
-    rampup_batch_size: list[int] | None = field(default=None, metadata={CHECK: rampup_batch_sizes})
-    tensor_model_parallel_size: int = checked(1, positive)
-    pipeline_model_parallel_size: int = checked(1, positive)
-    virtual_pipeline_model_parallel_size: int | None = checked(None, positive)
-    sequence_parallel: bool = False
+    micro_batch_size: int = setting(
+        4, positive, group="parallelism", doc="sequences per forward pass per data-parallel rank"
+    )
+    global_batch_size: int = setting(
+        8,
+        positive,
+        group="parallelism",
+        doc=(
+            "sequences per optimizer step; megatron's num-microbatches calculator derives "
+            "gradient accumulation = global / (micro x DP)"
+        ),
+    )
+    rampup_batch_size: list[int] | None = setting(
+        None,
+        rampup_batch_sizes,
+        group="parallelism",
+        doc=(
+            "`[start_batch_size, batch_size_increment, ramp_up_samples]`: batch-size ramp-up, "
+            "Megatron-LM's `--rampup-batch-size` (below)"
+        ),
+    )
+    tensor_model_parallel_size: int = setting(
+        1,
+        positive,
+        target="ParallelLayout.tensor",
+        group="parallelism",
+        doc="`TransformerConfig.tensor_model_parallel_size`",
+    )
+    pipeline_model_parallel_size: int = setting(
+        1,
+        positive,
+        target="ParallelLayout.pipeline",
+        group="parallelism",
+        doc="`pipeline_model_parallel_size`; layers split evenly across stages",
+    )
+    virtual_pipeline_model_parallel_size: int | None = setting(
+        None,
+        positive,
+        target="ParallelLayout.virtual_pipeline",
+        group="parallelism",
+        doc="model chunks per pipeline stage (interleaved 1F1B schedule)",
+    )
+    sequence_parallel: bool = setting(
+        False,
+        target="ParallelLayout.sequence_parallel",
+        group="parallelism",
+        doc=(
+            "megatron sequence parallelism (needs TP > 1); LNS norms mark their weights for the "
+            "TP grad all-reduce"
+        ),
+    )
 
-    encoder_seq_length: int = checked(512, positive)
-    max_position_embeddings: int | None = checked(None, positive)
-    num_layers: int = checked(12, positive)
-    hidden_size: int = checked(768, positive)
-    ffn_hidden_size: int | None = checked(None, positive)
-    num_attention_heads: int = checked(12, positive)
-    # The attention head size (megatron-core's kv_channels): the width of each query, key
-    # and value head. null: hidden_size / num_attention_heads.
-    kv_channels: int | None = checked(None, positive)
-    num_query_groups: int | None = checked(None, positive)
-    position_embedding_type: str = checked("rope", one_of(POSITION_EMBEDDINGS))
-    rotary_base: int = checked(10000, positive)
-    # rmsnorm | layernorm | layernorm1p (zero-centred gamma)
-    normalization: str = checked("rmsnorm", one_of(NORMALIZATIONS))
-    norm_affine: bool = True  # false: parameter-free norms (OLMo)
-    layernorm_epsilon: float = checked(1e-5, positive)
-    bias: bool = False
-    activation: str = checked("swiglu", one_of(ACTIVATIONS))
-    share_embeddings_and_output_weights: bool = False
-    init_method_std: float = checked(0.02, positive)
-    hidden_dropout: float = checked(0.0, probability)
-    attention_dropout: float = checked(0.0, probability)
-    make_vocab_size_divisible_by: int = checked(128, positive)
-    seed: int = checked(1234, rng_seed)
+    encoder_seq_length: int = setting(
+        512,
+        positive,
+        target="GPTModel.max_sequence_length",
+        translate=to("seq_length"),
+        group="architecture",
+        doc="training sequence length (`GPTModel` / `GPTDataset` sequence length)",
+    )
+    max_position_embeddings: int | None = setting(
+        None,
+        positive,
+        target="GPTModel.max_sequence_length",
+        translate=to("max_position_embeddings"),
+        null_means="= seq length",
+        group="architecture",
+        doc="`GPTModel.max_sequence_length`",
+    )
+    num_layers: int = setting(
+        12,
+        positive,
+        target="TransformerConfig.num_layers",
+        group="architecture",
+        doc="`TransformerConfig.num_layers`",
+    )
+    hidden_size: int = setting(
+        768,
+        positive,
+        target="TransformerConfig.hidden_size",
+        group="architecture",
+        doc="`hidden_size`",
+    )
+    ffn_hidden_size: int | None = setting(
+        None,
+        positive,
+        target="TransformerConfig.ffn_hidden_size",
+        null_means="4 x hidden",
+        group="architecture",
+        doc="`ffn_hidden_size` (per gate/up half with SwiGLU)",
+    )
+    num_attention_heads: int = setting(
+        12,
+        positive,
+        target="TransformerConfig.num_attention_heads",
+        group="architecture",
+        doc="`num_attention_heads`",
+    )
+    kv_channels: int | None = setting(
+        None,
+        positive,
+        target="TransformerConfig.kv_channels",
+        null_means="= hidden / heads",
+        group="architecture",
+        doc=(
+            "`kv_channels`: the attention head size; queries, keys and values are `heads x "
+            "kv_channels` wide, so attention may be wider or narrower than `hidden_size` (which "
+            "then need not divide by the heads). With RoPE it must be even. Hugging Face export "
+            "writes it as Llama's `head_dim`; StableLM has no head size of its own, so a "
+            "LayerNorm model with another head size is refused"
+        ),
+    )
+    num_query_groups: int | None = setting(
+        None,
+        positive,
+        target="TransformerConfig.num_query_groups",
+        null_means="= heads",
+        group="architecture",
+        doc="`num_query_groups` (grouped-query attention)",
+    )
+    position_embedding_type: str = setting(
+        "rope",
+        one_of(POSITION_EMBEDDINGS),
+        target="GPTModel.position_embedding_type",
+        group="architecture",
+        doc="`rope` (rotate-half, as Hugging Face Llama) or `learned_absolute`",
+    )
+    rotary_base: int = setting(
+        10000, positive, target="GPTModel.rotary_base", group="architecture", doc="RoPE theta"
+    )
+    normalization: str = setting(
+        "rmsnorm",
+        one_of(NORMALIZATIONS),
+        target="TransformerConfig.normalization",
+        translate=_normalization,
+        group="architecture",
+        doc=(
+            "`rmsnorm`, `layernorm`, or `layernorm1p` (LayerNorm with zero-centred gamma, "
+            "`layernorm_zero_centered_gamma`)"
+        ),
+    )
+    norm_affine: bool = setting(
+        True,
+        target="layer_spec.norm_affine",
+        group="architecture",
+        doc=(
+            "false: parameter-free norms (OLMo); with LNS the effective gamma is the constant "
+            "`1/sqrt(l)`"
+        ),
+    )
+    layernorm_epsilon: float = setting(
+        1e-5,
+        positive,
+        target="TransformerConfig.layernorm_epsilon",
+        group="architecture",
+        doc="`layernorm_epsilon`",
+    )
+    bias: bool = setting(
+        False,
+        target="TransformerConfig.add_bias_linear",
+        translate=to("bias"),
+        group="architecture",
+        doc="`add_bias_linear` and `add_qkv_bias`",
+    )
+    activation: str = setting(
+        "swiglu",
+        one_of(ACTIVATIONS),
+        target="TransformerConfig.activation_func",
+        translate=to("activation"),
+        group="architecture",
+        doc="`swiglu` (`gated_linear_unit` + SiLU) or `gelu`",
+    )
+    share_embeddings_and_output_weights: bool = setting(
+        False,
+        target="GPTModel.share_embeddings_and_output_weights",
+        group="architecture",
+        doc="tie input embedding and LM head",
+    )
+    init_method_std: float = setting(
+        0.02,
+        positive,
+        target="TransformerConfig.init_method_std",
+        group="architecture",
+        doc="`init_method_std`",
+    )
+    hidden_dropout: float = setting(
+        0.0,
+        probability,
+        target="TransformerConfig.hidden_dropout",
+        group="architecture",
+        doc="`hidden_dropout`",
+    )
+    attention_dropout: float = setting(
+        0.0,
+        probability,
+        target="TransformerConfig.attention_dropout",
+        group="architecture",
+        doc="`attention_dropout`",
+    )
+    make_vocab_size_divisible_by: int = setting(
+        128,
+        positive,
+        group="architecture",
+        doc=(
+            "embedding rows = tokenizer vocab rounded up to a multiple of lcm(this, TP) "
+            "(Megatron-LM multiplies by TP instead, which ties checkpoints to one TP size)"
+        ),
+    )
+    seed: int = setting(
+        1234,
+        rng_seed,
+        group="architecture",
+        doc="init, data order and dropout seeds (`model_parallel_cuda_manual_seed`)",
+    )
 
-    # Activation recomputation: megatron-core's recompute_granularity / recompute_method /
-    # recompute_num_layers. null | selective (core attention) | full (whole layers).
-    activations_checkpoint_granularity: str | None = checked(None, one_of(RECOMPUTE_GRANULARITIES))
-    # full only: uniform (every layer group of num_layers) | block (the first num_layers)
-    activations_checkpoint_method: str | None = checked(None, one_of(RECOMPUTE_METHODS))
-    activations_checkpoint_num_layers: int | None = checked(None, positive)
-    # Megatron-LM's manual GC: Python's automatic collector off, gc.collect() every
-    # gc_interval steps on every rank at once; 0 leaves automatic collection on.
-    gc_interval: int = checked(0, non_negative)
+    activations_checkpoint_granularity: str | None = setting(
+        None,
+        one_of(RECOMPUTE_GRANULARITIES),
+        target="TransformerConfig.recompute_granularity",
+        aliases=("recompute_granularity",),
+        group="recomputation",
+        doc=(
+            "`recompute_granularity`: null keeps every activation; `selective` recomputes the "
+            "core attention (softmax, dropout, attention x V) of every layer, megatron's default "
+            "`recompute_modules: [core_attn]`, a small cost that saves the "
+            "sequence-length-squared activations; `full` recomputes whole layers, chosen by the "
+            "next two keys"
+        ),
+    )
+    activations_checkpoint_method: str | None = setting(
+        None,
+        one_of(RECOMPUTE_METHODS),
+        target="TransformerConfig.recompute_method",
+        aliases=("recompute_method",),
+        group="recomputation",
+        doc=(
+            "`recompute_method`, `full` only: `uniform` splits each pipeline stage's layers into "
+            "groups of `num_layers` and keeps only each group's input; `block` recomputes the "
+            "first `num_layers` layers of each stage (or virtual chunk) and keeps the rest"
+        ),
+    )
+    activations_checkpoint_num_layers: int | None = setting(
+        None,
+        positive,
+        target="TransformerConfig.recompute_num_layers",
+        aliases=("recompute_num_layers",),
+        group="recomputation",
+        doc="`recompute_num_layers`, `full` only: 1 .. layers per pipeline stage",
+    )
+    gc_interval: int = setting(
+        0,
+        non_negative,
+        group="operations",
+        doc=(
+            "Megatron-LM's manual garbage collection (`--manual-gc --manual-gc-interval`): with N"
+            " > 0 Python's automatic collector is off for the run and every rank runs "
+            "`gc.collect()` after every N-th step (step numbers, so a resumed run keeps the "
+            "grid), so that no rank stalls the others at a collective by collecting on its own; 0"
+            " leaves Python's automatic collection on"
+        ),
+    )
     nsys_profile: NsysProfileConfig = field(default_factory=NsysProfileConfig)
-    # Checkpoint I/O spread over the data-parallel ranks (megatron-core's fully parallel
-    # save / load strategy wrappers): which rank writes or reads a replicated shard, not
-    # what the checkpoint holds.
-    dist_ckpt_parallel_save: bool = False
-    dist_ckpt_parallel_load: bool = False
-    # megatron-core's timers (pipeline schedule, communication, gradient sync, optimizer),
-    # reported every megatron_timer_kwargs.log_every_n_steps steps.
-    enable_megatron_timers: bool = False
+    dist_ckpt_parallel_save: bool = setting(
+        False,
+        target="dist_checkpointing.FullyParallelSaveStrategyWrapper",
+        group="operations",
+        doc=(
+            "megatron-core's `FullyParallelSaveStrategyWrapper` over the data-parallel group "
+            "(Megatron-LM's `--ckpt-fully-parallel-save`): the shards every data-parallel rank "
+            "holds a copy of (weights; optimizer state without the distributed optimizer) are "
+            "written by all of them, each a share, instead of all by the first; the checkpoint "
+            "holds the same tensors and loads at any layout"
+        ),
+    )
+    dist_ckpt_parallel_load: bool = setting(
+        False,
+        target="dist_checkpointing.FullyParallelLoadStrategyWrapper",
+        group="operations",
+        doc=(
+            "megatron-core's `FullyParallelLoadStrategyWrapper` over the data-parallel group "
+            "(Megatron-LM's `--ckpt-fully-parallel-load`): each data-parallel rank reads a share "
+            "of the replicated shards and they exchange the rest (more communication, less "
+            "storage traffic); the loaded state is the same"
+        ),
+    )
+    enable_megatron_timers: bool = setting(
+        False,
+        target="timers.Timers",
+        group="operations",
+        doc=(
+            "megatron-core's own timers (`megatron.core.timers.Timers` at log level 2, as NeMo "
+            "builds them, set as the model config's and optimizer config's `timers`): the "
+            "pipeline schedule (`forward-backward`, `forward-compute`, `backward-compute`), "
+            "pipeline send and receive (`forward-recv`, `backward-send`, "
+            "`forward-send-backward-recv`, ...), `finalize_model_grads` (`all-grads-sync`, "
+            "`embedding-grads-all-reduce`, ...), the optimizer (`optimizer-inner-step`, "
+            "`optimizer-clip-main-grad`, ...; `params-all-gather` with the distributed "
+            "optimizer), and Megatron-LM's `optimizer` (the whole `optimizer.step()`) and "
+            "`batch-generator` (reading the step's micro-batches). Validation is not timed. "
+            "megatron-core's `barrier_with_L1_time` stays at its default (true): the level-1 "
+            "timers start with a barrier across ranks, as in Megatron-LM"
+        ),
+    )
     megatron_timer_kwargs: MegatronTimerKwargs = field(default_factory=MegatronTimerKwargs)
 
-    # LayerNorm Scaling.
-    norm_scaling: str = checked("lns", one_of(NORM_SCALING_CHOICES))
-    # normal | scaled | depth_scaled (std/sqrt(2l) in layer l) | null (normal with LNS)
-    output_layer_init: str | None = checked(None, one_of(OUTPUT_LAYER_INITS))
-    # The LNS paper's baselines (docs/variants.md): pre_ln | post_ln | deepnorm | mix_ln |
-    # layerscale | skipinit. norm_scaling=lns only with pre_ln, layerscale, skipinit.
-    layer_variant: str = checked("pre_ln", one_of(LAYER_VARIANTS))
-    mix_ln_post_fraction: float = checked(0.25, probability)  # Mix-LN: Post-LN layers' share
-    layerscale_init: float = checked(1e-3, positive)  # LayerScale: initial per-channel scale
+    norm_scaling: str = setting(
+        "lns",
+        one_of(NORM_SCALING_CHOICES),
+        target="layer_spec.norm_scaling",
+        group="lns",
+        doc=(
+            "`lns`: both pre-norms of block `l` scaled by `1/sqrt(l)`; `none`: plain Pre-LN (same"
+            " parameters and checkpoint keys)"
+        ),
+    )
+    output_layer_init: str | None = setting(
+        None,
+        one_of(OUTPUT_LAYER_INITS),
+        target="TransformerConfig.output_layer_init_method",
+        translate=to("output_layer_init"),
+        group="lns",
+        doc=(
+            "(NeMo: `use_scaled_init_method`) init of the residual output projections "
+            "(`linear_proj`, `linear_fc2`): `normal` = N(0, init_method_std) (the paper's advice "
+            "with LNS), `scaled` = megatron's N(0, std/sqrt(2L)), `depth_scaled` = N(0, "
+            "std/sqrt(2l)) in layer l (local backend); null = `normal` with LNS, `scaled` without"
+        ),
+    )
+    layer_variant: str = setting(
+        "pre_ln",
+        one_of(LAYER_VARIANTS),
+        target="layer_spec.layer_variant",
+        group="lns",
+        doc=(
+            "the paper's baselines ([variants.md](variants.md)): `pre_ln`, `post_ln` (`LN(h + "
+            "f(h))`), `deepnorm` (`LN(alpha*h + f(h))`, DeepNet's alpha and beta from "
+            "`num_layers`), `mix_ln` (Post-LN in the first `mix_ln_post_fraction` of layers, "
+            "Pre-LN after), `layerscale` (per-channel learnable branch scale), `skipinit` (scalar"
+            " branch gate from 0). `norm_scaling: lns` only with `pre_ln`, `layerscale`, "
+            "`skipinit`; other than `pre_ln` needs `transformer_engine: false`"
+        ),
+    )
+    mix_ln_post_fraction: float = setting(
+        0.25,
+        probability,
+        target="layer_spec.mix_ln_post_fraction",
+        group="lns",
+        doc="Mix-LN: layers `l <= floor(fraction * num_layers)` are Post-LN; in [0, 1]",
+    )
+    layerscale_init: float = setting(
+        1e-3,
+        positive,
+        target="layer_spec.layerscale_init",
+        group="lns",
+        doc="LayerScale: initial value of every channel's branch scale; > 0",
+    )
 
-    # Performance and memory (docs/configuration.md#model-performance-and-memory). Fusion
-    # and overlap switches left null are on where megatron-core and the installed kernels
-    # run them (CUDA) and off on CPU (fast_paths.py).
-    context_parallel_size: int = checked(1, positive)
-    bias_activation_fusion: bool | None = None
-    bias_dropout_add_fusion: bool | None = None
-    masked_softmax_fusion: bool | None = None
-    apply_rope_fusion: bool | None = None
-    gradient_accumulation_fusion: bool | None = None
-    cross_entropy_loss_fusion: bool | None = None
-    use_flash_attention: bool | None = None  # TE's attention_backend: flash | fused | auto
-    overlap_p2p_comm: bool = False  # interleaved pipeline only
-    batch_p2p_comm: bool | None = None  # null: batched on NCCL, unbatched on gloo
-    fp32_residual_connection: bool = False
-    # NCCL SHARP: data-parallel reductions in the InfiniBand switches (megatron's use_sharp).
-    sharp: bool = False
-    # Tensor-parallel all-gather / reduce-scatter overlapped with the GEMMs through Transformer
-    # Engine's userbuffers (megatron's tp_comm_overlap); needs sequence parallelism.
-    ub_tp_comm_overlap: bool = False
-    # Userbuffers settings per GEMM (qkv_fprop, fc2_dgrad, ...): a YAML file or the mapping
-    # itself; null: Transformer Engine's defaults.
-    ub_tp_comm_overlap_cfg: Any = field(default=None, metadata={FREE_FORM: True})
-    ub_tp_comm_bootstrap_backend: str = checked("nccl", one_of(UB_BOOTSTRAP_BACKENDS))
-    # Transformer Engine moves the activations of the first cpu_offloading_num_layers layers
-    # to CPU memory after their forward and back before their backward (megatron's
-    # cpu_offloading*); null: every layer but the last (NeMo's default).
-    cpu_offloading: bool = False
-    cpu_offloading_num_layers: int | None = checked(None, non_negative)
-    cpu_offloading_activations: bool = True
-    cpu_offloading_weights: bool = False
-    apply_query_key_layer_scaling: bool = False
-    do_layer_norm_weight_decay: bool = False  # true: weight decay on norms and biases too
-    # fp16 dynamic loss scaling (megatron's OptimizerConfig).
-    native_amp_init_scale: float = checked(2.0**32, positive)  # initial_loss_scale
-    native_amp_growth_interval: int = checked(1000, positive)  # loss_scale_window
-    hysteresis: int = checked(2, positive)
+    context_parallel_size: int = setting(
+        1,
+        positive,
+        target="ParallelLayout.context",
+        group="parallelism",
+        doc=(
+            "`context_parallel_size` of `parallel_state` and `TransformerConfig`: each sequence "
+            "is split into 2 x CP chunks and every rank of a CP group keeps two of them "
+            "(megatron-core's load-balanced `get_batch_on_this_cp_rank`); attention exchanges "
+            "keys and values in Transformer Engine's ring. Needs `model.transformer_engine: "
+            "true`, a sequence length divisible by 2 x CP, and a world size divisible by TP x PP "
+            "x CP (DP = world / (TP x PP x CP)); gradients are reduced, and the distributed "
+            "optimizer sharded, over DP x CP. Not run on CPU (TE needs CUDA): the checks and the "
+            "resolved configs are tested"
+        ),
+    )
+    bias_activation_fusion: bool | None = setting(
+        None,
+        target="TransformerConfig.bias_activation_fusion",
+        policy="machine",
+        training_only=True,
+        group="performance",
+        doc=(
+            "`TransformerConfig.bias_activation_fusion`: the MLP's bias + activation "
+            "(SwiGLU/GELU) as one TorchScript-fused function. Runs on CPU and CUDA; refused with "
+            "`activation: gelu` and no bias (megatron-core fuses the bias into GELU). null: on "
+            "with CUDA"
+        ),
+    )
+    bias_dropout_add_fusion: bool | None = setting(
+        None,
+        target="TransformerConfig.bias_dropout_fusion",
+        policy="machine",
+        training_only=True,
+        group="performance",
+        doc=(
+            "`bias_dropout_fusion`: bias + dropout + residual add fused (TorchScript). null: on "
+            "with CUDA"
+        ),
+    )
+    masked_softmax_fusion: bool | None = setting(
+        None,
+        target="TransformerConfig.masked_softmax_fusion",
+        policy="machine",
+        training_only=True,
+        group="performance",
+        doc=(
+            "`masked_softmax_fusion`: the local backend's `FusedScaleMaskSoftmax` uses Apex's "
+            "`scaled_*_masked_softmax_cuda` kernels for half-precision CUDA inputs (it fails with"
+            " an ImportError without them, so asking without them is refused). Transformer "
+            "Engine's attention fuses its own softmax and does not read it. null: on with the "
+            "local backend where the kernels are installed"
+        ),
+    )
+    apply_rope_fusion: bool | None = setting(
+        None,
+        target="TransformerConfig.apply_rope_fusion",
+        policy="machine",
+        training_only=True,
+        group="performance",
+        doc=(
+            "`apply_rope_fusion`: Transformer Engine's fused RoPE kernel (megatron-core refuses "
+            "it without TE; needs `position_embedding_type: rope`). null: on with "
+            "`transformer_engine: true` on CUDA"
+        ),
+    )
+    gradient_accumulation_fusion: bool | None = setting(
+        None,
+        target="TransformerConfig.gradient_accumulation_fusion",
+        policy="machine",
+        training_only=True,
+        group="performance",
+        doc=(
+            "`gradient_accumulation_fusion`: weight-gradient GEMMs accumulate straight into "
+            "megatron DDP's fp32 `main_grad` buffer. Needs Apex's "
+            "`fused_weight_gradient_mlp_cuda` on either backend (megatron-core's output layer is "
+            "a `ColumnParallelLinear` that calls it). null: on where that kernel is installed"
+        ),
+    )
+    cross_entropy_loss_fusion: bool | None = setting(
+        None,
+        target="TransformerConfig.cross_entropy_loss_fusion",
+        policy="machine",
+        training_only=True,
+        group="performance",
+        doc=(
+            "`cross_entropy_loss_fusion` with megatron-core's `native` implementation "
+            "(TorchScript; the `te` one has known stability issues). null: on with CUDA"
+        ),
+    )
+    use_flash_attention: bool | None = setting(
+        None,
+        target="TransformerConfig.attention_backend",
+        policy="machine",
+        training_only=True,
+        group="performance",
+        doc=(
+            "`TransformerConfig.attention_backend` of the TE spec: true `flash` (FlashAttention),"
+            " false `fused` (cuDNN fused attention, no FlashAttention: NeMo's false), null `auto`"
+            " (TE picks per GPU and shape). True needs `transformer_engine: true` (the local "
+            "backend's attention is megatron-core's unfused `DotProductAttention`)"
+        ),
+    )
+    overlap_p2p_comm: bool = setting(
+        False,
+        target="TransformerConfig.overlap_p2p_comm",
+        group="performance",
+        doc=(
+            "`overlap_p2p_comm`: pipeline send/receive overlap compute; megatron-core does it in "
+            "the interleaved schedule only, so it needs `virtual_pipeline_model_parallel_size`"
+        ),
+    )
+    batch_p2p_comm: bool | None = setting(
+        None,
+        target="TransformerConfig.batch_p2p_comm",
+        policy="machine",
+        training_only=True,
+        group="performance",
+        doc=(
+            "`batch_p2p_comm`: send/receive batched with `batch_isend_irecv`. Cannot be on with "
+            "`overlap_p2p_comm`. On gloo (CPU) with a pipeline it is refused: gloo matches "
+            "batched sends and receives between the same two ranks FIFO and can swap activations "
+            "with gradients (silently wrong loss). null: on, except on gloo or with "
+            "`overlap_p2p_comm`"
+        ),
+    )
+    fp32_residual_connection: bool = setting(
+        False,
+        target="TransformerConfig.fp32_residual_connection",
+        group="performance",
+        doc=(
+            "`fp32_residual_connection`: the residual stream in fp32 (megatron-core then sends "
+            "fp32 between pipeline stages)"
+        ),
+    )
+    sharp: bool = setting(
+        False,
+        target="ParallelLayout.sharp",
+        group="performance",
+        doc=(
+            "`initialize_model_parallel(use_sharp=True)`: megatron-core creates the data-parallel"
+            " NCCL communicator first with `NCCL_COLLNET_ENABLE=1`, so its reductions run in the "
+            "InfiniBand switches (SHARP). Needs NCCL on CUDA GPUs (refused at launch on gloo) and"
+            ' a fabric with SHARP (on SLURM often `cluster.sbatch_args: ["--network=sharp"]`); '
+            "NCCL falls back to ordinary collectives where the switch has no SHARP groups left"
+        ),
+    )
+    ub_tp_comm_overlap: bool = setting(
+        False,
+        target="TransformerConfig.tp_comm_overlap",
+        translate=to("tp_comm_overlap"),
+        training_only=True,
+        group="performance",
+        doc=(
+            "`TransformerConfig.tp_comm_overlap`: Transformer Engine's linears overlap the "
+            "sequence-parallel all-gather and reduce-scatter with their GEMMs through "
+            "userbuffers, which the trainer allocates before building the model (TE's "
+            "`initialize_ub`, shape (encoder_seq_length x micro_batch_size / "
+            "context_parallel_size, hidden_size), FP8 buffers with `model.fp8`), as Megatron-LM's"
+            " `_initialize_tp_communicators` does. Needs `transformer_engine: true` and "
+            "`sequence_parallel: true` (so TP > 1). Checked against a stand-in with TE 2.8-2.18's"
+            " `initialize_ub` signature; not run on a GPU yet"
+        ),
+    )
+    ub_tp_comm_overlap_cfg: Any = setting(
+        None,
+        free_form=True,
+        group="performance",
+        doc=(
+            "TE's `ub_cfgs`: per-GEMM userbuffer settings (`method`, `num_sm`, `cga_size`, "
+            "`num_splits`, `set_sm_margin`, `aggregate`, `atomic_gemm`, `fp8_buf`, ...) keyed by "
+            "GEMM (`qkv_fprop`, `qkv_dgrad`, `qkv_wgrad`, `proj_fprop`, `proj_dgrad`, "
+            "`proj_wgrad`, `fc1_fprop`, `fc1_dgrad`, `fc1_wgrad`, `fc2_fprop`, `fc2_dgrad`, "
+            "`fc2_wgrad`), as the path of a YAML file (NeMo's `ub_cfg_*.yaml`) or the mapping "
+            "itself. null: TE's defaults. GEMM names TE does not know are refused (TE would skip "
+            "them silently); NeMo's Hydra group `tp_overlap@model.ub_tp_comm_overlap_cfg` is not "
+            "composed, give the file's path instead"
+        ),
+    )
+    ub_tp_comm_bootstrap_backend: str = setting(
+        "nccl",
+        one_of(UB_BOOTSTRAP_BACKENDS),
+        target="TransformerConfig.tp_comm_bootstrap_backend",
+        translate=to("tp_comm_bootstrap_backend"),
+        training_only=True,
+        group="performance",
+        doc=(
+            "`tp_comm_bootstrap_backend`: the collectives (`nccl`, `mpi` or `gloo`) TE uses to "
+            "set userbuffers up"
+        ),
+    )
+    cpu_offloading: bool = setting(
+        False,
+        target="TransformerConfig.cpu_offloading",
+        training_only=True,
+        group="performance",
+        doc=(
+            "`TransformerConfig.cpu_offloading`: Transformer Engine's offload context moves the "
+            "activations saved for backward of the first `cpu_offloading_num_layers` layers to "
+            "CPU memory during forward and back before their backward, overlapped with compute. "
+            "Needs `transformer_engine: true`; megatron-core refuses it with pipeline parallelism"
+            " and with recomputation, and so does validation (by key). `tests/gpu/test_gpu.py` "
+            "checks that it leaves loss and gradients unchanged (needs a GPU with TE; not run "
+            "yet)"
+        ),
+    )
+    cpu_offloading_num_layers: int | None = setting(
+        None,
+        non_negative,
+        target="TransformerConfig.cpu_offloading_num_layers",
+        translate=_cpu_offloading_num_layers,
+        training_only=True,
+        group="performance",
+        doc=(
+            "`cpu_offloading_num_layers`, 1 to `num_layers - 1` (the last layer's activations are"
+            " used at once). null: `num_layers - 1`, NeMo's `${sum:${.num_layers},-1}` (the `sum`"
+            " resolver is registered)"
+        ),
+    )
+    cpu_offloading_activations: bool = setting(
+        True,
+        target="TransformerConfig.cpu_offloading_activations",
+        training_only=True,
+        group="performance",
+        doc="`cpu_offloading_activations`; false offloads nothing and is refused",
+    )
+    cpu_offloading_weights: bool = setting(
+        False,
+        target="TransformerConfig.cpu_offloading_weights",
+        training_only=True,
+        group="performance",
+        doc=(
+            "`cpu_offloading_weights`: true is refused. Transformer Engine deprecated weight "
+            "offloading in 2.3 and ignores the flag with a warning (megatron-lns needs TE >= "
+            "2.8). NeMo's YAML sets it true: set it to false together with `cpu_offloading: true`"
+        ),
+    )
+    apply_query_key_layer_scaling: bool = setting(
+        False,
+        target="TransformerConfig.apply_query_key_layer_scaling",
+        group="performance",
+        doc=(
+            "`apply_query_key_layer_scaling`: attention scores divided by the layer number before"
+            " the (then fp32) softmax and multiplied back, for fp16 range"
+        ),
+    )
+    do_layer_norm_weight_decay: bool = setting(
+        False,
+        target="get_megatron_optimizer.config_overrides",
+        translate=to("decay_norms_and_biases"),
+        group="performance",
+        doc=(
+            "weight decay on every parameter. false is megatron's standard `config_overrides`, "
+            "which exempts biases and 1-D tensors (norm weights); true passes none "
+            "(`get_megatron_optimizer(config_overrides={})`)"
+        ),
+    )
+    native_amp_init_scale: float = setting(
+        2.0**32,
+        positive,
+        target="OptimizerConfig.initial_loss_scale",
+        group="performance",
+        doc="`OptimizerConfig.initial_loss_scale` of fp16 dynamic loss scaling",
+    )
+    native_amp_growth_interval: int = setting(
+        1000,
+        positive,
+        target="OptimizerConfig.loss_scale_window",
+        group="performance",
+        doc="`OptimizerConfig.loss_scale_window`: overflow-free steps before the scale doubles",
+    )
+    hysteresis: int = setting(
+        2,
+        positive,
+        target="OptimizerConfig.hysteresis",
+        group="performance",
+        doc="`OptimizerConfig.hysteresis`: overflows tolerated before the scale halves",
+    )
 
-    # Transformer Engine and FP8 (GPU only).
-    transformer_engine: bool = False
-    # null | delayed | tensorwise | blockwise | mxfp8 (NeMo's boolean: false = null)
-    fp8: str | None = checked(None, one_of(FP8_RECIPES))
-    # hybrid (E4M3 forward, E5M2 gradients) | e4m3; null: hybrid (NeMo: fp8_hybrid/fp8_e4m3)
-    fp8_format: str | None = checked(None, one_of(FP8_FORMATS))
-    fp8_param: bool = False  # keep weights in FP8 too (else bf16 weights, fp32 main copy)
-    fp8_margin: int = checked(0, non_negative)
-    fp8_amax_history_len: int = checked(1024, positive)
-    fp8_amax_compute_algo: str = checked("max", one_of(FP8_AMAX_COMPUTE_ALGOS))
+    transformer_engine: bool = setting(
+        False,
+        target="layer_spec.backend",
+        translate=_backend,
+        group="transformer_engine",
+        doc="Transformer Engine layer spec (fused norm + linear; LNS folded into the fused norm)",
+    )
+    fp8: str | None = setting(
+        None,
+        one_of(FP8_RECIPES),
+        target="TransformerConfig.fp8_recipe",
+        translate=to("fp8"),
+        group="transformer_engine",
+        doc=(
+            "NeMo's `false` = null; `TransformerConfig.fp8_recipe` (needs `transformer_engine` "
+            "and `trainer.precision: bf16-mixed`): `delayed` (amax history, compute capability >="
+            " 8.9), `tensorwise` (current scaling, >= 8.9), `blockwise` (>= 9.0), `mxfp8` "
+            "(Blackwell, >= 10.0); checked against the GPU at launch"
+        ),
+    )
+    fp8_format: str | None = setting(
+        None,
+        one_of(FP8_FORMATS),
+        target="TransformerConfig.fp8",
+        translate=_fp8_format,
+        null_means="`hybrid`",
+        group="transformer_engine",
+        doc=(
+            "`TransformerConfig.fp8`: `hybrid` (E4M3 forward, E5M2 gradients) or `e4m3`. NeMo's "
+            "`fp8_e4m3: true` sets `e4m3` (and contradicts an explicit `hybrid`); NeMo's "
+            "`fp8_hybrid` is accepted either way (true is the default; as in NeMo, `fp8_e4m3` "
+            "wins when both are true)"
+        ),
+    )
+    fp8_param: bool = setting(
+        False,
+        target="TransformerConfig.fp8_param",
+        group="transformer_engine",
+        doc=(
+            "`fp8_param`: keep the weights themselves in FP8; false keeps bf16 weights with fp32 "
+            "main weights in the optimizer"
+        ),
+    )
+    fp8_margin: int = setting(
+        0,
+        non_negative,
+        target="TransformerConfig.fp8_margin",
+        group="transformer_engine",
+        doc="`TransformerConfig.fp8_margin`",
+    )
+    fp8_amax_history_len: int = setting(
+        1024,
+        positive,
+        target="TransformerConfig.fp8_amax_history_len",
+        group="transformer_engine",
+        doc="`fp8_amax_history_len` (delayed scaling)",
+    )
+    fp8_amax_compute_algo: str = setting(
+        "max",
+        one_of(FP8_AMAX_COMPUTE_ALGOS),
+        target="TransformerConfig.fp8_amax_compute_algo",
+        group="transformer_engine",
+        doc="`fp8_amax_compute_algo` (`max` or `most_recent`)",
+    )
 
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -324,34 +1275,76 @@ class ClusterConfig:
     (one task per GPU). docs/cluster.md says how each key reaches the sbatch script.
     """
 
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    # SLURM time as a quoted string: "1-12:00:00", "04:00:00", "90" (minutes). Typed Any
-    # so that YAML's base-60 reading of an unquoted 4:00:00 (= 14400) is caught, not sent.
-    time_limit: Any = None
-    exclusive: bool = False
-    # null: trainer.devices with accelerator=gpu, else none
-    gpus_per_node: int | None = checked(None, non_negative)
-    cpus_per_task: int | None = checked(None, positive)
-    mem: str | None = None  # e.g. "0" (all of the node's memory), "200G"
-    job_name_prefix: str = "megatron_lns-"  # job name: prefix + top-level `name`
-    container_image: str | None = None  # pyxis/enroot: srun --container-image
-    container_mounts: list[str] = field(default_factory=list)  # "src:dst[:flags]"
-    env_vars: dict[str, str] = field(default_factory=dict)  # exported before srun (NCCL, ...)
-    srun_args: list[str] = field(default_factory=list)  # one argument per item
-    sbatch_args: list[str] = field(default_factory=list)  # one "#SBATCH" option per item
-    dependency: str | None = None  # sbatch --dependency, e.g. "singleton", "afterok:123"
-    # SLURM sends SIGUSR1 this long before the time limit; it must cover one training
-    # step plus one checkpoint save. The job then saves, stops and requeues itself.
-    preemption_signal_lead_s: int = checked(300, signal_lead_seconds)
-    # Self-requeues after a preemption warning (SLURM_RESTART_COUNT).
-    max_requeues: int = checked(5, non_negative)
+    partition: str | None = setting(None, doc="`#SBATCH --partition` (null: the cluster's default)")
+    account: str | None = setting(None, doc="`#SBATCH --account`")
+    qos: str | None = setting(None, doc="`#SBATCH --qos`")
+    time_limit: Any = setting(
+        None,
+        doc=(
+            '`#SBATCH --time`, a quoted SLURM time (`"04:00:00"`, `"1-12:00:00"`, `"90"` '
+            "minutes); unquoted `4:00:00` is refused (YAML reads it as 14400)"
+        ),
+    )
+    exclusive: bool = setting(False, doc="`#SBATCH --exclusive`")
+    gpus_per_node: int | None = setting(
+        None,
+        non_negative,
+        doc=(
+            "`#SBATCH --gpus-per-node`; null: `trainer.devices` with `trainer.accelerator=gpu`, "
+            "none otherwise; must equal `trainer.devices` (or be 0)"
+        ),
+    )
+    cpus_per_task: int | None = setting(None, positive, doc="`--cpus-per-task` for sbatch and srun")
+    mem: str | None = setting(None, doc='`#SBATCH --mem` (`"0"`: all of a node\'s memory)')
+    job_name_prefix: str = setting(
+        "megatron_lns-", doc="job name = prefix + top-level `name`; names the log files"
+    )
+    container_image: str | None = setting(
+        None,
+        doc=(
+            "pyxis/enroot image for `srun --container-image`; tasks run `python -m "
+            "megatron_lns.launch.task` in it"
+        ),
+    )
+    container_mounts: list[str] = setting(
+        default_factory=list,
+        doc=(
+            "`srun --container-mounts`, one `src:dst[:flags]` per item; the experiment directory "
+            "must be mounted at its own path"
+        ),
+    )
+    env_vars: dict[str, str] = setting(
+        default_factory=dict,
+        doc=(
+            "exported before `srun` (NCCL, network); not the rank variables, which come from SLURM"
+        ),
+    )
+    srun_args: list[str] = setting(default_factory=list, doc="extra `srun` options, one per item")
+    sbatch_args: list[str] = setting(
+        default_factory=list,
+        doc="extra `#SBATCH` options, one per item (`--constraint=h100`, `--hold`, ...)",
+    )
+    dependency: str | None = setting(
+        None, doc="`#SBATCH --dependency` (`singleton`, `afterok:123`)"
+    )
+    preemption_signal_lead_s: int = setting(
+        300,
+        signal_lead_seconds,
+        doc=(
+            "`#SBATCH --signal=B:USR1@N`: SLURM warns the job N seconds before the time limit; "
+            "must cover one step and one checkpoint save"
+        ),
+    )
+    max_requeues: int = setting(
+        5,
+        non_negative,
+        doc="how often the job may requeue itself after that warning (`SLURM_RESTART_COUNT`)",
+    )
 
 
 @dataclass
 class ExperimentConfig:
-    name: str = "megatron_gpt"
+    name: str = setting("megatron_gpt", doc="a label for the run (plots, logs)")
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     exp_manager: ExpManagerConfig = field(default_factory=ExpManagerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

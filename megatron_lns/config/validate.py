@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_lns import layout
+from megatron_lns.choices import lns_variant_conflict, warmup_fits
 from megatron_lns.config.cluster import validate_cluster
 from megatron_lns.config.loader import ConfigError
 from megatron_lns.config.paths import check_writable_paths
@@ -18,13 +20,11 @@ from megatron_lns.config.performance import (
     check_performance_keys,
     resolved_fast_paths,
 )
-from megatron_lns.config.rules import value_errors
 from megatron_lns.config.schema import PRECISIONS, SCHEDULES, ExperimentConfig
+from megatron_lns.config.settings import value_errors
 from megatron_lns.data.blend import DataBlend, DataBlendError
 from megatron_lns.fast_paths import MachineFacts
-from megatron_lns.optim import warmup_fits
-from megatron_lns.runtime import ParallelLayout
-from megatron_lns.variants import PRE_NORM_VARIANTS
+from megatron_lns.layout import ParallelLayout, micro_batches_per_step
 
 # Minimum CUDA compute capability per FP8 recipe (Ada/Hopper for FP8, Blackwell for MXFP8).
 FP8_MIN_CAPABILITY = {
@@ -102,12 +102,9 @@ def validate(
             f"model.max_position_embeddings ({m.max_position_embeddings}) is smaller than "
             f"model.encoder_seq_length ({m.encoder_seq_length})"
         )
-    if m.norm_scaling == "lns" and m.layer_variant not in PRE_NORM_VARIANTS:
-        raise ConfigError(
-            f"model.norm_scaling=lns scales pre-norm outputs and model.layer_variant="
-            f"{m.layer_variant} has post-norm layers: set model.norm_scaling=none or choose one "
-            f"of {', '.join(PRE_NORM_VARIANTS)}"
-        )
+    conflict = lns_variant_conflict(m.norm_scaling, m.layer_variant, key_prefix="model.")
+    if conflict:
+        raise ConfigError(conflict)
     if m.transformer_engine and m.layer_variant != "pre_ln":
         raise ConfigError(
             f"model.layer_variant={m.layer_variant} needs model.transformer_engine=false: "
@@ -128,7 +125,7 @@ def validate(
                 "run inside bf16 mixed precision"
             )
 
-    world = world_size if world_size is not None else t.num_nodes * t.devices
+    world = world_size if world_size is not None else layout.world_size(t.num_nodes, t.devices)
     cp = m.context_parallel_size
     try:
         dp = ParallelLayout(tensor=tp, pipeline=pp, context=cp).data_parallel(world)
@@ -137,12 +134,13 @@ def validate(
             f"world size {world} (trainer.num_nodes x trainer.devices) is not divisible by "
             f"tensor x pipeline x context parallel size ({tp} x {pp} x {cp})"
         ) from None
-    if m.global_batch_size % (m.micro_batch_size * dp):
+    try:
+        microbatches = micro_batches_per_step(m.global_batch_size, m.micro_batch_size, dp)
+    except ValueError:
         raise ConfigError(
             f"model.global_batch_size ({m.global_batch_size}) is not divisible by "
             f"model.micro_batch_size x data-parallel size ({m.micro_batch_size} x {dp})"
-        )
-    microbatches = m.global_batch_size // (m.micro_batch_size * dp)
+        ) from None
     if m.rampup_batch_size is not None:
         _check_rampup(m, dp)
     elif vp is not None and microbatches % pp:

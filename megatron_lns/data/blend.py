@@ -14,11 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed as dist
-
 from megatron_lns.data.demo_corpus import demo_documents
 from megatron_lns.data.errors import DataError
-from megatron_lns.data.preprocess import preprocess
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_CORPORA: dict[str, Callable[[], list[str]]] = {"pydoc": demo_documents}
@@ -49,6 +46,9 @@ def builtin_dataset_prefix(
     # place last: processes preparing at once each publish a complete (and identical)
     # dataset, and an interrupted preparation leaves nothing that looks prepared.
     if not all(Path(f"{prefix}{suffix}").is_file() for suffix in (".bin", ".idx", ".json")):
+        # Imported here: the config layer parses blends without importing torch.
+        from megatron_lns.data.preprocess import preprocess
+
         preprocess(BUILTIN_CORPORA[name](), prefix, library, tokenizer_type, tokenizer_model)
     return prefix
 
@@ -111,6 +111,8 @@ class DataBlend:
 
 def _prepare_on_rank_zero(prepare: Callable[..., object], *args: object) -> None:
     """Run ``prepare(*args)`` on rank 0 only; the other ranks learn whether it succeeded."""
+    import torch.distributed as dist
+
     if not dist.is_initialized():
         prepare(*args)
         return

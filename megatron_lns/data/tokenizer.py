@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from megatron_lns.choices import TOKENIZER_LIBRARIES
 from megatron_lns.data.errors import DataError
-
-TOKENIZER_LIBRARIES = ("byte", "huggingface", "sentencepiece")
 
 
 class TokenizerError(DataError):

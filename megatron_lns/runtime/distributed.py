@@ -10,39 +10,15 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
+from megatron_lns.layout import ParallelLayout
 from megatron_lns.runtime.cpu import install_cpu_compat
 
 Device = Literal["auto", "cpu", "cuda"]
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """Model-parallel sizes; data parallel is whatever the world size leaves
-    (world = tensor x pipeline x context x data, megatron's rank order)."""
-
-    tensor: int = 1
-    pipeline: int = 1
-    virtual_pipeline: int | None = None
-    sequence_parallel: bool = False
-    context: int = 1
-    # NCCL SHARP for the data-parallel collectives (megatron's use_sharp; NCCL only).
-    sharp: bool = False
-
-    def data_parallel(self, world_size: int) -> int:
-        model_parallel = self.tensor * self.pipeline * self.context
-        if world_size % model_parallel:
-            raise ValueError(
-                f"world size {world_size} is not divisible by tensor_model_parallel_size "
-                f"({self.tensor}) x pipeline_model_parallel_size ({self.pipeline}) x "
-                f"context_parallel_size ({self.context})"
-            )
-        return world_size // model_parallel
 
 
 def resolve_device(device: Device = "auto") -> torch.device:

@@ -1,0 +1,53 @@
+"""The vocabularies of the model's settings, and the rules that relate them.
+
+The components (``scaling.py``, ``variants.py``, ``model.py``, ``data/tokenizer.py``) type
+their arguments with these literals, and the config layer checks YAML values against the
+same tuples. This module imports nothing, so loading and validating a config does not
+import torch or megatron-core.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+NormScaling = Literal["lns", "none"]
+LayerVariant = Literal["pre_ln", "post_ln", "deepnorm", "mix_ln", "layerscale", "skipinit"]
+Activation = Literal["swiglu", "gelu"]
+PositionEmbedding = Literal["rope", "learned_absolute"]
+OutputLayerInit = Literal["normal", "scaled", "depth_scaled"]
+RecomputeGranularity = Literal["selective", "full"]
+RecomputeMethod = Literal["uniform", "block"]
+TokenizerLibrary = Literal["byte", "huggingface", "sentencepiece"]
+DecayStyle = Literal["cosine", "linear", "constant", "WSD", "inverse-square-root"]
+
+NORM_SCALING_CHOICES: tuple[str, ...] = get_args(NormScaling)
+LAYER_VARIANTS: tuple[str, ...] = get_args(LayerVariant)
+ACTIVATIONS: tuple[str, ...] = get_args(Activation)
+POSITION_EMBEDDINGS: tuple[str, ...] = get_args(PositionEmbedding)
+OUTPUT_LAYER_INITS: tuple[str, ...] = get_args(OutputLayerInit)
+RECOMPUTE_GRANULARITIES: tuple[str, ...] = get_args(RecomputeGranularity)
+RECOMPUTE_METHODS: tuple[str, ...] = get_args(RecomputeMethod)
+TOKENIZER_LIBRARIES: tuple[str, ...] = get_args(TokenizerLibrary)
+
+# Variants whose every layer normalises the branch input: the only ones LNS applies to.
+PRE_NORM_VARIANTS: tuple[str, ...] = ("pre_ln", "layerscale", "skipinit")
+
+
+def lns_variant_conflict(norm_scaling: str, layer_variant: str, key_prefix: str = "") -> str | None:
+    """Why ``norm_scaling`` and ``layer_variant`` cannot be combined, or None.
+
+    LNS scales the output of pre-norms; a variant with post-norm layers has none to scale.
+    ``key_prefix`` names the keys as the caller's user knows them (``"model."`` for YAML).
+    """
+    if norm_scaling != "lns" or layer_variant in PRE_NORM_VARIANTS:
+        return None
+    return (
+        f"{key_prefix}norm_scaling=lns scales pre-norm outputs and {key_prefix}layer_variant="
+        f"{layer_variant} has post-norm layers: set {key_prefix}norm_scaling=none or choose one "
+        f"of {', '.join(PRE_NORM_VARIANTS)}"
+    )
+
+
+def warmup_fits(warmup_steps: int, decay_steps: int, decay_style: DecayStyle) -> bool:
+    """The schedule rule: a decaying schedule must finish its warmup before decay ends."""
+    return decay_style == "constant" or warmup_steps < decay_steps

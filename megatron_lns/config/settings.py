@@ -1,0 +1,190 @@
+"""One declaration per setting: what a config key means and where it goes.
+
+Every field of the schema (``schema.py``) is declared with :func:`setting`::
+
+    hidden_dropout: float = setting(
+        0.0, probability, target="TransformerConfig.hidden_dropout", group="architecture",
+        doc="dropout after attention and MLP, before the residual add",
+    )
+
+The declaration carries everything the rest of the package derives from it:
+
+* ``check``: the rule the value must meet beyond its type (``rules.value_errors``);
+* ``target``: where the value goes, as ``Class.field``: a megatron-core class
+  (``TransformerConfig``, ``GPTModel``, ``OptimizerConfig``, ``DistributedDataParallelConfig``,
+  ``GPTDatasetConfig``, ...) or megatron-lns's own ``layer_spec`` (the arguments of
+  ``specs.get_lns_block_spec``) and ``ParallelLayout``. For the classes in
+  :data:`MODEL_TARGETS`, :data:`OPTIMIZER_TARGETS` and :data:`DDP_TARGETS` it is also how
+  the value gets there: ``build.py`` hands every declared value to the field it names
+  (:func:`target_values`), so a pass-through setting needs no code beyond its
+  declaration. A value that must be translated names the small function that does it
+  (``translate``), kept next to the declaration. Other targets are read by the code
+  named in the key's doc;
+* ``aliases``: other names accepted for the same key (megatron-core's own), which set it
+  (``nemo_compat.py`` derives their rules from here);
+* ``policy``: ``"fixed"`` (the default is the default) or ``"machine"`` (null is decided per
+  machine by ``fast_paths.resolve_fast_paths``: on where CUDA and the kernels run it);
+* ``training_only``: the value reaches megatron-core only in a training run; a model built
+  to analyse or convert weights computes the same function without it;
+* ``group``, ``doc``, ``null_means``: the key's row in the tables of docs/configuration.md
+  (``config/reference.py`` renders them; a test keeps the committed tables current).
+
+Nothing here imports torch or megatron-core: the config layer stays light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from megatron_lns.config.rules import Check
+
+SETTING = "setting"
+# The targets build.py fills from declarations: the model (GPTModelConfig, whose fields
+# are named as TransformerConfig's and GPTModel's; a TransformerConfig field it lacks is
+# passed on to megatron-core as it is), the optimizer (OptimSettings) and megatron DDP.
+MODEL_TARGETS = ("TransformerConfig", "GPTModel", "layer_spec")
+OPTIMIZER_TARGETS = ("OptimizerConfig", "OptimizerParamScheduler", "get_megatron_optimizer")
+DDP_TARGETS = ("DistributedDataParallelConfig",)
+
+# translate(value, cfg) -> {field: value}, cfg being the whole ExperimentConfig.
+Translate = Callable[[Any, Any], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The declaration of one config key (module doc)."""
+
+    doc: str
+    # The table the key is listed in; None: its section's (``model.optim``, ``cluster``, ...).
+    group: str | None = None
+    check: Check | None = None
+    target: str | None = None
+    translate: Translate | None = None
+    aliases: tuple[str, ...] = ()
+    policy: Literal["fixed", "machine"] = "fixed"
+    training_only: bool = False
+    null_means: str | None = None
+    # The value may be a mapping with keys of its own, checked by the key's own rules.
+    free_form: bool = False
+
+    @property
+    def target_class(self) -> str | None:
+        return self.target.split(".", 1)[0] if self.target else None
+
+    @property
+    def target_field(self) -> str | None:
+        return self.target.split(".", 1)[1] if self.target else None
+
+
+def setting(
+    default: Any = dataclasses.MISSING,
+    check: Check | None = None,
+    *,
+    doc: str,
+    group: str | None = None,
+    target: str | None = None,
+    translate: Translate | None = None,
+    aliases: tuple[str, ...] = (),
+    policy: Literal["fixed", "machine"] = "fixed",
+    training_only: bool = False,
+    null_means: str | None = None,
+    free_form: bool = False,
+    default_factory: Callable[[], Any] | None = None,
+) -> Any:
+    """A schema field with its declaration (module doc)."""
+    if target is not None and "." not in target:
+        raise ValueError(f"target={target!r} must be 'Class.field'")
+    if translate is not None and target is None:
+        raise ValueError("a translated setting names where it goes (target=...)")
+    declared = Setting(
+        doc=doc,
+        group=group,
+        check=check,
+        target=target,
+        translate=translate,
+        aliases=aliases,
+        policy=policy,
+        training_only=training_only,
+        null_means=null_means,
+        free_form=free_form,
+    )
+    kwargs: dict[str, Any] = {"metadata": {SETTING: declared}}
+    if default_factory is not None:
+        kwargs["default_factory"] = default_factory
+    else:
+        kwargs["default"] = default
+    return dataclasses.field(**kwargs)
+
+
+def declaration(f: dataclasses.Field) -> Setting:
+    """The declaration of schema field ``f``."""
+    return f.metadata[SETTING]
+
+
+@dataclass(frozen=True)
+class Declared:
+    """A declared key: its dotted name, default and declaration."""
+
+    key: str
+    name: str
+    default: Any
+    setting: Setting
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def declared_settings(cls: type, prefix: str = "") -> Iterator[Declared]:
+    """Every declared key below the schema dataclass ``cls``, in field order, depth first."""
+    for f in dataclasses.fields(cls):
+        default = _default(f)
+        if dataclasses.is_dataclass(default):
+            yield from declared_settings(type(default), f"{prefix}{f.name}.")
+        else:
+            yield Declared(f"{prefix}{f.name}", f.name, default, declaration(f))
+
+
+def section(cfg: Any, key: str) -> Any:
+    """The dataclass that holds ``key`` (``model.optim.lr`` -> ``cfg.model.optim``)."""
+    node = cfg
+    for part in key.split(".")[:-1]:
+        node = getattr(node, part)
+    return node
+
+
+def target_values(cfg: Any, classes: tuple[str, ...], training: bool) -> dict[str, Any]:
+    """The fields of the target ``classes`` that the declarations of ``cfg`` fill.
+
+    A pass-through key gives its value to the field it names; a translated one gives
+    whatever its function returns. Machine-policy keys are left out (their values come
+    from ``fast_paths``), and so are training-only keys unless ``training``.
+    """
+    values: dict[str, Any] = {}
+    for item in declared_settings(type(cfg)):
+        s = item.setting
+        if s.target_class not in classes:
+            continue
+        if s.policy == "machine" or (s.training_only and not training):
+            continue
+        value = getattr(section(cfg, item.key), item.name)
+        if s.translate is not None:
+            values.update(s.translate(value, cfg))
+        else:
+            values[s.target_field] = value
+    return values
+
+
+def value_errors(cfg: Any) -> Iterator[str]:
+    """Messages for every declared rule ``cfg`` breaks, in field order, depth first."""
+    for item in declared_settings(type(cfg)):
+        check = item.setting.check
+        if check is not None:
+            message = check.error(item.key, getattr(section(cfg, item.key), item.name))
+            if message:
+                yield message
