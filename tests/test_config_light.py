@@ -1,0 +1,56 @@
+"""Loading and checking a config imports neither torch nor megatron-core.
+
+``submit`` (and ``--dry-run``) run on login nodes, where importing torch and megatron-core
+costs seconds of CPU (benchmarks/cli_startup.py measures it). Each case runs in a fresh
+interpreter, since this test process has long imported both.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+OLMO = ROOT / "nemo_configs" / "olmo_7b_lns_20b.yaml"
+NEMO = ROOT / "tests" / "data" / "nemo_megatron_gpt_config.yaml"
+HEAVY = ("torch", "megatron.core", "transformers")
+
+LOAD_AND_VALIDATE = """
+import sys
+from megatron_lns.config import load_config, validate
+cfg = load_config(sys.argv[1], sys.argv[2:])
+validate(cfg, check_files=False)
+print(",".join(m for m in {heavy!r} if m in sys.modules))
+"""
+
+
+def _heavy_modules_imported(code: str, *args: str) -> list[str]:
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    last_line = done.stdout.rstrip("\n").rpartition("\n")[2]
+    return [m for m in last_line.split(",") if m]
+
+
+OLMO_INPUTS = ["model.data.data_prefix=[/data/x]", "model.tokenizer.type=/models/t"]
+
+
+@pytest.mark.parametrize(
+    "config, overrides",
+    [
+        (OLMO, OLMO_INPUTS),
+        (NEMO, ["model.data.data_prefix=[/data/x]", "model.tokenizer.library=byte"]),
+    ],
+    ids=["olmo_7b", "nemo"],
+)
+def test_loading_and_validating_a_config_imports_neither_torch_nor_megatron(config, overrides):
+    code = LOAD_AND_VALIDATE.format(heavy=HEAVY)
+    assert _heavy_modules_imported(code, str(config), *overrides) == []
+
+
+def test_the_probe_sees_a_heavy_import():
+    """The check above can fail: the same probe reports torch once something imports it."""
+    code = "import sys, megatron_lns.model\n" + LOAD_AND_VALIDATE.split("\n", 2)[2]
+    code = code.format(heavy=HEAVY)
+    assert "torch" in _heavy_modules_imported(code, str(OLMO), *OLMO_INPUTS)
