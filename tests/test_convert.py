@@ -13,7 +13,7 @@ from helpers import run_distributed
 from megatron_lns.build import model_config
 from megatron_lns.config import load_config, to_yaml
 from megatron_lns.convert import ConversionError, export_hf, import_hf
-from megatron_lns.convert.mapping import Architecture
+from megatron_lns.convert.architectures import Architecture, architecture_for_model_config
 from megatron_lns.data.tokenizer import ByteTokenizer
 from megatron_lns.model import build_model
 from megatron_lns.runtime import ParallelLayout
@@ -495,9 +495,9 @@ def test_unexportable_settings_name_the_setting(seeded, tmp_path):
     with pytest.raises(
         ConversionError, match=r"model.normalization=layernorm with model.bias=true"
     ):
-        Architecture.from_model_config(run_config(normalization="layernorm", bias=True).model)
+        architecture_for_model_config(run_config(normalization="layernorm", bias=True).model)
     with pytest.raises(ConversionError, match=r"model.layer_variant=skipinit cannot be exported"):
-        Architecture.from_model_config(run_config(layer_variant="skipinit").model)
+        architecture_for_model_config(run_config(layer_variant="skipinit").model)
 
 
 def test_stablelm_refuses_a_head_size_other_than_hidden_over_heads(seeded, tmp_path):
