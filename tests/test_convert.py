@@ -3,7 +3,9 @@ tokenizer ids, and refusal of bad inputs with nothing half-written."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,12 @@ from helpers import run_distributed
 from megatron_lns.build import model_config
 from megatron_lns.config import load_config, to_yaml
 from megatron_lns.convert import ConversionError, export_hf, import_hf
-from megatron_lns.convert.mapping import Architecture
+from megatron_lns.convert.architectures import (
+    ARCHITECTURES,
+    Architecture,
+    architecture_for_hf_config,
+    architecture_for_model_config,
+)
 from megatron_lns.data.tokenizer import ByteTokenizer
 from megatron_lns.model import build_model
 from megatron_lns.runtime import ParallelLayout
@@ -495,9 +502,36 @@ def test_unexportable_settings_name_the_setting(seeded, tmp_path):
     with pytest.raises(
         ConversionError, match=r"model.normalization=layernorm with model.bias=true"
     ):
-        Architecture.from_model_config(run_config(normalization="layernorm", bias=True).model)
+        architecture_for_model_config(run_config(normalization="layernorm", bias=True).model)
     with pytest.raises(ConversionError, match=r"model.layer_variant=skipinit cannot be exported"):
-        Architecture.from_model_config(run_config(layer_variant="skipinit").model)
+        architecture_for_model_config(run_config(layer_variant="skipinit").model)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda arch: arch.hf_class)
+def test_each_architecture_reads_back_the_config_json_it_writes(tmp_path, arch):
+    """The config.json an architecture writes comes back through AutoConfig and the
+    registry as the same architecture; export picks the first one with the model's norm."""
+    from transformers import AutoConfig
+
+    model = run_config(normalization=arch.norm, rotary_base=50000).model
+    first = next(other for other in ARCHITECTURES if other.norm == arch.norm)
+    assert type(architecture_for_model_config(model)) is first
+    exported = arch.from_model_config(model)
+    exported.hf_config(VOCAB, torch.float32, None, ByteTokenizer().eod).save_pretrained(tmp_path)
+    config = AutoConfig.from_pretrained(tmp_path, local_files_only=True)
+    assert config.architectures == [arch.hf_class]
+    for lns in (False, True):
+        assert architecture_for_hf_config(config, lns) == dataclasses.replace(exported, lns=lns)
+
+
+def test_an_unknown_architecture_is_named_with_the_supported_ones():
+    config = types.SimpleNamespace(architectures=["MistralForCausalLM"])
+    with pytest.raises(
+        ConversionError,
+        match=r"^config.json: architectures=\['MistralForCausalLM'\] is not supported; import reads ",
+    ) as refused:
+        architecture_for_hf_config(config, lns=False)
+    assert all(arch.hf_class in str(refused.value) for arch in ARCHITECTURES)
 
 
 def test_stablelm_refuses_a_head_size_other_than_hidden_over_heads(seeded, tmp_path):

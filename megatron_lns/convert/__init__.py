@@ -1,8 +1,9 @@
 """Hugging Face conversion: megatron checkpoints <-> stock ``transformers`` models.
 
 Export folds LNS into the pre-norm weights, so the result is a stock architecture
-(``LlamaForCausalLM`` or ``StableLmForCausalLM``) that loads without custom code.
-Import reverses it for continued pretraining. See docs/conversion.md.
+(``LlamaForCausalLM`` or ``StableLmForCausalLM``, one module each in
+:mod:`~megatron_lns.convert.architectures`) that loads without custom code. Import
+reverses it for continued pretraining. See docs/conversion.md.
 """
 
 from megatron_lns.convert.errors import ConversionError

@@ -18,6 +18,7 @@ import torch
 
 from megatron_lns.config import ConfigError, load_config
 from megatron_lns.config.schema import ExperimentConfig
+from megatron_lns.convert.architectures import Architecture, architecture_for_model_config
 from megatron_lns.convert.checkpoint_reader import CheckpointReader
 from megatron_lns.convert.errors import ConversionError
 from megatron_lns.convert.hf_tokenizer import TokenizerIds, training_tokenizer, write_tokenizer
@@ -30,7 +31,6 @@ from megatron_lns.convert.mapping import (
     HF_LM_HEAD,
     LAYERS,
     OUTPUT_LAYER,
-    Architecture,
 )
 from megatron_lns.convert.output import check_apart, staged_output_dir
 from megatron_lns.convert.safetensors_io import Group, write_sharded
@@ -134,7 +134,7 @@ def export_hf(
     check_apart(Path(out_dir), source)
     cfg = run_config(source)
     m = cfg.model
-    arch = Architecture.from_model_config(m)
+    arch = architecture_for_model_config(m)
     reader = CheckpointReader(source)
     trained = training_tokenizer(m.tokenizer)
     vocab = trained.vocab_size

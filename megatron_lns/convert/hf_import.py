@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from megatron_lns.build import model_config
 from megatron_lns.config import ConfigError, load_config, to_yaml, validate
 from megatron_lns.config.schema import ExperimentConfig
+from megatron_lns.convert.architectures import Architecture, architecture_for_hf_config
 from megatron_lns.convert.errors import ConversionError
 from megatron_lns.convert.hf_tokenizer import HF_TOKENIZER_FILES, training_tokenizer
 from megatron_lns.convert.mapping import (
@@ -45,7 +46,6 @@ from megatron_lns.convert.mapping import (
     HF_FINAL_NORM,
     HF_LM_HEAD,
     OUTPUT_LAYER,
-    Architecture,
 )
 from megatron_lns.convert.output import check_apart, check_output_dir, staged_output_dir
 from megatron_lns.convert.safetensors_io import SafetensorsCheckpoint
@@ -79,7 +79,7 @@ def import_hf(
     check_output_dir(out_dir, overwrite)
     check_apart(out_dir, hf_dir)
     hf_config = _read_hf_config(hf_dir)
-    arch = Architecture.from_hf_config(hf_config, lns)
+    arch = architecture_for_hf_config(hf_config, lns)
     base = _read_base_config(base_config)
     copy_tokenizer = not _user_sets(base, overrides, "model.tokenizer")
     if copy_tokenizer and not _tokenizer_files(hf_dir):

@@ -1,0 +1,451 @@
+"""What every Hugging Face architecture says, and the mapping they all share.
+
+A registered architecture is one stock ``transformers`` causal LM that a megatron-lns
+decoder (RoPE, SwiGLU, pre-norms, optional LNS) is *exactly*. The base holds what they
+have in common: the decoder's shape and numerics (the dataclass fields), the refusals
+of that shared design, the ``config.json`` fields every one of them has, and the
+tensor mapping of the Llama layout (``model.layers.i.self_attn.q_proj``, ...) with the
+fused QKV and gate/up splits and the LNS fold. A subclass, one module per architecture,
+says only what differs (the class attributes and hooks below): its class name, which
+norm it has, its own ``config.json`` fields, and what it refuses and why.
+
+The tensors of block ``l`` (1-based) map as docs/conversion.md tabulates; the two
+pre-norms carry the LNS factor ``1/sqrt(l)`` folded in with the rules of
+:mod:`megatron_lns.scaling`, exactly as the megatron forward pass folds it, so the
+exported weights are the ones megatron multiplies with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from megatron_lns.config.schema import ModelConfig
+from megatron_lns.convert.errors import ConversionError
+from megatron_lns.convert.mapping import (
+    ATTN_NORM_BIAS,
+    ATTN_NORM_WEIGHT,
+    FC1_BIAS,
+    FC1_WEIGHT,
+    FC2_BIAS,
+    FC2_WEIGHT,
+    HF_FINAL_NORM,
+    MLP_NORM_BIAS,
+    MLP_NORM_WEIGHT,
+    PROJ_BIAS,
+    PROJ_WEIGHT,
+    QKV_BIAS,
+    QKV_WEIGHT,
+    effective_norm_weight,
+    hf_layer_prefix,
+    hf_rope_parameters,
+    invert_exactly,
+)
+from megatron_lns.scaling import fold_scale_into_beta, norm_output_scale
+
+# model.normalization -> the Hugging Face norm that computes it once the fold has
+# turned a zero-centred gamma into a plain one.
+HF_NORM_OF = {"rmsnorm": "rmsnorm", "layernorm": "layernorm", "layernorm1p": "layernorm"}
+
+
+def listed(names: Iterable[str], sep: str = " and ") -> str:
+    """``"A"``, ``"A and B"``, ``"A, B and C"``: names in a message."""
+    names = list(names)
+    return ", ".join(names[:-1]) + sep + names[-1] if len(names) > 1 else "".join(names)
+
+
+def refuse_unshared_design(m: ModelConfig, names: list[str]) -> None:
+    """Refuse what none of the architectures ``names`` computes: the base mapping
+    assumes RoPE, a gated SiLU MLP, plain Pre-LN blocks and real-valued weights."""
+    if m.position_embedding_type != "rope":
+        raise ConversionError(
+            f"model.position_embedding_type={m.position_embedding_type} cannot be exported: "
+            f"the supported stock architectures ({', '.join(names)}) use rope"
+        )
+    if m.activation != "swiglu":
+        raise ConversionError(
+            f"model.activation={m.activation} cannot be exported: {listed(names)} "
+            "use a gated SiLU MLP (swiglu); no stock architecture here has RoPE with a "
+            "plain GELU MLP"
+        )
+    if m.layer_variant != "pre_ln":
+        raise ConversionError(
+            f"model.layer_variant={m.layer_variant} cannot be exported: the stock "
+            f"architectures ({', '.join(names)}) are Pre-LN without branch gains"
+        )
+    if m.fp8_param:
+        raise ConversionError(
+            "model.fp8_param=true: the checkpoint holds FP8 weights, which export does "
+            "not dequantize; save a checkpoint trained with model.fp8_param=false"
+        )
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The shape and numerics of a decoder, as both sides need them for conversion.
+
+    Subclasses set the class attributes and override the hooks (``check_model_config``,
+    ``check_hf_config``, ``read_hf_bias``, ``hf_config_fields``) where they differ.
+    """
+
+    # --- what each architecture says (class attributes, not fields)
+    hf_class: ClassVar[str]  # its name in config.json's ``architectures``
+    name: ClassVar[str]  # its name in messages
+    hf_config_class: ClassVar[str]  # the ``transformers`` config class
+    norm: ClassVar[str]  # "rmsnorm" (a weight) or "layernorm" (a weight and a bias)
+    hf_eps_key: ClassVar[str]  # the config.json key of the norm epsilon
+    # config.json switches the megatron-lns decoder needs at one value: written on
+    # export, and any other value refused on import.
+    hf_fixed_switches: ClassVar[dict[str, bool]] = {}
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int  # channels per attention head (model.kv_channels, Llama's head_dim)
+    norm_affine: bool
+    zero_centered_gamma: bool
+    bias: bool
+    lns: bool
+    tied_embeddings: bool
+    eps: float
+    rotary_base: float
+    max_position_embeddings: int
+
+    @property
+    def rmsnorm(self) -> bool:
+        return self.norm == "rmsnorm"
+
+    @property
+    def norm_has_bias(self) -> bool:
+        """Whether the checkpoint's norms have a bias (an affine LayerNorm)."""
+        return not self.rmsnorm and self.norm_affine
+
+    def norm_scale(self, layer_number: int) -> float:
+        """The LNS factor of block ``layer_number`` (1-based): ``1/sqrt(l)``, or 1 for Pre-LN."""
+        return norm_output_scale("lns" if self.lns else "none", layer_number)
+
+    # ------------------------------------------------------------------ hooks
+    @classmethod
+    def check_model_config(cls, m: ModelConfig, head_dim: int) -> None:
+        """Refuse a ``model:`` section this architecture cannot compute exactly."""
+
+    @classmethod
+    def check_hf_config(cls, config, head_dim: int) -> None:
+        """Refuse a ``config.json`` of this class that megatron-lns cannot compute."""
+
+    @classmethod
+    def read_hf_bias(cls, config) -> bool:
+        """Whether the linear layers have biases (``model.bias``); none by default."""
+        return False
+
+    def hf_config_fields(self) -> dict:
+        """The ``config.json`` fields of this architecture beyond the shared ones."""
+        return {}
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_model_config(cls, m: ModelConfig) -> Architecture:
+        """This architecture for a megatron-lns ``model:`` section, which the registry
+        chose by its normalization; refuses what the architecture cannot compute."""
+        head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
+        cls.check_model_config(m, head_dim)
+        return cls(
+            num_layers=m.num_layers,
+            hidden_size=m.hidden_size,
+            ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+            num_attention_heads=m.num_attention_heads,
+            num_query_groups=m.num_query_groups or m.num_attention_heads,
+            head_dim=head_dim,
+            norm_affine=m.norm_affine,
+            zero_centered_gamma=m.normalization == "layernorm1p",
+            bias=m.bias,
+            lns=m.norm_scaling == "lns",
+            tied_embeddings=m.share_embeddings_and_output_weights,
+            eps=m.layernorm_epsilon,
+            rotary_base=float(m.rotary_base),
+            max_position_embeddings=m.max_position_embeddings or m.encoder_seq_length,
+        )
+
+    @classmethod
+    def from_hf_config(cls, config, lns: bool) -> Architecture:
+        """This architecture for a Hugging Face ``config.json`` of its class."""
+        rope = hf_rope_parameters(config)
+        if rope.get("rope_type", "default") != "default":
+            raise ConversionError(
+                f"config.json: rope scaling '{rope['rope_type']}' is not supported (megatron-lns "
+                "uses plain RoPE)"
+            )
+        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ConversionError(
+                f"config.json: partial_rotary_factor={rope['partial_rotary_factor']} is not "
+                "supported (megatron-lns rotates the whole head)"
+            )
+        if not float(rope["rope_theta"]).is_integer():
+            raise ConversionError(
+                f"config.json: rope_theta={rope['rope_theta']} is not an integer "
+                "(model.rotary_base is one)"
+            )
+        if config.hidden_act != "silu":
+            raise ConversionError(
+                f"config.json: hidden_act={config.hidden_act} is not supported (swiglu only)"
+            )
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        cls.check_hf_config(config, head_dim)
+        for key, needed in cls.hf_fixed_switches.items():
+            if bool(getattr(config, key, False)) != needed:
+                raise ConversionError(
+                    f"config.json: {key}={getattr(config, key)} is not supported "
+                    f"(megatron-lns needs {key}={str(needed).lower()})"
+                )
+        return cls(
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            ffn_hidden_size=config.intermediate_size,
+            num_attention_heads=heads,
+            num_query_groups=config.num_key_value_heads or heads,
+            head_dim=head_dim,
+            norm_affine=True,
+            zero_centered_gamma=False,
+            bias=cls.read_hf_bias(config),
+            lns=lns,
+            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            eps=float(getattr(config, cls.hf_eps_key)),
+            rotary_base=float(rope["rope_theta"]),
+            max_position_embeddings=config.max_position_embeddings,
+        )
+
+    def model_settings(self) -> dict:
+        """The ``model.*`` keys of the YAML that describe this architecture."""
+        return {
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "ffn_hidden_size": self.ffn_hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_query_groups": self.num_query_groups,
+            "kv_channels": self.head_dim,
+            "normalization": self.norm,
+            "norm_affine": self.norm_affine,
+            "layernorm_epsilon": self.eps,
+            "bias": self.bias,
+            "activation": "swiglu",
+            "position_embedding_type": "rope",
+            "rotary_base": int(self.rotary_base),
+            "share_embeddings_and_output_weights": self.tied_embeddings,
+        }
+
+    def hf_config(self, vocab_size: int, dtype: torch.dtype, bos: int | None, eos: int):
+        """The ``transformers`` config object of the export."""
+        import transformers
+
+        fields = dict(
+            architectures=[self.hf_class],
+            vocab_size=vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.ffn_hidden_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_query_groups,
+            hidden_act="silu",
+            max_position_embeddings=self.max_position_embeddings,
+            rope_theta=self.rotary_base,
+            tie_word_embeddings=self.tied_embeddings,
+            bos_token_id=bos,
+            eos_token_id=eos,
+            pad_token_id=None,
+            attention_dropout=0.0,
+        )
+        dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+        fields[dtype_key] = str(dtype).removeprefix("torch.")
+        fields[self.hf_eps_key] = self.eps
+        fields |= self.hf_fixed_switches | self.hf_config_fields()
+        return getattr(transformers, self.hf_config_class)(**fields)
+
+    # ------------------------------------------------------------------ tensors
+    def layer_keys(self) -> list[str]:
+        """The per-layer checkpoint keys of this architecture (relative to LAYERS)."""
+        keys = [QKV_WEIGHT, PROJ_WEIGHT, FC1_WEIGHT, FC2_WEIGHT]
+        if self.norm_affine:
+            keys += [ATTN_NORM_WEIGHT, MLP_NORM_WEIGHT]
+        if self.norm_has_bias:
+            keys += [ATTN_NORM_BIAS, MLP_NORM_BIAS]
+        if self.bias:
+            keys += [QKV_BIAS, PROJ_BIAS, FC1_BIAS, FC2_BIAS]
+        return keys
+
+    def layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of one layer's slice of each per-layer checkpoint tensor."""
+        h, ffn, hd = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        qkv = (self.num_attention_heads + 2 * self.num_query_groups) * hd
+        shapes = {
+            QKV_WEIGHT: (qkv, h),
+            PROJ_WEIGHT: (h, self.num_attention_heads * hd),
+            FC1_WEIGHT: (2 * ffn, h),
+            FC2_WEIGHT: (h, ffn),
+            ATTN_NORM_WEIGHT: (h,),
+            MLP_NORM_WEIGHT: (h,),
+            ATTN_NORM_BIAS: (h,),
+            MLP_NORM_BIAS: (h,),
+            QKV_BIAS: (qkv,),
+            PROJ_BIAS: (h,),
+            FC1_BIAS: (2 * ffn,),
+            FC2_BIAS: (h,),
+        }
+        return {key: shapes[key] for key in self.layer_keys()}
+
+    def layer_to_hf(self, tensors: dict[str, Tensor], index: int) -> dict[str, Tensor]:
+        """One megatron layer (0-based ``index``) as Hugging Face tensors, LNS folded in."""
+        prefix = hf_layer_prefix(index)
+        scale = self.norm_scale(index + 1)
+        out: dict[str, Tensor] = {}
+        dtype = tensors[QKV_WEIGHT].dtype
+        for weight_key, bias_key, hf_norm in (
+            (ATTN_NORM_WEIGHT, ATTN_NORM_BIAS, "input_layernorm."),
+            (MLP_NORM_WEIGHT, MLP_NORM_BIAS, "post_attention_layernorm."),
+        ):
+            if self.norm_affine:
+                weight = effective_norm_weight(tensors[weight_key], scale, self.zero_centered_gamma)
+            else:
+                # A parameter-free norm with LNS multiplies by the constant s (LocalNorm).
+                weight = torch.full((self.hidden_size,), scale, dtype=dtype)
+            out[prefix + hf_norm + "weight"] = weight
+            if not self.rmsnorm:
+                bias = (
+                    fold_scale_into_beta(tensors[bias_key], scale)
+                    if self.norm_affine
+                    else torch.zeros(self.hidden_size, dtype=dtype)
+                )
+                out[prefix + hf_norm + "bias"] = bias
+        attn, mlp = prefix + "self_attn.", prefix + "mlp."
+        q, k, v = self.split_qkv(tensors[QKV_WEIGHT])
+        out |= {attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v}
+        out[attn + "o_proj.weight"] = tensors[PROJ_WEIGHT]
+        gate, up = tensors[FC1_WEIGHT].chunk(2, dim=0)
+        out |= {mlp + "gate_proj.weight": gate, mlp + "up_proj.weight": up}
+        out[mlp + "down_proj.weight"] = tensors[FC2_WEIGHT]
+        if self.bias:
+            q, k, v = self.split_qkv(tensors[QKV_BIAS])
+            out |= {attn + "q_proj.bias": q, attn + "k_proj.bias": k, attn + "v_proj.bias": v}
+            out[attn + "o_proj.bias"] = tensors[PROJ_BIAS]
+            gate, up = tensors[FC1_BIAS].chunk(2, dim=0)
+            out |= {mlp + "gate_proj.bias": gate, mlp + "up_proj.bias": up}
+            out[mlp + "down_proj.bias"] = tensors[FC2_BIAS]
+        return {name: tensor.contiguous() for name, tensor in out.items()}
+
+    def hf_layer_shapes(self, index: int) -> dict[str, tuple[int, ...]]:
+        """Hugging Face name -> shape of every tensor of layer ``index``."""
+        prefix = hf_layer_prefix(index)
+        h, ffn, hd = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * hd, self.num_query_groups * hd
+        outputs = {
+            "self_attn.q_proj.": (q, h),
+            "self_attn.k_proj.": (kv, h),
+            "self_attn.v_proj.": (kv, h),
+            "self_attn.o_proj.": (h, q),
+            "mlp.gate_proj.": (ffn, h),
+            "mlp.up_proj.": (ffn, h),
+            "mlp.down_proj.": (h, ffn),
+        }
+        shapes = {}
+        for norm in ("input_layernorm.", "post_attention_layernorm."):
+            shapes[prefix + norm + "weight"] = (h,)
+            if not self.rmsnorm:
+                shapes[prefix + norm + "bias"] = (h,)
+        for name, (rows, cols) in outputs.items():
+            shapes[prefix + name + "weight"] = (rows, cols)
+            if self.bias:
+                shapes[prefix + name + "bias"] = (rows,)
+        return shapes
+
+    def layer_from_hf(self, hf: dict[str, Tensor], index: int) -> tuple[dict[str, Tensor], int]:
+        """One layer's Hugging Face tensors as megatron checkpoint tensors (relative keys),
+        with the LNS factor divided out exactly when ``lns``. Also returns the number of
+        norm elements that had no exact preimage (see :func:`invert_exactly`)."""
+        prefix = hf_layer_prefix(index)
+        scale = self.norm_scale(index + 1)
+        out: dict[str, Tensor] = {}
+        inexact = 0
+        for weight_key, bias_key, hf_norm in (
+            (ATTN_NORM_WEIGHT, ATTN_NORM_BIAS, "input_layernorm."),
+            (MLP_NORM_WEIGHT, MLP_NORM_BIAS, "post_attention_layernorm."),
+        ):
+            weight = hf[prefix + hf_norm + "weight"]
+            guess = (weight.double() / scale - float(self.zero_centered_gamma)).to(weight.dtype)
+            out[weight_key], missed = invert_exactly(
+                weight,
+                lambda g: effective_norm_weight(g, scale, self.zero_centered_gamma),
+                guess,
+            )
+            inexact += missed
+            if not self.rmsnorm:
+                bias = hf[prefix + hf_norm + "bias"]
+                out[bias_key], missed = invert_exactly(
+                    bias,
+                    lambda b: fold_scale_into_beta(b, scale),
+                    (bias.double() / scale).to(bias.dtype),
+                )
+                inexact += missed
+        attn, mlp = prefix + "self_attn.", prefix + "mlp."
+        for suffix, qkv_key, proj_key, fc1_key, fc2_key in (
+            ("weight", QKV_WEIGHT, PROJ_WEIGHT, FC1_WEIGHT, FC2_WEIGHT),
+            ("bias", QKV_BIAS, PROJ_BIAS, FC1_BIAS, FC2_BIAS),
+        ):
+            if suffix == "bias" and not self.bias:
+                continue
+            out[qkv_key] = self.merge_qkv(
+                hf[f"{attn}q_proj.{suffix}"],
+                hf[f"{attn}k_proj.{suffix}"],
+                hf[f"{attn}v_proj.{suffix}"],
+            )
+            out[proj_key] = hf[f"{attn}o_proj.{suffix}"]
+            out[fc1_key] = torch.cat([hf[f"{mlp}gate_proj.{suffix}"], hf[f"{mlp}up_proj.{suffix}"]])
+            out[fc2_key] = hf[f"{mlp}down_proj.{suffix}"]
+        return out, inexact
+
+    def final_norm_to_hf(self, weight: Tensor | None, bias: Tensor | None, dtype) -> dict:
+        """The final norm (never scaled by LNS) in plain form."""
+        h = self.hidden_size
+        out = {
+            HF_FINAL_NORM + "weight": (
+                effective_norm_weight(weight, 1.0, self.zero_centered_gamma)
+                if weight is not None
+                else torch.ones(h, dtype=dtype)
+            )
+        }
+        if not self.rmsnorm:
+            out[HF_FINAL_NORM + "bias"] = bias if bias is not None else torch.zeros(h, dtype=dtype)
+        return out
+
+    # The fused QKV projection holds, for each query group in turn, the group's query
+    # heads, then its key head, then its value head (``head_dim`` rows each).
+    def split_qkv(self, fused: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        groups, hd = self.num_query_groups, self.head_dim
+        per_group = self.num_attention_heads // groups
+        grouped = fused.reshape(groups, (per_group + 2) * hd, *fused.shape[1:])
+        q, k, v = grouped.split([per_group * hd, hd, hd], dim=1)
+        rest = fused.shape[1:]
+        return (
+            q.reshape(groups * per_group * hd, *rest),
+            k.reshape(groups * hd, *rest),
+            v.reshape(groups * hd, *rest),
+        )
+
+    def merge_qkv(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        groups, hd = self.num_query_groups, self.head_dim
+        per_group = self.num_attention_heads // groups
+        rest = q.shape[1:]
+        grouped = torch.cat(
+            [
+                q.reshape(groups, per_group * hd, *rest),
+                k.reshape(groups, hd, *rest),
+                v.reshape(groups, hd, *rest),
+            ],
+            dim=1,
+        )
+        return grouped.reshape(-1, *rest)

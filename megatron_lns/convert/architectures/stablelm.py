@@ -1,0 +1,61 @@
+"""``StableLmForCausalLM``: the LayerNorm decoder without linear biases.
+
+A megatron-lns model with ``normalization: layernorm`` or ``layernorm1p`` (affine or
+not) and ``bias: false`` is a StableLM with ``partial_rotary_factor`` 1.0, no parallel
+residual, no QK-norm and no QKV bias. Its LayerNorms have a weight and a bias, so they
+can carry the LNS factor and OLMo's parameter-free norm (``OlmoForCausalLM``'s norms
+have no weights to carry it). Its heads are always hidden_size / num_attention_heads
+wide.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from megatron_lns.config.schema import ModelConfig
+from megatron_lns.convert.architectures.base import Architecture
+from megatron_lns.convert.errors import ConversionError
+
+
+class StableLm(Architecture):
+    hf_class = "StableLmForCausalLM"
+    name = "StableLM"
+    hf_config_class = "StableLmConfig"
+    norm = "layernorm"
+    hf_eps_key = "layer_norm_eps"
+    hf_fixed_switches: ClassVar[dict[str, bool]] = {
+        "use_parallel_residual": False,
+        "qk_layernorm": False,
+        "use_qkv_bias": False,
+    }
+
+    @classmethod
+    def check_model_config(cls, m: ModelConfig, head_dim: int) -> None:
+        if m.bias:
+            raise ConversionError(
+                f"model.normalization={m.normalization} with model.bias=true cannot be "
+                "exported: StableLM (the stock LayerNorm + RoPE + SwiGLU architecture) has no "
+                "output-projection or MLP biases; Llama (with biases) needs "
+                "model.normalization=rmsnorm"
+            )
+        heads = m.num_attention_heads
+        if head_dim * heads != m.hidden_size:
+            raise ConversionError(
+                f"model.kv_channels={head_dim} cannot be exported with model.normalization="
+                f"{m.normalization}: StableLM's attention has hidden_size / num_attention_heads "
+                f"channels per head ({m.hidden_size} / {heads}); Llama "
+                "(model.normalization=rmsnorm) carries its own head_dim"
+            )
+
+    @classmethod
+    def check_hf_config(cls, config, head_dim: int) -> None:
+        heads = config.num_attention_heads
+        if head_dim * heads != config.hidden_size:
+            raise ConversionError(
+                f"config.json: head_dim={head_dim} x num_attention_heads={heads} != "
+                f"hidden_size={config.hidden_size}: StableLM's attention has hidden_size / "
+                "num_attention_heads channels per head, so model.kv_channels cannot differ"
+            )
+
+    def hf_config_fields(self) -> dict:
+        return dict(partial_rotary_factor=1.0, hidden_dropout=0.0)
