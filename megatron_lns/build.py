@@ -24,7 +24,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
-from megatron_lns.config.performance import resolved_fast_paths, userbuffer_settings
+from megatron_lns.config.performance import fast_paths_here, userbuffer_settings
 from megatron_lns.config.schema import (
     ACCELERATORS,
     PRECISIONS,
@@ -39,7 +39,7 @@ from megatron_lns.config.settings import (
 )
 from megatron_lns.config.validate import data_blend
 from megatron_lns.data.datasets import DatasetSettings
-from megatron_lns.fast_paths import FastPaths, MachineFacts
+from megatron_lns.fast_paths import FastPaths
 from megatron_lns.model import PARAMS_DTYPES, GPTModelConfig, build_model, padded_vocab_size
 from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
 from megatron_lns.runtime import ParallelLayout
@@ -70,7 +70,7 @@ def tokenizer_spec(cfg: ExperimentConfig) -> tuple[str, str | None, str | None]:
 
 def fast_paths(cfg: ExperimentConfig, device: torch.device) -> FastPaths:
     """The fusions, attention backend and overlaps this run uses on ``device``."""
-    return resolved_fast_paths(cfg, MachineFacts.detect(cuda=device.type == "cuda"))
+    return fast_paths_here(cfg, cuda=device.type == "cuda")
 
 
 def model_config(

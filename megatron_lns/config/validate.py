@@ -18,12 +18,11 @@ from megatron_lns.config.paths import check_writable_paths
 from megatron_lns.config.performance import (
     check_performance_environment,
     check_performance_keys,
-    resolved_fast_paths,
+    fast_paths_here,
 )
 from megatron_lns.config.schema import PRECISIONS, SCHEDULES, ExperimentConfig
 from megatron_lns.config.settings import value_errors
 from megatron_lns.data.blend import DataBlend, DataBlendError
-from megatron_lns.fast_paths import MachineFacts
 from megatron_lns.layout import ParallelLayout, micro_batches_per_step
 
 # Minimum CUDA compute capability per FP8 recipe (Ada/Hopper for FP8, Blackwell for MXFP8).
@@ -368,7 +367,7 @@ def check_environment(cfg: ExperimentConfig) -> None:
             )
     check_performance_environment(cfg, cuda)
     # Fusions and overlaps the user set must run on this machine.
-    resolved_fast_paths(cfg, MachineFacts.detect(cuda and cfg.trainer.accelerator != "cpu"))
+    fast_paths_here(cfg, cuda=cuda and cfg.trainer.accelerator != "cpu")
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
