@@ -33,19 +33,10 @@ TOKENIZER_LIBRARIES: tuple[str, ...] = get_args(TokenizerLibrary)
 PRE_NORM_VARIANTS: tuple[str, ...] = ("pre_ln", "layerscale", "skipinit")
 
 
-def lns_variant_conflict(norm_scaling: str, layer_variant: str, key_prefix: str = "") -> str | None:
-    """Why ``norm_scaling`` and ``layer_variant`` cannot be combined, or None.
-
-    LNS scales the output of pre-norms; a variant with post-norm layers has none to scale.
-    ``key_prefix`` names the keys as the caller's user knows them (``"model."`` for YAML).
-    """
-    if norm_scaling != "lns" or layer_variant in PRE_NORM_VARIANTS:
-        return None
-    return (
-        f"{key_prefix}norm_scaling=lns scales pre-norm outputs and {key_prefix}layer_variant="
-        f"{layer_variant} has post-norm layers: set {key_prefix}norm_scaling=none or choose one "
-        f"of {', '.join(PRE_NORM_VARIANTS)}"
-    )
+def lns_combines_with(norm_scaling: str, layer_variant: str) -> bool:
+    """The LNS/variant rule: LNS scales the output of pre-norms, so it combines only with
+    variants whose every layer has them (config validation and the layer spec ask here)."""
+    return norm_scaling != "lns" or layer_variant in PRE_NORM_VARIANTS
 
 
 def warmup_fits(warmup_steps: int, decay_steps: int, decay_style: DecayStyle) -> bool:

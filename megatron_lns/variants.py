@@ -38,7 +38,12 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.utils import get_pg_rank, init_method_normal
 from torch import Tensor
 
-from megatron_lns.choices import LAYER_VARIANTS, LayerVariant, lns_variant_conflict
+from megatron_lns.choices import (
+    LAYER_VARIANTS,
+    PRE_NORM_VARIANTS,
+    LayerVariant,
+    lns_combines_with,
+)
 from megatron_lns.layer import LNSTransformerLayer
 from megatron_lns.scaling import NormScaling, ScaledNorm
 
@@ -58,9 +63,12 @@ class VariantSettings:
             raise ValueError(
                 f"layer_variant must be one of {LAYER_VARIANTS}, got {self.layer_variant!r}"
             )
-        conflict = lns_variant_conflict(norm_scaling, self.layer_variant)
-        if conflict:
-            raise ValueError(conflict)
+        if not lns_combines_with(norm_scaling, self.layer_variant):
+            raise ValueError(
+                f"norm_scaling='lns' scales pre-norm outputs, and layer_variant="
+                f"{self.layer_variant!r} has post-norm layers; use norm_scaling='none' or one "
+                f"of {PRE_NORM_VARIANTS}"
+            )
         if not 0.0 <= self.mix_ln_post_fraction <= 1.0:
             raise ValueError(
                 f"mix_ln_post_fraction must be in [0, 1], got {self.mix_ln_post_fraction!r}"

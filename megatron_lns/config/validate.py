@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_lns import layout
-from megatron_lns.choices import lns_variant_conflict, warmup_fits
+from megatron_lns.choices import PRE_NORM_VARIANTS, lns_combines_with, warmup_fits
 from megatron_lns.config.cluster import validate_cluster
 from megatron_lns.config.loader import ConfigError
 from megatron_lns.config.paths import check_writable_paths
@@ -101,9 +101,12 @@ def validate(
             f"model.max_position_embeddings ({m.max_position_embeddings}) is smaller than "
             f"model.encoder_seq_length ({m.encoder_seq_length})"
         )
-    conflict = lns_variant_conflict(m.norm_scaling, m.layer_variant, key_prefix="model.")
-    if conflict:
-        raise ConfigError(conflict)
+    if not lns_combines_with(m.norm_scaling, m.layer_variant):
+        raise ConfigError(
+            f"model.norm_scaling=lns scales pre-norm outputs and model.layer_variant="
+            f"{m.layer_variant} has post-norm layers: set model.norm_scaling=none or choose one "
+            f"of {', '.join(PRE_NORM_VARIANTS)}"
+        )
     if m.transformer_engine and m.layer_variant != "pre_ln":
         raise ConfigError(
             f"model.layer_variant={m.layer_variant} needs model.transformer_engine=false: "
