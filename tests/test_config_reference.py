@@ -1,8 +1,12 @@
 """docs/configuration.md's key tables are what the declarations in schema.py give."""
 
+import re
 from pathlib import Path
 
+from megatron_lns.config.nemo_compat import NEMO_KEYS, Inert
 from megatron_lns.config.reference import groups, key_table, render, shown_default, tabled_groups
+from megatron_lns.config.schema import ExperimentConfig
+from megatron_lns.config.settings import declared_settings
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
@@ -38,3 +42,28 @@ def test_defaults_are_shown_as_yaml_spells_them():
     assert shown_default(0.25) == "0.25"
     assert shown_default([]) == "`[]`"
     assert "| `model.hidden_size` | 768 |" in key_table("architecture")
+
+
+def _listed_keys(page: str, heading: str) -> set[str]:
+    """The keys in the first column of the table that follows ``heading``."""
+    table = page.split(heading, 1)[1].split("\n\n", 2)[1]
+    keys = set()
+    for row in table.splitlines()[2:]:
+        first_column = row.split("|")[1]
+        keys.update(re.findall(r"`([\w.]+)`", first_column))
+    return keys
+
+
+def test_the_nemo_tables_list_every_nemo_key_and_no_other():
+    """The NeMo tables are written by hand (their wording is the docs'); what they list is
+    NEMO_KEYS, the aliases apart (those are in the key tables' prose)."""
+    page = PAGE.read_text()
+    aliases = {
+        f"{item.key.rpartition('.')[0]}.{alias}"
+        for item in declared_settings(ExperimentConfig)
+        for alias in item.setting.aliases
+    }
+    inert = {k for k, rule in NEMO_KEYS.items() if isinstance(rule, Inert)}
+    others = set(NEMO_KEYS) - inert - aliases
+    assert _listed_keys(page, "**Inert** (one warning):") == inert
+    assert _listed_keys(page, "**Accepted only at the value megatron-lns runs**") == others
