@@ -354,9 +354,9 @@ def analysis_job(
     it on ``num_batches`` held-out batches; rank 0 writes the report to ``result_path``."""
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.transformer.module import Float16Module
 
     from megatron_lns.build import (
+        build_model_chunks,
         dataset_num_samples,
         dataset_settings,
         device_setting,
@@ -366,7 +366,6 @@ def analysis_job(
     )
     from megatron_lns.data.datasets import held_out_batches
     from megatron_lns.data.tokenizer import build_tokenizer
-    from megatron_lns.model import build_model
     from megatron_lns.runtime import init_distributed
     from megatron_lns.training.checkpoint import load_model_weights
 
@@ -382,9 +381,7 @@ def analysis_job(
             f"model.data.splits_string={m.data.splits_string} gives the validation split no "
             "data: there is nothing held out to measure on"
         )
-    chunks = build_model(gpt, layout, device)
-    if gpt.precision != "fp32":
-        chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
+    chunks = build_model_chunks(gpt, layout, device)
     load_model_weights(chunks, checkpoint)
 
     dp_size = parallel_state.get_data_parallel_world_size()
