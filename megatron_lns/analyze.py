@@ -32,8 +32,9 @@ from omegaconf import OmegaConf
 
 from megatron_lns.analysis.depth import DepthReport, LayerDiagnostics, depth_diagnostics
 from megatron_lns.analysis.plots import plot_depth_reports
-from megatron_lns.config import ConfigError, ExperimentConfig, load_config, validate
+from megatron_lns.config import ConfigError, ExperimentConfig, validate
 from megatron_lns.config.bundled import resolve_config_path
+from megatron_lns.config.sources import RUN_CONFIG, load_run_config
 from megatron_lns.config.validate import check_environment
 from megatron_lns.convert.hf_export import resolve_checkpoint
 from megatron_lns.convert.hf_import import import_hf
@@ -186,11 +187,9 @@ def input_config(item: Input, overrides: list[str], work: Path, world: int | Non
     The run directory is pointed at ``work``: an analysis writes nothing into the run
     it reads (which may be read-only, or still training).
     """
-    path = item.checkpoint / "config.yaml"
-    if not path.is_file():
-        raise AnalysisError(f"{path} is missing: the checkpoint does not say its model")
+    path = item.checkpoint / RUN_CONFIG
     try:
-        cfg = load_config(path, overrides)
+        cfg = load_run_config(item.checkpoint, overrides)
     except ConfigError as err:
         raise AnalysisError(f"{item.label}: {err}") from err
     exp = dataclasses.replace(cfg.exp_manager, exp_dir=str(work), name="analysis")

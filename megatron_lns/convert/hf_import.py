@@ -31,8 +31,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_lns.build import build_weights_model
-from megatron_lns.config import ConfigError, load_config, to_yaml, validate
+from megatron_lns.config import ConfigError, to_yaml, validate
 from megatron_lns.config.schema import ExperimentConfig
+from megatron_lns.config.sources import load_run_config
 from megatron_lns.convert.errors import ConversionError
 from megatron_lns.convert.hf_tokenizer import HF_TOKENIZER_FILES, training_tokenizer
 from megatron_lns.convert.mapping import (
@@ -212,7 +213,7 @@ def _run_config(
         if OmegaConf.select(raw, key, default=None) is None:
             OmegaConf.update(raw, key, value, force_add=True)
     try:
-        cfg = load_config(raw, overrides)
+        cfg = load_run_config(raw, overrides)
     except ConfigError as err:
         raise ConversionError(str(err)) from err
     typed = OmegaConf.structured(cfg)
