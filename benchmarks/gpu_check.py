@@ -153,16 +153,17 @@ def logits_and_grads(
     cfg: GPTModelConfig, state: dict, tokens: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Logits and parameter gradients (cross-entropy on ``targets``) of ``cfg`` with ``state``."""
-    from megatron.core.transformer.module import Float16Module
+    from megatron_lns.build import build_model_chunks
+    from megatron_lns.model import unwrap
 
-    model = build_model(cfg, device=tokens.device)[0]
+    wrapped = build_model_chunks(cfg, device=tokens.device)[0]
+    model = unwrap(wrapped)
     result = model.load_state_dict(state, strict=False)
     stray = [
         k for k in result.missing_keys + result.unexpected_keys if not k.endswith("_extra_state")
     ]
     if stray:
         raise RuntimeError(f"state does not fit the {cfg.backend} model: {stray}")
-    wrapped = model if cfg.precision == "fp32" else Float16Module(model.config, model)
     logits = wrapped(tokens, _positions(tokens), None).float()
     F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
     grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}

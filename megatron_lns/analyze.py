@@ -32,8 +32,9 @@ from omegaconf import OmegaConf
 
 from megatron_lns.analysis.depth import DepthReport, LayerDiagnostics, depth_diagnostics
 from megatron_lns.analysis.plots import plot_depth_reports
-from megatron_lns.config import ConfigError, ExperimentConfig, load_config, validate
+from megatron_lns.config import ConfigError, ExperimentConfig, validate
 from megatron_lns.config.bundled import resolve_config_path
+from megatron_lns.config.sources import RUN_CONFIG, load_run_config
 from megatron_lns.config.validate import check_environment
 from megatron_lns.convert.hf_export import resolve_checkpoint
 from megatron_lns.convert.hf_import import import_hf
@@ -186,11 +187,9 @@ def input_config(item: Input, overrides: list[str], work: Path, world: int | Non
     The run directory is pointed at ``work``: an analysis writes nothing into the run
     it reads (which may be read-only, or still training).
     """
-    path = item.checkpoint / "config.yaml"
-    if not path.is_file():
-        raise AnalysisError(f"{path} is missing: the checkpoint does not say its model")
+    path = item.checkpoint / RUN_CONFIG
     try:
-        cfg = load_config(path, overrides)
+        cfg = load_run_config(item.checkpoint, overrides)
     except ConfigError as err:
         raise AnalysisError(f"{item.label}: {err}") from err
     exp = dataclasses.replace(cfg.exp_manager, exp_dir=str(work), name="analysis")
@@ -354,9 +353,9 @@ def analysis_job(
     it on ``num_batches`` held-out batches; rank 0 writes the report to ``result_path``."""
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.transformer.module import Float16Module
 
     from megatron_lns.build import (
+        build_model_chunks,
         dataset_num_samples,
         dataset_settings,
         device_setting,
@@ -366,7 +365,6 @@ def analysis_job(
     )
     from megatron_lns.data.datasets import held_out_batches
     from megatron_lns.data.tokenizer import build_tokenizer
-    from megatron_lns.model import build_model
     from megatron_lns.runtime import init_distributed
     from megatron_lns.training.checkpoint import load_model_weights
 
@@ -382,9 +380,7 @@ def analysis_job(
             f"model.data.splits_string={m.data.splits_string} gives the validation split no "
             "data: there is nothing held out to measure on"
         )
-    chunks = build_model(gpt, layout, device)
-    if gpt.precision != "fp32":
-        chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
+    chunks = build_model_chunks(gpt, layout, device)
     load_model_weights(chunks, checkpoint)
 
     dp_size = parallel_state.get_data_parallel_world_size()

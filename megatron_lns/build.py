@@ -1,17 +1,26 @@
-"""From the validated experiment config to the components of a run.
+"""From the validated experiment config to the components of a run: the build seam.
 
 The one place where the NeMo-style config meets the components: the model config,
 parallel layout, optimizer settings and dataset settings are translated here, and
-:func:`build_trainable` assembles model chunks -> Float16Module -> megatron DDP ->
-optimizer and LR schedule for the trainer and the benchmarks alike. The components
-themselves (``model.py``, ``optim.py``, ``data/``) know nothing of YAML.
+the one place that assembles them. Every command and benchmark builds through it:
+
+- :func:`build_model_chunks`: a ``GPTModelConfig`` -> this rank's model chunks as a
+  forward pass runs them (``Float16Module`` for bf16/fp16); analysis, checks.
+- :func:`build_trainable`: the same chunks -> megatron DDP -> optimizer and LR
+  schedule; benchmarks and GPU tests, which build from a ``GPTModelConfig``.
+- :func:`build_trainable_from_config`: a training run's trainable stack from its
+  config (userbuffers, optimizer, schedule and DDP settings); the trainer.
+- :func:`build_weights_model`: a bare model to hold weights being converted; import.
+
+``tests/test_build.py`` keeps it the only module that wraps chunks in ``Float16Module``
+or megatron DDP or builds an optimizer (``model.build_model`` constructs ``GPTModel``).
+The components themselves (``model.py``, ``optim.py``, ``data/``) know nothing of YAML.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from megatron.core.distributed import (
@@ -191,13 +200,31 @@ def wrap_with_ddp(
     return model
 
 
-@dataclass
+@dataclasses.dataclass
 class Trainable:
     """What a training step needs: DDP-wrapped model chunks, optimizer, LR schedule."""
 
     model: list[DistributedDataParallel]
     optimizer: MegatronOptimizer
     scheduler: OptimizerParamScheduler
+
+
+def build_model_chunks(
+    model_cfg: GPTModelConfig,
+    layout: ParallelLayout = ParallelLayout(),
+    device: torch.device | None = None,
+    chunk_transform: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+) -> list[torch.nn.Module]:
+    """This rank's model chunks as a forward pass runs them: built at ``layout`` on
+    ``device``, ``chunk_transform`` applied to each, then each in megatron's
+    ``Float16Module`` for bf16/fp16 (it casts the inputs to the model's dtype and the
+    logits back to fp32, as training does). Needs megatron's parallel state."""
+    chunks = build_model(model_cfg, layout, device)
+    if chunk_transform is not None:
+        chunks = [chunk_transform(chunk) for chunk in chunks]
+    if model_cfg.precision != "fp32":
+        chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
+    return chunks
 
 
 def build_trainable(
@@ -209,15 +236,11 @@ def build_trainable(
     chunk_transform: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
     ddp: DistributedDataParallelConfig | None = None,
 ) -> Trainable:
-    """Model chunks -> (``chunk_transform``) -> Float16Module for bf16/fp16 -> megatron DDP
-    -> optimizer and schedule. Needs megatron's parallel state (``init_distributed``).
+    """Model chunks (:func:`build_model_chunks`) -> megatron DDP -> optimizer and
+    schedule. Needs megatron's parallel state (``init_distributed``).
 
     ``ddp`` defaults to fp32 reduction, overlapped with backward on CUDA."""
-    chunks = build_model(model_cfg, layout, device)
-    if chunk_transform is not None:
-        chunks = [chunk_transform(chunk) for chunk in chunks]
-    if model_cfg.precision != "fp32":
-        chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
+    chunks = build_model_chunks(model_cfg, layout, device, chunk_transform)
     ddp = ddp or DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=device.type == "cuda",
@@ -228,3 +251,34 @@ def build_trainable(
         model, settings, total_steps, chunks[0].config.params_dtype
     )
     return Trainable(model, optimizer, scheduler)
+
+
+def build_trainable_from_config(
+    cfg: ExperimentConfig, model_cfg: GPTModelConfig, device: torch.device, fast: FastPaths
+) -> Trainable:
+    """A training run's model, optimizer and schedule: ``model_cfg`` is
+    ``model_config(cfg, vocab, fast)`` (the caller needs it first: its padded vocabulary
+    sizes the datasets). Transformer Engine's userbuffers are set up first when
+    ``model.ub_tp_comm_overlap`` asks; the optimizer, the schedule over
+    ``trainer.max_steps`` and DDP's overlap and buckets come from ``cfg``."""
+    if cfg.model.ub_tp_comm_overlap:
+        initialize_tp_comm_overlap(cfg)
+    return build_trainable(
+        model_cfg,
+        parallel_layout(cfg),
+        device,
+        optim_settings(cfg),
+        cfg.trainer.max_steps,
+        ddp=ddp_config(cfg, fast),
+    )
+
+
+def build_weights_model(cfg: ExperimentConfig, tokenizer_vocab_size: int) -> torch.nn.Module:
+    """``cfg``'s model as a home for weights being converted: one bare chunk on the CPU
+    at TP=PP=1, local backend, no FP8. The checkpoint keys are the same for every
+    backend and parallel layout, so what is saved from it loads into any of them.
+    Needs megatron's parallel state for one process."""
+    model_cfg = dataclasses.replace(
+        model_config(cfg, tokenizer_vocab_size), backend="local", fp8=None, fp8_param=False
+    )
+    return build_model(model_cfg)[0]

@@ -61,11 +61,11 @@ def _launch(cfg, job: Callable[..., Any], *args: Any) -> None:
 
 
 def _load(config: str, overrides: list[str], dry_run: bool = False):
-    from megatron_lns.config import ConfigError, load_config, validate
-    from megatron_lns.config.bundled import resolve_config_path
+    from megatron_lns.config import ConfigError, validate
+    from megatron_lns.config.sources import load_run_config
     from megatron_lns.config.validate import check_environment
 
-    cfg = load_config(resolve_config_path(config), overrides)
+    cfg = load_run_config(config, overrides)
     env_world = os.environ.get("WORLD_SIZE")
     world = int(env_world) if env_world else None
     if world is not None and world != cfg.trainer.num_nodes * cfg.trainer.devices:
@@ -96,13 +96,13 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from megatron_lns.config import load_config, validate
-    from megatron_lns.config.bundled import resolve_config_path
+    from megatron_lns.config import validate
+    from megatron_lns.config.sources import load_run_config
     from megatron_lns.launch.submit import prepare_job, require_sbatch, sbatch, write_job
 
     # Checked as `train` checks it, except what the compute node must offer (CUDA, TE):
     # the login node may have no GPU; each task checks that when it starts.
-    cfg = load_config(resolve_config_path(args.config), args.overrides)
+    cfg = load_run_config(args.config, args.overrides)
     validate(cfg)
     job = prepare_job(cfg, Path.cwd(), sys.executable)
     if args.dry_run:

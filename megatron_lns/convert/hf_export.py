@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-from megatron_lns.config import ConfigError, load_config
+from megatron_lns.config import ConfigError
 from megatron_lns.config.schema import ExperimentConfig
+from megatron_lns.config.sources import load_run_config
 from megatron_lns.convert.architectures import Architecture, architecture_for_model_config
 from megatron_lns.convert.checkpoint_reader import CheckpointReader
 from megatron_lns.convert.errors import ConversionError
@@ -43,7 +44,6 @@ from megatron_lns.training.checkpoint import (
 )
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 10**9
-RUN_CONFIG = "config.yaml"
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -71,13 +71,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def run_config(checkpoint: Path) -> ExperimentConfig:
-    path = checkpoint / RUN_CONFIG
-    if not path.is_file():
-        raise ConversionError(f"{path} is missing: the checkpoint does not say its architecture")
+    """The run config ``checkpoint`` holds: it says the architecture and tokenizer."""
     try:
-        return load_config(path)
+        return load_run_config(checkpoint)
     except ConfigError as err:
-        raise ConversionError(f"{path}: {err}") from err
+        raise ConversionError(str(err)) from err
 
 
 def check_checkpoint_matches(reader: CheckpointReader, arch: Architecture, vocab_rows: int) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -31,9 +30,10 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from megatron_lns.build import model_config
-from megatron_lns.config import ConfigError, load_config, to_yaml, validate
+from megatron_lns.build import build_weights_model
+from megatron_lns.config import ConfigError, to_yaml, validate
 from megatron_lns.config.schema import ExperimentConfig
+from megatron_lns.config.sources import load_run_config
 from megatron_lns.convert.architectures import Architecture, architecture_for_hf_config
 from megatron_lns.convert.errors import ConversionError
 from megatron_lns.convert.hf_tokenizer import HF_TOKENIZER_FILES, training_tokenizer
@@ -49,7 +49,7 @@ from megatron_lns.convert.mapping import (
 )
 from megatron_lns.convert.output import check_apart, check_output_dir, staged_output_dir
 from megatron_lns.convert.safetensors_io import SafetensorsCheckpoint
-from megatron_lns.model import PARAMS_DTYPES, GPTModelConfig, build_model, padded_vocab_size
+from megatron_lns.model import padded_vocab_size
 from megatron_lns.specs import LOCAL_TO_FUSED_NORM_NAMES
 from megatron_lns.training.checkpoint import save_weights_only_checkpoint
 
@@ -110,16 +110,18 @@ def import_hf(
                 "import-hf: note: model.norm_scaling=lns without --lns: these weights were "
                 "trained without LNS, and with it the model computes a different function"
             )
-        gpt = _model_config(cfg, vocab)
-        model_dtype = PARAMS_DTYPES[gpt.precision]
-        if model_dtype != dtype:
-            say(f"import-hf: note: casting {dtype} weights to {model_dtype} (trainer.precision)")
         with staged_output_dir(out_dir, overwrite) as stage:
             if copy_tokenizer:
                 _copy_tokenizer(hf_dir, stage / "tokenizer")
             checkpoint = stage / "checkpoints" / "iter_0000000"
             with _single_process_megatron():
-                model = build_model(gpt)[0]
+                model = build_weights_model(cfg, vocab)
+                model_dtype = next(model.parameters()).dtype
+                if model_dtype != dtype:
+                    say(
+                        f"import-hf: note: casting {dtype} weights to {model_dtype} "
+                        "(trainer.precision)"
+                    )
                 say(
                     f"import-hf: {hf_dir} ({arch.hf_class}, {arch.num_layers} layers) -> "
                     f"{out_dir} ({'LNS factors divided out' if lns else 'Pre-LN'})"
@@ -211,7 +213,7 @@ def _run_config(
         if OmegaConf.select(raw, key, default=None) is None:
             OmegaConf.update(raw, key, value, force_add=True)
     try:
-        cfg = load_config(raw, overrides)
+        cfg = load_run_config(raw, overrides)
     except ConfigError as err:
         raise ConversionError(str(err)) from err
     typed = OmegaConf.structured(cfg)
@@ -284,12 +286,6 @@ def _single_process_megatron() -> Iterator[None]:
     finally:
         if owned:
             destroy_distributed()
-
-
-def _model_config(cfg: ExperimentConfig, vocab: int) -> GPTModelConfig:
-    """The model of ``cfg``, built with the local backend on CPU: the checkpoint keys are
-    the same for every backend and parallel layout."""
-    return dataclasses.replace(model_config(cfg, vocab), backend="local", fp8=None, fp8_param=False)
 
 
 def _fill(

@@ -27,15 +27,12 @@ from megatron.core.num_microbatches_calculator import (
 from megatron.core.utils import get_model_config
 
 from megatron_lns.build import (
-    build_trainable,
+    build_trainable_from_config,
     dataset_num_samples,
     dataset_settings,
-    ddp_config,
     device_setting,
     fast_paths,
-    initialize_tp_comm_overlap,
     model_config,
-    optim_settings,
     parallel_layout,
     tokenizer_spec,
 )
@@ -200,15 +197,8 @@ class Trainer:
             tokenizer_spec(cfg), self.model_config.vocab_size, dataset_num_samples(cfg)
         )
 
-        if m.ub_tp_comm_overlap:
-            initialize_tp_comm_overlap(cfg)
-        trainable = build_trainable(
-            self.model_config,
-            self.layout,
-            self.device,
-            optim_settings(cfg),
-            t.max_steps,
-            ddp=ddp_config(cfg, self.fast_paths),
+        trainable = build_trainable_from_config(
+            cfg, self.model_config, self.device, self.fast_paths
         )
         self.model, self.optimizer, self.scheduler = (
             trainable.model,

@@ -30,6 +30,13 @@ def _fp8_capable() -> bool:
 needs_te = pytest.mark.skipif(not _te_available(), reason="needs Transformer Engine")
 
 
+def _ddp_without_overlap():
+    """megatron DDP with fp32 gradient reduction and no overlap with backward."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+
+
 def _logits(model, tokens):
     positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     return model(tokens, positions, None)
@@ -59,16 +66,17 @@ def _async_save_worker(directory, device_name="cuda"):
     it returns), however they change while it is written; no helper process stays."""
     import psutil
 
-    from megatron_lns.build import wrap_with_ddp
-    from megatron_lns.model import build_model
-    from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
+    from megatron_lns.build import build_trainable
+    from megatron_lns.optim import OptimSettings
     from megatron_lns.runtime import ParallelLayout, init_distributed
     from megatron_lns.training.checkpoint import TrainingState, load_model_weights
     from megatron_lns.training.checkpoint_writer import CheckpointWriter
 
     device = init_distributed(ParallelLayout(), device=device_name)
-    model = wrap_with_ddp(build_model(tiny_config(), device=device))
-    optimizer, scheduler = build_optimizer_and_scheduler(model, OptimSettings(), 10)
+    trainable = build_trainable(
+        tiny_config(), ParallelLayout(), device, OptimSettings(), 10, ddp=_ddp_without_overlap()
+    )
+    model, optimizer, scheduler = trainable.model, trainable.optimizer, trainable.scheduler
     saved = [p.detach().clone() for p in model[0].parameters()]
     writer = CheckpointWriter(directory, asynchronous=True)
     path = writer.save(model, optimizer, scheduler, TrainingState(1, 4), "")
@@ -124,14 +132,11 @@ def test_deep_layer_bf16_scale_is_as_precise_as_plain_gamma(tmp_path):
 
 
 def _fp8_training_worker(steps):
-    from megatron.core.transformer.module import Float16Module
-
-    from megatron_lns.build import wrap_with_ddp
+    from megatron_lns.build import build_trainable
     from megatron_lns.data.blend import builtin_dataset_prefix
     from megatron_lns.data.datasets import build_gpt_datasets, micro_batch_loader
     from megatron_lns.data.tokenizer import ByteTokenizer
-    from megatron_lns.model import build_model
-    from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
+    from megatron_lns.optim import OptimSettings
     from megatron_lns.runtime import ParallelLayout, init_distributed
     from megatron_lns.training.step import train_step
 
@@ -148,11 +153,11 @@ def _fp8_training_worker(steps):
         fp8="delayed",
         fp8_amax_history_len=16,
     )
-    chunks = [Float16Module(c.config, c) for c in build_model(cfg, device=device)]
-    model = wrap_with_ddp(chunks)
-    optimizer, scheduler = build_optimizer_and_scheduler(
-        model, OptimSettings(lr=1e-3, min_lr=1e-4, warmup_steps=20), steps, torch.bfloat16
+    settings = OptimSettings(lr=1e-3, min_lr=1e-4, warmup_steps=20)
+    trainable = build_trainable(
+        cfg, ParallelLayout(), device, settings, steps, ddp=_ddp_without_overlap()
     )
+    model, optimizer, scheduler = trainable.model, trainable.optimizer, trainable.scheduler
     splits = build_gpt_datasets(
         [str(builtin_dataset_prefix("pydoc", "byte", None, None))],
         None,

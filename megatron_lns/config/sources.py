@@ -1,0 +1,61 @@
+"""Where a run config comes from, and the one function every command loads it with.
+
+A source is a YAML file, a bundled config's name (``llama_130m``), a directory that
+holds a run's ``config.yaml`` (a run directory, one of its ``iter_NNNNNNN``
+checkpoints, or an ``import-hf`` output), or an already-read mapping. ``train``,
+``compare``, ``submit``, ``analyze``, ``import-hf`` and ``export-hf`` all load through
+:func:`load_run_config`, so they accept the same sources and report the same errors;
+each then validates as its job needs (``validate``, ``check_environment``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from megatron_lns.config.bundled import resolve_config_path
+from megatron_lns.config.loader import ConfigError, load_config
+from megatron_lns.config.schema import ExperimentConfig
+
+# The resolved config a run, each of its checkpoints and an import-hf output keep.
+RUN_CONFIG = "config.yaml"
+
+
+def config_file(source: str | Path) -> Path:
+    """The YAML file ``source`` names: an existing file as given, a directory's
+    ``config.yaml``, else a bundled config by name (also when a directory without a
+    ``config.yaml`` happens to share that name)."""
+    path = Path(source)
+    if not path.is_dir():
+        return resolve_config_path(path)
+    stored = path / RUN_CONFIG
+    if stored.is_file():
+        return stored
+    try:
+        return resolve_config_path(path)
+    except ConfigError:
+        raise ConfigError(
+            f"{stored} is missing: the directory does not say its run config (a run "
+            "directory and each of its checkpoints hold one)"
+        ) from None
+
+
+def load_run_config(
+    source: str | Path | DictConfig | dict, overrides: Sequence[str] = ()
+) -> ExperimentConfig:
+    """The typed config of ``source`` with ``overrides`` (``key=value``, ``+key=value``,
+    ``~key``) applied; consistency is left to ``validate``.
+
+    A directory's ``config.yaml`` was written by a run, not by the user, so its errors
+    name the file."""
+    if isinstance(source, (DictConfig, dict)):
+        return load_config(source, list(overrides))
+    path = config_file(source)
+    if path != Path(source) / RUN_CONFIG:
+        return load_config(path, list(overrides))
+    try:
+        return load_config(path, list(overrides))
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from err
