@@ -43,7 +43,7 @@ def _train_job(cfg) -> None:
 
 def _compare_job(cfg, variant_names: list[str], num_seeds: int, out: str) -> None:
     _quiet_third_party_noise()
-    from megatron_lns.compare import parse_variants, run_comparison
+    from megatron_lns.comparison import parse_variants, run_comparison
 
     run_comparison(cfg, parse_variants(variant_names), num_seeds, Path(out))
 
@@ -96,9 +96,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
+    from megatron_lns.cluster.slurm.submit import prepare_job, require_sbatch, sbatch, write_job
     from megatron_lns.config import load_config, validate
     from megatron_lns.config.bundled import resolve_config_path
-    from megatron_lns.launch.submit import prepare_job, require_sbatch, sbatch, write_job
 
     # Checked as `train` checks it, except what the compute node must offer (CUDA, TE):
     # the login node may have no GPU; each task checks that when it starts.
@@ -118,7 +118,7 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from megatron_lns.compare import DEFAULT_VARIANTS, parse_variants, seeds_for
+    from megatron_lns.comparison import DEFAULT_VARIANTS, parse_variants, seeds_for
     from megatron_lns.config.bundled import DEMO_CONFIG_NAME
 
     cfg = _load(getattr(args, "config", None) or DEMO_CONFIG_NAME, args.overrides, args.dry_run)
@@ -216,7 +216,7 @@ def _add_out_and_dry_run(parser: argparse.ArgumentParser) -> None:
 
 
 def _analyze(args: argparse.Namespace) -> int:
-    from megatron_lns.analyze import analyze, is_override
+    from megatron_lns.analysis.trained_models import analyze, is_override
 
     arguments = [*args.inputs, *args.overrides]
     analyze(

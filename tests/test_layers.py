@@ -25,17 +25,17 @@ LAYERS = [
     "config",
     "build",
     "training",
-    "analysis",
-    "compare",
-    "launch",
     "convert",
-    "analyze",
+    "analysis",
+    "comparison",
+    "cluster",
+    "launch",
     "cli",
 ]
 
 
 # Process entry points (the command line, the SLURM task) may import from every layer.
-ENTRY_POINTS = {"megatron_lns.cli", "megatron_lns.launch.task"}
+ENTRY_POINTS = {"megatron_lns.cli", "megatron_lns.cluster.slurm.task"}
 
 
 def _module_name(path: Path) -> str:

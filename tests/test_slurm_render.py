@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from megatron_lns.cli import main
-from megatron_lns.config import ConfigError, load_config, validate
-from megatron_lns.launch.rank_env import (
+from megatron_lns.cluster.slurm.rank_env import (
     expand_nodelist,
     master_port,
     rank_environment,
 )
-from megatron_lns.launch.submit import prepare_job
-from megatron_lns.launch.task import main as task_main
+from megatron_lns.cluster.slurm.submit import prepare_job
+from megatron_lns.cluster.slurm.task import main as task_main
+from megatron_lns.config import ConfigError, load_config, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "data"
@@ -382,7 +382,7 @@ def test_task_outside_srun_fails_with_one_line(capsys, monkeypatch):
 
 
 def test_quote_round_trips_through_bash():
-    from megatron_lns.launch.render import quote
+    from megatron_lns.cluster.slurm.render import quote
 
     for value in HOSTILE:
         out = subprocess.run(

@@ -8,7 +8,7 @@ from megatron_lns.runtime.distributed import (
     resolve_device,
     uses_gloo,
 )
-from megatron_lns.runtime.launch import (
+from megatron_lns.runtime.local_ranks import (
     NoMultiNodeLauncher,
     RankFailed,
     RanksTimedOut,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from megatron_lns.launch.rank_env import SlurmEnvironmentError, rank_environment
+from megatron_lns.cluster.slurm.rank_env import SlurmEnvironmentError, rank_environment
 
 
 def main(argv: list[str] | None = None) -> int:
