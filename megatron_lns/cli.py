@@ -8,91 +8,27 @@ line, ``error: ...``, and exit code 2; ``MEGATRON_LNS_DEBUG=1`` shows their trac
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import time
-import warnings
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from megatron_lns.data.tokenizer import TOKENIZER_LIBRARIES
-
-# Modules whose import-time and per-call warnings say nothing about the user's run:
-# megatron-core (missing apex/TE, its own deprecations), Transformer Engine, apex, and
-# the torch internals megatron drives. Warnings from anywhere else, the user's code
-# included, are shown.
-THIRD_PARTY_NOISE = r"(megatron|transformer_engine|apex|torch)(\..*)?$"
-
-
-def _quiet_third_party_noise() -> None:
-    for category in (UserWarning, FutureWarning, DeprecationWarning):
-        warnings.filterwarnings("ignore", category=category, module=THIRD_PARTY_NOISE)
-    logging.getLogger("megatron.core").setLevel(logging.ERROR)
-    # torch's extension loader logs "No CUDA runtime is found" on CPU-only hosts.
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-
-
-def _train_job(cfg) -> None:
-    _quiet_third_party_noise()  # again: spawned ranks start with fresh filters
-    from megatron_lns.training.trainer import Trainer
-
-    Trainer(cfg).fit()
-
-
-def _compare_job(cfg, variant_names: list[str], num_seeds: int, out: str) -> None:
-    _quiet_third_party_noise()
-    from megatron_lns.comparison import parse_variants, run_comparison
-
-    run_comparison(cfg, parse_variants(variant_names), num_seeds, Path(out))
-
-
-def _launch(cfg, job: Callable[..., Any], *args: Any) -> None:
-    """Run ``job(cfg, *args)`` on every rank: in-process under torchrun/SLURM or for one
-    device, else as ``trainer.devices`` local processes."""
-    from megatron_lns.runtime import run_job
-
-    run_job(
-        job, cfg.trainer.num_nodes, cfg.trainer.devices, cfg, *args,
-        multi_node_hint=": `megatron-lns submit` on SLURM, or one process per GPU started by "
-        "torchrun or srun",
-    )  # fmt: skip
-
-
-def _load(config: str, overrides: list[str], dry_run: bool = False):
-    from megatron_lns.config import ConfigError, load_config, validate
-    from megatron_lns.config.bundled import resolve_config_path
-    from megatron_lns.config.validate import check_environment
-
-    cfg = load_config(resolve_config_path(config), overrides)
-    env_world = os.environ.get("WORLD_SIZE")
-    world = int(env_world) if env_world else None
-    if world is not None and world != cfg.trainer.num_nodes * cfg.trainer.devices:
-        raise ConfigError(
-            f"WORLD_SIZE={world} from the launcher differs from trainer.num_nodes x "
-            f"trainer.devices = {cfg.trainer.num_nodes} x {cfg.trainer.devices}"
-        )
-    validate(cfg, world)
-    if not dry_run:
-        check_environment(cfg)
-    return cfg
-
-
-def _print_config(cfg) -> None:
-    from megatron_lns.config import to_yaml
-
-    if os.environ.get("RANK", "0") == "0":
-        print("# resolved config\n" + to_yaml(cfg), flush=True)
+from megatron_lns.third_party_noise import quiet_third_party_noise
 
 
 def _train(args: argparse.Namespace) -> int:
-    cfg = _load(args.config, args.overrides, args.dry_run)
-    _print_config(cfg)
-    if args.dry_run:
-        return 0
-    _launch(cfg, _train_job)
+    from megatron_lns.training.entry_point import train
+
+    train(args.config, args.overrides, args.dry_run)
     return 0
+
+
+def _compare_job(cfg, variant_names: list[str], num_seeds: int, out: str) -> None:
+    quiet_third_party_noise()
+    from megatron_lns.comparison import parse_variants, run_comparison
+
+    run_comparison(cfg, parse_variants(variant_names), num_seeds, Path(out))
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -120,16 +56,23 @@ def _submit(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from megatron_lns.comparison import DEFAULT_VARIANTS, parse_variants, seeds_for
     from megatron_lns.config.bundled import DEMO_CONFIG_NAME
+    from megatron_lns.training.entry_point import (
+        load_checked_config,
+        print_resolved_config,
+        run_on_every_rank,
+    )
 
-    cfg = _load(getattr(args, "config", None) or DEMO_CONFIG_NAME, args.overrides, args.dry_run)
+    cfg = load_checked_config(
+        getattr(args, "config", None) or DEMO_CONFIG_NAME, args.overrides, args.dry_run
+    )
     variants = [v.name for v in parse_variants(getattr(args, "variants", None) or DEFAULT_VARIANTS)]
     num_seeds = len(seeds_for(cfg, getattr(args, "seeds", 1)))
     if args.dry_run:
-        _print_config(cfg)
+        print_resolved_config(cfg)
         return 0
     # Chosen once, before the ranks start, so that every rank writes to the same place.
     out = args.out or str(Path(cfg.exp_manager.exp_dir or "runs") / time.strftime("%Y%m%d-%H%M%S"))
-    _launch(cfg, _compare_job, variants, num_seeds, out)
+    run_on_every_rank(cfg, _compare_job, variants, num_seeds, out)
     return 0
 
 
@@ -347,31 +290,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _quiet_third_party_noise()
+    quiet_third_party_noise()
     args = _parse_args(argv)
-    from megatron_lns.errors import (
-        USER_ERROR_EXIT_CODE,
-        UserError,
-        debug_enabled,
-        report_user_error_once,
-    )
-    from megatron_lns.runtime import RankFailed
+    from megatron_lns.runtime.exit_status import exit_status
 
-    try:
-        return args.func(args)
-    except (UserError, FileNotFoundError) as err:
-        if debug_enabled():
-            raise
-        report_user_error_once(err)
-        return USER_ERROR_EXIT_CODE
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except RankFailed as err:
-        if err.exit_code == USER_ERROR_EXIT_CODE:
-            return USER_ERROR_EXIT_CODE  # the rank has reported it
-        print(f"error: {err} (its output above says why)", file=sys.stderr)
-        return 1
+    return exit_status(lambda: args.func(args))
 
 
 if __name__ == "__main__":

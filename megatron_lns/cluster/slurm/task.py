@@ -1,8 +1,9 @@
 """What each srun task of a megatron-lns SLURM job runs.
 
 ``python -m megatron_lns.launch.task CONFIG.yaml`` sets the torch.distributed variables
-from SLURM's (one task per GPU, so the SLURM task is the rank) and runs
-``megatron-lns train CONFIG.yaml``: the same loading, checks and training.
+from SLURM's (one task per GPU, so the SLURM task is the rank) and then trains as
+``megatron-lns train CONFIG.yaml`` does, through the same entry point
+(:func:`megatron_lns.training.entry_point.train`): the same loading, checks and training.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import sys
 
 from megatron_lns.cluster.slurm.rank_env import SlurmEnvironmentError, rank_environment
+from megatron_lns.third_party_noise import quiet_third_party_noise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,9 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     except SlurmEnvironmentError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from megatron_lns.cli import main as cli_main
+    quiet_third_party_noise()
+    from megatron_lns.runtime.exit_status import exit_status
+    from megatron_lns.training.entry_point import train
 
-    return cli_main(["train", args[0]])
+    return exit_status(lambda: train(args[0], []))
 
 
 if __name__ == "__main__":
