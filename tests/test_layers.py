@@ -31,6 +31,7 @@ LAYERS = [
     "comparison",
     "cluster",
     "launch",
+    "commands",
     "cli",
 ]
 

@@ -1,0 +1,39 @@
+"""``megatron-lns submit``: submit training as a SLURM job (the config's ``cluster:``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    submit = commands.add_parser("submit", help="submit training as a SLURM job (cluster: section)")
+    submit.add_argument("config", help="YAML file (trainer / exp_manager / model / cluster)")
+    submit.add_argument("overrides", nargs="*", help="key=value, +key=value (add), ~key (delete)")
+    submit.add_argument(
+        "--dry-run", action="store_true", help="print the sbatch script; write and submit nothing"
+    )
+    submit.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_lns.cluster.slurm.submit import prepare_job, require_sbatch, sbatch, write_job
+    from megatron_lns.config import load_config, validate
+    from megatron_lns.config.bundled import resolve_config_path
+
+    # Checked as `train` checks it, except what the compute node must offer (CUDA, TE):
+    # the login node may have no GPU; each task checks that when it starts.
+    cfg = load_config(resolve_config_path(args.config), args.overrides)
+    validate(cfg)
+    job = prepare_job(cfg, Path.cwd(), sys.executable)
+    if args.dry_run:
+        print(job.script, end="")
+        return 0
+    require_sbatch()
+    write_job(job)
+    submitted = sbatch(job)
+    print(f"submitted job {submitted.job_id}: {submitted.script_path}")
+    print(f"job log: {submitted.job_log}")
+    print(f"run log: {submitted.first_run_log} (requeues: -restart1, -restart2, ...)")
+    return 0
