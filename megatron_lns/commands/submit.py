@@ -18,7 +18,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_lns.cluster.slurm.submit import prepare_job, require_sbatch, sbatch, write_job
+    from megatron_lns.cluster import executor_for
     from megatron_lns.config import load_config, validate
     from megatron_lns.config.bundled import resolve_config_path
 
@@ -26,14 +26,11 @@ def run(args: argparse.Namespace) -> int:
     # the login node may have no GPU; each task checks that when it starts.
     cfg = load_config(resolve_config_path(args.config), args.overrides)
     validate(cfg)
-    job = prepare_job(cfg, Path.cwd(), sys.executable)
+    executor = executor_for(cfg)
+    job = executor.prepare(cfg, Path.cwd(), sys.executable)
     if args.dry_run:
-        print(job.script, end="")
+        print(executor.dry_run_text(job), end="")
         return 0
-    require_sbatch()
-    write_job(job)
-    submitted = sbatch(job)
-    print(f"submitted job {submitted.job_id}: {submitted.script_path}")
-    print(f"job log: {submitted.job_log}")
-    print(f"run log: {submitted.first_run_log} (requeues: -restart1, -restart2, ...)")
+    for line in executor.submit(job).report():
+        print(line)
     return 0
