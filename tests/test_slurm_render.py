@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -379,6 +380,21 @@ def test_task_outside_srun_fails_with_one_line(capsys, monkeypatch):
     assert task_main(["config.yaml"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "SLURM_JOB_NODELIST is not set" in err
+
+
+def test_the_module_path_batch_scripts_run_still_runs_the_task():
+    """Written job.sbatch files name `-m megatron_lns.launch.task`; it must keep working."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_lns.launch.task", "config.yaml"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error: SLURM_JOB_NODELIST is not set")
 
 
 def test_quote_round_trips_through_bash():

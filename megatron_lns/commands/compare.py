@@ -9,8 +9,12 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_lns.third_party_noise import quiet_third_party_noise
+
+if TYPE_CHECKING:
+    from megatron_lns.config import ExperimentConfig
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -43,7 +47,8 @@ def add_out_and_dry_run(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
 
 
-def compare_job(cfg, variant_names: list[str], num_seeds: int, out: str) -> None:
+def compare_job(cfg: ExperimentConfig, variant_names: list[str], num_seeds: int, out: str) -> None:
+    """What every rank runs: the comparison, written under ``out``."""
     quiet_third_party_noise()
     from megatron_lns.comparison import parse_variants, run_comparison
 
