@@ -27,7 +27,7 @@ def _train(cfg):
 
 
 def _analyze(inputs, out_dir, options=None):
-    from megatron_lns.analyze import analyze
+    from megatron_lns.analysis.trained_models import analyze
 
     return json.loads(analyze(inputs, out_dir, **(options or {})).read_text())
 

@@ -13,7 +13,7 @@ from helpers import DEMO_CONFIG, TINY_RUN_OVERRIDES, run_distributed
 from megatron_lns.analysis.depth import LayerStats
 from megatron_lns.analysis.plots import trailing_mean
 from megatron_lns.cli import main
-from megatron_lns.compare import (
+from megatron_lns.comparison import (
     CompareError,
     Comparison,
     RunResult,
@@ -95,7 +95,7 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
 
 
 def _compare(cfg, out, variants=("lns", "pre_ln"), seeds=2):
-    from megatron_lns.compare import parse_variants, run_comparison
+    from megatron_lns.comparison import parse_variants, run_comparison
 
     comparison = run_comparison(cfg, parse_variants(variants), seeds, Path(out))
     return comparison.stopped

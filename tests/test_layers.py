@@ -9,6 +9,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megatron_lns"
 # Bottom to top. A module may import from its own entry or any entry before it.
 LAYERS = [
     "errors",
+    "third_party_noise",
     "choices",
     "layout",
     "scaling",
@@ -27,17 +28,18 @@ LAYERS = [
     "config",
     "build",
     "training",
-    "analysis",
-    "compare",
-    "launch",
     "convert",
-    "analyze",
+    "analysis",
+    "comparison",
+    "cluster",
+    "launch",
+    "commands",
     "cli",
 ]
 
 
-# Process entry points (the command line, the SLURM task) may import from every layer.
-ENTRY_POINTS = {"megatron_lns.cli", "megatron_lns.launch.task"}
+# The process entry point of the command line may import from every layer.
+ENTRY_POINTS = {"megatron_lns.cli"}
 
 
 def _module_name(path: Path) -> str:

@@ -7,19 +7,20 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_lns.cli import main
-from megatron_lns.config import ConfigError, load_config, validate
-from megatron_lns.launch.rank_env import (
+from megatron_lns.cluster.slurm.rank_env import (
     expand_nodelist,
     master_port,
     rank_environment,
 )
-from megatron_lns.launch.submit import prepare_job
-from megatron_lns.launch.task import main as task_main
+from megatron_lns.cluster.slurm.submit import prepare_job
+from megatron_lns.cluster.slurm.task import main as task_main
+from megatron_lns.config import ConfigError, load_config, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "data"
@@ -381,8 +382,23 @@ def test_task_outside_srun_fails_with_one_line(capsys, monkeypatch):
     assert err.count("\n") == 1 and "SLURM_JOB_NODELIST is not set" in err
 
 
+def test_the_module_path_batch_scripts_run_still_runs_the_task():
+    """Written job.sbatch files name `-m megatron_lns.launch.task`; it must keep working."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_lns.launch.task", "config.yaml"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error: SLURM_JOB_NODELIST is not set")
+
+
 def test_quote_round_trips_through_bash():
-    from megatron_lns.launch.render import quote
+    from megatron_lns.cluster.slurm.render import quote
 
     for value in HOSTILE:
         out = subprocess.run(

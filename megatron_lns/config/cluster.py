@@ -2,7 +2,7 @@
 
 Each failure is a :class:`ConfigError` naming the key. What the sbatch renderer can
 write safely (no control characters, nothing shell-active on an ``#SBATCH`` line) is
-checked where the script is rendered, in ``megatron_lns.launch.render``.
+checked where the script is rendered, in ``megatron_lns.cluster.slurm.render``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ _TIME = re.compile(r"^(?:(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?|(\d+)(?::(\d+)(?::(\d
 _MEM = re.compile(r"^\d+[KMGT]?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _JOB_NAME = re.compile(r"^[A-Za-z0-9_.:+-]+$")
-# Set per task from SLURM's variables (megatron_lns.launch.rank_env); a fixed value
+# Set per task from SLURM's variables (megatron_lns.cluster.slurm.rank_env); a fixed value
 # in env_vars would give every rank the same one.
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 

@@ -1,8 +1,6 @@
-"""Running training under SLURM: the sbatch script, the per-task rank environment, submit.
+"""The module path SLURM batch scripts run: ``python -m megatron_lns.launch.task``.
 
-The only package that knows about SLURM. ``megatron-lns submit`` renders
-``slurm/sbatch.template`` from the config (:mod:`.render`) and hands it to ``sbatch``
-(:mod:`.submit`); inside the job every ``srun`` task runs :mod:`.task`, which derives
-the torch.distributed environment from SLURM's variables (:mod:`.rank_env`) and then
-trains exactly as ``megatron-lns train`` does.
+Every ``job.sbatch`` that ``megatron-lns submit`` writes names this path, and a written
+script runs again long after submission (each requeue; ``sbatch job.sbatch`` by hand),
+so the path stays fixed wherever the code lives: in :mod:`megatron_lns.cluster.slurm`.
 """

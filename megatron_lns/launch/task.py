@@ -1,32 +1,14 @@
-"""What each srun task of a megatron-lns SLURM job runs.
+"""``python -m megatron_lns.launch.task CONFIG.yaml``: one srun task of a SLURM job.
 
-``python -m megatron_lns.launch.task CONFIG.yaml`` sets the torch.distributed variables
-from SLURM's (one task per GPU, so the SLURM task is the rank) and runs
-``megatron-lns train CONFIG.yaml``: the same loading, checks and training.
+The fixed path that batch scripts name (see :mod:`megatron_lns.launch`); the task itself
+is :mod:`megatron_lns.cluster.slurm.task`.
 """
 
-from __future__ import annotations
-
-import os
 import sys
 
-from megatron_lns.launch.rank_env import SlurmEnvironmentError, rank_environment
+from megatron_lns.cluster.slurm.task import main
 
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m megatron_lns.launch.task CONFIG.yaml", file=sys.stderr)
-        return 2
-    try:
-        os.environ.update(rank_environment(os.environ))
-    except SlurmEnvironmentError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    from megatron_lns.cli import main as cli_main
-
-    return cli_main(["train", args[0]])
-
+__all__ = ["main"]
 
 if __name__ == "__main__":
     sys.exit(main())

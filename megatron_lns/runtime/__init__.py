@@ -1,4 +1,5 @@
-"""Device selection and process-group setup; the CPU compatibility layer for megatron-core."""
+"""Device selection and process-group setup; the CPU compatibility layer for megatron-core;
+ranks as local processes; a process's exit status."""
 
 from megatron_lns.runtime.cpu import cpu_compat_installed, install_cpu_compat
 from megatron_lns.runtime.distributed import (
@@ -8,7 +9,7 @@ from megatron_lns.runtime.distributed import (
     resolve_device,
     uses_gloo,
 )
-from megatron_lns.runtime.launch import (
+from megatron_lns.runtime.local_ranks import (
     NoMultiNodeLauncher,
     RankFailed,
     RanksTimedOut,

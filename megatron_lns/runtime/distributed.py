@@ -2,7 +2,7 @@
 
 Works the same for every process that finds the torchrun variables (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) in its environment:
-started by ``torchrun``, by ``launch.spawn_local`` for tests and the CPU demo, or by any
+started by ``torchrun``, by ``local_ranks.spawn_local`` for tests and the CPU demo, or by any
 launcher that sets them.
 """
 

@@ -1,4 +1,4 @@
-"""``megatron-lns analyze``: depth diagnostics of trained models on held-out data.
+"""Depth diagnostics of trained models on held-out data (``megatron-lns analyze``).
 
 Each input is a run directory (its newest complete checkpoint), one ``iter_NNNNNNN``
 checkpoint, or a Hugging Face model written by ``megatron-lns export-hf``. A megatron

@@ -1,4 +1,4 @@
-"""``megatron-lns submit``: write a job's script and resolved config, hand it to sbatch."""
+"""A SLURM job: its script and resolved config, written next to the run and handed to sbatch."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_lns.cluster.slurm.render import JobPaths, render_sbatch
 from megatron_lns.config import ExperimentConfig, to_yaml
 from megatron_lns.config.cluster import job_name
 from megatron_lns.errors import UserError
-from megatron_lns.launch.render import JobPaths, render_sbatch
 
 
 class SubmitError(UserError, RuntimeError):
@@ -36,6 +36,13 @@ class SubmittedJob:
     script_path: Path
     job_log: Path  # SLURM's messages and one line per run, across requeues
     first_run_log: Path  # the first run's full output (requeues: -restart1, -restart2, ...)
+
+    def report(self) -> list[str]:
+        return [
+            f"submitted job {self.job_id}: {self.script_path}",
+            f"job log: {self.job_log}",
+            f"run log: {self.first_run_log} (requeues: -restart1, -restart2, ...)",
+        ]
 
 
 def prepare_job(

@@ -26,6 +26,8 @@ from megatron_lns.training.run_status import RUN_STATUS_FILE
 # slurm/ at the top of the repository, inside the package through the megatron_lns/slurm
 # link (package data), so an installed wheel renders the same script as a checkout.
 TEMPLATE = Path(str(resources.files("megatron_lns") / "slurm" / "sbatch.template"))
+# What each task runs: a fixed path (megatron_lns/launch/task.py), since written scripts
+# outlive upgrades (requeues, `sbatch job.sbatch` by hand).
 TASK_MODULE = "megatron_lns.launch.task"
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")

@@ -1,0 +1,9 @@
+"""The SLURM backend: the sbatch script, the per-task rank environment, submission.
+
+The only package that knows about SLURM. ``megatron-lns submit`` renders
+``slurm/sbatch.template`` from the config (:mod:`.render`) and hands it to ``sbatch``
+(:mod:`.submit`); inside the job every ``srun`` task runs :mod:`.task` (through the
+fixed path ``python -m megatron_lns.launch.task``), which derives the torch.distributed
+environment from SLURM's variables (:mod:`.rank_env`) and then trains exactly as
+``megatron-lns train`` does.
+"""

@@ -1,0 +1,36 @@
+"""What each srun task of a megatron-lns SLURM job runs.
+
+``python -m megatron_lns.launch.task CONFIG.yaml`` sets the torch.distributed variables
+from SLURM's (one task per GPU, so the SLURM task is the rank) and then trains as
+``megatron-lns train CONFIG.yaml`` does, through the same entry point
+(:func:`megatron_lns.training.entry_point.train`): the same loading, checks and training.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from megatron_lns.cluster.slurm.rank_env import SlurmEnvironmentError, rank_environment
+from megatron_lns.third_party_noise import quiet_third_party_noise
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m megatron_lns.launch.task CONFIG.yaml", file=sys.stderr)
+        return 2
+    try:
+        os.environ.update(rank_environment(os.environ))
+    except SlurmEnvironmentError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    quiet_third_party_noise()
+    from megatron_lns.runtime.exit_status import exit_status
+    from megatron_lns.training.entry_point import train
+
+    return exit_status(lambda: train(args[0], []))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""``megatron-lns compare``: train several variants over several seeds; table and plots.
+
+The comparison itself is :mod:`megatron_lns.comparison`; ``demo`` runs this command's
+:func:`run` with its defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megatron_lns.third_party_noise import quiet_third_party_noise
+
+if TYPE_CHECKING:
+    from megatron_lns.config import ExperimentConfig
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    compare = commands.add_parser(
+        "compare", help="train several variants over several seeds; table and plots"
+    )
+    compare.add_argument("config", help="YAML file or bundled config name")
+    compare.add_argument("overrides", nargs="*", help="key=value overrides of the YAML")
+    compare.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        help="lns pre_ln post_ln deepnorm mix_ln layerscale skipinit, each optionally "
+        "+normal_init / +scaled_init / +depth_scaled_init (default: lns pre_ln)",
+    )
+    compare.add_argument(
+        "--seeds", type=int, default=1, help="runs per variant, seeds model.seed, +1, ..."
+    )
+    add_out_and_dry_run(compare)
+    compare.set_defaults(func=run)
+
+
+def add_out_and_dry_run(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="directory of the runs and results (default: <exp_manager.exp_dir>/<time>); "
+        "an existing one resumes its unfinished runs",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+
+
+def compare_job(cfg: ExperimentConfig, variant_names: list[str], num_seeds: int, out: str) -> None:
+    """What every rank runs: the comparison, written under ``out``."""
+    quiet_third_party_noise()
+    from megatron_lns.comparison import parse_variants, run_comparison
+
+    run_comparison(cfg, parse_variants(variant_names), num_seeds, Path(out))
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_lns.comparison import DEFAULT_VARIANTS, parse_variants, seeds_for
+    from megatron_lns.config.bundled import DEMO_CONFIG_NAME
+    from megatron_lns.training.entry_point import (
+        load_checked_config,
+        print_resolved_config,
+        run_on_every_rank,
+    )
+
+    cfg = load_checked_config(
+        getattr(args, "config", None) or DEMO_CONFIG_NAME, args.overrides, args.dry_run
+    )
+    variants = [v.name for v in parse_variants(getattr(args, "variants", None) or DEFAULT_VARIANTS)]
+    num_seeds = len(seeds_for(cfg, getattr(args, "seeds", 1)))
+    if args.dry_run:
+        print_resolved_config(cfg)
+        return 0
+    # Chosen once, before the ranks start, so that every rank writes to the same place.
+    out = args.out or str(Path(cfg.exp_manager.exp_dir or "runs") / time.strftime("%Y%m%d-%H%M%S"))
+    run_on_every_rank(cfg, compare_job, variants, num_seeds, out)
+    return 0

@@ -1,0 +1,23 @@
+"""``megatron-lns train``: pretrain from a NeMo-style YAML config."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    train = commands.add_parser("train", help="pretrain from a NeMo-style YAML config")
+    train.add_argument(
+        "config",
+        help="YAML file (trainer / exp_manager / model sections) or a bundled config's name",
+    )
+    train.add_argument("overrides", nargs="*", help="key=value, +key=value (add), ~key (delete)")
+    train.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    train.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_lns.training.entry_point import train
+
+    train(args.config, args.overrides, args.dry_run)
+    return 0

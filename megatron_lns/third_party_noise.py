@@ -1,0 +1,24 @@
+"""Warnings and log lines of third-party code that say nothing about the user's run.
+
+Every process of megatron-lns quiets them first: the command line, each SLURM task and
+each local rank (spawned ranks start with fresh warning filters).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+# Modules whose import-time and per-call warnings say nothing about the user's run:
+# megatron-core (missing apex/TE, its own deprecations), Transformer Engine, apex, and
+# the torch internals megatron drives. Warnings from anywhere else, the user's code
+# included, are shown.
+THIRD_PARTY_NOISE = r"(megatron|transformer_engine|apex|torch)(\..*)?$"
+
+
+def quiet_third_party_noise() -> None:
+    for category in (UserWarning, FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=THIRD_PARTY_NOISE)
+    logging.getLogger("megatron.core").setLevel(logging.ERROR)
+    # torch's extension loader logs "No CUDA runtime is found" on CPU-only hosts.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)

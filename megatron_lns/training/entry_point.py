@@ -1,0 +1,79 @@
+"""The training entry point: what ``megatron-lns train`` and every SLURM task run.
+
+Loads the config and checks it for a run from this process (``WORLD_SIZE`` of an
+external launcher, what this machine offers: CUDA, Transformer Engine), prints the
+resolved config once, and runs the :class:`~megatron_lns.training.trainer.Trainer` on
+every rank. ``megatron-lns compare`` loads, prints and starts its ranks the same way.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from megatron_lns.third_party_noise import quiet_third_party_noise
+
+if TYPE_CHECKING:
+    from megatron_lns.config import ExperimentConfig
+
+
+def train(config: str, overrides: list[str], dry_run: bool = False) -> None:
+    """Train from a YAML file or bundled config's name; ``dry_run`` prints the resolved
+    config after the checks and trains nothing."""
+    cfg = load_checked_config(config, overrides, dry_run)
+    print_resolved_config(cfg)
+    if dry_run:
+        return
+    run_on_every_rank(cfg, train_job)
+
+
+def train_job(cfg: ExperimentConfig) -> None:
+    quiet_third_party_noise()  # again: spawned ranks start with fresh filters
+    from megatron_lns.training.trainer import Trainer
+
+    Trainer(cfg).fit()
+
+
+def run_on_every_rank(cfg: ExperimentConfig, job: Callable[..., Any], *args: Any) -> None:
+    """Run ``job(cfg, *args)`` on every rank: in-process under torchrun/SLURM or for one
+    device, else as ``trainer.devices`` local processes."""
+    from megatron_lns.runtime import run_job
+
+    run_job(
+        job, cfg.trainer.num_nodes, cfg.trainer.devices, cfg, *args,
+        multi_node_hint=": `megatron-lns submit` on SLURM, or one process per GPU started by "
+        "torchrun or srun",
+    )  # fmt: skip
+
+
+def load_checked_config(
+    config: str, overrides: list[str], dry_run: bool = False
+) -> ExperimentConfig:
+    """The config of a run from this process: loaded with ``overrides``, validated for
+    the launcher's ``WORLD_SIZE`` where one set it and, unless ``dry_run``, checked
+    against this machine."""
+    from megatron_lns.config import ConfigError, validate
+    from megatron_lns.config.sources import load_run_config
+    from megatron_lns.config.validate import check_environment
+    from megatron_lns.layout import world_size
+
+    cfg = load_run_config(config, overrides)
+    env_world = os.environ.get("WORLD_SIZE")
+    world = int(env_world) if env_world else None
+    if world is not None and world != world_size(cfg.trainer.num_nodes, cfg.trainer.devices):
+        raise ConfigError(
+            f"WORLD_SIZE={world} from the launcher differs from trainer.num_nodes x "
+            f"trainer.devices = {cfg.trainer.num_nodes} x {cfg.trainer.devices}"
+        )
+    validate(cfg, world)
+    if not dry_run:
+        check_environment(cfg)
+    return cfg
+
+
+def print_resolved_config(cfg: ExperimentConfig) -> None:
+    from megatron_lns.config import to_yaml
+
+    if os.environ.get("RANK", "0") == "0":
+        print("# resolved config\n" + to_yaml(cfg), flush=True)
