@@ -53,7 +53,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     quiet_third_party_noise()
     args = _parse_args(argv)
-    from megatron_lns.runtime.exit_status import exit_status
+    from megatron_lns.exit_status import exit_status
 
     return exit_status(lambda: args.func(args))
 

@@ -50,3 +50,12 @@ def report_user_error_once(err: UserError) -> None:
         except FileExistsError:
             return
     print(f"error: {err}", file=sys.stderr, flush=True)
+
+
+class RankFailed(Exception):
+    """A rank of a local multi-process run exited with an error (``runtime.local_ranks``)."""
+
+    def __init__(self, rank: int, exit_code: int) -> None:
+        super().__init__(f"rank {rank} exited with code {exit_code}")
+        self.rank = rank
+        self.exit_code = exit_code

@@ -9,6 +9,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megatron_lns"
 # Bottom to top. A module may import from its own entry or any entry before it.
 LAYERS = [
     "errors",
+    "exit_status",
     "third_party_noise",
     "choices",
     "layout",

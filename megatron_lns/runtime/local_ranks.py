@@ -29,6 +29,7 @@ from typing import Any
 from megatron_lns.errors import (
     REPORT_MARKER_ENV,
     USER_ERROR_EXIT_CODE,
+    RankFailed,
     UserError,
     debug_enabled,
     report_user_error_once,
@@ -39,15 +40,6 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # Seconds the other ranks get to exit on their own after one failed, then again after
 # SIGTERM, before SIGKILL: a rank blocked in a collective with a dead peer never returns.
 FAILURE_GRACE_SECONDS = 2.0
-
-
-class RankFailed(Exception):
-    """A rank of a local multi-process run exited with an error."""
-
-    def __init__(self, rank: int, exit_code: int) -> None:
-        super().__init__(f"rank {rank} exited with code {exit_code}")
-        self.rank = rank
-        self.exit_code = exit_code
 
 
 def _die_with_parent() -> None:

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     quiet_third_party_noise()
-    from megatron_lns.runtime.exit_status import exit_status
+    from megatron_lns.exit_status import exit_status
     from megatron_lns.training.entry_point import train
 
     return exit_status(lambda: train(args[0], []))

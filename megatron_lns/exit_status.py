@@ -1,5 +1,7 @@
 """The exit status of a process entry point: the command line, a SLURM task.
 
+It imports no torch: ``submit`` and ``--dry-run`` end here too.
+
 Errors in the input (config, data, checkpoints, run directory) end the process with one
 line, ``error: ...``, and exit code 2; ``MEGATRON_LNS_DEBUG=1`` shows their traceback.
 A rank of a local multi-process run that failed ends it with status 1, or 2 when the
@@ -13,11 +15,11 @@ from collections.abc import Callable
 
 from megatron_lns.errors import (
     USER_ERROR_EXIT_CODE,
+    RankFailed,
     UserError,
     debug_enabled,
     report_user_error_once,
 )
-from megatron_lns.runtime.local_ranks import RankFailed
 
 
 def exit_status(body: Callable[[], int | None]) -> int:
