@@ -21,7 +21,7 @@ import sys
 from megatron_lns.config import load_config, validate
 cfg = load_config(sys.argv[1], sys.argv[2:])
 validate(cfg, check_files=False)
-print(",".join(m for m in {heavy!r} if m in sys.modules))
+print("HEAVY:" + ",".join(m for m in {heavy!r} if m in sys.modules))
 """
 
 
@@ -29,8 +29,8 @@ def _heavy_modules_imported(code: str, *args: str) -> list[str]:
     done = subprocess.run(
         [sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, check=True
     )
-    last_line = done.stdout.rstrip("\n").rpartition("\n")[2]
-    return [m for m in last_line.split(",") if m]
+    report = [line for line in done.stdout.splitlines() if line.startswith("HEAVY:")][-1]
+    return [m for m in report.removeprefix("HEAVY:").split(",") if m]
 
 
 OLMO_INPUTS = ["model.data.data_prefix=[/data/x]", "model.tokenizer.type=/models/t"]
@@ -54,3 +54,30 @@ def test_the_probe_sees_a_heavy_import():
     code = "import sys, megatron_lns.model\n" + LOAD_AND_VALIDATE.split("\n", 2)[2]
     code = code.format(heavy=HEAVY)
     assert "torch" in _heavy_modules_imported(code, str(OLMO), *OLMO_INPUTS)
+
+
+@pytest.mark.parametrize("command", ["submit", "train"])
+def test_dry_runs_import_neither_torch_nor_megatron(command, tmp_path):
+    """What a login node runs before a job is queued: the whole command, in a fresh
+    interpreter (the same probe as benchmarks/cli_startup.py)."""
+    prefix = tmp_path / "corpus_text_document"
+    for suffix in (".bin", ".idx"):
+        prefix.with_suffix(suffix).touch()
+    (tmp_path / "tokenizer").mkdir()
+    overrides = [
+        f"model.data.data_prefix=[{prefix}]",
+        f"model.tokenizer.type={tmp_path / 'tokenizer'}",
+        f"exp_manager.exp_dir={tmp_path / 'runs'}",
+        f"cluster.container_mounts=[{tmp_path}:{tmp_path}]",
+    ]
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['megatron-lns', *sys.argv[1:]]\n"
+        "try:\n"
+        "    runpy.run_module('megatron_lns.cli', run_name='__main__')\n"
+        "except SystemExit as exit:\n"
+        "    assert not exit.code, exit.code\n"
+        f"print('HEAVY:' + ','.join(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    imported = _heavy_modules_imported(code, command, str(OLMO), *overrides, "--dry-run")
+    assert imported == []
