@@ -23,7 +23,10 @@ def _run_and_record(fn: Callable[..., Any], out_dir: str, args: tuple) -> None:
         pickle.dump(result, f)
 
 
-DEMO_CONFIG = Path(__file__).resolve().parents[1] / "nemo_configs" / "tiny_cpu_demo.yaml"
+# The repository, the fixtures (configs, golden files) and the configs tests load.
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
+DEMO_CONFIG = ROOT / "nemo_configs" / "tiny_cpu_demo.yaml"
 # The demo config shrunk to a 4-layer model whose steps take well under a second.
 TINY_MODEL_OVERRIDES = [
     "model.num_layers=4",

@@ -7,18 +7,16 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 from helpers import DEMO_CONFIG as DEMO
-from helpers import TINY_RUN_OVERRIDES, fresh_launch_env, run_distributed, tiny_run_config
+from helpers import ROOT, TINY_RUN_OVERRIDES, fresh_launch_env, run_distributed, tiny_run_config
 
 from megatron_lns.training.checkpoint import COMPLETE_MARKER, latest_complete_checkpoint
 
 pytestmark = pytest.mark.usefixtures("private_corpus_cache")
 
-ROOT = Path(__file__).resolve().parents[1]
 ASYNC = "exp_manager.checkpoint_callback_params.async_save=true"
 PARALLEL_SAVE = "model.dist_ckpt_parallel_save=true"
 PARALLEL_LOAD = "model.dist_ckpt_parallel_load=true"

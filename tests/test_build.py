@@ -6,9 +6,9 @@ included, builds through ``build.py``, so a rule of the stack (which precision g
 written once. The scan is of calls, lazy imports and aliases included."""
 
 import ast
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
+
 SCANNED = [ROOT / "megatron_lns", ROOT / "benchmarks", ROOT / "tests" / "gpu"]
 
 # megatron class -> the modules (relative to ROOT) that may construct it.

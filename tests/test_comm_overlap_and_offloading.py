@@ -10,11 +10,10 @@ import enum
 import sys
 import types
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import DEMO_CONFIG, run_distributed
+from helpers import DEMO_CONFIG, FIXTURES, run_distributed
 
 from megatron_lns.build import (
     initialize_tp_comm_overlap,
@@ -28,7 +27,7 @@ from megatron_lns.config.validate import check_environment
 from megatron_lns.fast_paths import MachineFacts
 from megatron_lns.runtime import ParallelLayout
 
-NEMO = Path(__file__).parent / "data" / "nemo_megatron_gpt_config.yaml"
+NEMO = FIXTURES / "nemo_megatron_gpt_config.yaml"
 TP_OVERLAP = [
     "model.transformer_engine=true",
     "model.tensor_model_parallel_size=2",

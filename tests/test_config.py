@@ -4,10 +4,9 @@ import dataclasses
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
-from helpers import fresh_launch_env, read_only
+from helpers import FIXTURES, ROOT, fresh_launch_env, read_only
 from omegaconf import OmegaConf
 
 from megatron_lns.config import ConfigError, load_config, to_yaml, validate
@@ -16,9 +15,8 @@ from megatron_lns.config.nemo_compat import NEMO_KEYS, Inert, nemo_rule
 from megatron_lns.config.schema import ExperimentConfig
 from megatron_lns.config.settings import declaration
 
-ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "nemo_configs" / "tiny_cpu_demo.yaml"
-NEMO = Path(__file__).parent / "data" / "nemo_megatron_gpt_config.yaml"
+NEMO = FIXTURES / "nemo_megatron_gpt_config.yaml"
 
 
 def _load(*overrides, source=DEMO):

@@ -7,13 +7,12 @@ interpreter, since this test process has long imported both.
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import FIXTURES, ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 OLMO = ROOT / "nemo_configs" / "olmo_7b_lns_20b.yaml"
-NEMO = ROOT / "tests" / "data" / "nemo_megatron_gpt_config.yaml"
+NEMO = FIXTURES / "nemo_megatron_gpt_config.yaml"
 HEAVY = ("torch", "megatron.core", "transformers")
 
 LOAD_AND_VALIDATE = """

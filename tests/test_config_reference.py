@@ -1,14 +1,15 @@
 """docs/configuration.md's key tables are what the declarations in schema.py give."""
 
 import re
-from pathlib import Path
+
+from helpers import ROOT
 
 from megatron_lns.config.nemo_compat import NEMO_KEYS, Inert
 from megatron_lns.config.reference import groups, key_table, render, shown_default, tabled_groups
 from megatron_lns.config.schema import ExperimentConfig
 from megatron_lns.config.settings import declared_settings
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+PAGE = ROOT / "docs" / "configuration.md"
 
 
 def test_committed_key_tables_are_rendered_from_the_declarations():

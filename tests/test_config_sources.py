@@ -4,12 +4,12 @@ directory that keeps a run's config.yaml (run directory, checkpoint), with overr
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from megatron_lns.cli import main
 from megatron_lns.config import ConfigError, to_yaml
 from megatron_lns.config.sources import RUN_CONFIG, config_file, load_run_config
 
-ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "nemo_configs" / "tiny_cpu_demo.yaml"
 
 

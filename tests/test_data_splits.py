@@ -5,12 +5,11 @@ import signal
 import subprocess
 import sys
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import fresh_launch_env
+from helpers import ROOT, fresh_launch_env
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
 from megatron_lns.data.datasets import build_gpt_datasets
@@ -18,8 +17,6 @@ from megatron_lns.data.demo_corpus import demo_documents
 from megatron_lns.data.preprocess import preprocess
 from megatron_lns.data.splits import DatasetSplitError
 from megatron_lns.data.tokenizer import ByteTokenizer
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @contextmanager

@@ -4,17 +4,15 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import fresh_launch_env, tiny_config
+from helpers import ROOT, fresh_launch_env, tiny_config
 
 from megatron_lns.model import build_model
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import gpu_check  # noqa: E402
+import gpu_check
 
 
 def test_switching_lns_off_in_place_is_the_pre_ln_model(seeded):

@@ -4,7 +4,9 @@ no two modules import each other, however lazily (function-level imports count).
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "megatron_lns"
+from helpers import ROOT
+
+PACKAGE = ROOT / "megatron_lns"
 
 # Bottom to top. A module may import from its own entry or any entry before it.
 LAYERS = [

@@ -3,6 +3,7 @@
 import gc
 
 import pytest
+from helpers import FIXTURES, ROOT
 
 from megatron_lns.training.manual_gc import ManualGarbageCollection
 
@@ -56,15 +57,14 @@ def test_start_collects_once_and_stop_restores_a_disabled_collector(collections)
 
 @pytest.mark.filterwarnings("ignore::megatron_lns.config.loader.NemoKeysIgnoredWarning")
 def test_nemo_gc_interval_is_read_and_checked():
-    from pathlib import Path
 
     from megatron_lns.config import ConfigError, load_config, validate
 
-    nemo = Path(__file__).parent / "data" / "nemo_megatron_gpt_config.yaml"
+    nemo = FIXTURES / "nemo_megatron_gpt_config.yaml"
     assert (
         load_config(nemo, ["model.gc_interval=100", "model.data.data_prefix=[x]"]).model.gc_interval
         == 100
     )
-    demo = Path(__file__).resolve().parents[1] / "nemo_configs" / "tiny_cpu_demo.yaml"
+    demo = ROOT / "nemo_configs" / "tiny_cpu_demo.yaml"
     with pytest.raises(ConfigError, match=r"model.gc_interval must be >= 0, got -1"):
         validate(load_config(demo, ["model.gc_interval=-1"]), check_files=False)

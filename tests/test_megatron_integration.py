@@ -4,12 +4,11 @@
 import inspect
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
-from helpers import tiny_config
+from helpers import ROOT, tiny_config
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec, import_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -19,7 +18,7 @@ from megatron_lns.layer import LNSTransformerLayer
 from megatron_lns.model import build_model
 from megatron_lns.runtime import ParallelLayout
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "megatron_integration.md"
+DOC = ROOT / "docs" / "megatron_integration.md"
 VOCAB, SEQ = 128, 16
 
 

@@ -10,13 +10,13 @@ from types import SimpleNamespace
 
 import megatron.core
 import pytest
-from helpers import DEMO_CONFIG, run_distributed, tiny_run_config
+from helpers import DEMO_CONFIG, FIXTURES, run_distributed, tiny_run_config
 
 from megatron_lns.config import ConfigError, load_config, validate
 from megatron_lns.config.loader import NemoKeysIgnoredWarning
 from megatron_lns.training.timers import TIMER_NAMES, MegatronTimers, TimerSettings, timer_settings
 
-NEMO = Path(__file__).parent / "data" / "nemo_megatron_gpt_config.yaml"
+NEMO = FIXTURES / "nemo_megatron_gpt_config.yaml"
 K = "model.megatron_timer_kwargs."
 NEMO_READY = [
     "model.data.data_prefix=[x]",

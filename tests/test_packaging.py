@@ -7,9 +7,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from helpers import fresh_launch_env
-
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT, fresh_launch_env
 
 
 @pytest.fixture(scope="module")

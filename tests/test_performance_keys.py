@@ -6,11 +6,10 @@ import dataclasses
 import math
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import DEMO_CONFIG, TINY_RUN_OVERRIDES, run_distributed
+from helpers import DEMO_CONFIG, FIXTURES, ROOT, TINY_RUN_OVERRIDES, run_distributed
 
 from megatron_lns.build import (
     ddp_config,
@@ -29,7 +28,7 @@ from megatron_lns.fast_paths import (
     resolve_fast_paths,
 )
 
-NEMO = Path(__file__).parent / "data" / "nemo_megatron_gpt_config.yaml"
+NEMO = FIXTURES / "nemo_megatron_gpt_config.yaml"
 CPU = MachineFacts(cuda=False)
 H100_TE_APEX = MachineFacts(
     cuda=True, transformer_engine=True, softmax_kernels=True, wgrad_accumulation_kernel=True
@@ -418,14 +417,14 @@ def test_a_run_with_the_fast_paths_on_trains_like_one_without(tmp_path, monkeypa
 
 # --- The OLMo-7B production config ---
 
-OLMO = Path(__file__).resolve().parents[1] / "nemo_configs" / "olmo_7b_lns_20b.yaml"
+OLMO = ROOT / "nemo_configs" / "olmo_7b_lns_20b.yaml"
 OLMO_TOKENIZER_VOCAB = 50280  # GPT-NeoX / OLMo tokenizer (docs/REFERENCE: padded 50304)
 
 
 def _memory_module():
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "memory_per_gpu.py"
+    path = ROOT / "benchmarks" / "memory_per_gpu.py"
     spec = importlib.util.spec_from_file_location("memory_per_gpu", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there

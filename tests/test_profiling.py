@@ -2,10 +2,10 @@
 configured steps, written on CPU by the configured ranks only."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import FIXTURES, ROOT
 
 from megatron_lns.config import ConfigError, load_config, validate
 from megatron_lns.training.profiling import ProfileWindow, StepProfiler, profile_window
@@ -76,8 +76,8 @@ def test_cuda_window_with_nvtx_ranges_and_a_torch_trace(tmp_path):
 
 # --- Config: NeMo's nsys_profile section reaches the window; bad windows name the key ---
 
-DEMO = Path(__file__).resolve().parents[1] / "nemo_configs" / "tiny_cpu_demo.yaml"
-NEMO = Path(__file__).parent / "data" / "nemo_megatron_gpt_config.yaml"
+DEMO = ROOT / "nemo_configs" / "tiny_cpu_demo.yaml"
+NEMO = FIXTURES / "nemo_megatron_gpt_config.yaml"
 P = "model.nsys_profile."
 
 

@@ -7,11 +7,9 @@ first one (megatron's CheckpointFunction restores the RNG states, on CPU through
 stand-ins in runtime/cpu.py) would show up as different gradients.
 """
 
-from pathlib import Path
-
 import pytest
 import torch
-from helpers import fixed_microbatches, run_distributed, tiny_config
+from helpers import FIXTURES, ROOT, fixed_microbatches, run_distributed, tiny_config
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import random as mcore_random
 
@@ -31,8 +29,8 @@ RECOMPUTE_MODES = {
     ),
 }
 
-DEMO = Path(__file__).resolve().parents[1] / "nemo_configs" / "tiny_cpu_demo.yaml"
-NEMO = Path(__file__).parent / "data" / "nemo_megatron_gpt_config.yaml"
+DEMO = ROOT / "nemo_configs" / "tiny_cpu_demo.yaml"
+NEMO = FIXTURES / "nemo_megatron_gpt_config.yaml"
 KEY = "model.activations_checkpoint_"
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from helpers import DEMO_CONFIG as DEMO
-from helpers import TINY_MODEL_OVERRIDES, TORCHRUN_VARIABLES
+from helpers import ROOT, TINY_MODEL_OVERRIDES, TORCHRUN_VARIABLES
 
 from megatron_lns.cli import main
 from megatron_lns.data.preprocess import preprocess, read_documents
@@ -29,7 +29,6 @@ from megatron_lns.training.checkpoint import latest_complete_checkpoint
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
 MAX_STEPS = 10
 JOB = [
     *TINY_MODEL_OVERRIDES,

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import FIXTURES, ROOT
 
 from megatron_lns.cli import main
 from megatron_lns.cluster.slurm.rank_env import (
@@ -22,8 +23,7 @@ from megatron_lns.cluster.slurm.submit import prepare_job
 from megatron_lns.cluster.slurm.task import main as task_main
 from megatron_lns.config import ConfigError, load_config, validate
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(__file__).parent / "data"
+DATA = FIXTURES
 DEMO = ROOT / "nemo_configs" / "tiny_cpu_demo.yaml"
 OLMO = ROOT / "nemo_configs" / "olmo_7b_lns_20b.yaml"
 TINY_TP2 = [

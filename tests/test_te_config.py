@@ -1,16 +1,15 @@
 """Transformer Engine and FP8 without a GPU: clear errors, and config checks."""
 
-from pathlib import Path
-
 import pytest
 import torch
+from helpers import ROOT
 
 from megatron_lns.config import ConfigError, load_config, validate
 from megatron_lns.config.validate import check_environment
 from megatron_lns.model import GPTModelConfig
 from megatron_lns.te import TransformerEngineUnavailable, te_available
 
-DEMO = Path(__file__).resolve().parents[1] / "nemo_configs" / "tiny_cpu_demo.yaml"
+DEMO = ROOT / "nemo_configs" / "tiny_cpu_demo.yaml"
 TE_FP8 = [
     "model.transformer_engine=true",
     "model.fp8=delayed",

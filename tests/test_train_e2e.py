@@ -8,17 +8,14 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 from helpers import DEMO_CONFIG as DEMO
-from helpers import TINY_RUN_OVERRIDES, fresh_launch_env, run_distributed, tiny_run_config
+from helpers import ROOT, TINY_RUN_OVERRIDES, fresh_launch_env, run_distributed, tiny_run_config
 
 from megatron_lns.training.checkpoint import latest_complete_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("private_corpus_cache")]
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _train(cfg):

@@ -2,16 +2,15 @@
 advances neither the iteration counter nor the learning-rate schedule."""
 
 import json
-from pathlib import Path
 
 import pytest
-from helpers import run_distributed
+from helpers import ROOT, run_distributed
 
 from megatron_lns.config import load_config, validate
 
 pytestmark = pytest.mark.slow
 
-DEMO = Path(__file__).resolve().parents[1] / "nemo_configs" / "tiny_cpu_demo.yaml"
+DEMO = ROOT / "nemo_configs" / "tiny_cpu_demo.yaml"
 TINY = [
     "model.num_layers=2",
     "model.hidden_size=32",

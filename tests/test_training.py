@@ -6,13 +6,13 @@ import math
 from pathlib import Path
 
 import pytest
-from helpers import run_distributed
+from helpers import ROOT, run_distributed
 
 from megatron_lns.config import load_config, validate
 
 pytestmark = pytest.mark.slow
 
-DEMO = Path(__file__).resolve().parents[1] / "nemo_configs" / "tiny_cpu_demo.yaml"
+DEMO = ROOT / "nemo_configs" / "tiny_cpu_demo.yaml"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
