@@ -5,7 +5,7 @@ optimizer state and stored activations on the pipeline stage that holds the most
         --vocab-size 50280
 
 Prints the comment block that ``nemo_configs/olmo_7b_lns_20b.yaml`` quotes
-(``tests/test_performance_keys.py`` checks that the YAML carries this output).
+(``tests/config/test_performance.py`` checks that the YAML carries this output).
 
 The model of memory, for megatron-core's mixed-precision training:
 

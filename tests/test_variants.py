@@ -191,7 +191,7 @@ def _extra_parameters(model) -> dict[str, torch.Tensor]:
 
 
 def parallel_variants_worker(tmp: str):
-    from test_parallel import _full_grads, _grads_by_global_name, _run
+    from test_model_parallel import _full_grads, _grads_by_global_name, _run
 
     from megatron_lns.training.checkpoint import save_model_weights
 

@@ -8,7 +8,7 @@ The page's prose is written by hand; each table of keys sits between two markers
     <!-- /keys -->
 
 and is rendered here from the declarations of that group (``settings.setting``), in
-declaration order. ``tests/test_config_reference.py`` fails when the committed page
+declaration order. ``tests/config/test_reference.py`` fails when the committed page
 differs from what the declarations give; after changing a declaration, run::
 
     python -m megatron_lns.config.reference docs/configuration.md

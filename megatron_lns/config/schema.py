@@ -10,7 +10,7 @@ tables of docs/configuration.md are derived from these declarations. A value tha
 translating rather than passing through names a small function defined here, above the
 dataclasses. OmegaConf checks types against the annotations.
 
-Nothing here imports torch or megatron-core (``tests/test_config_light.py``).
+Nothing here imports torch or megatron-core (``tests/config/test_light_imports.py``).
 """
 
 from __future__ import annotations

@@ -252,7 +252,7 @@ def test_nemos_offloading_keys_and_their_sum_interpolation_are_read():
 
 
 def test_memory_arithmetic_keeps_only_the_layers_not_offloaded():
-    from test_performance_keys import _memory_module
+    from test_performance import _memory_module
 
     estimate = _memory_module().estimate
     base = _cfg("model.transformer_engine=true", "model.num_layers=8", world_size=1)
