@@ -82,6 +82,15 @@ def fast_paths(cfg: ExperimentConfig, device: torch.device) -> FastPaths:
     return fast_paths_here(cfg, cuda=device.type == "cuda")
 
 
+def embedding_rows(cfg: ExperimentConfig, tokenizer_vocab_size: int) -> int:
+    """The embedding (and output layer) rows of ``cfg``'s model: the tokenizer's vocabulary
+    padded for ``model.make_vocab_size_divisible_by`` and tensor parallelism."""
+    m = cfg.model
+    return padded_vocab_size(
+        tokenizer_vocab_size, m.tensor_model_parallel_size, m.make_vocab_size_divisible_by
+    )
+
+
 def model_config(
     cfg: ExperimentConfig, tokenizer_vocab_size: int, fast: FastPaths | None = None
 ) -> GPTModelConfig:
@@ -99,11 +108,7 @@ def model_config(
         values.update(fast.model_fields())
     fields = {f.name for f in dataclasses.fields(GPTModelConfig)}
     passed_on = {name: values.pop(name) for name in list(values) if name not in fields}
-    values["vocab_size"] = padded_vocab_size(
-        tokenizer_vocab_size,
-        cfg.model.tensor_model_parallel_size,
-        cfg.model.make_vocab_size_divisible_by,
-    )
+    values["vocab_size"] = embedding_rows(cfg, tokenizer_vocab_size)
     return GPTModelConfig(**values, extra_transformer_config=passed_on)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_lns.build import embedding_rows
 from megatron_lns.config import ConfigError
 from megatron_lns.config.schema import ExperimentConfig
 from megatron_lns.config.sources import load_run_config
@@ -35,7 +36,6 @@ from megatron_lns.convert.mapping import (
 )
 from megatron_lns.convert.output import check_apart, staged_output_dir
 from megatron_lns.convert.safetensors_io import Group, write_sharded
-from megatron_lns.model import padded_vocab_size
 from megatron_lns.training.checkpoint import (
     CHECKPOINT_DIR_RE,
     COMPLETE_MARKER,
@@ -136,7 +136,7 @@ def export_hf(
     reader = CheckpointReader(source)
     trained = training_tokenizer(m.tokenizer)
     vocab = trained.vocab_size
-    padded = padded_vocab_size(vocab, m.tensor_model_parallel_size, m.make_vocab_size_divisible_by)
+    padded = embedding_rows(cfg, vocab)
     check_checkpoint_matches(reader, arch, padded)
     dtype = reader.dtype(EMBEDDING)
     with staged_output_dir(out_dir, overwrite) as stage:

@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from megatron_lns.build import build_weights_model
+from megatron_lns.build import build_weights_model, embedding_rows
 from megatron_lns.config import ConfigError, to_yaml, validate
 from megatron_lns.config.schema import ExperimentConfig
-from megatron_lns.config.sources import load_run_config
+from megatron_lns.config.sources import RUN_CONFIG, load_run_config
 from megatron_lns.convert.architectures import Architecture, architecture_for_hf_config
 from megatron_lns.convert.errors import ConversionError
 from megatron_lns.convert.hf_tokenizer import HF_TOKENIZER_FILES, training_tokenizer
@@ -49,7 +49,6 @@ from megatron_lns.convert.mapping import (
 )
 from megatron_lns.convert.output import check_apart, check_output_dir, staged_output_dir
 from megatron_lns.convert.safetensors_io import SafetensorsCheckpoint
-from megatron_lns.model import padded_vocab_size
 from megatron_lns.specs import LOCAL_TO_FUSED_NORM_NAMES
 from megatron_lns.training.checkpoint import save_weights_only_checkpoint
 
@@ -95,9 +94,7 @@ def import_hf(
         if copy_tokenizer:
             source_tokenizer.type = str(hf_dir)
         vocab = training_tokenizer(source_tokenizer).vocab_size
-        padded = padded_vocab_size(
-            vocab, cfg.model.tensor_model_parallel_size, cfg.model.make_vocab_size_divisible_by
-        )
+        padded = embedding_rows(cfg, vocab)
         hf_vocab = hf_config.vocab_size
         if not vocab <= hf_vocab <= padded:
             raise ConversionError(
@@ -133,11 +130,11 @@ def import_hf(
                         "that the LNS factor maps back to them exactly; the nearest was taken"
                     )
                 save_weights_only_checkpoint([model], checkpoint, to_yaml(cfg))
-            (stage / "config.yaml").write_text(to_yaml(cfg))
+            (stage / RUN_CONFIG).write_text(to_yaml(cfg))
     finally:
         weights.close()
     say(f"import-hf: done: train with `megatron-lns train {out_dir / 'config.yaml'}`")
-    return out_dir / "config.yaml"
+    return out_dir / RUN_CONFIG
 
 
 def _read_hf_config(hf_dir: Path):

@@ -48,6 +48,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 )
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.errors import UserError
 from megatron_lns.model import unwrap
 
@@ -292,7 +293,7 @@ def _commit(partial: Path, final: Path, state: TrainingState, config_yaml: str) 
     """Make a fully written checkpoint count: called on every rank once every rank's
     shards are on disk; rank 0 writes the marker and renames."""
     if dist.get_rank() == 0:
-        (partial / "config.yaml").write_text(config_yaml)
+        (partial / RUN_CONFIG).write_text(config_yaml)
         marker = {"iteration": state.iteration, "consumed_samples": state.consumed_samples}
         (partial / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
         if final.exists():
@@ -355,7 +356,7 @@ def save_weights_only_checkpoint(
     ``state`` (iteration 0 by default)."""
     directory, state = Path(directory), state or TrainingState()
     save_model_weights(model, directory)
-    (directory / "config.yaml").write_text(config_yaml)
+    (directory / RUN_CONFIG).write_text(config_yaml)
     marker = {
         "iteration": state.iteration,
         "consumed_samples": state.consumed_samples,

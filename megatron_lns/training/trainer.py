@@ -38,6 +38,7 @@ from megatron_lns.build import (
 )
 from megatron_lns.config import ExperimentConfig, to_yaml
 from megatron_lns.config.paths import run_directory
+from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.data.datasets import held_out_batches, micro_batch_loader
 from megatron_lns.data.tokenizer import build_tokenizer
 from megatron_lns.errors import UserError
@@ -178,7 +179,7 @@ class Trainer:
         if self.is_rank0:
             try:
                 lock = claim_run_dir(self.run_dir, self.cfg.exp_manager.resume_if_exists)
-                (self.run_dir / "config.yaml").write_text(self.config_yaml)
+                (self.run_dir / RUN_CONFIG).write_text(self.config_yaml)
             except RunDirError as err:
                 error = str(err)
         shared = [error]
