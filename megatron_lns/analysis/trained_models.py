@@ -33,8 +33,7 @@ from omegaconf import OmegaConf
 from megatron_lns.analysis.depth import DepthReport, LayerDiagnostics, depth_diagnostics
 from megatron_lns.analysis.plots import plot_depth_reports
 from megatron_lns.config import ConfigError, ExperimentConfig, validate
-from megatron_lns.config.bundled import resolve_config_path
-from megatron_lns.config.sources import RUN_CONFIG, load_run_config
+from megatron_lns.config.sources import RUN_CONFIG, config_file, load_run_config
 from megatron_lns.config.validate import check_environment
 from megatron_lns.convert.hf_export import resolve_checkpoint
 from megatron_lns.convert.hf_import import import_hf
@@ -144,10 +143,11 @@ def resolve_inputs(paths: Sequence[str | Path], labels: Sequence[str] | None) ->
 
 
 def _hf_base(config: str | Path | None):
-    """The --config YAML without the keys an imported model sets itself."""
+    """The --config YAML (a file, bundled name or run directory) without the keys an
+    imported model sets itself."""
     if config is None:
         return OmegaConf.create({})
-    path = resolve_config_path(config)
+    path = config_file(config)
     try:
         base = OmegaConf.load(path)
     except Exception as err:  # YAML syntax errors come in several types

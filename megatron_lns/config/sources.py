@@ -5,7 +5,9 @@ holds a run's ``config.yaml`` (a run directory, one of its ``iter_NNNNNNN``
 checkpoints, or an ``import-hf`` output), or an already-read mapping. ``train``,
 ``compare``, ``submit``, ``analyze``, ``import-hf`` and ``export-hf`` all load through
 :func:`load_run_config`, so they accept the same sources and report the same errors;
-each then validates as its job needs (``validate``, ``check_environment``).
+each then validates as its job needs (``validate``, ``check_environment``). The base
+configs of ``import-hf --config`` and ``analyze --config``, read as raw YAML to merge
+with what an imported model sets, are found through :func:`config_file` too.
 """
 
 from __future__ import annotations

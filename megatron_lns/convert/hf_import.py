@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from megatron_lns.build import build_weights_model, embedding_rows
 from megatron_lns.config import ConfigError, to_yaml, validate
 from megatron_lns.config.schema import ExperimentConfig
-from megatron_lns.config.sources import RUN_CONFIG, load_run_config
+from megatron_lns.config.sources import RUN_CONFIG, config_file, load_run_config
 from megatron_lns.convert.architectures import Architecture, architecture_for_hf_config
 from megatron_lns.convert.errors import ConversionError
 from megatron_lns.convert.hf_tokenizer import HF_TOKENIZER_FILES, training_tokenizer
@@ -157,6 +157,8 @@ def _read_base_config(path: str | Path | DictConfig | None) -> DictConfig:
         return OmegaConf.create({})
     if isinstance(path, DictConfig):
         return path.copy()
+    if Path(path).is_dir():  # a run directory or checkpoint: the config it keeps
+        path = config_file(path)
     if not Path(path).is_file():
         raise ConversionError(f"--config {path} does not exist")
     try:

@@ -675,3 +675,13 @@ def test_cli_reports_conversion_errors_in_one_line(seeded, tmp_path, capsys):
     assert err == f"error: checkpoint {tmp_path / 'missing'} does not exist"
     assert main(["import-hf", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_import_base_config_may_be_a_run_directory(tmp_path):
+    """import-hf --config takes the sources every command takes: a run directory's
+    config.yaml is its base."""
+    from megatron_lns.convert.hf_import import _read_base_config
+
+    (tmp_path / "config.yaml").write_text("trainer:\n  max_steps: 7\n")
+    assert _read_base_config(tmp_path).trainer.max_steps == 7
+    assert _read_base_config(tmp_path / "config.yaml").trainer.max_steps == 7
