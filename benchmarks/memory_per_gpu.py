@@ -66,15 +66,15 @@ class MemoryEstimate:
 
 def estimate(cfg, vocab_size: int, world_size: int | None = None) -> MemoryEstimate:
     """The first pipeline stage's memory for the run ``cfg`` (an ExperimentConfig)."""
-    from megatron_lns.config.performance import cpu_offloading_num_layers
-    from megatron_lns.config.schema import PRECISIONS
+    from megatron_lns import layout
+    from megatron_lns.config.schema import PRECISIONS, cpu_offloading_num_layers
     from megatron_lns.model import padded_vocab_size
 
     m = cfg.model
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     vp, cp = m.virtual_pipeline_model_parallel_size or 1, m.context_parallel_size
-    world = world_size or cfg.trainer.num_nodes * cfg.trainer.devices
-    dp = world // (tp * pp * cp)
+    world = world_size or layout.world_size(cfg.trainer.num_nodes, cfg.trainer.devices)
+    dp = layout.ParallelLayout(tensor=tp, pipeline=pp, context=cp).data_parallel(world)
     h, layers, heads = m.hidden_size, m.num_layers, m.num_attention_heads
     ffn = m.ffn_hidden_size or 4 * h
     head_size = m.kv_channels or h // heads

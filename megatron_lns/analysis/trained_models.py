@@ -39,6 +39,7 @@ from megatron_lns.convert.hf_export import resolve_checkpoint
 from megatron_lns.convert.hf_import import import_hf
 from megatron_lns.convert.output import check_apart, check_output_dir, staged_output_dir
 from megatron_lns.errors import UserError
+from megatron_lns.layout import micro_batches_per_step
 
 REPORT_NAME = "analysis.json"
 # What an analysis may change in a run's config: where the held-out data comes from and
@@ -384,7 +385,7 @@ def analysis_job(
     load_model_weights(chunks, checkpoint)
 
     dp_size = parallel_state.get_data_parallel_world_size()
-    num_microbatches = m.global_batch_size // (m.micro_batch_size * dp_size)
+    num_microbatches = micro_batches_per_step(m.global_batch_size, m.micro_batch_size, dp_size)
     batches = [
         [{key: value.to(device) for key, value in mb.items()} for mb in batch]
         for batch in held_out_batches(

@@ -34,6 +34,7 @@ from megatron_lns.errors import (
     debug_enabled,
     report_user_error_once,
 )
+from megatron_lns.layout import world_size
 from megatron_lns.runtime.distributed import destroy_distributed, free_port
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -159,7 +160,7 @@ def run_job(fn: Callable[..., Any], num_nodes: int, devices: int, *args: Any,
     (torchrun, srun: ``RANK`` is set) or for one device, else on ``devices`` local
     processes (:func:`spawn_local`). Several nodes need the external launcher;
     ``multi_node_hint`` ends the refusal with what the calling command offers."""
-    world = num_nodes * devices
+    world = world_size(num_nodes, devices)
     if "RANK" in os.environ or world == 1:
         fn(*args)
     elif num_nodes > 1:

@@ -42,6 +42,7 @@ from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.data.datasets import held_out_batches, micro_batch_loader
 from megatron_lns.data.tokenizer import build_tokenizer
 from megatron_lns.errors import UserError
+from megatron_lns.layout import micro_batches_per_step
 from megatron_lns.runtime import init_distributed
 from megatron_lns.training.batch_size import init_batch_size_calculator
 from megatron_lns.training.checkpoint import latest_complete_checkpoint
@@ -224,8 +225,8 @@ class Trainer:
                 f"in increments of {increment}, over the first {samples} samples"
             )
         # Validation always uses full global batches, as Megatron-LM's evaluation does.
-        self.validation_num_microbatches = m.global_batch_size // (
-            m.micro_batch_size * self.dp_size
+        self.validation_num_microbatches = micro_batches_per_step(
+            m.global_batch_size, m.micro_batch_size, self.dp_size
         )
 
         self.state, self.resumed_path = resume(
