@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import FIXTURES, ROOT
+from helpers import FIXTURES, ROOT, fresh_launch_env
 
 OLMO = ROOT / "nemo_configs" / "olmo_7b_lns_20b.yaml"
 NEMO = FIXTURES / "nemo_megatron_gpt_config.yaml"
@@ -26,7 +26,12 @@ print("HEAVY:" + ",".join(m for m in {heavy!r} if m in sys.modules))
 
 def _heavy_modules_imported(code: str, *args: str) -> list[str]:
     done = subprocess.run(
-        [sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, check=True
+        [sys.executable, "-c", code, *args],
+        cwd=ROOT,
+        env=fresh_launch_env(),
+        capture_output=True,
+        text=True,
+        check=True,
     )
     report = [line for line in done.stdout.splitlines() if line.startswith("HEAVY:")][-1]
     return [m for m in report.removeprefix("HEAVY:").split(",") if m]
