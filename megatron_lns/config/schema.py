@@ -1278,6 +1278,8 @@ class ClusterConfig:
     partition: str | None = setting(None, doc="`#SBATCH --partition` (null: the cluster's default)")
     account: str | None = setting(None, doc="`#SBATCH --account`")
     qos: str | None = setting(None, doc="`#SBATCH --qos`")
+    # Typed Any so that YAML's base-60 reading of an unquoted 4:00:00 (= 14400) reaches
+    # config/cluster.py, which refuses it, instead of being sent to SLURM as a number.
     time_limit: Any = setting(
         None,
         doc=(
