@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("page", type=Path, help="docs/configuration.md")
     parser.add_argument("--check", action="store_true", help="only report whether it is current")
     args = parser.parse_args(argv)
+    if not args.page.is_file():
+        print(f"error: {args.page} does not exist", file=sys.stderr)
+        return 1
     page = args.page.read_text()
     rendered = render(page)
     missing = sorted(set(groups()) - set(tabled_groups(page)))

@@ -60,4 +60,6 @@ def load_run_config(
     try:
         return load_config(path, list(overrides))
     except ConfigError as err:
+        if str(path) in str(err):  # a YAML error names the file already
+            raise
         raise ConfigError(f"{path}: {err}") from err
