@@ -89,9 +89,14 @@ def _checkout(revision: str) -> Iterator[Path]:
     """The repository at ``revision``, in a temporary worktree removed afterwards."""
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "tree"
-        subprocess.run(
-            ["git", "worktree", "add", "--detach", "-q", str(tree), revision], cwd=ROOT, check=True
+        added = subprocess.run(
+            ["git", "worktree", "add", "--detach", "-q", str(tree), revision],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
         )
+        if added.returncode != 0:
+            sys.exit(f"error: --baseline {revision}: {added.stderr.strip().splitlines()[-1]}")
         try:
             yield tree
         finally:
