@@ -193,14 +193,15 @@ def fused_norm_layer_spec(
     Parameter names, checkpoint keys and the ``sequence_parallel`` attributes stay as
     the wrapped class makes them.
     """
-    if not (
-        submodules.input_layernorm is IdentityOp and submodules.pre_mlp_layernorm is IdentityOp
-    ):
-        raise ValueError(
-            "fused_norm_layer_spec expects the norms fused into linear_qkv / linear_fc1"
-        )
+    if submodules.input_layernorm is not IdentityOp:
+        raise ValueError("fused_norm_layer_spec expects the attention norm fused into linear_qkv")
     attention = submodules.self_attention.submodules
     attention.linear_qkv = with_norm_scaling(attention.linear_qkv, norm_affine)
+    if submodules.pre_mlp_layernorm is not IdentityOp:
+        # A separate pre-MLP norm (an MoE layer's): it must apply the factor itself.
+        return ModuleSpec(
+            module=LNSTransformerLayer, submodules=submodules, params={"norm_scaling": norm_scaling}
+        )
     mlp = submodules.mlp
     mlp_class = getattr(getattr(mlp, "func", None), "__self__", None)
     if mlp_class is not None and mlp_class.__name__.startswith("TEFused"):

@@ -26,6 +26,11 @@ class ParallelLayout:
     context: int = 1
     # NCCL SHARP for the data-parallel collectives (megatron's use_sharp; NCCL only).
     sharp: bool = False
+    # Mixture-of-experts layers: experts split over `expert` ranks, each expert's weights
+    # over `expert_tensor` ranks (None: the tensor-parallel size, megatron's default).
+    # megatron folds expert x expert_tensor x data_parallel over tensor x data x context.
+    expert: int = 1
+    expert_tensor: int | None = None
 
     def data_parallel(self, world_size: int) -> int:
         model_parallel = self.tensor * self.pipeline * self.context
@@ -36,6 +41,19 @@ class ParallelLayout:
                 f"context_parallel_size ({self.context})"
             )
         return world_size // model_parallel
+
+    def expert_data_parallel(self, world_size: int) -> int:
+        """Replicas of each expert: megatron lays the expert groups out as
+        pipeline x expert_tensor x expert x expert-data over the same ranks."""
+        expert_tensor = self.tensor if self.expert_tensor is None else self.expert_tensor
+        expert_model = self.pipeline * expert_tensor * self.expert
+        if world_size % expert_model:
+            raise ValueError(
+                f"world size {world_size} is not divisible by pipeline_model_parallel_size "
+                f"({self.pipeline}) x expert_tensor_parallel_size ({expert_tensor}) x "
+                f"expert_model_parallel_size ({self.expert})"
+            )
+        return world_size // expert_model
 
 
 def micro_batches_per_step(

@@ -24,6 +24,7 @@ from megatron_lns.choices import (
     RecomputeGranularity,
     RecomputeMethod,
 )
+from megatron_lns.moe import MoELayerFreq, moe_layer_pattern
 from megatron_lns.runtime import ParallelLayout, uses_gloo
 from megatron_lns.specs import get_lns_block_spec
 from megatron_lns.variants import VariantSettings
@@ -85,6 +86,13 @@ class GPTModelConfig:
     ``kv_channels`` is the attention head size (megatron's name); ``None`` is
     ``hidden_size // num_attention_heads``. The query, key and value projections are
     ``heads x kv_channels`` wide, so attention need not be as wide as the residual stream.
+
+    ``num_moe_experts`` makes the layers that ``moe_layer_freq`` picks mixture-of-experts
+    layers (megatron's ``MoELayer``): ``moe_router_topk`` experts of ``moe_ffn_hidden_size``
+    (default ``ffn_hidden_size``) per token, plus a shared expert of
+    ``moe_shared_expert_intermediate_size`` if set. The fields the model code itself reads
+    are here; the router, dispatcher and loss settings pass through
+    ``extra_transformer_config`` to megatron unchanged.
     """
 
     num_layers: int
@@ -142,6 +150,12 @@ class GPTModelConfig:
     cpu_offloading_num_layers: int = 0
     cpu_offloading_activations: bool = True
     cpu_offloading_weights: bool = False
+    num_moe_experts: int | None = None
+    moe_layer_freq: MoELayerFreq = 1
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_grouped_gemm: bool = False
     extra_transformer_config: dict = field(default_factory=dict)
 
     def variant_settings(self) -> VariantSettings:
@@ -172,9 +186,36 @@ class GPTModelConfig:
         groups = self.num_query_groups or self.num_attention_heads
         q = self.num_attention_heads * self.head_size  # width of all query (and output) heads
         kv = 2 * groups * self.head_size
+        attention = h * (q + kv) + q * h
+        matmul = layers * attention + h * self.vocab_size
+        pattern = self.moe_layer_pattern()
+        for is_moe in pattern:
+            matmul += self.moe_mlp_active_weights() if is_moe else self._mlp_weights(ffn)
+        return 6.0 * matmul + 6.0 * layers * q * s
+
+    def moe_layer_pattern(self) -> list[int]:
+        """1 for each MoE layer, 0 for each dense one (all 0 without experts)."""
+        if not self.num_moe_experts:
+            return [0] * self.num_layers
+        return moe_layer_pattern(self.moe_layer_freq, self.num_layers)
+
+    def _mlp_weights(self, ffn: int) -> int:
+        """Matmul weights of one (dense or expert) MLP of width ``ffn``."""
         mlp_in = 2 * ffn if self.activation == "swiglu" else ffn
-        per_layer = h * (q + kv) + q * h + h * mlp_in + ffn * h
-        return 6.0 * (layers * per_layer + h * self.vocab_size) + 6.0 * layers * q * s
+        return self.hidden_size * mlp_in + ffn * self.hidden_size
+
+    def moe_mlp_active_weights(self) -> int:
+        """Matmul weights one token meets in an MoE layer: the router, ``topk`` experts
+        and the shared expert (with its sigmoid gate when megatron's
+        ``moe_shared_expert_gate`` is set)."""
+        h = self.hidden_size
+        expert_ffn = self.moe_ffn_hidden_size or self.ffn_hidden_size or 4 * h
+        weights = h * self.num_moe_experts + self.moe_router_topk * self._mlp_weights(expert_ffn)
+        if self.moe_shared_expert_intermediate_size:
+            weights += self._mlp_weights(self.moe_shared_expert_intermediate_size)
+            if self.extra_transformer_config.get("moe_shared_expert_gate"):
+                weights += h
+        return weights
 
     def transformer_config(
         self, layout: ParallelLayout = ParallelLayout(), cpu_init: bool | None = None
@@ -245,8 +286,23 @@ class GPTModelConfig:
             cpu_offloading_num_layers=self.cpu_offloading_num_layers,
             cpu_offloading_activations=self.cpu_offloading_activations,
             cpu_offloading_weights=self.cpu_offloading_weights,
+            expert_model_parallel_size=layout.expert,
+            expert_tensor_parallel_size=layout.expert_tensor,
+            **self._moe_settings(),
             **self._fp8_settings(),
             **self.extra_transformer_config,
+        )
+
+    def _moe_settings(self) -> dict:
+        if not self.num_moe_experts:
+            return {}
+        return dict(
+            num_moe_experts=self.num_moe_experts,
+            moe_layer_freq=self.moe_layer_pattern(),
+            moe_router_topk=self.moe_router_topk,
+            moe_ffn_hidden_size=self.moe_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
+            moe_grouped_gemm=self.moe_grouped_gemm,
         )
 
     def _fp8_settings(self) -> dict:

@@ -26,8 +26,10 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_lns.layer import LNSTransformerLayer
+from megatron_lns.moe import moe_layer_pattern
 from megatron_lns.norms import local_norm_builder
 from megatron_lns.scaling import NORM_SCALING_CHOICES, NormScaling
 from megatron_lns.te import get_te_lns_layer_spec, te_final_norm_builder
@@ -42,9 +44,17 @@ def get_lns_layer_spec(
     norm_affine: bool = True,
     qk_layernorm: bool = False,
     variant: VariantSettings = PLAIN_PRE_LN,
+    num_experts: int | None = None,
+    moe_grouped_gemm: bool = False,
 ) -> ModuleSpec:
     """Spec of one transformer layer with LayerNorm Scaling (or plain Pre-LN), or one of
-    the paper's other variants (``variants.py``)."""
+    the paper's other variants (``variants.py``).
+
+    With ``num_experts`` the MLP is megatron's ``MoELayer`` (router, token dispatcher,
+    experts, optional shared experts): its pre-norm feeds the router and the experts
+    alike, so both see the scaled input. Its norm is a separate module in both backends,
+    as in megatron's own MoE specs, and is checkpointed as ``pre_mlp_layernorm.*`` in both.
+    """
     if norm_scaling not in NORM_SCALING_CHOICES:
         raise ValueError(
             f"norm_scaling must be one of {NORM_SCALING_CHOICES}, got {norm_scaling!r}"
@@ -57,15 +67,29 @@ def get_lns_layer_spec(
         )
     if backend == "te":
         return get_te_lns_layer_spec(
-            norm_scaling, norm_affine=norm_affine, qk_layernorm=qk_layernorm
+            norm_scaling,
+            norm_affine=norm_affine,
+            qk_layernorm=qk_layernorm,
+            num_experts=num_experts,
+            moe_grouped_gemm=moe_grouped_gemm,
         )
     if backend != "local":
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if moe_grouped_gemm:
+        # megatron's local backend builds SequentialMLP whatever moe_grouped_gemm says.
+        raise ValueError(
+            "moe_grouped_gemm needs the Transformer Engine backend (TEGroupedMLP); the local "
+            "backend runs the experts one after another"
+        )
 
     norm = local_norm_builder(norm_affine)
-    submodules = get_gpt_layer_local_submodules(qk_layernorm=qk_layernorm)
+    submodules = get_gpt_layer_local_submodules(num_experts=num_experts, qk_layernorm=qk_layernorm)
     submodules.input_layernorm = norm
     submodules.pre_mlp_layernorm = norm
+    if num_experts:
+        # The MoE layer has no linear_fc1 to file its norm under: keep the module's own
+        # key, as megatron's TE MoE spec does, so checkpoints move between the backends.
+        submodules.sharded_state_dict_keys_map.pop("pre_mlp_layernorm.", None)
     if qk_layernorm:
         attention = submodules.self_attention.submodules
         attention.q_layernorm = local_norm_builder(True)
@@ -95,14 +119,33 @@ def get_lns_block_spec(
     A block spec rather than a bare layer spec so that the final norm is a
     :class:`LocalNorm` too: megatron's default final norm without apex cannot do
     sequence parallelism or parameter-free LayerNorm. The final norm is never scaled.
+
+    With ``config.num_moe_experts``, ``config.moe_layer_freq`` says which layers are MoE
+    (megatron's rule, ``moe.moe_layer_pattern``); the stage takes its slice of the whole
+    model's pattern, so layer ``l`` is dense or MoE whatever the pipeline layout.
     """
-    layer_spec = get_lns_layer_spec(norm_scaling, backend, norm_affine, qk_layernorm, variant)
+    dense = get_lns_layer_spec(norm_scaling, backend, norm_affine, qk_layernorm, variant)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    if config.num_moe_experts:
+        moe = get_lns_layer_spec(
+            norm_scaling,
+            backend,
+            norm_affine,
+            qk_layernorm,
+            variant,
+            num_experts=config.num_moe_experts,
+            moe_grouped_gemm=config.moe_grouped_gemm,
+        )
+        pattern = moe_layer_pattern(config.moe_layer_freq, config.num_layers)
+        layer_specs = [moe if pattern[i] else dense for i in range(offset, offset + num_layers)]
+    else:
+        layer_specs = [dense] * num_layers
     if backend == "te":
         final_norm = te_final_norm_builder(norm_affine)
     else:
         final_norm = local_norm_builder(norm_affine)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=final_norm)
+    return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=final_norm)
 
 
 # Megatron-LM's ``--spec <module> <name>`` imports ``vars(module)[name]``: an object, not a

@@ -46,11 +46,26 @@ def require_te() -> None:
 
 
 def get_te_lns_layer_spec(
-    norm_scaling: NormScaling = "lns", norm_affine: bool = True, qk_layernorm: bool = False
+    norm_scaling: NormScaling = "lns",
+    norm_affine: bool = True,
+    qk_layernorm: bool = False,
+    num_experts: int | None = None,
+    moe_grouped_gemm: bool = False,
 ) -> ModuleSpec:
-    """megatron's TE GPT layer spec with LNS folded into its fused norms."""
+    """megatron's TE GPT layer spec with LNS folded into its fused norms.
+
+    An MoE layer (``num_experts``) has no ``linear_fc1`` to fuse its pre-MLP norm into:
+    megatron's TE MoE spec gives it a separate ``TENorm``; here it is our ``LocalNorm``
+    (the factor folded into gamma, same checkpoint key ``pre_mlp_layernorm.*``). Experts
+    are TE's grouped GEMM (``TEGroupedMLP``) with ``moe_grouped_gemm``, else TE linears
+    run one expert at a time.
+    """
     require_te()
-    submodules = get_gpt_layer_with_transformer_engine_submodules(qk_layernorm=qk_layernorm)
+    submodules = get_gpt_layer_with_transformer_engine_submodules(
+        num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm
+    )
+    if num_experts:
+        submodules.pre_mlp_layernorm = local_norm_builder(norm_affine)
     return fused_norm_layer_spec(submodules, norm_scaling, norm_affine)
 
 

@@ -15,6 +15,7 @@ LAYERS = [
     "third_party_noise",
     "choices",
     "layout",
+    "moe",
     "scaling",
     "runtime",
     "norms",

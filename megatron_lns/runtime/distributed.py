@@ -61,6 +61,8 @@ def init_distributed(
         pipeline_model_parallel_size=layout.pipeline,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
         context_parallel_size=layout.context,
+        expert_model_parallel_size=layout.expert,
+        expert_tensor_parallel_size=layout.expert_tensor,
         use_sharp=layout.sharp,
     )
     torch.manual_seed(seed)
