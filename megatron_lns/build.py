@@ -56,15 +56,8 @@ from megatron_lns.userbuffers import UserbufferLayout, initialize_userbuffers
 
 
 def parallel_layout(cfg: ExperimentConfig) -> ParallelLayout:
-    m = cfg.model
-    return ParallelLayout(
-        tensor=m.tensor_model_parallel_size,
-        pipeline=m.pipeline_model_parallel_size,
-        virtual_pipeline=m.virtual_pipeline_model_parallel_size,
-        sequence_parallel=m.sequence_parallel,
-        context=m.context_parallel_size,
-        sharp=m.sharp,
-    )
+    """The parallel sizes, from the declarations whose target is ``ParallelLayout``."""
+    return ParallelLayout(**target_values(cfg, ("ParallelLayout",), training=True))
 
 
 def device_setting(cfg: ExperimentConfig) -> str:

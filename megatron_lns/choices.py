@@ -19,6 +19,14 @@ RecomputeGranularity = Literal["selective", "full"]
 RecomputeMethod = Literal["uniform", "block"]
 TokenizerLibrary = Literal["byte", "huggingface", "sentencepiece"]
 DecayStyle = Literal["cosine", "linear", "constant", "WSD", "inverse-square-root"]
+# megatron-core 0.19's MoE vocabularies (TransformerConfig's docs and checks).
+MoELoadBalancing = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"]
+MoEScoreFunction = Literal["softmax", "sigmoid"]
+MoEDispatcher = Literal["allgather", "alltoall", "flex"]
+MoEDropPolicy = Literal["probs", "position"]
+MoERouterDtype = Literal["fp32", "fp64"]
+# megatron's selective-recompute modules this model has (MLA's and GDN's are other models').
+RecomputeModule = Literal["core_attn", "mlp", "moe", "moe_act", "shared_experts", "layernorm"]
 
 NORM_SCALING_CHOICES: tuple[str, ...] = get_args(NormScaling)
 LAYER_VARIANTS: tuple[str, ...] = get_args(LayerVariant)
@@ -28,6 +36,12 @@ OUTPUT_LAYER_INITS: tuple[str, ...] = get_args(OutputLayerInit)
 RECOMPUTE_GRANULARITIES: tuple[str, ...] = get_args(RecomputeGranularity)
 RECOMPUTE_METHODS: tuple[str, ...] = get_args(RecomputeMethod)
 TOKENIZER_LIBRARIES: tuple[str, ...] = get_args(TokenizerLibrary)
+MOE_LOAD_BALANCING: tuple[str, ...] = get_args(MoELoadBalancing)
+MOE_SCORE_FUNCTIONS: tuple[str, ...] = get_args(MoEScoreFunction)
+MOE_DISPATCHERS: tuple[str, ...] = get_args(MoEDispatcher)
+MOE_DROP_POLICIES: tuple[str, ...] = get_args(MoEDropPolicy)
+MOE_ROUTER_DTYPES: tuple[str, ...] = get_args(MoERouterDtype)
+RECOMPUTE_MODULES: tuple[str, ...] = get_args(RecomputeModule)
 
 # Variants whose every layer normalises the branch input: the only ones LNS applies to.
 PRE_NORM_VARIANTS: tuple[str, ...] = ("pre_ln", "layerscale", "skipinit")

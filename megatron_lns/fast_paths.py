@@ -28,6 +28,10 @@ What each switch needs is read from megatron-core 0.19:
   optimizer.
 * ``batch_p2p_comm``: batched pipeline send/receive, wrong on gloo (``runtime.uses_gloo``)
   once there is a pipeline; without one there is nothing to send.
+* ``moe_grouped_gemm``: Transformer Engine's grouped GEMM for the experts
+  (``TEGroupedMLP``); megatron-core's local backend ignores the switch.
+* ``moe_permute_fusion``: Transformer Engine's fused token permutation (TE >= 2.1, below
+  the ``te`` extra's floor).
 """
 
 from __future__ import annotations
@@ -97,12 +101,15 @@ class FastPathRequest:
     bucket_cap_mb: float | None = None
     batch_p2p_comm: bool | None = None
     overlap_p2p_comm: bool = False
+    moe_grouped_gemm: bool | None = None
+    moe_permute_fusion: bool | None = None
     # The model and run the switches apply to.
     pipeline_parallel: bool = False
     transformer_engine: bool = False
     rope: bool = True
     gelu_without_bias: bool = False
     distributed_optimizer: bool = False
+    moe: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,8 @@ class FastPaths:
     overlap_param_gather: bool
     batch_p2p_comm: bool
     overlap_p2p_comm: bool
+    moe_grouped_gemm: bool = False
+    moe_permute_fusion: bool = False
 
     def model_fields(self) -> dict:
         """The settings that are fields of the model config (``GPTModelConfig`` and
@@ -133,6 +142,8 @@ class FastPaths:
             cross_entropy_loss_fusion=self.cross_entropy_loss_fusion,
             attention_backend=self.attention_backend,
             batch_p2p_comm=self.batch_p2p_comm,
+            moe_grouped_gemm=self.moe_grouped_gemm,
+            moe_permute_fusion=self.moe_permute_fusion,
         )
 
 
@@ -232,6 +243,12 @@ def resolve_fast_paths(request: FastPathRequest, facts: MachineFacts) -> FastPat
         why_not="is wrong on gloo (CPU): batched sends and receives between the same two "
         "ranks can be matched out of order",
     )
+    moe_why_not = "needs model.transformer_engine=true on CUDA (Transformer Engine's {})"
+    for key in ("moe_grouped_gemm", "moe_permute_fusion"):
+        if getattr(r, key) and not r.moe:
+            raise FastPathError(
+                f"model.{key}=true needs a mixture-of-experts model (model.num_moe_experts)"
+            )
     return FastPaths(
         bias_activation_fusion=bias_activation,
         bias_dropout_fusion=_choose(
@@ -248,4 +265,18 @@ def resolve_fast_paths(request: FastPathRequest, facts: MachineFacts) -> FastPat
         overlap_param_gather=overlap_param,
         batch_p2p_comm=batch_p2p,
         overlap_p2p_comm=r.overlap_p2p_comm,
+        moe_grouped_gemm=_choose(
+            "model.moe_grouped_gemm",
+            r.moe_grouped_gemm,
+            default=r.moe,
+            runs=te_here,
+            why_not=moe_why_not.format("grouped GEMM, TEGroupedMLP"),
+        ),
+        moe_permute_fusion=_choose(
+            "model.moe_permute_fusion",
+            r.moe_permute_fusion,
+            default=r.moe,
+            runs=te_here,
+            why_not=moe_why_not.format("fused token permutation"),
+        ),
     )

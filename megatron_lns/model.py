@@ -156,6 +156,7 @@ class GPTModelConfig:
     moe_ffn_hidden_size: int | None = None
     moe_shared_expert_intermediate_size: int | None = None
     moe_grouped_gemm: bool = False
+    moe_permute_fusion: bool = False
     extra_transformer_config: dict = field(default_factory=dict)
 
     def variant_settings(self) -> VariantSettings:
@@ -303,6 +304,7 @@ class GPTModelConfig:
             moe_ffn_hidden_size=self.moe_ffn_hidden_size,
             moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
             moe_grouped_gemm=self.moe_grouped_gemm,
+            moe_permute_fusion=self.moe_permute_fusion,
         )
 
     def _fp8_settings(self) -> dict:

@@ -22,26 +22,34 @@ class MoELayerFreqError(ValueError):
     pass
 
 
-def moe_layer_pattern(moe_layer_freq: MoELayerFreq, num_layers: int) -> list[int]:
-    """1 for each mixture-of-experts layer, 0 for each dense layer, in layer order."""
+def parse_moe_layer_freq(moe_layer_freq: MoELayerFreq) -> int | list[int]:
+    """The int, or the list of 0/1 (a list expression evaluated), checked for its form."""
     if isinstance(moe_layer_freq, str):
         moe_layer_freq = _list_expression(moe_layer_freq)
-    if isinstance(moe_layer_freq, bool):
+    if isinstance(moe_layer_freq, bool) or not isinstance(moe_layer_freq, (int, Sequence)):
         raise MoELayerFreqError(
             f"moe_layer_freq must be an int or a list of 0/1, got {moe_layer_freq!r}"
         )
     if isinstance(moe_layer_freq, int):
         if moe_layer_freq < 1:
             raise MoELayerFreqError(f"moe_layer_freq must be >= 1, got {moe_layer_freq}")
-        return [1 if i % moe_layer_freq == 0 else 0 for i in range(num_layers)]
+        return moe_layer_freq
     pattern = list(moe_layer_freq)
-    if len(pattern) != num_layers:
-        raise MoELayerFreqError(
-            f"moe_layer_freq lists {len(pattern)} layers but num_layers is {num_layers}"
-        )
     if any(isinstance(x, bool) or x not in (0, 1) for x in pattern):
         raise MoELayerFreqError(f"moe_layer_freq entries must be 0 (dense) or 1 (MoE): {pattern}")
     return [int(x) for x in pattern]
+
+
+def moe_layer_pattern(moe_layer_freq: MoELayerFreq, num_layers: int) -> list[int]:
+    """1 for each mixture-of-experts layer, 0 for each dense layer, in layer order."""
+    freq = parse_moe_layer_freq(moe_layer_freq)
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(num_layers)]
+    if len(freq) != num_layers:
+        raise MoELayerFreqError(
+            f"moe_layer_freq lists {len(freq)} layers but num_layers is {num_layers}"
+        )
+    return freq
 
 
 _OPERATORS = {ast.Add: operator.add, ast.Mult: operator.mul}

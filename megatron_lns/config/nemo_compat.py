@@ -237,7 +237,6 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
     "model.pre_process": Fixed((True,), "every model has its embedding"),
     "model.post_process": Fixed((True,), "every model has its output layer"),
     "model.use_scaled_init_method": Translated(_scaled_init_onto_output_layer_init),
-    "model.expert_model_parallel_size": Fixed((1,), "mixture-of-experts models"),
     "model.resume_from_checkpoint": Fixed(
         (None,),
         "NeMo's Lightning .ckpt; choose a megatron-lns checkpoint directory with "
@@ -337,6 +336,46 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
     ),
 }
 
+
+# megatron-core 0.19's MoE settings that megatron-lns does not honour: accepted at their
+# megatron-core default only, refused by name otherwise.
+_CUDA_KERNELS = "it runs CUDA-only kernels (DeepEP, HybridEP, NCCL EP, TE fusions) not tested here"
+_UNBUILT = "a mixture-of-experts design megatron-lns does not build or export"
+MOE_NOT_HONOURED: dict[str, Fixed] = {
+    f"model.{name}": Fixed(accepted, why)
+    for name, accepted, why in [
+        ("moe_enable_deepep", (False,), _CUDA_KERNELS),
+        ("moe_flex_dispatcher_backend", ("deepep",), _CUDA_KERNELS),
+        ("moe_permute_fusion_into_hybridep", (False,), _CUDA_KERNELS),
+        ("moe_hybridep_pad_uneven_dispatch_inputs", (False,), _CUDA_KERNELS),
+        ("moe_expert_rank_capacity_factor", (None,), _CUDA_KERNELS),
+        ("moe_router_fusion", (False,), _CUDA_KERNELS),
+        ("moe_paged_stash", (False,), _CUDA_KERNELS),
+        ("overlap_moe_expert_parallel_comm", (False,), _CUDA_KERNELS),
+        ("overlap_dispatch_backward_with_experts_wgrad", (False,), _CUDA_KERNELS),
+        ("moe_pad_experts_for_cuda_graph_inference", (False,), _CUDA_KERNELS),
+        ("use_grouped_gemm_for_shared_expert", (False,), _CUDA_KERNELS),
+        ("moe_single_grouped_weight", (False,), _CUDA_KERNELS),
+        ("moe_single_grouped_bias", (False,), _CUDA_KERNELS),
+        ("moe_latent_size", (None,), _UNBUILT),
+        ("moe_apply_probs_on_input", (False,), _UNBUILT),
+        ("moe_router_num_groups", (None,), _UNBUILT + " (device-limited routing)"),
+        ("moe_router_group_topk", (None,), _UNBUILT + " (device-limited routing)"),
+        ("moe_router_topk_limited_devices", (None,), _UNBUILT + " (device-limited routing)"),
+        ("moe_router_padding_for_fp8", (False,), _UNBUILT),
+        ("moe_router_padding_for_quantization", (False,), _UNBUILT),
+        ("moe_shared_expert_glu_interleave_size", (None,), _UNBUILT),
+        ("moe_mlp_glu_interleave_size", (None,), _UNBUILT),
+        ("moe_input_jitter_eps", (None,), "training-time router input noise, not tested here"),
+        ("moe_router_force_load_balancing", (False,), "a benchmarking mode, not training"),
+        ("moe_enable_routing_replay", (False,), "routing replay is for RL rollouts"),
+        ("moe_token_dropping", (False,), "deprecated; use model.moe_expert_capacity_factor"),
+        ("moe_layer_recompute", (False,), "deprecated; use model.recompute_modules: [moe]"),
+        ("expert_tensor_parallel_num_weight_shards", (None,), _UNBUILT),
+        ("inference_moe_token_dispatcher_type", ("nvls",), "megatron-core inference only"),
+    ]
+}
+NEMO_KEYS.update(MOE_NOT_HONOURED)
 
 # Other names of schema keys, from the keys' declarations.
 NEMO_KEYS.update(_aliases())

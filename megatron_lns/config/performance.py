@@ -55,6 +55,7 @@ def fast_path_request(cfg: ExperimentConfig) -> FastPathRequest:
         rope=m.position_embedding_type == "rope",
         gelu_without_bias=m.activation == "gelu" and not m.bias,
         distributed_optimizer=uses_distributed_optimizer(cfg),
+        moe=m.num_moe_experts is not None,
     )
 
 

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_lns.moe import MoELayerFreqError, parse_moe_layer_freq
+
 
 @dataclass(frozen=True)
 class Check:
@@ -75,6 +77,31 @@ rampup_batch_sizes = Check(
     "[start_batch_size, batch_size_increment, ramp_up_samples], three positive integers",
     lambda v: len(v) == 3 and all(_finite(x) and x > 0 for x in v),
 )
+
+
+def _is_moe_layer_freq(value: Any) -> bool:
+    try:
+        parse_moe_layer_freq(value)
+    except MoELayerFreqError:
+        return False
+    return True
+
+
+moe_layer_frequency = Check(
+    "an int N >= 1 (every N-th layer, from the first, is MoE), a list of 0/1 per layer, or a "
+    "list expression such as '[0]*1+[1]*15'",
+    _is_moe_layer_freq,
+)
+
+
+def _is_module_list(choices: tuple[str, ...]) -> Callable[[Any], bool]:
+    return lambda v: len(v) > 0 and all(item in choices for item in v)
+
+
+def module_list(choices: Iterable[str]) -> Check:
+    allowed = tuple(choices)
+    return Check(f"a non-empty list of {list(allowed)}", _is_module_list(allowed))
+
 
 _SPLIT_NUMBER = re.compile(r"^\s*\d+(\.\d*)?\s*$|^\s*\.\d+\s*$")
 

@@ -14,6 +14,7 @@ from megatron_lns import layout
 from megatron_lns.choices import PRE_NORM_VARIANTS, lns_combines_with, warmup_fits
 from megatron_lns.config.cluster import validate_cluster
 from megatron_lns.config.loader import ConfigError
+from megatron_lns.config.moe_rules import check_moe
 from megatron_lns.config.paths import check_writable_paths
 from megatron_lns.config.performance import (
     check_performance_environment,
@@ -152,6 +153,7 @@ def validate(
             f"model.pipeline_model_parallel_size ({pp}): megatron's interleaved schedule "
             "(virtual pipeline) runs micro-batches in groups of the pipeline size"
         )
+    check_moe(m, world)
     _check_profile_window(m.nsys_profile, world, t.max_steps)
     _check_timers(m, t)
     sched = m.optim.sched
@@ -215,6 +217,11 @@ def _check_recompute(m) -> None:
         m.activations_checkpoint_num_layers,
     )
     key = "model.activations_checkpoint_"
+    if m.recompute_modules is not None and granularity != "selective":
+        raise ConfigError(
+            f"model.recompute_modules={list(m.recompute_modules)} needs "
+            f"{key}granularity=selective (got {granularity})"
+        )
     if granularity is None:
         for name, value in (("method", method), ("num_layers", num_layers)):
             if value is not None:

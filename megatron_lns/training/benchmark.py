@@ -50,6 +50,7 @@ def with_default_fast_paths(cfg: GPTModelConfig, device: torch.device) -> GPTMod
         transformer_engine=cfg.backend == "te",
         rope=cfg.position_embedding_type == "rope",
         gelu_without_bias=cfg.activation == "gelu" and not cfg.bias,
+        moe=cfg.num_moe_experts is not None,
     )
     fast = resolve_fast_paths(request, MachineFacts.detect(cuda=device.type == "cuda"))
     return dataclasses.replace(cfg, **fast.model_fields())
