@@ -30,7 +30,7 @@ from megatron_lns.layer import LNSTransformerLayer, bake_norm_scaling, baked_sta
 from megatron_lns.model import build_model
 from megatron_lns.norms import local_norm_builder
 from megatron_lns.specs import local_to_fused_state_dict
-from megatron_lns.variants import deepnorm_alpha, deepnorm_beta
+from megatron_lns.variants import deepnorm_alpha, deepnorm_beta, feed_forward_networks
 
 LOGITS = dict(rtol=1e-9, atol=1e-9)
 GRADS = dict(rtol=1e-8, atol=1e-10)
@@ -410,6 +410,12 @@ def test_deepnorm_scales_every_expert_and_the_shared_expert_by_beta(seeded):
                 rtol=0,
                 atol=0,
             )
+
+
+def test_deepnorm_refuses_experts_it_cannot_scale():
+    """TE's grouped GEMM experts are no megatron MLP (variants are TE-refused before this)."""
+    with pytest.raises(ValueError, match=r"layer_variant='deepnorm'.*Linear has no megatron MLP"):
+        feed_forward_networks(torch.nn.Linear(2, 2))
 
 
 def test_depth_scaled_init_divides_every_experts_fc2_by_sqrt_2l(seeded):
