@@ -188,12 +188,19 @@ LOCAL_TO_FUSED_NORM_NAMES = {
 
 
 def local_to_fused_state_dict(state_dict: dict) -> dict:
-    """A local-backend model's ``state_dict`` under fused-norm (TE) parameter names."""
+    """A local-backend model's ``state_dict`` under fused-norm (TE) parameter names.
+
+    An MoE layer (one with ``mlp.router.weight``) keeps its separate pre-MLP norm in both
+    backends, so its ``pre_mlp_layernorm.*`` keeps its name."""
     renamed = {}
     for key, value in state_dict.items():
         for local, fused in LOCAL_TO_FUSED_NORM_NAMES.items():
-            if key.endswith("." + local):
-                key = key[: -len(local)] + fused
+            if not key.endswith("." + local):
+                continue
+            layer = key[: -len(local)]
+            if local.startswith("pre_mlp_layernorm.") and layer + "mlp.router.weight" in state_dict:
                 break
+            key = layer + fused
+            break
         renamed[key] = value
     return renamed

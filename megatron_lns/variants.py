@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import (
     TransformerLayerSubmodules,
@@ -241,15 +242,35 @@ class VariantTransformerLayer(LNSTransformerLayer):
     @torch.no_grad()
     def _scale_deepnorm_init(self, beta: float) -> None:
         """DeepNet: multiply the init of the value, output and both FFN projections by beta
-        (queries and keys keep gain 1). Per local shard, so it is exact at any TP size."""
+        (queries and keys keep gain 1). Per local shard, so it is exact at any TP or EP size."""
         attention = self.self_attention
         qkv = attention.linear_qkv.weight
         groups = attention.num_query_groups_per_partition
         per_group = attention.num_attention_heads_per_partition // groups
         rows = qkv.view(groups, per_group + 2, attention.hidden_size_per_attention_head, -1)
         rows[:, -1].mul_(beta)  # v: last head-slot of each query group ([q... | k | v])
-        for linear in (attention.linear_proj, self.mlp.linear_fc1, self.mlp.linear_fc2):
-            linear.weight.mul_(beta)
+        attention.linear_proj.weight.mul_(beta)
+        for ffn in feed_forward_networks(self.mlp):
+            ffn.linear_fc1.weight.mul_(beta)
+            ffn.linear_fc2.weight.mul_(beta)
+
+
+def feed_forward_networks(mlp: torch.nn.Module) -> list[MLP]:
+    """The FFNs of a layer's MLP slot that DeepNet's beta scales: the dense MLP itself, or an
+    MoE layer's experts (this rank's) and its shared expert.
+
+    An MoE router, like the shared expert's sigmoid gate, keeps gain 1: it sets how the
+    branch mixes its FFNs, as queries and keys set how attention mixes its values, and
+    DeepNet leaves those at gain 1. Experts that are not megatron ``MLP`` modules (TE's
+    grouped GEMM) are refused rather than left unscaled.
+    """
+    ffns = [module for module in mlp.modules() if isinstance(module, MLP)]
+    if not ffns:
+        raise ValueError(
+            f"layer_variant='deepnorm' scales the feed-forward init, and {type(mlp).__name__} "
+            "has no megatron MLP experts (grouped GEMM); use moe_grouped_gemm=false"
+        )
+    return ffns
 
 
 def _with_depth_scaled_output_init(

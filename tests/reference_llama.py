@@ -76,12 +76,7 @@ class ReferenceLlama(nn.Module):
             p[pre + "self_attention.linear_proj.weight"] = nn.Parameter(
                 torch.empty(hidden_size, num_heads * self.head_dim)
             )
-            p[pre + "mlp.linear_fc1.weight"] = nn.Parameter(
-                torch.empty(2 * ffn_hidden_size, hidden_size)
-            )
-            p[pre + "mlp.linear_fc2.weight"] = nn.Parameter(
-                torch.empty(hidden_size, ffn_hidden_size)
-            )
+            p.update(self._mlp_parameters(i, hidden_size, ffn_hidden_size))
         p["decoder.final_layernorm.weight"] = nn.Parameter(torch.ones(hidden_size))
         p["output_layer.weight"] = nn.Parameter(torch.empty(vocab_size, hidden_size))
         # ParameterDict keys cannot contain dots; keep megatron's names in a view.
@@ -124,9 +119,21 @@ class ReferenceLlama(nn.Module):
         out = (probs @ v).transpose(1, 2).reshape(b, s, self.heads * hd)
         return out @ self.p[f"decoder.layers.{i}.self_attention.linear_proj.weight"].T
 
+    def _mlp_parameters(self, i: int, hidden_size: int, ffn_hidden_size: int) -> dict:
+        """Layer ``i``'s MLP weights (a subclass may give a layer another MLP)."""
+        pre = f"decoder.layers.{i}.mlp."
+        return {
+            pre + "linear_fc1.weight": nn.Parameter(torch.empty(2 * ffn_hidden_size, hidden_size)),
+            pre + "linear_fc2.weight": nn.Parameter(torch.empty(hidden_size, ffn_hidden_size)),
+        }
+
+    def _swiglu(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        """``fc2(silu(gate) * up)`` with ``[gate | up] = fc1(x)``, weights under ``prefix``."""
+        gate, up = (x @ self.p[prefix + "linear_fc1.weight"].T).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ self.p[prefix + "linear_fc2.weight"].T
+
     def _mlp(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        gate, up = (x @ self.p[f"decoder.layers.{i}.mlp.linear_fc1.weight"].T).chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ self.p[f"decoder.layers.{i}.mlp.linear_fc2.weight"].T
+        return self._swiglu(x, f"decoder.layers.{i}.mlp.")
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``[b, s, vocab]``."""

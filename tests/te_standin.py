@@ -8,10 +8,13 @@ the activation dtype (TE's ``cast_if_needed(ln_weight, activation_dtype)``), the
 normalises in fp32, adding 1 to a zero-centred gamma in fp32 as TE's kernel does, and
 writes the output in the activation dtype. The GEMM is megatron's
 ``ColumnParallelLinear``, so tensor parallelism and checkpoint sharding are real.
+
+:class:`StandInTESpecProvider` hands these stand-ins to megatron's own TE layer spec.
 """
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
@@ -99,3 +102,33 @@ class StandInLayerNormColumnParallelLinear(ColumnParallelLinear):
         else:
             normed = F.layer_norm(x.float(), x.shape[-1:], gamma, bias, self.eps)
         return super().forward(normed.to(activation_dtype))
+
+
+class StandInTENorm(torch.nn.Module):
+    """Where megatron's TE spec asks for ``TENorm``: fails if built, because megatron-lns
+    must replace every TE norm it builds a layer with (an MoE layer's pre-MLP norm)."""
+
+    def __init__(self, *args, **kwargs):
+        raise AssertionError("megatron_lns left a TE norm (TENorm) in a layer spec")
+
+
+class StandInTESpecProvider(LocalSpecProvider):
+    """megatron's ``TESpecProvider`` answered with CPU stand-ins, so megatron's own
+    ``get_gpt_layer_with_transformer_engine_submodules`` (dense and MoE) builds on CPU.
+
+    As TE's provider does, it fuses the norm into the following linear
+    (:class:`StandInLayerNormColumnParallelLinear`) and gives separate norms as ``TENorm``
+    (:class:`StandInTENorm`). Linears without a norm are megatron's local column/row
+    parallel linears and the experts megatron's ``SequentialMLP`` of them, which compute
+    what TE's ``TEColumnParallelLinear`` / ``TERowParallelLinear`` (and, without grouped
+    GEMM, TE's expert MLPs) compute; attention is megatron's local ``DotProductAttention``.
+    """
+
+    def fuse_layernorm_and_linear(self) -> bool:
+        return True
+
+    def column_parallel_layer_norm_linear(self) -> type:
+        return StandInLayerNormColumnParallelLinear
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
+        return StandInTENorm
