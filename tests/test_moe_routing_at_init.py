@@ -1,4 +1,4 @@
-"""The routing-at-init measurement (benchmarks/moe_routing_at_init.py, docs/moe_routing_note.md)
+"""The routing-at-init measurement (benchmarks/moe_routing_at_init.py, docs/design.md "LNS and routing at initialisation")
 on a small model: its statistics on known logits, and its two arms built as it says."""
 
 import argparse
