@@ -122,9 +122,11 @@ def test_recompute_settings_that_cannot_work_are_refused_by_name(overrides, expe
     assert expected in str(info.value)
 
 
-def _loss_and_grads(layout: ParallelLayout, num_microbatches: int, **recompute):
+def _loss_and_grads(
+    layout: ParallelLayout, num_microbatches: int, model: dict | None = None, **recompute
+):
     """Build (same seed, same weights), run one forward/backward; this rank's results."""
-    cfg = tiny_config(hidden_dropout=0.1, attention_dropout=0.1, **recompute)
+    cfg = tiny_config(hidden_dropout=0.1, attention_dropout=0.1, **(model or {}), **recompute)
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     model = wrap_with_ddp(build_model(cfg, layout))
@@ -139,12 +141,55 @@ def _loss_and_grads(layout: ParallelLayout, num_microbatches: int, **recompute):
     finally:
         mcore_random._get_all_rng_states = save_states
     assert bool(saves) == bool(recompute), f"{len(saves)} checkpointed regions with {recompute}"
+    assert not cfg.num_moe_experts or _moe_aux_losses_were_added()
     grads = {
         f"{index}.{name}": param.main_grad.detach().clone()
         for index, chunk in enumerate(model)
         for name, param in chunk.module.named_parameters()
     }
     return loss, grads
+
+
+def _moe_aux_losses_were_added() -> bool:
+    """The MoE runs train the router through the aux loss too (megatron's tracker has it)."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    found = "load_balancing_loss" in tracker and bool(
+        tracker["load_balancing_loss"]["values"].any()
+    )
+    tracker.clear()
+    return found
+
+
+MOE_MODEL = dict(
+    num_moe_experts=4,
+    moe_layer_freq=[0, 1, 1, 1],
+    moe_ffn_hidden_size=32,
+    moe_shared_expert_intermediate_size=48,
+    extra_transformer_config=dict(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001),
+)
+MOE_RECOMPUTE_MODULES = {
+    "moe": ["moe"],
+    "shared_experts_mlp_core_attn": ["shared_experts", "mlp", "core_attn"],
+}
+
+
+@pytest.mark.parametrize("modules", MOE_RECOMPUTE_MODULES)
+def test_moe_recompute_modules_match_no_recompute(megatron_world1, modules):
+    """megatron-core's MoE recompute modules (``model.recompute_modules``) on a model with
+    dense and MoE layers, shared experts and dropout: same loss and gradients. (``layernorm``
+    and ``moe_act`` run in megatron's ``CheckpointWithoutOutput``, which reads Transformer
+    Engine's FP8 state, so they are refused without it: tests/config/test_moe_rules.py.)"""
+    layout = ParallelLayout()
+    init_distributed(layout, device="cpu")
+    baseline = _loss_and_grads(layout, 2, MOE_MODEL)
+    extra = {
+        **MOE_MODEL["extra_transformer_config"],
+        "recompute_modules": MOE_RECOMPUTE_MODULES[modules],
+    }
+    model = {**MOE_MODEL, "extra_transformer_config": extra}
+    _assert_same(baseline, _loss_and_grads(layout, 2, model, recompute_granularity="selective"))
 
 
 def _assert_same(expected, actual):

@@ -839,7 +839,8 @@ class ModelConfig:
             "`recompute_modules`, `selective` only: what megatron-core recomputes in backward: "
             "`core_attn`, `mlp` (a dense layer's MLP), `moe` (the whole MoE layer), `moe_act` "
             "(the experts' activation; needs `moe_grouped_gemm`), `shared_experts`, `layernorm` "
-            "(the pre-norms, LNS factor included)"
+            "(the pre-norms, LNS factor included; needs `transformer_engine: true`, as "
+            "megatron-core's CheckpointWithoutOutput reads Transformer Engine's FP8 state)"
         ),
     )
     gc_interval: int = setting(

@@ -217,6 +217,12 @@ def _check_recompute(m) -> None:
         m.activations_checkpoint_num_layers,
     )
     key = "model.activations_checkpoint_"
+    if "layernorm" in (m.recompute_modules or ()) and not m.transformer_engine:
+        raise ConfigError(
+            "model.recompute_modules: layernorm needs model.transformer_engine=true "
+            "(megatron-core recomputes the norms in CheckpointWithoutOutput, which reads "
+            "Transformer Engine's FP8 state)"
+        )
     if m.recompute_modules is not None and granularity != "selective":
         raise ConfigError(
             f"model.recompute_modules={list(m.recompute_modules)} needs "

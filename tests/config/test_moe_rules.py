@@ -125,6 +125,14 @@ def test_grouped_gemm_and_permute_fusion_follow_the_machine():
             r"moe_act needs the experts' grouped GEMM",
         ),
         (["model.bias=true", "model.tensor_model_parallel_size=2"], 2, r"model\.bias=true with"),
+        (
+            [
+                "model.activations_checkpoint_granularity=selective",
+                "model.recompute_modules=[layernorm]",
+            ],
+            1,
+            r"layernorm needs model\.transformer_engine=true",
+        ),
     ],
 )
 def test_bad_moe_settings_are_one_line_errors(overrides, devices, message):
