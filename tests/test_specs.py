@@ -90,6 +90,27 @@ def test_block_spec_callable_follows_the_provider_contract(seeded):
         lns_block_spec(config)
 
 
+def test_block_spec_callable_builds_moe_layers_where_the_config_says(seeded):
+    """A provider with ``num_moe_experts`` gets megatron's MoELayer in the layers
+    ``moe_layer_freq`` picks, every layer with its LNS factor."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_lns.specs import lns_block_spec
+
+    config = tiny_config(
+        num_moe_experts=4, moe_layer_freq=[0, 1, 0, 1], moe_ffn_hidden_size=32
+    ).transformer_config(ParallelLayout(), cpu_init=True)
+    config.transformer_impl = "local"
+    model = _gpt(lns_block_spec(config), config)
+    _assert_lns_layers(model)
+    assert [isinstance(layer.mlp, MoELayer) for layer in model.decoder.layers] == [
+        False,
+        True,
+        False,
+        True,
+    ]
+
+
 def _bridge_models_module() -> ModuleType:
     """``megatron.bridge.models`` for a machine without Bridge: a ``GPTModelProvider`` that
     is a TransformerConfig and calls its ``transformer_layer_spec`` as Bridge's
