@@ -31,7 +31,6 @@ from megatron_lns.convert.mapping import (
     HF_EMBEDDING,
     HF_FINAL_NORM,
     HF_LM_HEAD,
-    LAYERS,
     OUTPUT_LAYER,
 )
 from megatron_lns.convert.output import check_apart, staged_output_dir
@@ -83,8 +82,7 @@ def check_checkpoint_matches(reader: CheckpointReader, arch: Architecture, vocab
     other model tensor is: the config and the checkpoint must describe the same model."""
     h = arch.hidden_size
     expected: dict[str, tuple[int, ...]] = {EMBEDDING: (vocab_rows, h)}
-    for key, shape in arch.layer_shapes().items():
-        expected[LAYERS + key] = (arch.num_layers, *shape)
+    expected |= arch.checkpoint_shapes()
     if arch.norm_affine:
         expected[FINAL_NORM_WEIGHT] = (h,)
         if arch.norm_has_bias:
@@ -176,13 +174,10 @@ def _groups(
     groups: list[Group] = [
         ({HF_EMBEDDING: (vocab, h)}, lambda: {HF_EMBEDDING: reader.read_rows(EMBEDDING, vocab)})
     ]
-    layer_keys = [LAYERS + key for key in arch.layer_keys()]
 
     def layer(index: int) -> dict[str, torch.Tensor]:
         say(f"export-hf: layer {index + 1}/{arch.num_layers}")
-        stacked = reader.read_layer(layer_keys, index)
-        tensors = {key.removeprefix(LAYERS): value for key, value in stacked.items()}
-        return arch.layer_to_hf(tensors, index)
+        return arch.layer_to_hf(arch.read_layer(reader, index), index)
 
     for index in range(arch.num_layers):
         groups.append((arch.hf_layer_shapes(index), lambda index=index: layer(index)))

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from megatron_lns.config.schema import ModelConfig
+from megatron_lns.convert.checkpoint_reader import CheckpointReader
 from megatron_lns.convert.errors import ConversionError
 from megatron_lns.convert.mapping import (
     ATTN_NORM_BIAS,
@@ -34,6 +35,7 @@ from megatron_lns.convert.mapping import (
     FC2_BIAS,
     FC2_WEIGHT,
     HF_FINAL_NORM,
+    LAYERS,
     MLP_NORM_BIAS,
     MLP_NORM_WEIGHT,
     PROJ_BIAS,
@@ -101,6 +103,9 @@ class Architecture:
     # config.json switches the megatron-lns decoder needs at one value: written on
     # export, and any other value refused on import.
     hf_fixed_switches: ClassVar[dict[str, bool]] = {}
+    # Whether its layers are mixture-of-experts layers (a model with model.num_moe_experts
+    # exports only to one that is, a dense model only to one that is not).
+    moe: ClassVar[bool] = False
 
     num_layers: int
     hidden_size: int
@@ -131,6 +136,12 @@ class Architecture:
         return norm_output_scale("lns" if self.lns else "none", layer_number)
 
     # ------------------------------------------------------------------ hooks
+    @classmethod
+    def exports_model(cls, m: ModelConfig) -> bool:
+        """Whether export picks this architecture for ``m`` among those of its norm and
+        kind (dense or MoE); the first that does is chosen."""
+        return True
+
     @classmethod
     def check_model_config(cls, m: ModelConfig, head_dim: int) -> None:
         """Refuse a ``model:`` section this architecture cannot compute exactly."""
@@ -268,36 +279,52 @@ class Architecture:
         return getattr(transformers, self.hf_config_class)(**fields)
 
     # ------------------------------------------------------------------ tensors
-    def layer_keys(self) -> list[str]:
-        """The per-layer checkpoint keys of this architecture (relative to LAYERS)."""
-        keys = [QKV_WEIGHT, PROJ_WEIGHT, FC1_WEIGHT, FC2_WEIGHT]
-        if self.norm_affine:
-            keys += [ATTN_NORM_WEIGHT, MLP_NORM_WEIGHT]
-        if self.norm_has_bias:
-            keys += [ATTN_NORM_BIAS, MLP_NORM_BIAS]
-        if self.bias:
-            keys += [QKV_BIAS, PROJ_BIAS, FC1_BIAS, FC2_BIAS]
-        return keys
+    # The checkpoint side of one layer. megatron stacks the layers of a homogeneous model
+    # on a leading axis (``decoder.layers.<name>``); an architecture whose layers differ
+    # (dense and MoE) overrides ``checkpoint_shapes`` and ``read_layer``.
+    def norm_keys(self, index: int) -> tuple[tuple[str, str, str], ...]:
+        """(checkpoint weight key, bias key, Hugging Face norm name) of the two pre-norms
+        of layer ``index``, attention first."""
+        return (
+            (ATTN_NORM_WEIGHT, ATTN_NORM_BIAS, "input_layernorm."),
+            (MLP_NORM_WEIGHT, MLP_NORM_BIAS, "post_attention_layernorm."),
+        )
 
-    def layer_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Shape of one layer's slice of each per-layer checkpoint tensor."""
-        h, ffn, hd = self.hidden_size, self.ffn_hidden_size, self.head_dim
+    def layer_shapes(self, index: int) -> dict[str, tuple[int, ...]]:
+        """Checkpoint key (relative to the layer) -> shape of each tensor of layer ``index``."""
+        h, hd = self.hidden_size, self.head_dim
         qkv = (self.num_attention_heads + 2 * self.num_query_groups) * hd
-        shapes = {
+        shapes: dict[str, tuple[int, ...]] = {
             QKV_WEIGHT: (qkv, h),
             PROJ_WEIGHT: (h, self.num_attention_heads * hd),
-            FC1_WEIGHT: (2 * ffn, h),
-            FC2_WEIGHT: (h, ffn),
-            ATTN_NORM_WEIGHT: (h,),
-            MLP_NORM_WEIGHT: (h,),
-            ATTN_NORM_BIAS: (h,),
-            MLP_NORM_BIAS: (h,),
-            QKV_BIAS: (qkv,),
-            PROJ_BIAS: (h,),
-            FC1_BIAS: (2 * ffn,),
-            FC2_BIAS: (h,),
         }
-        return {key: shapes[key] for key in self.layer_keys()}
+        if self.bias:
+            shapes |= {QKV_BIAS: (qkv,), PROJ_BIAS: (h,)}
+        shapes |= self.mlp_shapes(index)
+        for weight_key, bias_key, _ in self.norm_keys(index):
+            if self.norm_affine:
+                shapes[weight_key] = (h,)
+            if self.norm_has_bias:
+                shapes[bias_key] = (h,)
+        return shapes
+
+    def mlp_shapes(self, index: int) -> dict[str, tuple[int, ...]]:
+        """The MLP's part of :meth:`layer_shapes` (without its norm): a dense SwiGLU MLP."""
+        h, ffn = self.hidden_size, self.ffn_hidden_size
+        shapes: dict[str, tuple[int, ...]] = {FC1_WEIGHT: (2 * ffn, h), FC2_WEIGHT: (h, ffn)}
+        if self.bias:
+            shapes |= {FC1_BIAS: (2 * ffn,), FC2_BIAS: (h,)}
+        return shapes
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every per-layer tensor of the checkpoint: full key -> global shape."""
+        layers = self.num_layers
+        return {LAYERS + key: (layers, *shape) for key, shape in self.layer_shapes(0).items()}
+
+    def read_layer(self, reader: CheckpointReader, index: int) -> dict[str, Tensor]:
+        """Layer ``index``'s tensors from the checkpoint, by key relative to the layer."""
+        stacked = reader.read_layer([LAYERS + key for key in self.layer_shapes(index)], index)
+        return {key.removeprefix(LAYERS): tensor for key, tensor in stacked.items()}
 
     def layer_to_hf(self, tensors: dict[str, Tensor], index: int) -> dict[str, Tensor]:
         """One megatron layer (0-based ``index``) as Hugging Face tensors, LNS folded in."""
@@ -305,10 +332,7 @@ class Architecture:
         scale = self.norm_scale(index + 1)
         out: dict[str, Tensor] = {}
         dtype = tensors[QKV_WEIGHT].dtype
-        for weight_key, bias_key, hf_norm in (
-            (ATTN_NORM_WEIGHT, ATTN_NORM_BIAS, "input_layernorm."),
-            (MLP_NORM_WEIGHT, MLP_NORM_BIAS, "post_attention_layernorm."),
-        ):
+        for weight_key, bias_key, hf_norm in self.norm_keys(index):
             if self.norm_affine:
                 weight = effective_norm_weight(tensors[weight_key], scale, self.zero_centered_gamma)
             else:
@@ -322,59 +346,81 @@ class Architecture:
                     else torch.zeros(self.hidden_size, dtype=dtype)
                 )
                 out[prefix + hf_norm + "bias"] = bias
-        attn, mlp = prefix + "self_attn.", prefix + "mlp."
+        attn = prefix + "self_attn."
         q, k, v = self.split_qkv(tensors[QKV_WEIGHT])
         out |= {attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v}
         out[attn + "o_proj.weight"] = tensors[PROJ_WEIGHT]
-        gate, up = tensors[FC1_WEIGHT].chunk(2, dim=0)
-        out |= {mlp + "gate_proj.weight": gate, mlp + "up_proj.weight": up}
-        out[mlp + "down_proj.weight"] = tensors[FC2_WEIGHT]
         if self.bias:
             q, k, v = self.split_qkv(tensors[QKV_BIAS])
             out |= {attn + "q_proj.bias": q, attn + "k_proj.bias": k, attn + "v_proj.bias": v}
             out[attn + "o_proj.bias"] = tensors[PROJ_BIAS]
-            gate, up = tensors[FC1_BIAS].chunk(2, dim=0)
-            out |= {mlp + "gate_proj.bias": gate, mlp + "up_proj.bias": up}
-            out[mlp + "down_proj.bias"] = tensors[FC2_BIAS]
+        out |= self.mlp_to_hf(tensors, index)
         return {name: tensor.contiguous() for name, tensor in out.items()}
+
+    def mlp_to_hf(self, tensors: dict[str, Tensor], index: int) -> dict[str, Tensor]:
+        """The MLP's part of :meth:`layer_to_hf`: ``linear_fc1`` rows ``[:f]`` are the
+        gate, ``[f:]`` the up projection."""
+        mlp = hf_layer_prefix(index) + "mlp."
+        out: dict[str, Tensor] = {}
+        for suffix, fc1_key, fc2_key in (
+            ("weight", FC1_WEIGHT, FC2_WEIGHT),
+            ("bias", FC1_BIAS, FC2_BIAS),
+        ):
+            if suffix == "bias" and not self.bias:
+                continue
+            gate, up = tensors[fc1_key].chunk(2, dim=0)
+            out |= {f"{mlp}gate_proj.{suffix}": gate, f"{mlp}up_proj.{suffix}": up}
+            out[f"{mlp}down_proj.{suffix}"] = tensors[fc2_key]
+        return out
 
     def hf_layer_shapes(self, index: int) -> dict[str, tuple[int, ...]]:
         """Hugging Face name -> shape of every tensor of layer ``index``."""
         prefix = hf_layer_prefix(index)
-        h, ffn, hd = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        h, hd = self.hidden_size, self.head_dim
         q, kv = self.num_attention_heads * hd, self.num_query_groups * hd
+        shapes = {}
+        for _, _, norm in self.norm_keys(index):
+            shapes[prefix + norm + "weight"] = (h,)
+            if not self.rmsnorm:
+                shapes[prefix + norm + "bias"] = (h,)
         outputs = {
             "self_attn.q_proj.": (q, h),
             "self_attn.k_proj.": (kv, h),
             "self_attn.v_proj.": (kv, h),
             "self_attn.o_proj.": (h, q),
-            "mlp.gate_proj.": (ffn, h),
-            "mlp.up_proj.": (ffn, h),
-            "mlp.down_proj.": (h, ffn),
         }
-        shapes = {}
-        for norm in ("input_layernorm.", "post_attention_layernorm."):
-            shapes[prefix + norm + "weight"] = (h,)
-            if not self.rmsnorm:
-                shapes[prefix + norm + "bias"] = (h,)
         for name, (rows, cols) in outputs.items():
             shapes[prefix + name + "weight"] = (rows, cols)
             if self.bias:
                 shapes[prefix + name + "bias"] = (rows,)
+        return shapes | self.hf_mlp_shapes(index)
+
+    def hf_mlp_shapes(self, index: int) -> dict[str, tuple[int, ...]]:
+        """The MLP's part of :meth:`hf_layer_shapes`."""
+        mlp = hf_layer_prefix(index) + "mlp."
+        h, ffn = self.hidden_size, self.ffn_hidden_size
+        shapes = {}
+        for name, (rows, cols) in {
+            "gate_proj.": (ffn, h),
+            "up_proj.": (ffn, h),
+            "down_proj.": (h, ffn),
+        }.items():
+            shapes[mlp + name + "weight"] = (rows, cols)
+            if self.bias:
+                shapes[mlp + name + "bias"] = (rows,)
         return shapes
 
     def layer_from_hf(self, hf: dict[str, Tensor], index: int) -> tuple[dict[str, Tensor], int]:
-        """One layer's Hugging Face tensors as megatron checkpoint tensors (relative keys),
-        with the LNS factor divided out exactly when ``lns``. Also returns the number of
-        norm elements that had no exact preimage (see :func:`invert_exactly`)."""
+        """One layer's Hugging Face tensors as megatron tensors, by name relative to the
+        layer (the checkpoint names of :meth:`layer_shapes`, except where
+        :meth:`mlp_from_hf` says otherwise), with the LNS factor divided out exactly when
+        ``lns``. Also returns the number of norm elements that had no exact preimage (see
+        :func:`invert_exactly`)."""
         prefix = hf_layer_prefix(index)
         scale = self.norm_scale(index + 1)
         out: dict[str, Tensor] = {}
         inexact = 0
-        for weight_key, bias_key, hf_norm in (
-            (ATTN_NORM_WEIGHT, ATTN_NORM_BIAS, "input_layernorm."),
-            (MLP_NORM_WEIGHT, MLP_NORM_BIAS, "post_attention_layernorm."),
-        ):
+        for weight_key, bias_key, hf_norm in self.norm_keys(index):
             weight = hf[prefix + hf_norm + "weight"]
             guess = (weight.double() / scale - float(self.zero_centered_gamma)).to(weight.dtype)
             out[weight_key], missed = invert_exactly(
@@ -391,10 +437,10 @@ class Architecture:
                     (bias.double() / scale).to(bias.dtype),
                 )
                 inexact += missed
-        attn, mlp = prefix + "self_attn.", prefix + "mlp."
-        for suffix, qkv_key, proj_key, fc1_key, fc2_key in (
-            ("weight", QKV_WEIGHT, PROJ_WEIGHT, FC1_WEIGHT, FC2_WEIGHT),
-            ("bias", QKV_BIAS, PROJ_BIAS, FC1_BIAS, FC2_BIAS),
+        attn = prefix + "self_attn."
+        for suffix, qkv_key, proj_key in (
+            ("weight", QKV_WEIGHT, PROJ_WEIGHT),
+            ("bias", QKV_BIAS, PROJ_BIAS),
         ):
             if suffix == "bias" and not self.bias:
                 continue
@@ -404,9 +450,21 @@ class Architecture:
                 hf[f"{attn}v_proj.{suffix}"],
             )
             out[proj_key] = hf[f"{attn}o_proj.{suffix}"]
+        return out | self.mlp_from_hf(hf, index), inexact
+
+    def mlp_from_hf(self, hf: dict[str, Tensor], index: int) -> dict[str, Tensor]:
+        """The MLP's part of :meth:`layer_from_hf`."""
+        mlp = hf_layer_prefix(index) + "mlp."
+        out = {}
+        for suffix, fc1_key, fc2_key in (
+            ("weight", FC1_WEIGHT, FC2_WEIGHT),
+            ("bias", FC1_BIAS, FC2_BIAS),
+        ):
+            if suffix == "bias" and not self.bias:
+                continue
             out[fc1_key] = torch.cat([hf[f"{mlp}gate_proj.{suffix}"], hf[f"{mlp}up_proj.{suffix}"]])
             out[fc2_key] = hf[f"{mlp}down_proj.{suffix}"]
-        return out, inexact
+        return out
 
     def final_norm_to_hf(self, weight: Tensor | None, bias: Tensor | None, dtype) -> dict:
         """The final norm (never scaled by LNS) in plain form."""
