@@ -37,6 +37,18 @@ FC1_WEIGHT = "mlp.linear_fc1.weight"
 FC1_BIAS = "mlp.linear_fc1.bias"
 FC2_WEIGHT = "mlp.linear_fc2.weight"
 FC2_BIAS = "mlp.linear_fc2.bias"
+# A mixture-of-experts layer (megatron's MoELayer). Its pre-MLP norm is a module of its
+# own (no linear_fc1 to fuse it into); the experts of a layer are stacked on an expert
+# axis, [E, 2f, h] and [E, h, f], by SequentialMLP and TEGroupedMLP alike; the shared
+# expert's optional sigmoid gate is a [1, h] weight.
+MOE_NORM_WEIGHT = "pre_mlp_layernorm.weight"
+MOE_NORM_BIAS = "pre_mlp_layernorm.bias"
+ROUTER_WEIGHT = "mlp.router.weight"
+EXPERTS_FC1_WEIGHT = "mlp.experts.experts.linear_fc1.weight"
+EXPERTS_FC2_WEIGHT = "mlp.experts.experts.linear_fc2.weight"
+SHARED_FC1_WEIGHT = "mlp.shared_experts.linear_fc1.weight"
+SHARED_FC2_WEIGHT = "mlp.shared_experts.linear_fc2.weight"
+SHARED_GATE_WEIGHT = "mlp.shared_experts.gate_weight"
 
 # Hugging Face names (every registered architecture has the Llama layout).
 HF_EMBEDDING = "model.embed_tokens.weight"
@@ -48,6 +60,12 @@ HF_DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def hf_layer_prefix(index: int) -> str:
     return f"model.layers.{index}."
+
+
+def layer_prefix(index: int) -> str:
+    """The checkpoint prefix of layer ``index`` (0-based, global) where megatron saves
+    each layer under its own keys: a model whose layers differ (dense and MoE)."""
+    return f"{LAYERS}{index}."
 
 
 def effective_norm_weight(weight: Tensor, scale: float, zero_centered: bool) -> Tensor:

@@ -5,10 +5,13 @@ architecture differs from the shared mapping in :mod:`.base`. ``ARCHITECTURES`` 
 them; every lookup goes through this registry:
 
 * import: ``config.json``'s ``architectures`` entry -> the class registered under it;
-* export: ``model.normalization`` -> the first architecture in ``ARCHITECTURES`` with
-  that norm (``layernorm1p`` is a LayerNorm once the fold removes its zero-centring).
-  A later architecture with the same norm is read by import and exported as the
-  earlier one, which computes the same function.
+* export: a dense model (no ``model.num_moe_experts``) goes to a dense architecture, an
+  MoE model to an MoE one; among those, ``model.normalization`` picks the ones with that
+  norm (``layernorm1p`` is a LayerNorm once the fold removes its zero-centring), and the
+  first whose ``exports_model`` takes the model is chosen (an MoE model with a shared
+  expert is a Qwen2-MoE, one without a Mixtral). A later dense architecture with the
+  same norm is read by import and exported as the earlier one, which computes the same
+  function.
 
 Adding an architecture is a new module here, its entry in ``ARCHITECTURES``, and its
 parity tests (docs/conversion.md, "Adding a Hugging Face architecture").
@@ -24,10 +27,12 @@ from megatron_lns.convert.architectures.base import (
     refuse_unshared_design,
 )
 from megatron_lns.convert.architectures.llama import Llama
+from megatron_lns.convert.architectures.mixtral import Mixtral
+from megatron_lns.convert.architectures.qwen2_moe import Qwen2Moe
 from megatron_lns.convert.architectures.stablelm import StableLm
 from megatron_lns.convert.errors import ConversionError
 
-ARCHITECTURES: tuple[type[Architecture], ...] = (Llama, StableLm)
+ARCHITECTURES: tuple[type[Architecture], ...] = (Llama, StableLm, Mixtral, Qwen2Moe)
 
 
 def _by_hf_class() -> dict[str, type[Architecture]]:
@@ -64,14 +69,18 @@ def architecture_for_model_config(m: ModelConfig) -> Architecture:
     """The architecture a megatron-lns ``model:`` section exports as; refuses what no
     registered architecture computes exactly, naming the setting."""
     refuse_unshared_design(m, [arch.name for arch in ARCHITECTURES])
+    moe = bool(m.num_moe_experts)
+    kind = [arch for arch in ARCHITECTURES if arch.moe == moe]
     norm = HF_NORM_OF.get(m.normalization)
-    arch = next((arch for arch in ARCHITECTURES if arch.norm == norm), None)
-    if arch is None:
-        norms = dict.fromkeys(other.norm for other in ARCHITECTURES)
+    candidates = [arch for arch in kind if arch.norm == norm]
+    if not candidates:
+        norms = dict.fromkeys(other.norm for other in kind)
+        what = "mixture-of-experts architectures" if moe else "architectures"
         raise ConversionError(
             f"model.normalization={m.normalization} cannot be exported: the supported "
-            f"architectures have {listed(norms, ' or ')}"
+            f"{what} ({listed(arch.name for arch in kind)}) have {listed(norms, ' or ')}"
         )
+    arch = next((arch for arch in candidates if arch.exports_model(m)), candidates[0])
     return arch.from_model_config(m)
 
 

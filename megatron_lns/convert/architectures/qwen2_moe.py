@@ -1,0 +1,110 @@
+"""``Qwen2MoeForCausalLM``: RMSNorm decoder whose MoE layers add a gated shared expert.
+
+Qwen2-MoE's MoE block is a routed mixture plus one shared SwiGLU expert scaled by
+``sigmoid(x @ shared_expert_gate)``: megatron's ``moe_shared_expert_intermediate_size``
+with ``moe_shared_expert_gate: true`` (SharedExpertMLP's ``gate_weight``). Its router
+divides the top-k probabilities by their sum when ``norm_topk_prob`` (megatron's
+``moe_router_pre_softmax: false``) and keeps them as they are otherwise
+(``moe_router_pre_softmax: true``); see :mod:`.moe`. Dense layers mixed in by
+``moe_layer_freq`` are its ``mlp_only_layers`` (with ``decoder_sparse_step`` 1), of
+width ``intermediate_size``; the experts' width is ``moe_intermediate_size``. Its
+attention has no output bias and, here, no QKV bias (``qkv_bias: false``); its heads are
+hidden_size / num_attention_heads wide.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from megatron_lns.config.schema import ModelConfig
+from megatron_lns.convert.architectures.moe import MoEArchitecture
+from megatron_lns.convert.errors import ConversionError
+
+
+class Qwen2Moe(MoEArchitecture):
+    hf_class = "Qwen2MoeForCausalLM"
+    name = "Qwen2-MoE"
+    hf_config_class = "Qwen2MoeConfig"
+    norm = "rmsnorm"
+    hf_eps_key = "rms_norm_eps"
+    hf_fixed_switches: ClassVar[dict[str, bool]] = {"qkv_bias": False, "use_sliding_window": False}
+    hf_moe_block = "mlp."
+    hf_expert_projections: ClassVar[tuple[str, str, str]] = ("gate_proj", "up_proj", "down_proj")
+    hf_shared_expert = "shared_expert"
+    hf_shared_expert_gate = "shared_expert_gate"
+
+    @classmethod
+    def exports_model(cls, m: ModelConfig) -> bool:
+        return bool(m.moe_shared_expert_intermediate_size)
+
+    @classmethod
+    def check_model_config(cls, m: ModelConfig, head_dim: int) -> None:
+        super().check_model_config(m, head_dim)
+        if not m.moe_shared_expert_intermediate_size:
+            raise ConversionError(
+                "model.moe_shared_expert_intermediate_size is not set: Qwen2-MoE always has "
+                "a shared expert"
+            )
+        if not m.moe_shared_expert_gate:
+            raise ConversionError(
+                "model.moe_shared_expert_gate=false cannot be exported: Qwen2-MoE's shared "
+                "expert is always scaled by a sigmoid gate, and no stock class here has an "
+                "ungated one"
+            )
+        heads = m.num_attention_heads
+        if head_dim * heads != m.hidden_size:
+            raise ConversionError(
+                f"model.kv_channels={head_dim} cannot be exported as Qwen2-MoE, whose "
+                f"attention has hidden_size / num_attention_heads channels per head "
+                f"({m.hidden_size} / {heads})"
+            )
+
+    @classmethod
+    def check_hf_config(cls, config, head_dim: int) -> None:
+        heads = config.num_attention_heads
+        if head_dim * heads != config.hidden_size:
+            raise ConversionError(
+                f"config.json: head_dim={head_dim} x num_attention_heads={heads} != "
+                f"hidden_size={config.hidden_size}: Qwen2-MoE's heads are hidden_size / "
+                "num_attention_heads wide"
+            )
+        if not config.shared_expert_intermediate_size:
+            raise ConversionError(
+                "config.json: shared_expert_intermediate_size=0: megatron-lns's shared "
+                "expert cannot be empty"
+            )
+        layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+        if layer_types != {"full_attention"}:
+            raise ConversionError(
+                f"config.json: layer_types={sorted(layer_types)} is not supported "
+                "(megatron-lns attends to the whole sequence in every layer)"
+            )
+
+    @classmethod
+    def moe_fields_from_hf(cls, config) -> dict:
+        step = config.decoder_sparse_step
+        dense = set(config.mlp_only_layers or [])
+        pattern = tuple(
+            int(config.num_experts > 0 and i not in dense and (i + 1) % step == 0)
+            for i in range(config.num_hidden_layers)
+        )
+        return dict(
+            num_experts=config.num_experts,
+            topk=config.num_experts_per_tok,
+            expert_ffn_hidden_size=config.moe_intermediate_size,
+            moe_pattern=pattern,
+            shared_expert_ffn_hidden_size=config.shared_expert_intermediate_size,
+            shared_expert_gate=True,
+            topk_renormalized=bool(config.norm_topk_prob),
+        )
+
+    def hf_config_fields(self) -> dict:
+        return dict(
+            moe_intermediate_size=self.expert_ffn_hidden_size,
+            shared_expert_intermediate_size=self.shared_expert_ffn_hidden_size,
+            num_experts=self.num_experts,
+            num_experts_per_tok=self.topk,
+            norm_topk_prob=self.topk_renormalized,
+            decoder_sparse_step=1,
+            mlp_only_layers=[i for i, moe in enumerate(self.moe_pattern) if not moe],
+        )

@@ -1,0 +1,478 @@
+"""Hugging Face export / import of mixture-of-experts models: logit parity of
+MixtralForCausalLM and Qwen2MoeForCausalLM with megatron's MoE layers (LNS folded),
+round trips, the registry's choice, and refusal of what the stock classes cannot compute."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import perturb_norm_weights
+
+from megatron_lns.build import model_config
+from megatron_lns.config import load_config, to_yaml
+from megatron_lns.config.schema import ModelConfig
+from megatron_lns.convert import ConversionError, export_hf, import_hf
+from megatron_lns.convert.architectures import (
+    ARCHITECTURES,
+    Architecture,
+    architecture_for_hf_config,
+    architecture_for_model_config,
+)
+from megatron_lns.convert.architectures.moe import MEGATRON_ONLY_ROUTING, ROUTING_BALANCERS
+from megatron_lns.data.tokenizer import ByteTokenizer
+from megatron_lns.model import build_model
+from megatron_lns.moe import moe_layer_pattern
+from megatron_lns.training.checkpoint import load_model_weights, save_model_weights
+
+VOCAB = ByteTokenizer().vocab_size
+SEQ = 16
+# fp32 on both sides; the two compute routing and experts in different orders.
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+
+MIXTRAL = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
+QWEN2_MOE = dict(MIXTRAL, moe_shared_expert_intermediate_size=80, moe_shared_expert_gate=True)
+
+
+def run_config(**model):
+    """A tiny MoE run config (4 layers, hidden 64, byte tokenizer)."""
+    values = dict(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=96,
+        encoder_seq_length=SEQ,
+        init_method_std=0.05,
+        data={"seq_length": SEQ, "data_prefix": ["builtin:pydoc"]},
+    )
+    values.update(model)
+    return load_config({"trainer": {"precision": "32"}, "model": values})
+
+
+def save_run(root: Path, cfg) -> Path:
+    """A checkpoint of ``cfg`` with random weights and perturbed norms, as training saves it."""
+    chunks = build_model(model_config(cfg, VOCAB))
+    for chunk in chunks:
+        perturb_norm_weights(chunk)
+    path = root / "checkpoints" / "iter_0000001"
+    save_model_weights(chunks, path)
+    (path / "config.yaml").write_text(to_yaml(cfg))
+    (path / "complete.json").write_text('{"iteration": 1, "consumed_samples": 8}\n')
+    return path
+
+
+def sample_tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+def megatron_logits(checkpoint: Path, cfg, tokens: torch.Tensor) -> torch.Tensor:
+    model = build_model(model_config(cfg, VOCAB))
+    load_model_weights(model, checkpoint)
+    model[0].eval()
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.no_grad():
+        return model[0](tokens, positions, None)[..., :VOCAB]
+
+
+def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def assert_parity(checkpoint: Path, cfg, hf_dir: Path) -> None:
+    tokens = sample_tokens()
+    torch.testing.assert_close(
+        hf_logits(hf_dir, tokens), megatron_logits(checkpoint, cfg, tokens), **TOLERANCE
+    )
+
+
+def safetensors_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in sorted(hf_dir.glob("*.safetensors")):
+        tensors |= load_file(path)
+    return tensors
+
+
+def silent(_: str) -> None:
+    pass
+
+
+PARITY_CASES = {
+    # Softmax over the top-k logits (megatron's default) = Mixtral's renormalised top-k.
+    "mixtral-lns-top2": (MIXTRAL, "MixtralForCausalLM"),
+    "mixtral-lns-top3-tied": (
+        dict(MIXTRAL, moe_router_topk=3, share_embeddings_and_output_weights=True),
+        "MixtralForCausalLM",
+    ),
+    "mixtral-preln-kv-channels": (dict(MIXTRAL, norm_scaling="none", kv_channels=24), "Mixtral"),
+    # A dense first layer (Qwen2-MoE's mlp_only_layers) and a gated shared expert.
+    "qwen2moe-lns-dense-first": (dict(QWEN2_MOE, moe_layer_freq=[0, 1, 1, 1]), "Qwen2Moe"),
+    # Softmax over all experts, top-k kept as they are = Qwen2-MoE without norm_topk_prob
+    # (megatron's only top-1 routing).
+    "qwen2moe-lns-top1-every-other": (
+        dict(QWEN2_MOE, moe_router_topk=1, moe_router_pre_softmax=True, moe_layer_freq=2),
+        "Qwen2Moe",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(PARITY_CASES))
+def test_moe_export_matches_megatron_logits(seeded, tmp_path, case):
+    model, expected = PARITY_CASES[case]
+    cfg = run_config(**model)
+    checkpoint = save_run(tmp_path / "run", cfg)
+    out = export_hf(tmp_path / "run", tmp_path / "hf", progress=silent)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"][0].startswith(expected)
+    if expected == "Qwen2Moe":
+        assert config["norm_topk_prob"] == (not cfg.model.moe_router_pre_softmax)
+        pattern = [1, 0, 1, 0] if cfg.model.moe_layer_freq == 2 else [0, 1, 1, 1]
+        assert config["mlp_only_layers"] == [i for i, moe in enumerate(pattern) if not moe]
+    assert_parity(checkpoint, cfg, out)
+
+
+def test_moe_export_without_the_factor_fails_parity(seeded, tmp_path, monkeypatch):
+    """Negative control: the parity check is sensitive to a missing LNS fold."""
+    cfg = run_config(**QWEN2_MOE)
+    checkpoint = save_run(tmp_path / "run", cfg)
+    monkeypatch.setattr(Architecture, "norm_scale", lambda self, layer_number: 1.0)
+    out = export_hf(checkpoint, tmp_path / "hf", progress=silent)
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        assert_parity(checkpoint, cfg, out)
+
+
+@pytest.mark.parametrize("pre_softmax", [False, True])
+def test_the_other_topk_normalisation_fails_parity(seeded, tmp_path, pre_softmax):
+    """Negative control for routing: Qwen2-MoE's norm_topk_prob must be the opposite of
+    megatron's moe_router_pre_softmax, which is why Mixtral (always renormalising)
+    refuses pre-softmax routing."""
+    cfg = run_config(**QWEN2_MOE, moe_router_pre_softmax=pre_softmax)
+    checkpoint = save_run(tmp_path / "run", cfg)
+    out = export_hf(checkpoint, tmp_path / "hf", progress=silent)
+    config = json.loads((out / "config.json").read_text())
+    config["norm_topk_prob"] = pre_softmax
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        assert_parity(checkpoint, cfg, out)
+
+
+def test_moe_export_folds_the_factor_into_the_moe_pre_norm(seeded, tmp_path):
+    from megatron_lns.layer import baked_state_dict
+
+    cfg = run_config(**QWEN2_MOE, moe_layer_freq=[0, 1, 1, 1])
+    checkpoint = save_run(tmp_path / "run", cfg)
+    exported = safetensors_tensors(export_hf(checkpoint, tmp_path / "hf", progress=silent))
+    model = build_model(model_config(cfg, VOCAB))
+    load_model_weights(model, checkpoint)
+    baked = baked_state_dict(model[0])
+    raw = model[0].state_dict()
+    for i in range(1, 4):  # MoE layers; 1/sqrt(l) != 1 from block 2 on
+        name = f"decoder.layers.{i}.pre_mlp_layernorm.weight"
+        hf = exported[f"model.layers.{i}.post_attention_layernorm.weight"]
+        assert torch.equal(hf, baked[name]) and not torch.equal(hf, raw[name])
+
+
+def test_export_reads_one_layer_at_a_time(seeded, tmp_path, monkeypatch):
+    """Layer-bounded memory: each read of the checkpoint touches at most one layer."""
+    from megatron_lns.convert.checkpoint_reader import CheckpointReader
+
+    save_run(tmp_path / "run", run_config(**QWEN2_MOE))
+    reads: list[set[str]] = []
+    original = CheckpointReader.read
+
+    def read(self, requests):
+        reads.append({key.split(".")[2] for key in requests if key.startswith("decoder.layers.")})
+        return original(self, requests)
+
+    monkeypatch.setattr(CheckpointReader, "read", read)
+    export_hf(tmp_path / "run", tmp_path / "hf", progress=silent)
+    assert [layers for layers in reads if layers] == [{"0"}, {"1"}, {"2"}, {"3"}]
+
+
+@pytest.mark.parametrize(
+    "model",
+    [MIXTRAL, dict(QWEN2_MOE, moe_layer_freq=[0, 1, 1, 1], moe_router_pre_softmax=True)],
+    ids=["mixtral", "qwen2moe-dense-first-pre-softmax"],
+)
+def test_moe_export_import_export_is_bitwise_identical(seeded, tmp_path, model):
+    cfg = run_config(**model)
+    save_run(tmp_path / "run", cfg)
+    first = export_hf(tmp_path / "run", tmp_path / "hf", progress=silent)
+    imported = load_config(import_hf(first, tmp_path / "imported", lns=True, progress=silent))
+    m = imported.model
+    assert (m.num_moe_experts, m.moe_router_topk, m.moe_ffn_hidden_size) == (4, 2, 48)
+    assert m.moe_router_pre_softmax == cfg.model.moe_router_pre_softmax
+    assert m.moe_shared_expert_intermediate_size == cfg.model.moe_shared_expert_intermediate_size
+    assert m.moe_shared_expert_gate == cfg.model.moe_shared_expert_gate
+    assert moe_layer_pattern(m.moe_layer_freq, 4) == moe_layer_pattern(cfg.model.moe_layer_freq, 4)
+    second = export_hf(tmp_path / "imported", tmp_path / "hf2", progress=silent)
+    names = sorted(p.name for p in first.iterdir())
+    assert names == sorted(p.name for p in second.iterdir())
+    for name in names:
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+
+
+def _tiny_hf_mixtral(path: Path) -> Path:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=SEQ,
+        rope_theta=50000.0,
+        bos_token_id=None,
+        eos_token_id=ByteTokenizer().eod,
+    )
+    return _save_hf(MixtralForCausalLM(config), path)
+
+
+def _tiny_hf_qwen2_moe(path: Path) -> Path:
+    """Layers 1 and 3 MoE by decoder_sparse_step=2, layer 3 dense by mlp_only_layers."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=80,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+        norm_topk_prob=False,
+        qkv_bias=False,
+        max_position_embeddings=SEQ,
+        bos_token_id=None,
+        eos_token_id=ByteTokenizer().eod,
+    )
+    return _save_hf(Qwen2MoeForCausalLM(config), path)
+
+
+def _save_hf(model: torch.nn.Module, path: Path) -> Path:
+    """``model`` with random weights (the router too) and perturbed norms, saved by
+    transformers with the byte tokenizer."""
+    from megatron_lns.convert.hf_tokenizer import byte_tokenizer_fast
+
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.3 * torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(0.05 * torch.randn(param.shape, generator=gen))
+    model.save_pretrained(path)
+    byte_tokenizer_fast().save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("make", [_tiny_hf_mixtral, _tiny_hf_qwen2_moe], ids=["mixtral", "qwen"])
+def test_hf_moe_import_export_is_bitwise_identical(seeded, tmp_path, make):
+    source = make(tmp_path / "source")
+    cfg = load_config(import_hf(source, tmp_path / "imported", progress=silent))
+    assert cfg.model.norm_scaling == "none" and cfg.model.num_moe_experts == 4
+    if make is _tiny_hf_qwen2_moe:
+        assert list(cfg.model.moe_layer_freq) == [0, 1, 0, 0]
+        assert cfg.model.moe_router_pre_softmax and cfg.model.moe_shared_expert_gate
+    checkpoint = tmp_path / "imported" / "checkpoints" / "iter_0000000"
+    assert_parity(checkpoint, cfg, source)
+    out = export_hf(tmp_path / "imported", tmp_path / "hf", progress=silent)
+    original, exported = safetensors_tensors(source), safetensors_tensors(out)
+    assert original.keys() == exported.keys()
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+
+
+# ----------------------------------------------------------------------------- the registry
+def test_dense_models_never_export_as_moe_and_moe_models_pick_by_shared_expert():
+    assert type(architecture_for_model_config(run_config().model)).hf_class == "LlamaForCausalLM"
+    chosen = {
+        "MixtralForCausalLM": run_config(**MIXTRAL).model,
+        "Qwen2MoeForCausalLM": run_config(**QWEN2_MOE).model,
+    }
+    for hf_class, model in chosen.items():
+        assert type(architecture_for_model_config(model)).hf_class == hf_class
+
+
+@pytest.mark.parametrize(
+    "arch", [a for a in ARCHITECTURES if a.moe], ids=lambda arch: arch.hf_class
+)
+def test_each_moe_architecture_reads_back_the_config_json_it_writes(tmp_path, arch):
+    from transformers import AutoConfig
+
+    model = QWEN2_MOE | dict(moe_layer_freq=[0, 1, 1, 1]) if arch.hf_shared_expert else MIXTRAL
+    exported = arch.from_model_config(run_config(**model, rotary_base=50000).model)
+    exported.hf_config(VOCAB, torch.float32, None, ByteTokenizer().eod).save_pretrained(tmp_path)
+    config = AutoConfig.from_pretrained(tmp_path, local_files_only=True)
+    assert config.architectures == [arch.hf_class]
+    for lns in (False, True):
+        assert architecture_for_hf_config(config, lns) == dataclasses.replace(exported, lns=lns)
+
+
+# Every MoE key of the model section: what it means for export.
+ARCHITECTURE_KEYS = {
+    "num_moe_experts",
+    "moe_layer_freq",
+    "moe_ffn_hidden_size",
+    "moe_router_topk",
+    "moe_router_pre_softmax",
+    "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
+}
+# How the function is computed or trained, not what it is.
+SAME_FUNCTION_KEYS = {
+    "moe_router_bias_update_rate",  # only with the (refused) expert bias
+    "moe_router_dtype",
+    "moe_aux_loss_coeff",
+    "moe_z_loss_coeff",
+    "moe_per_layer_logging",
+    "moe_token_dispatcher_type",
+    "moe_grouped_gemm",
+    "moe_permute_fusion",
+    "moe_shared_expert_overlap",
+    "moe_token_drop_policy",  # only with the (refused) capacity factor
+    "moe_pad_expert_input_to_capacity",  # likewise
+    "moe_router_load_balancing_type",  # a loss, except sinkhorn (refused)
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+}
+
+
+def test_every_moe_setting_is_mapped_refused_or_irrelevant_to_export():
+    """A new MoE key in the schema must be classified here (and refused in
+    MEGATRON_ONLY_ROUTING if it changes what the layer computes)."""
+    declared = {
+        f.name
+        for f in dataclasses.fields(ModelConfig)
+        if f.name.startswith(("moe_", "num_moe_", "expert_"))
+    }
+    refused = {key for key, _, _ in MEGATRON_ONLY_ROUTING}
+    assert not (refused & (ARCHITECTURE_KEYS | SAME_FUNCTION_KEYS))
+    assert declared == ARCHITECTURE_KEYS | SAME_FUNCTION_KEYS | refused
+
+
+REFUSALS = {
+    "score-function": (
+        dict(moe_router_score_function="sigmoid"),
+        r"model.moe_router_score_function=sigmoid cannot be exported",
+    ),
+    "expert-bias": (
+        dict(moe_router_enable_expert_bias=True),
+        r"model.moe_router_enable_expert_bias=True cannot be exported: .* no expert bias",
+    ),
+    "topk-scaling": (
+        dict(moe_router_topk_scaling_factor=2.5),
+        r"model.moe_router_topk_scaling_factor=2.5 cannot be exported",
+    ),
+    "capacity": (
+        dict(moe_expert_capacity_factor=1.0),
+        r"model.moe_expert_capacity_factor=1.0 cannot be exported: .* never drop tokens",
+    ),
+    "sinkhorn": (
+        dict(moe_router_load_balancing_type="sinkhorn"),
+        r"model.moe_router_load_balancing_type=sinkhorn cannot be exported",
+    ),
+    "bias": (dict(bias=True), r"model.bias=true cannot be exported with model.num_moe_experts"),
+    "layernorm": (
+        dict(normalization="layernorm"),
+        r"model.normalization=layernorm cannot be exported: the supported mixture-of-experts "
+        r"architectures \(Mixtral and Qwen2-MoE\) have rmsnorm",
+    ),
+    "mixtral-pre-softmax": (
+        dict(moe_router_pre_softmax=True),
+        r"model.moe_router_pre_softmax=true cannot be exported: Mixtral divides",
+    ),
+    "mixtral-dense-layers": (
+        dict(moe_layer_freq=[0, 1, 1, 1]),
+        r"model.moe_layer_freq=\[0, 1, 1, 1\] cannot be exported without a shared expert",
+    ),
+    "qwen2moe-ungated": (
+        dict(moe_shared_expert_intermediate_size=80, moe_shared_expert_gate=False),
+        r"model.moe_shared_expert_gate=false cannot be exported: Qwen2-MoE's shared expert",
+    ),
+    "qwen2moe-kv-channels": (
+        dict(moe_shared_expert_intermediate_size=80, moe_shared_expert_gate=True, kv_channels=24),
+        r"model.kv_channels=24 cannot be exported as Qwen2-MoE",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_unexportable_moe_settings_are_refused_in_one_line_naming_the_key(case):
+    changes, message = REFUSALS[case]
+    # Set on the typed section directly: the run-config checks may refuse some of these
+    # combinations earlier, and export must refuse them on its own.
+    model = dataclasses.replace(run_config(**MIXTRAL).model, **changes)
+    with pytest.raises(ConversionError, match="^" + message) as refused:
+        architecture_for_model_config(model)
+    assert "\n" not in str(refused.value)
+
+
+def test_sinkhorn_is_the_only_routing_balancer_refused():
+    assert set(ROUTING_BALANCERS) == {"sinkhorn"}
+
+
+@pytest.mark.parametrize(
+    ("make", "key", "value", "message"),
+    [
+        (_tiny_hf_qwen2_moe, "qkv_bias", True, r"config.json: qkv_bias=True is not supported"),
+        (_tiny_hf_mixtral, "sliding_window", 8, r"config.json: sliding_window=8 is not supported"),
+        (_tiny_hf_qwen2_moe, "mlp_only_layers", [0, 1, 2, 3], r"config.json: no layer has experts"),
+    ],
+    ids=["qwen-qkv-bias", "mixtral-sliding-window", "qwen-all-dense"],
+)
+def test_unimportable_moe_configs_are_refused(seeded, tmp_path, make, key, value, message):
+    source = make(tmp_path / "source")
+    config = json.loads((source / "config.json").read_text())
+    config[key] = value
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match=message):
+        import_hf(source, tmp_path / "imported", progress=silent)
+    assert not (tmp_path / "imported").exists()
+
+
+@pytest.mark.slow
+def test_cli_trains_a_moe_run_and_exports_it_for_auto_model(seeded, tmp_path):
+    """megatron-lns train (2 steps) -> export-hf -> AutoModelForCausalLM: the trained
+    Qwen2-MoE (a dense first layer, a gated shared expert) gives the checkpoint's logits."""
+    import subprocess
+    import sys
+
+    from helpers import DEMO_CONFIG, TINY_MODEL_OVERRIDES, fresh_launch_env
+
+    from megatron_lns.config.sources import load_run_config
+
+    env = fresh_launch_env(MEGATRON_LNS_CACHE=str(tmp_path / "cache"))
+    cli = [sys.executable, "-m", "megatron_lns.cli"]
+    moe = ["model.num_moe_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=64"]
+    moe += ["model.moe_shared_expert_intermediate_size=64", "model.moe_shared_expert_gate=true"]
+    moe += ["model.moe_layer_freq=[0,1,1,1]", "model.moe_aux_loss_coeff=0.01"]
+    train = [*cli, "train", str(DEMO_CONFIG), *TINY_MODEL_OVERRIDES, *moe]
+    train += [f"exp_manager.exp_dir={tmp_path}", "exp_manager.name=moe", "trainer.max_steps=2"]
+    train += ["trainer.val_check_interval=2", "trainer.limit_val_batches=1"]
+    train += ["model.optim.sched.warmup_steps=1"]
+    subprocess.run(train, env=env, check=True, capture_output=True, text=True)
+    run = tmp_path / "moe"
+    export = [*cli, "export-hf", str(run), str(tmp_path / "hf")]
+    done = subprocess.run(export, env=env, check=True, capture_output=True, text=True)
+    assert "as Qwen2MoeForCausalLM" in done.stdout
+    checkpoint = run / "checkpoints" / "iter_0000002"
+    assert_parity(checkpoint, load_run_config(checkpoint), tmp_path / "hf")
