@@ -273,10 +273,15 @@ def build_trainable_from_config(
 
 def build_weights_model(cfg: ExperimentConfig, tokenizer_vocab_size: int) -> torch.nn.Module:
     """``cfg``'s model as a home for weights being converted: one bare chunk on the CPU
-    at TP=PP=1, local backend, no FP8. The checkpoint keys are the same for every
+    at TP=PP=1, local backend, no FP8, experts one by one (SequentialMLP, whose
+    checkpoint keys TEGroupedMLP shares). The checkpoint keys are the same for every
     backend and parallel layout, so what is saved from it loads into any of them.
     Needs megatron's parallel state for one process."""
     model_cfg = dataclasses.replace(
-        model_config(cfg, tokenizer_vocab_size), backend="local", fp8=None, fp8_param=False
+        model_config(cfg, tokenizer_vocab_size),
+        backend="local",
+        fp8=None,
+        fp8_param=False,
+        moe_grouped_gemm=False,
     )
     return build_model(model_cfg)[0]

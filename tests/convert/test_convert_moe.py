@@ -476,3 +476,13 @@ def test_cli_trains_a_moe_run_and_exports_it_for_auto_model(seeded, tmp_path):
     assert "as Qwen2MoeForCausalLM" in done.stdout
     checkpoint = run / "checkpoints" / "iter_0000002"
     assert_parity(checkpoint, load_run_config(checkpoint), tmp_path / "hf")
+
+
+def test_import_builds_sequential_experts_for_a_grouped_gemm_run(seeded):
+    """import-hf fills the local backend's per-expert parameters; a run config asking for
+    grouped GEMM (Transformer Engine) still gets them, its checkpoint keys are the same."""
+    from megatron_lns.build import build_weights_model
+
+    model = build_weights_model(run_config(**MIXTRAL, moe_grouped_gemm=True), VOCAB)
+    names = dict(model.named_parameters())
+    assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight" in names
