@@ -1,7 +1,8 @@
 """Hugging Face conversion: megatron checkpoints <-> stock ``transformers`` models.
 
 Export folds LNS into the pre-norm weights, so the result is a stock architecture
-(``LlamaForCausalLM`` or ``StableLmForCausalLM``, one module each in
+(``LlamaForCausalLM``, ``StableLmForCausalLM``, and for mixture-of-experts models
+``MixtralForCausalLM`` or ``Qwen2MoeForCausalLM``; one module each in
 :mod:`~megatron_lns.convert.architectures`) that loads without custom code. Import
 reverses it for continued pretraining. See docs/conversion.md.
 """
