@@ -436,8 +436,9 @@ def test_sinkhorn_is_the_only_routing_balancer_refused():
         (_tiny_hf_qwen2_moe, "qkv_bias", True, r"config.json: qkv_bias=True is not supported"),
         (_tiny_hf_mixtral, "sliding_window", 8, r"config.json: sliding_window=8 is not supported"),
         (_tiny_hf_qwen2_moe, "mlp_only_layers", [0, 1, 2, 3], r"config.json: no layer has experts"),
+        (_tiny_hf_mixtral, "num_experts_per_tok", 1, r"config.json: num_experts_per_tok=1 with"),
     ],
-    ids=["qwen-qkv-bias", "mixtral-sliding-window", "qwen-all-dense"],
+    ids=["qwen-qkv-bias", "mixtral-sliding-window", "qwen-all-dense", "mixtral-top1"],
 )
 def test_unimportable_moe_configs_are_refused(seeded, tmp_path, make, key, value, message):
     source = make(tmp_path / "source")

@@ -186,6 +186,13 @@ class MoEArchitecture(Architecture):
                 f"config.json: num_experts_per_tok={moe['topk']} is not between 1 and the "
                 f"number of experts ({moe['num_experts']})"
             )
+        if moe["topk"] == 1 and moe["topk_renormalized"]:
+            raise ConversionError(
+                f"config.json: num_experts_per_tok=1 with the top-k renormalised ({cls.name}"
+                f"{', norm_topk_prob=true' if cls.hf_shared_expert else ''}) weighs the "
+                "chosen expert by 1; megatron's top-1 router weighs it by its softmax "
+                "probability (it requires moe_router_pre_softmax)"
+            )
         return dataclasses.replace(arch, **moe)
 
     @classmethod
