@@ -179,7 +179,8 @@ class MoEArchitecture(Architecture):
         moe = cls.moe_fields_from_hf(config)
         if not any(moe["moe_pattern"]):
             raise ConversionError(
-                "config.json: no layer has experts; import it as a dense architecture"
+                f"config.json: no layer has experts; megatron-lns imports a {cls.name} with "
+                "at least one mixture-of-experts layer"
             )
         if not 1 <= moe["topk"] <= moe["num_experts"]:
             raise ConversionError(
