@@ -91,6 +91,21 @@ def check_moe(m, world: int) -> None:
             "model.moe_router_load_balancing_type=sinkhorn routes each token to one expert: "
             f"set model.moe_router_topk=1 (got {m.moe_router_topk})"
         )
+    if (
+        m.moe_router_topk == 1
+        and m.moe_router_score_function == "softmax"
+        and not m.moe_router_pre_softmax
+        and m.moe_router_load_balancing_type != "sinkhorn"
+    ):
+        raise ConfigError(
+            "model.moe_router_topk=1 with a softmax router needs model.moe_router_pre_softmax="
+            "true (a softmax over one chosen logit is 1: the router would get no gradient)"
+        )
+    if m.moe_router_load_balancing_type == "sinkhorn" and m.moe_aux_loss_coeff:
+        raise ConfigError(
+            "model.moe_router_load_balancing_type=sinkhorn balances without an aux loss: set "
+            f"model.moe_aux_loss_coeff=0 (got {m.moe_aux_loss_coeff})"
+        )
     if m.moe_expert_capacity_factor is not None and m.moe_router_load_balancing_type == "sinkhorn":
         raise ConfigError(
             "model.moe_expert_capacity_factor does not work with "

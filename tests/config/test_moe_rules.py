@@ -29,6 +29,7 @@ def test_moe_keys_reach_megatron_transformer_config():
     cfg = _config(
         "model.moe_layer_freq='[0]*1+[1]*3'",
         "model.moe_router_topk=1",
+        "model.moe_router_pre_softmax=true",
         "model.moe_router_score_function=sigmoid",
         "model.moe_router_enable_expert_bias=true",
         "model.moe_router_bias_update_rate=0.01",
@@ -104,6 +105,20 @@ def test_grouped_gemm_and_permute_fusion_follow_the_machine():
         (["model.moe_router_enable_expert_bias=true"], 1, r"needs model\.moe_router_score"),
         (["model.moe_router_load_balancing_type=sinkhorn"], 1, r"set model\.moe_router_topk=1"),
         (["model.moe_pad_expert_input_to_capacity=true"], 1, r"needs model\.moe_expert_capa"),
+        (
+            ["model.moe_router_topk=1"],
+            1,
+            r"topk=1 with a softmax router needs model\.moe_router_pre",
+        ),
+        (
+            [
+                "model.moe_router_load_balancing_type=sinkhorn",
+                "model.moe_router_topk=1",
+                "model.moe_aux_loss_coeff=0.01",
+            ],
+            1,
+            r"set model\.moe_aux_loss_coeff=0",
+        ),
         (["model.moe_shared_expert_overlap=true"], 1, r"needs a shared expert"),
         (
             [
