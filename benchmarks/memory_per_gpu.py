@@ -215,11 +215,12 @@ def comment_block(cfg, vocab_size: int) -> str:
     """The YAML comment lines quoting :func:`estimate` for ``cfg``."""
     e = estimate(cfg, vocab_size)
     m = cfg.model
+    moe_lines = _moe_lines(cfg, vocab_size, e)
     lines = [
         "Memory per GPU, first pipeline stage (benchmarks/memory_per_gpu.py, arithmetic):",
-        *_moe_lines(cfg, vocab_size, e)[:1],
+        *moe_lines[:1],
         f"  parameters on this GPU       {e.parameters / 1e9:6.2f} B",
-        *_moe_lines(cfg, vocab_size, e)[1:],
+        *moe_lines[1:],
         f"  weights                      {e.weights_gb:6.1f} GB",
         f"  gradient buffer              {e.grads_gb:6.1f} GB",
         f"  optimizer state (shard)      {e.optimizer_gb:6.1f} GB",
@@ -240,10 +241,8 @@ def _moe_lines(cfg, vocab_size: int, e: MemoryEstimate) -> list[str]:
     from megatron_lns.build import model_config
 
     counts = model_config(cfg, vocab_size).parameter_counts()
-    ep, etp = (
-        m.expert_model_parallel_size,
-        m.expert_tensor_parallel_size or (m.tensor_model_parallel_size),
-    )
+    ep = m.expert_model_parallel_size
+    etp = m.expert_tensor_parallel_size or m.tensor_model_parallel_size
     return [
         f"  model: {counts.total / 1e9:.2f} B parameters, "
         f"{counts.active / 1e9:.2f} B active per token",
