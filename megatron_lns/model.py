@@ -54,6 +54,15 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int, divisible_by: int =
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+@dataclass(frozen=True)
+class ParameterCounts:
+    """``total``: every parameter; ``active``: those one token meets (the router, its
+    ``topk`` experts and the shared expert in an MoE layer; all of them in a dense model)."""
+
+    total: int
+    active: int
+
+
 @dataclass
 class GPTModelConfig:
     """Architecture of a decoder-only GPT / LLaMA / OLMo model with optional LNS.
@@ -210,13 +219,43 @@ class GPTModelConfig:
         and the shared expert (with its sigmoid gate when megatron's
         ``moe_shared_expert_gate`` is set)."""
         h = self.hidden_size
-        expert_ffn = self.moe_ffn_hidden_size or self.ffn_hidden_size or 4 * h
+        expert_ffn = self._expert_ffn()
         weights = h * self.num_moe_experts + self.moe_router_topk * self._mlp_weights(expert_ffn)
         if self.moe_shared_expert_intermediate_size:
             weights += self._mlp_weights(self.moe_shared_expert_intermediate_size)
             if self.extra_transformer_config.get("moe_shared_expert_gate"):
                 weights += h
         return weights
+
+    def parameter_counts(self) -> ParameterCounts:
+        """Parameters of the whole model (all ranks together), and those one token meets.
+
+        Counts the matmul weights, the embedding, an untied output layer and the norms'
+        weights (and LayerNorm biases); not the linear layers' biases (``bias: true``) or
+        the paper variants' per-layer gains (a few ``hidden_size`` each)."""
+        h, layers = self.hidden_size, self.num_layers
+        ffn = self.ffn_hidden_size or 4 * h
+        pattern = self.moe_layer_pattern()
+        per_channel = 2 if self.normalization == "LayerNorm" else 1  # weight (+ bias)
+        norm = per_channel * h if self.norm_affine else 0
+        qk_norm = 2 * per_channel * self.head_size if self.qk_layernorm else 0
+        q = self.num_attention_heads * self.head_size
+        kv = 2 * (self.num_query_groups or self.num_attention_heads) * self.head_size
+        dense = layers * (h * (q + kv) + q * h + 2 * norm + qk_norm) + norm  # + final norm
+        dense += h * self.vocab_size * (1 if self.share_embeddings_and_output_weights else 2)
+        if self.position_embedding_type == "learned_absolute":
+            dense += (self.max_position_embeddings or self.seq_length) * h
+        dense += sum(self._mlp_weights(ffn) for is_moe in pattern if not is_moe)
+        if not any(pattern):
+            return ParameterCounts(total=dense, active=dense)
+        expert = self._mlp_weights(self._expert_ffn())
+        idle_experts = self.num_moe_experts - self.moe_router_topk
+        moe_layers = sum(pattern)
+        active = dense + moe_layers * self.moe_mlp_active_weights()
+        return ParameterCounts(total=active + moe_layers * idle_experts * expert, active=active)
+
+    def _expert_ffn(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size or 4 * self.hidden_size
 
     def transformer_config(
         self, layout: ParallelLayout = ParallelLayout(), cpu_init: bool | None = None

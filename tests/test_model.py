@@ -1,6 +1,7 @@
 """Single-process model tests: LNS against an independent reference, Pre-LN against megatron."""
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -74,6 +75,79 @@ def test_flops_per_token_counts_the_models_matmul_weights(seeded, kv_channels):
     )
     attention = 6 * cfg.num_layers * cfg.num_attention_heads * cfg.head_size * cfg.seq_length
     assert cfg.flops_per_token() == 6 * matmul_weights + attention
+
+
+def _moe_config(topk=2, moe_layer_freq=(0, 1, 1, 1), shared=None, gate=False, **overrides):
+    return tiny_config(
+        num_moe_experts=4,
+        moe_router_topk=topk,
+        moe_layer_freq=list(moe_layer_freq) if isinstance(moe_layer_freq, tuple) else 2,
+        moe_ffn_hidden_size=48,
+        moe_shared_expert_intermediate_size=shared,
+        extra_transformer_config=dict(
+            moe_token_dispatcher_type="allgather",
+            moe_router_pre_softmax=topk == 1,  # megatron requires it for softmax top-1
+            moe_shared_expert_gate=gate,
+        ),
+        **overrides,
+    )
+
+
+MOE_CASES = {
+    "top2_mixed_layers": dict(topk=2),
+    "top1_every_other_layer_gated_shared_expert": dict(
+        topk=1, moe_layer_freq=2, shared=32, gate=True
+    ),
+}
+
+
+def _routed_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+@pytest.mark.parametrize("case", MOE_CASES.values(), ids=MOE_CASES.keys())
+def test_moe_flops_per_token_count_the_weights_a_token_meets(seeded, case):
+    """A token meets the router, ``topk`` of the routed experts and the shared expert (with
+    its gate): each routed expert's weights count ``topk / num_experts`` times."""
+    cfg = _moe_config(**case)
+    model = build_model(cfg)[0]
+    matmul_weights = Fraction(0)
+    for name, p in model.named_parameters():
+        if p.dim() == 2 and not name.startswith("embedding."):
+            share = (
+                Fraction(cfg.moe_router_topk, cfg.num_moe_experts) if _routed_expert(name) else 1
+            )
+            matmul_weights += p.numel() * share
+    assert any(_routed_expert(name) for name, _ in model.named_parameters())
+    attention = 6 * cfg.num_layers * cfg.num_attention_heads * cfg.head_size * cfg.seq_length
+    assert cfg.flops_per_token() == 6 * matmul_weights + attention
+
+
+PARAMETER_CASES = {
+    "dense_rmsnorm": lambda: tiny_config(),
+    "dense_layernorm_tied_qk_norm": lambda: tiny_config(
+        normalization="LayerNorm", share_embeddings_and_output_weights=True, qk_layernorm=True
+    ),
+    "dense_learned_positions_no_norm_weights": lambda: tiny_config(
+        position_embedding_type="learned_absolute", norm_affine=False
+    ),
+    **{f"moe_{k}": (lambda c=c: _moe_config(**c)) for k, c in MOE_CASES.items()},
+}
+
+
+@pytest.mark.parametrize("make", PARAMETER_CASES.values(), ids=PARAMETER_CASES.keys())
+def test_parameter_counts_match_the_built_model(seeded, make):
+    """Total: every parameter of the built model; active: without the ``num_experts - topk``
+    routed experts a token does not meet in each MoE layer."""
+    cfg = make()
+    named = dict(build_model(cfg)[0].named_parameters())
+    total = sum(p.numel() for p in named.values())
+    routed = sum(p.numel() for name, p in named.items() if _routed_expert(name))
+    idle = Fraction(cfg.num_moe_experts - cfg.moe_router_topk, cfg.num_moe_experts) if routed else 0
+    counts = cfg.parameter_counts()
+    assert counts.total == total
+    assert counts.active == total - routed * idle
+    assert (counts.active < counts.total) == bool(routed)
 
 
 def test_lns_changes_the_function(seeded):

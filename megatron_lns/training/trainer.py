@@ -49,6 +49,7 @@ from megatron_lns.training.checkpoint import latest_complete_checkpoint
 from megatron_lns.training.checkpoint_writer import CheckpointWriter
 from megatron_lns.training.manual_gc import ManualGarbageCollection
 from megatron_lns.training.metrics import MetricsLogger
+from megatron_lns.training.moe_metrics import MoEMetrics
 from megatron_lns.training.profiling import StepProfiler, profile_window
 from megatron_lns.training.resume import resume
 from megatron_lns.training.run_dir import RunDirError, RunDirLock, claim_run_dir
@@ -84,6 +85,13 @@ class RunSummary:
     tflops_per_device: float = 0.0
     skipped_steps: int = 0
     stopped_early: bool = False
+
+
+def _count(parameters: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6)):
+        if parameters >= size:
+            return f"{parameters / size:.2f} {unit}"
+    return f"{parameters:,}"
 
 
 def _or_nan(value: float | None) -> float:
@@ -209,6 +217,13 @@ class Trainer:
         )
         self.megatron_timers = MegatronTimers(timer_settings(cfg))
         self.megatron_timers.install(get_model_config(self.model[0]), self.optimizer)
+        self.moe_metrics = MoEMetrics.for_model(self.model, get_model_config(self.model[0]))
+        if self.moe_metrics is not None:
+            counts = self.model_config.parameter_counts()
+            self._print(
+                f"mixture of experts: {_count(counts.total)} parameters in all, "
+                f"{_count(counts.active)} active per token"
+            )
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         init_batch_size_calculator(
@@ -273,6 +288,9 @@ class Trainer:
         profiler = getattr(self, "profiler", None)
         if profiler is not None:
             profiler.close()
+        moe_metrics = getattr(self, "moe_metrics", None)
+        if moe_metrics is not None:
+            moe_metrics.close()
         logger = getattr(self, "logger", None)
         if logger is not None:
             logger.close()
@@ -313,6 +331,8 @@ class Trainer:
         update_num_microbatches(self.state.consumed_samples, consistency_check=True)
         with self.megatron_timers.timing("batch-generator", log_level=2):
             microbatches = [next(self.train_batches) for _ in range(get_num_microbatches())]
+        if self.moe_metrics is not None:
+            self.moe_metrics.start_step()  # every step, logged or not
         result = train_step(self.model, self.optimizer, microbatches)
         self.state.consumed_samples += result.num_samples
         if not result.update_successful:
@@ -375,19 +395,24 @@ class Trainer:
         self.checkpoints.wait()
 
     def _log_train_step(self, result: StepResult, lr: float, tokens_per_second: float) -> None:
-        self.logger.log(
-            self.state.iteration,
-            {
-                "loss": result.loss,
-                "ppl": math.exp(min(result.loss, 50.0)),
-                "lr": lr,
-                "grad_norm": _or_nan(result.grad_norm),
-                "global_batch_size": result.num_samples,
-                "consumed_samples": self.state.consumed_samples,
-                "tokens_per_s": tokens_per_second,
-                "tflops_per_device": self._tflops_per_device(tokens_per_second),
-            },
-        )
+        """The step's line (every rank calls it: the MoE metrics are reduced across ranks)."""
+        metrics = {
+            "loss": result.loss,
+            "ppl": math.exp(min(result.loss, 50.0)),
+            "lr": lr,
+            "grad_norm": _or_nan(result.grad_norm),
+            "global_batch_size": result.num_samples,
+            "consumed_samples": self.state.consumed_samples,
+            "tokens_per_s": tokens_per_second,
+            "tflops_per_device": self._tflops_per_device(tokens_per_second),
+        }
+        per_layer = {}
+        if self.moe_metrics is not None:
+            moe, per_layer = self.moe_metrics.report(get_num_microbatches())
+            metrics.update(moe)
+        self.logger.log(self.state.iteration, metrics)
+        if per_layer:
+            self.logger.log(self.state.iteration, per_layer, console=False)
 
     def _log_megatron_timers(self, step: int, report: TimerReport) -> None:
         if report.table is not None:

@@ -88,6 +88,20 @@ def test_rendered_script_matches_golden_and_is_valid_bash(name, config, override
     _bash_syntax_ok(script)
 
 
+@pytest.mark.parametrize("nodes", [1, 8])
+def test_olmoe_job_asks_for_8_to_64_gpus_in_a_container(nodes):
+    olmoe = ROOT / "nemo_configs" / "olmoe_1b_7b_lns.yaml"
+    script = _script(_cfg(olmoe, *OLMO_DATA, f"trainer.num_nodes={nodes}"))
+    for line in (
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --gpus-per-node=8",
+        "    --container-image=/lustre/containers/megatron-lns-te.sqsh \\",
+    ):
+        assert line in script.splitlines(), line
+    _bash_syntax_ok(script)
+
+
 def test_olmo_job_asks_for_16_nodes_of_8_gpus_in_a_container():
     script = _script(_cfg(OLMO, *OLMO_DATA))
     for line in (
