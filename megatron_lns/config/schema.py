@@ -743,6 +743,16 @@ class ModelConfig:
         group="architecture",
         doc="`add_bias_linear` and `add_qkv_bias`",
     )
+    qk_layernorm: bool = setting(
+        False,
+        target="TransformerConfig.qk_layernorm",
+        group="architecture",
+        doc=(
+            "`qk_layernorm`: megatron-core's QK-norm, a norm (`normalization`) on each head's "
+            "queries and keys before RoPE (OLMo 2, Qwen3); never LNS-scaled. Not exported to "
+            "Hugging Face (Llama, StableLM, Mixtral and Qwen2-MoE have none)"
+        ),
+    )
     activation: str = setting(
         "swiglu",
         one_of(ACTIVATIONS),

@@ -126,3 +126,9 @@ def test_optimizer_fields_our_settings_lack_are_passed_on():
         optim_settings(load_config(DEMO_CONFIG)), extra_optimizer_config={"loss_scale": 8.0}
     )
     assert settings.megatron_config().loss_scale == 8.0
+
+
+def test_qk_layernorm_is_a_declared_pass_through():
+    cfg = load_config(DEMO_CONFIG, ["model.qk_layernorm=true"])
+    gpt = model_config(cfg, 256)
+    assert gpt.qk_layernorm and gpt.transformer_config().qk_layernorm

@@ -79,6 +79,11 @@ def refuse_unshared_design(m: ModelConfig, names: list[str]) -> None:
             f"model.layer_variant={m.layer_variant} cannot be exported: the stock "
             f"architectures ({', '.join(names)}) are Pre-LN without branch gains"
         )
+    if m.qk_layernorm:
+        raise ConversionError(
+            f"model.qk_layernorm=true cannot be exported: the supported stock architectures "
+            f"({', '.join(names)}) have no per-head query/key norm"
+        )
     if m.fp8_param:
         raise ConversionError(
             "model.fp8_param=true: the checkpoint holds FP8 weights, which export does "
