@@ -1089,7 +1089,7 @@ class ModelConfig:
         target="TransformerConfig.moe_per_layer_logging",
         training_only=True,
         group="moe",
-        doc="log the load-balancing and z losses of every MoE layer, not only their mean",
+        doc="log the load-balancing and z losses and the expert load of every MoE layer too",
     )
     moe_token_dispatcher_type: str = setting(
         "allgather",
