@@ -49,15 +49,22 @@ CASES = {
 
 
 def moe_config(dispatcher: str = "allgather", **overrides):
-    """The tiny test model with four experts, top-2, and both router losses switched on
-    (their gradients must survive the parallel layouts too)."""
+    """The tiny test model with four experts (top-2) and a shared expert, both router
+    losses switched on (their gradients must survive the parallel layouts too). With
+    alltoall the shared expert overlaps the dispatch (``moe_shared_expert_overlap``: the
+    same weights, another schedule)."""
     extra = dict(
         moe_token_dispatcher_type=dispatcher,
+        moe_shared_expert_overlap=dispatcher == "alltoall",
         moe_aux_loss_coeff=1e-2,
         moe_z_loss_coeff=1e-3,
     )
     return tiny_config(
-        num_moe_experts=4, moe_router_topk=2, extra_transformer_config=extra, **overrides
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_shared_expert_intermediate_size=32,
+        extra_transformer_config=extra,
+        **overrides,
     )
 
 

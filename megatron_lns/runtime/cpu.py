@@ -27,7 +27,10 @@ The stand-ins:
   ``_maybe_dtoh_and_synchronize`` enters ``torch.cuda.stream(...)`` and waits on the
   event it records there. On CPU the counts already live on the host: the stream is a
   :class:`_NullStream` set before any dispatcher is built, ``torch.cuda.stream`` selects
-  nothing, and the recorded event is a :class:`_NullEvent`.
+  nothing, and the recorded event is a :class:`_NullEvent`. The shared expert's stream
+  for ``moe_shared_expert_overlap`` (``SharedExpertMLP.__init__``, moe/shared_experts.py,
+  same pattern) is a :class:`_NullStream` too: on CPU the overlapped schedule runs in
+  order.
 * The alltoall dispatcher's host copies of its split sizes: ``maybe_move_tensor_to_cpu``
   (moe/moe_utils.py, called from ``_maybe_dtoh_and_synchronize``) turns a CUDA tensor
   into a NumPy array for ``all_to_all_single``'s ``input_split_sizes`` /
@@ -195,12 +198,13 @@ def _set_no_device_rng_state(*_, **__) -> None:
 
 
 def _install_moe_dispatcher_host_copies() -> None:
-    """The alltoall dispatcher's device-to-host stream, set before any dispatcher is built
-    (it makes a ``torch.cuda.Stream()`` only while the class attribute is ``None``), and
-    its host copies of the token counts."""
-    from megatron.core.transformer.moe import token_dispatcher
+    """The alltoall dispatcher's device-to-host stream and the shared expert's overlap
+    stream, set before any is built (each makes a ``torch.cuda.Stream()`` only while its
+    class attribute is ``None``), and the dispatcher's host copies of the token counts."""
+    from megatron.core.transformer.moe import shared_experts, token_dispatcher
 
     token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NullStream()
+    shared_experts.SharedExpertMLP.stream = _NullStream()
     token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
 
 
