@@ -351,6 +351,24 @@ def _set_states_but_step(part, set_states, model_param, tensors: dict) -> None:
             state["step"] = step.clone()
 
 
+def _check_optimizer_parts(path: Path, saved, optimizer) -> None:
+    """Refuse a checkpoint whose optimizer state is split into another number of parts.
+
+    megatron-core gives expert parameters an optimizer of their own only with expert
+    parallelism; a chained optimizer saves one state per part and loads only into as
+    many parts (EP=2 -> EP=1 fails deep in megatron otherwise). Weights alone load at
+    any layout (``load_model_weights``)."""
+    saved_parts = len(saved) if isinstance(saved, dict) and 0 in saved else 1
+    parts = len(getattr(optimizer, "chained_optimizers", [optimizer]))
+    if saved_parts != parts:
+        raise CheckpointError(
+            f"checkpoint {path}: its optimizer state has {saved_parts} part(s), this run's "
+            f"optimizer {parts} (megatron-core keeps expert parameters apart only with "
+            "expert parallelism): resume with model.expert_model_parallel_size "
+            f"{'> 1' if saved_parts > parts else '= 1'} as the checkpoint was written"
+        )
+
+
 def checkpoint_path(root: str | Path, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
@@ -495,6 +513,7 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, strategy=None
     except (Exception, CheckpointException) as err:
         raise CheckpointError(f"could not load checkpoint {path}: {err}") from err
     same_layout = common.get("parallel_layout") == _layout()
+    _check_optimizer_parts(path, common.get("optimizer"), optimizer)
     _allocate_distributed_optimizer_state(optimizer)
     template = _state_dict(
         model, optimizer, scheduler, TrainingState(), with_rng=same_layout, is_loading=True

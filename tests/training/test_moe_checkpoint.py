@@ -54,6 +54,7 @@ def _local_parameters(trainer) -> dict:
 def _train_stop_resume(tmp: str) -> dict:
     from helpers import tiny_run_config
 
+    from megatron_lns.errors import UserError
     from megatron_lns.training.trainer import Trainer
 
     root = Path(tmp)
@@ -75,6 +76,14 @@ def _train_stop_resume(tmp: str) -> dict:
         other = Trainer(tiny_run_config(root / name, *MOE_RUN, *layout, resume))
         out[f"{name}_resumed_from"] = other.fit().resumed_from
         out[name] = _losses(root / name / "lns")
+    try:  # EP=2 -> EP=1: megatron keeps expert optimizer state apart only at EP > 1
+        Trainer(
+            tiny_run_config(
+                root / "ep1", *MOE_RUN, f"exp_manager.resume_from_checkpoint={checkpoint}"
+            )
+        )
+    except UserError as err:
+        out["ep1_error"] = str(err)
     return out
 
 
@@ -104,3 +113,12 @@ def test_an_ep2_checkpoint_resumes_at_another_layout(runs, layout):
         expected = [loss for step, loss in rank["straight"] if step > 3]
         assert list(steps) == [4, 5, 6]
         assert list(losses) == pytest.approx(expected, rel=1e-4)
+
+
+def test_an_ep2_checkpoint_does_not_resume_at_ep1_and_says_why(runs):
+    for rank in runs:
+        assert rank["ep1_error"].endswith(
+            "its optimizer state has 2 part(s), this run's optimizer 1 (megatron-core keeps "
+            "expert parameters apart only with expert parallelism): resume with "
+            "model.expert_model_parallel_size > 1 as the checkpoint was written"
+        )
