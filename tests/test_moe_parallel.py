@@ -25,26 +25,31 @@ from megatron_lns.training.step import forward_backward, train_step
 pytestmark = pytest.mark.slow
 
 WORLD_SIZE = 4
-MIXED_LAYERS = [0, 1, 1, 1]  # a dense first layer, as OLMoE-style stacks have
+# The baselines' moe_layer_freq: every layer MoE, or a dense first layer (OLMoE-style).
+PATTERNS = {"all_moe": 1, "mixed": [0, 1, 1, 1]}
 
-# name -> (layout, token dispatcher, moe_layer_freq). alltoall runs where it differs from
+# name -> (layout, token dispatcher, pattern). alltoall runs where it differs from
 # allgather in what it sends: over expert ranks, and over expert-tensor ranks with the
-# uneven per-rank token counts that the CPU layer's gather/reduce-scatter stand-ins serve.
+# uneven per-rank token counts that the CPU layer's uneven-gather stand-in serves.
 CASES = {
-    "ep2_allgather": (ParallelLayout(expert=2), "allgather", 1),
-    "ep2_alltoall": (ParallelLayout(expert=2), "alltoall", 1),
+    "ep2_allgather": (ParallelLayout(expert=2), "allgather", "all_moe"),
+    "ep2_alltoall": (ParallelLayout(expert=2), "alltoall", "all_moe"),
     "ep2_tp2_allgather": (
         ParallelLayout(tensor=2, expert=2, sequence_parallel=True),
         "allgather",
-        1,
+        "all_moe",
     ),
-    "ep2_tp2_alltoall": (ParallelLayout(tensor=2, expert=2, sequence_parallel=True), "alltoall", 1),
+    "ep2_tp2_alltoall": (
+        ParallelLayout(tensor=2, expert=2, sequence_parallel=True),
+        "alltoall",
+        "all_moe",
+    ),
     "ep2_tp2_etp1_alltoall": (
         ParallelLayout(tensor=2, expert=2, expert_tensor=1, sequence_parallel=True),
         "alltoall",
-        1,
+        "all_moe",
     ),
-    "pp2_ep2_mixed_allgather": (ParallelLayout(pipeline=2, expert=2), "allgather", MIXED_LAYERS),
+    "pp2_ep2_mixed_allgather": (ParallelLayout(pipeline=2, expert=2), "allgather", "mixed"),
 }
 
 
@@ -151,15 +156,16 @@ def _one_optimizer_step(cfg, layout, batches, checkpoint):
 def moe_parallel_worker(tmp: str):
     batches = fixed_microbatches(128, 16)
     out = {}
-    for pattern in (MIXED_LAYERS, 1):
-        model, loss = _run(moe_config(moe_layer_freq=pattern), ParallelLayout(), batches)
+    for pattern in ("mixed", "all_moe"):  # the all-MoE model stays for the next lines
+        cfg = moe_config(moe_layer_freq=PATTERNS[pattern])
+        model, loss = _run(cfg, ParallelLayout(), batches)
         save_model_weights(model, f"{tmp}/base_{pattern}")
         out[f"base_{pattern}"] = (loss, full_tensors(model, of="grad"))
     out["base_params"] = full_tensors(model, of="param")
     out["base_logits"] = _logits(model, batches[0])
 
     for name, (layout, dispatcher, pattern) in CASES.items():
-        cfg = moe_config(dispatcher, moe_layer_freq=pattern)
+        cfg = moe_config(dispatcher, moe_layer_freq=PATTERNS[pattern])
         model, loss = _run(cfg, layout, batches, f"{tmp}/base_{pattern}")
         out[name] = (loss, full_tensors(model, of="grad"))
         if name.startswith("ep2_tp2"):
@@ -180,7 +186,7 @@ def moe_parallel_worker(tmp: str):
     # ranks and the others over all data-parallel ranks.
     for name, layout in {"ep1": ParallelLayout(), "ep2": ParallelLayout(expert=2)}.items():
         out[f"dist_opt_{name}"] = _one_optimizer_step(
-            moe_config(), layout, batches, f"{tmp}/base_1"
+            moe_config(), layout, batches, f"{tmp}/base_all_moe"
         )
     return out
 
