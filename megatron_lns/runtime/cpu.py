@@ -21,6 +21,31 @@ The stand-ins:
   megatron (pipeline schedules, DDP, timers). ``current_device`` returns the CPU
   device itself, because torch function modes are not active inside autograd
   backward, where tensor-parallel layers allocate their gradient buffers.
+* ``torch.cuda.stream`` and the alltoall MoE dispatcher's side stream: megatron's
+  ``MoEAlltoAllTokenDispatcher.__init__`` (moe/token_dispatcher.py) creates a class-wide
+  ``torch.cuda.Stream()`` for its device-to-host copies of the token counts, and its
+  ``_maybe_dtoh_and_synchronize`` enters ``torch.cuda.stream(...)`` and waits on the
+  event it records there. On CPU the counts already live on the host: the stream is a
+  :class:`_NullStream` set before any dispatcher is built, ``torch.cuda.stream`` selects
+  nothing, and the recorded event is a :class:`_NullEvent`. The shared expert's stream
+  for ``moe_shared_expert_overlap`` (``SharedExpertMLP.__init__``, moe/shared_experts.py,
+  same pattern) is a :class:`_NullStream` too: on CPU the overlapped schedule runs in
+  order.
+* The alltoall dispatcher's host copies of its split sizes: ``maybe_move_tensor_to_cpu``
+  (moe/moe_utils.py, called from ``_maybe_dtoh_and_synchronize``) turns a CUDA tensor
+  into a NumPy array for ``all_to_all_single``'s ``input_split_sizes`` /
+  ``output_split_sizes``, but returns a CPU tensor unchanged, which
+  ``ProcessGroup.all_to_all_single`` does not take as a split list.
+  :func:`_host_copy` makes the same NumPy array from a CPU tensor.
+* Uneven gather along the first dimension: with expert tensor parallelism the alltoall
+  dispatcher gathers tokens over the expert-TP ranks with per-rank counts
+  (``gather_from_sequence_parallel_region(..., output_split_sizes)``), through
+  ``tensor_parallel/mappings.py``'s ``_gather_along_first_dim``, which calls
+  ``torch.distributed.all_gather`` with tensors of different sizes; gloo's allgather
+  refuses those. :func:`_gather_uneven_along_first_dim` pads every part to the largest
+  and cuts the padding off; even gathers go to megatron's code as before. (The uneven
+  ``reduce_scatter`` that sums them back and the uneven ``all_to_all_single`` over
+  the expert ranks, gloo's ``alltoall_base``, run on gloo as they are.)
 * :class:`CpuRNGStatesTracker` - megatron's ``CudaRNGStatesTracker`` forks CUDA
   generator states (``torch.cuda.get_rng_state``) for tensor-parallel dropout and
   weight init; here the named states are CPU generator states.
@@ -172,6 +197,52 @@ def _set_no_device_rng_state(*_, **__) -> None:
     """Restoring the (absent) device generator state: nothing to do."""
 
 
+def _install_moe_dispatcher_host_copies() -> None:
+    """The alltoall dispatcher's device-to-host stream and the shared expert's overlap
+    stream, set before any is built (each makes a ``torch.cuda.Stream()`` only while its
+    class attribute is ``None``), and the dispatcher's host copies of the token counts."""
+    from megatron.core.transformer.moe import shared_experts, token_dispatcher
+
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NullStream()
+    shared_experts.SharedExpertMLP.stream = _NullStream()
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
+
+
+def _host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron's ``maybe_move_tensor_to_cpu`` for tensors that are already on the host:
+    the NumPy array when asked for one (the split sizes of ``all_to_all_single``)."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.detach().numpy()
+    return tensor
+
+
+def _install_uneven_gather() -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    gather = mappings._gather_along_first_dim
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        return _gather_uneven_along_first_dim(input_, group, output_split_sizes)
+
+    mappings._gather_along_first_dim = gather_along_first_dim
+
+
+def _gather_uneven_along_first_dim(
+    input_: torch.Tensor, group: Any, output_split_sizes: Any
+) -> torch.Tensor:
+    """Rank r's ``output_split_sizes[r]`` rows, concatenated in rank order: every rank
+    pads its rows to the largest count, gloo gathers equal parts, the padding is cut."""
+    sizes = [int(n) for n in output_split_sizes]
+    largest = max(sizes)
+    padded = input_.new_zeros((largest, *input_.shape[1:]))
+    padded[: input_.shape[0]] = input_
+    parts = [torch.empty_like(padded) for _ in sizes]
+    torch.distributed.all_gather(parts, padded, group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes, strict=True)])
+
+
 def install_cpu_compat() -> None:
     """Install the CPU stand-ins for this process (idempotent)."""
     global _active_mode
@@ -185,6 +256,9 @@ def install_cpu_compat() -> None:
     torch.cuda.empty_cache = lambda: None
     torch.cuda.current_stream = lambda device=None: _NullStream()
     torch.cuda.device_count = lambda: 0
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    _install_moe_dispatcher_host_copies()
+    _install_uneven_gather()
     _install_rng_tracker()
     _active_mode = CudaToCpuMode()
     _active_mode.__enter__()
@@ -208,4 +282,17 @@ class _NullStream:
         pass
 
     def record_event(self, event: Any = None) -> Any:
-        return event
+        return event if event is not None else _NullEvent()
+
+
+class _NullEvent:
+    """Stands in for a CUDA event: what it marks has already happened on CPU."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, _stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True

@@ -21,6 +21,7 @@ other. Each virtual-pipeline chunk is stored under ``model{i}`` as Megatron-LM d
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import queue
 import random
@@ -46,6 +47,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     TorchDistLoadShardedStrategy,
     TorchDistSaveShardedStrategy,
 )
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lns.config.sources import RUN_CONFIG
@@ -209,11 +211,23 @@ def load_model_weights(model: Sequence[torch.nn.Module], directory: str | Path) 
 
 
 def _layout() -> dict[str, int]:
-    return {
-        "tensor": parallel_state.get_tensor_model_parallel_world_size(),
+    """The parallel sizes a checkpoint records; its RNG states are restored only at the
+    same ones. The expert sizes count too (each expert rank keeps its own
+    ``expert-parallel-rng`` state) and are recorded only where they differ from a dense
+    run's (EP=1, expert TP = TP), so a dense checkpoint's record is what it always was."""
+    tensor = parallel_state.get_tensor_model_parallel_world_size()
+    layout = {
+        "tensor": tensor,
         "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
         "data": parallel_state.get_data_parallel_world_size(),
     }
+    expert = parallel_state.get_expert_model_parallel_world_size()
+    expert_tensor = parallel_state.get_expert_tensor_parallel_world_size()
+    if expert != 1:
+        layout["expert"] = expert
+    if expert_tensor != tensor:
+        layout["expert_tensor"] = expert_tensor
+    return layout
 
 
 def _rng_state() -> ShardedObject:
@@ -272,6 +286,87 @@ def _state_dict(
     if with_rng:
         sharded["rng_state"] = _rng_state()
     return sharded
+
+
+# megatron-core 0.19's distributed optimizer on torch's Adam (no Apex or Transformer
+# Engine, as on the CPU) cannot load its own checkpoints; the two functions below are
+# the smallest changes that let it, each a no-op where megatron uses a fused Adam.
+
+
+def _distributed_parts(optimizer) -> list[DistributedOptimizer]:
+    """The distributed optimizers of ``optimizer``: itself, or each part of a chained one
+    (with experts, dense and expert parameters have one each)."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [part for part in parts if isinstance(part, DistributedOptimizer)]
+
+
+def _allocate_distributed_optimizer_state(optimizer) -> None:
+    """Give a fresh distributed optimizer its Adam state before a checkpoint is loaded.
+
+    ``DistributedOptimizer.state_dict``, which building the loading template calls
+    first, reads the step count from torch Adam's per-parameter state, which exists only
+    after a first step, and asserts that there is one. megatron's own
+    ``_init_optimizer_states_with_dummy_values`` (its FSDP loading path) allocates the
+    state with a zero-gradient step; the checkpoint then overwrites the state, the step
+    count and the weights.
+    """
+    for part in _distributed_parts(optimizer):
+        if part.optimizer is not None and not part.optimizer.state:
+            part._init_optimizer_states_with_dummy_values()
+
+
+def _load_optimizer_state(optimizer, state_dict: dict) -> None:
+    """``optimizer.load_state_dict``, keeping torch Adam's step count out of the copy of
+    the parameter states, and giving each parameter its own step count.
+
+    ``DistributedOptimizer.load_state_dict`` sets every parameter's ``step`` to one and
+    the same tensor from the checkpoint, then copies each parameter's state tensors from
+    the checkpoint's (``_set_main_param_and_optimizer_states``) by the keys of its own
+    state, ``step`` among them, which the checkpoint files under no parameter: a
+    ``KeyError``. And torch's Adam increments each parameter's ``step`` in place, so a
+    shared one would count every parameter's update and put the bias correction of all
+    later steps off.
+    """
+    parts = _distributed_parts(optimizer)
+    for part in parts:
+        part._set_main_param_and_optimizer_states = functools.partial(
+            _set_states_but_step, part, type(part)._set_main_param_and_optimizer_states
+        )
+    try:
+        optimizer.load_state_dict(state_dict)
+    finally:
+        for part in parts:
+            del part._set_main_param_and_optimizer_states
+
+
+def _set_states_but_step(part, set_states, model_param, tensors: dict) -> None:
+    group_index, group_order = part.model_param_group_index_map[model_param]
+    main_param = part.optimizer.param_groups[group_index]["params"][group_order]
+    state = part.optimizer.state[main_param]
+    step = state.pop("step") if "step" in state and "step" not in tensors else None
+    try:
+        set_states(part, model_param, tensors)
+    finally:
+        if step is not None:
+            state["step"] = step.clone()
+
+
+def _check_optimizer_parts(path: Path, saved, optimizer) -> None:
+    """Refuse a checkpoint whose optimizer state is split into another number of parts.
+
+    megatron-core gives expert parameters an optimizer of their own only with expert
+    parallelism; a chained optimizer saves one state per part and loads only into as
+    many parts (EP=2 -> EP=1 fails deep in megatron otherwise). Weights alone load at
+    any layout (``load_model_weights``)."""
+    saved_parts = len(saved) if isinstance(saved, dict) and 0 in saved else 1
+    parts = len(getattr(optimizer, "chained_optimizers", [optimizer]))
+    if saved_parts != parts:
+        raise CheckpointError(
+            f"checkpoint {path}: its optimizer state has {saved_parts} part(s), this run's "
+            f"optimizer {parts} (megatron-core keeps expert parameters apart only with "
+            "expert parallelism): resume with model.expert_model_parallel_size "
+            f"{'> 1' if saved_parts > parts else '= 1'} as the checkpoint was written"
+        )
 
 
 def checkpoint_path(root: str | Path, iteration: int) -> Path:
@@ -418,12 +513,14 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, strategy=None
     except (Exception, CheckpointException) as err:
         raise CheckpointError(f"could not load checkpoint {path}: {err}") from err
     same_layout = common.get("parallel_layout") == _layout()
+    _check_optimizer_parts(path, common.get("optimizer"), optimizer)
+    _allocate_distributed_optimizer_state(optimizer)
     template = _state_dict(
         model, optimizer, scheduler, TrainingState(), with_rng=same_layout, is_loading=True
     )
     loaded = _load(template, path, strategy)
     _load_chunks(model, loaded)
-    optimizer.load_state_dict(loaded["optimizer"])
+    _load_optimizer_state(optimizer, loaded["optimizer"])
     scheduler.load_state_dict(loaded["scheduler"])
     if same_layout:
         _set_rng_state(loaded["rng_state"])

@@ -1,0 +1,124 @@
+"""Checkpoints of mixture-of-experts runs through the trainer: a run stopped and resumed at
+EP=2 repeats the uninterrupted run bit for bit, and its checkpoint resumes at TP=2
+(weights and the distributed optimizer's state resharded).
+
+One spawn of two ranks runs every training: the tiny model with a dense first layer and
+three MoE layers (megatron files mixed layers under per-layer checkpoint keys), the
+alltoall dispatcher, the distributed optimizer.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import run_distributed
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("private_corpus_cache")]
+
+MOE_RUN = [
+    "trainer.devices=2",
+    "model.num_moe_experts=4",
+    "model.moe_router_topk=2",
+    "model.moe_layer_freq=[0,1,1,1]",
+    "model.moe_token_dispatcher_type=alltoall",
+    "model.moe_aux_loss_coeff=0.01",
+    "model.optim.name=distributed_fused_adam",
+]
+EP2 = ["model.expert_model_parallel_size=2"]
+# The layouts an EP=2 checkpoint is resumed at: the same two ranks as TP=2 with whole
+# experts (expert TP 1), so the weights, dense and expert, and the optimizer's state are
+# resharded.
+OTHER_LAYOUTS = {
+    "tp2_etp1": [
+        "model.tensor_model_parallel_size=2",
+        "model.sequence_parallel=true",
+        *EP2,
+        "model.expert_tensor_parallel_size=1",
+    ],
+}
+
+
+def _losses(run_dir: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+def _local_parameters(trainer) -> dict:
+    return {
+        f"{i}.{name}": param.detach().clone()
+        for i, chunk in enumerate(trainer.model)
+        for name, param in chunk.module.named_parameters()
+    }
+
+
+def _train_stop_resume(tmp: str) -> dict:
+    from helpers import tiny_run_config
+
+    from megatron_lns.errors import UserError
+    from megatron_lns.training.trainer import Trainer
+
+    root = Path(tmp)
+    straight = Trainer(tiny_run_config(root / "straight", *MOE_RUN, *EP2))
+    straight.fit()
+    Trainer(tiny_run_config(root / "resumed", *MOE_RUN, *EP2, "trainer.exit_interval=3")).fit()
+    resumed = Trainer(tiny_run_config(root / "resumed", *MOE_RUN, *EP2))
+    summary = resumed.fit()
+    out = {
+        "resumed_from": summary.resumed_from,
+        "straight": _losses(root / "straight" / "lns"),
+        "resumed": _losses(root / "resumed" / "lns"),
+        "straight_params": _local_parameters(straight),
+        "resumed_params": _local_parameters(resumed),
+    }
+    checkpoint = root / "straight" / "lns" / "checkpoints" / "iter_0000003"
+    for name, layout in OTHER_LAYOUTS.items():
+        resume = f"exp_manager.resume_from_checkpoint={checkpoint}"
+        other = Trainer(tiny_run_config(root / name, *MOE_RUN, *layout, resume))
+        out[f"{name}_resumed_from"] = other.fit().resumed_from
+        out[name] = _losses(root / name / "lns")
+    try:  # EP=2 -> EP=1: megatron keeps expert optimizer state apart only at EP > 1
+        Trainer(
+            tiny_run_config(
+                root / "ep1", *MOE_RUN, f"exp_manager.resume_from_checkpoint={checkpoint}"
+            )
+        )
+    except UserError as err:
+        out["ep1_error"] = str(err)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("moe_checkpoint")
+    return run_distributed(_train_stop_resume, 2, tmp, str(tmp))
+
+
+def test_an_ep2_moe_run_resumes_bitwise(runs):
+    for rank in runs:
+        assert rank["resumed_from"] == 3
+        assert [step for step, _ in rank["straight"]] == list(range(1, 7))
+        assert rank["resumed"] == rank["straight"]
+        params = rank["straight_params"]
+        assert any(".experts." in name for name in params)
+        assert rank["resumed_params"].keys() == params.keys()
+        for name, value in rank["resumed_params"].items():
+            assert value.equal(params[name]), name
+
+
+@pytest.mark.parametrize("layout", list(OTHER_LAYOUTS))
+def test_an_ep2_checkpoint_resumes_at_another_layout(runs, layout):
+    for rank in runs:
+        assert rank[f"{layout}_resumed_from"] == 3
+        steps, losses = zip(*rank[layout], strict=True)
+        expected = [loss for step, loss in rank["straight"] if step > 3]
+        assert list(steps) == [4, 5, 6]
+        assert list(losses) == pytest.approx(expected, rel=1e-4)
+
+
+def test_an_ep2_checkpoint_does_not_resume_at_ep1_and_says_why(runs):
+    for rank in runs:
+        assert rank["ep1_error"].endswith(
+            "its optimizer state has 2 part(s), this run's optimizer 1 (megatron-core keeps "
+            "expert parameters apart only with expert parallelism): resume with "
+            "model.expert_model_parallel_size > 1 as the checkpoint was written"
+        )
