@@ -113,6 +113,45 @@ def test_a_hugging_face_export_gives_the_checkpoint_numbers(run, tmp_path):
         assert theirs["pruning_drop"] == pytest.approx(ours["pruning_drop"], abs=1e-5)
 
 
+MOE_OVERRIDES = (
+    "model.num_moe_experts=4",
+    "model.moe_ffn_hidden_size=32",
+    "model.moe_layer_freq=[0,1,1,1]",
+    "model.moe_aux_loss_coeff=0.01",
+    "model.moe_shared_expert_intermediate_size=48",
+    "model.moe_shared_expert_gate=true",
+)
+
+
+def test_analyze_an_moe_run_and_its_hugging_face_export(tmp_path, cache):
+    """Dense and MoE layers analysed alike; the run's Qwen2-MoE export (a dense first layer,
+    a gated shared expert) gives the same numbers."""
+    from megatron_lns.convert import export_hf
+
+    cfg = tiny_run_config(
+        tmp_path,
+        "trainer.limit_val_batches=2",
+        "model.make_vocab_size_divisible_by=1",
+        *MOE_OVERRIDES,
+    )
+    valid_loss = run_distributed(_train, 1, tmp_path / "train", cfg)[0]
+    run_dir = tmp_path / "lns"
+    hf = export_hf(run_dir, tmp_path / "hf", progress=None)
+    assert json.loads((hf / "config.json").read_text())["architectures"] == ["Qwen2MoeForCausalLM"]
+    report = run_distributed(
+        _analyze, 1, tmp_path, [run_dir, hf], tmp_path / "out", {"config": run_dir / "config.yaml"}
+    )[0]
+    entries = _by_label(report)
+    megatron, exported = entries["lns"], entries["hf"]
+    assert megatron["loss"] == pytest.approx(valid_loss, rel=1e-6)
+    assert [row["layer_number"] for row in megatron["layers"]] == [1, 2, 3, 4]
+    assert exported["loss"] == pytest.approx(megatron["loss"], rel=1e-5)
+    for ours, theirs in zip(megatron["layers"], exported["layers"], strict=True):
+        assert 0.0 < ours["angular_distance"] < 1.0
+        assert theirs["angular_distance"] == pytest.approx(ours["angular_distance"], rel=1e-4)
+        assert theirs["pruning_drop"] == pytest.approx(ours["pruning_drop"], abs=1e-5)
+
+
 @pytest.fixture(scope="module")
 def one_process(run, tmp_path_factory):
     """The run analysed in one process, without layer removal."""
