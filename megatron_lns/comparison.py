@@ -62,9 +62,12 @@ INIT_SUFFIXES: dict[str, tuple[str, str]] = {
 DEFAULT_VARIANTS = ("lns", "pre_ln")
 RESULT_FILE = "compare_result.json"
 TRAIN_LOSS_WINDOW = 20  # the table's train loss: mean over the last steps
-# MoE router losses the trainer logs (without their coefficients) -> the table's column.
+# MoE router losses the trainer logs (without their coefficients; one name per
+# moe_router_load_balancing_type) -> the table's column.
 ROUTER_LOSS_COLUMNS: dict[str, str] = {
     "moe/load_balancing_loss": "load-balancing loss",
+    "moe/seq_load_balancing_loss": "seq. load-balancing loss",
+    "moe/global_load_balancing_loss": "global load-balancing loss",
     "moe/z_loss": "router z-loss",
 }
 
