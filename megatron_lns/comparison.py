@@ -15,6 +15,13 @@ The table reports, per variant, the mean and the sample standard deviation over 
 the held-out loss and perplexity, hidden-state variance growth (last layer / first), and
 the angular distance of the last quarter of the layers (how much the deep layers still
 change their input). A run that diverges is reported as such, not averaged.
+
+Mixture-of-experts configs compare the same way: the variant keys apply to every layer,
+dense or MoE, and the losses are the language-model loss alone (megatron adds the router
+losses to the gradients, not to the reported loss). Where the runs' ``metrics.jsonl``
+holds the router losses the trainer logs (:data:`ROUTER_LOSS_COLUMNS`), the table adds
+their values at the end of training, so one sees whether an arm paid for its loss with
+worse load balance.
 """
 
 from __future__ import annotations
@@ -55,6 +62,14 @@ INIT_SUFFIXES: dict[str, tuple[str, str]] = {
 DEFAULT_VARIANTS = ("lns", "pre_ln")
 RESULT_FILE = "compare_result.json"
 TRAIN_LOSS_WINDOW = 20  # the table's train loss: mean over the last steps
+# MoE router losses the trainer logs (without their coefficients; one name per
+# moe_router_load_balancing_type) -> the table's column.
+ROUTER_LOSS_COLUMNS: dict[str, str] = {
+    "moe/load_balancing_loss": "load-balancing loss",
+    "moe/seq_load_balancing_loss": "seq. load-balancing loss",
+    "moe/global_load_balancing_loss": "global load-balancing loss",
+    "moe/z_loss": "router z-loss",
+}
 
 
 class CompareError(UserError, ValueError):
@@ -121,6 +136,8 @@ class RunResult:
     tokens_per_second: float = math.nan
     layer_stats: list[LayerStats] = field(default_factory=list)
     diverged: str | None = None  # the trainer's message when the run could not go on
+    # MoE: each logged router loss at the end of training (empty for a dense run).
+    router_losses: dict[str, float] = field(default_factory=dict)
 
     @property
     def variance_growth(self) -> float:
@@ -144,9 +161,10 @@ class RunResult:
         return cls(**data)
 
 
-def _metrics_summary(run_dir: Path) -> tuple[float, float, float]:
-    """Held-out loss at the end, mean train loss of the last steps, mean logged tokens/s,
-    read from the run's ``metrics.jsonl`` (which spans resumes)."""
+def _metrics_summary(run_dir: Path) -> tuple[float, float, float, dict[str, float]]:
+    """Held-out loss at the end, mean train loss of the last steps, mean logged tokens/s
+    and the router losses at the end, read from the run's ``metrics.jsonl`` (which spans
+    resumes)."""
     records = read_metrics(run_dir / "metrics.jsonl")
     losses = [r["loss"] for r in records if "loss" in r]
     held_out = [r["val_loss"] for r in records if "val_loss" in r]
@@ -155,7 +173,21 @@ def _metrics_summary(run_dir: Path) -> tuple[float, float, float]:
         held_out[-1] if held_out else math.nan,
         statistics.fmean(losses[-TRAIN_LOSS_WINDOW:]) if losses else math.nan,
         statistics.fmean(speeds) if speeds else math.nan,
+        _final_router_losses(records),
     )
+
+
+def _final_router_losses(records: list[dict]) -> dict[str, float]:
+    """Each router loss averaged over the steps logged in the last ``TRAIN_LOSS_WINDOW``
+    steps (the trainer logs them only every ``log_every_n_steps``; the last step always)."""
+    final = {}
+    for key in ROUTER_LOSS_COLUMNS:
+        logged = [(r["step"], r[key]) for r in records if key in r]
+        if logged:
+            last_step = logged[-1][0]
+            window = [v for step, v in logged if step > last_step - TRAIN_LOSS_WINDOW]
+            final[key] = statistics.fmean(window)
+    return final
 
 
 def train_and_measure(cfg: ExperimentConfig, variant: str, seed: int) -> RunResult | None:
@@ -181,9 +213,10 @@ def train_and_measure(cfg: ExperimentConfig, variant: str, seed: int) -> RunResu
             batches = [mb for batch in trainer.validation_microbatches() for mb in batch]
             result.layer_stats = layer_statistics(trainer.model, batches)
     if dist.get_rank() == 0:
-        held_out, train_loss, speed = _metrics_summary(run_dir)
+        held_out, train_loss, speed, router_losses = _metrics_summary(run_dir)
         result.held_out_loss = math.nan if result.diverged else held_out
         result.train_loss, result.tokens_per_second = train_loss, speed
+        result.router_losses = {} if result.diverged else router_losses
         (run_dir / RESULT_FILE).write_text(json.dumps(result.to_json(), indent=1))
     return result
 
@@ -207,6 +240,9 @@ class Comparison:
 
 
 def _mean_sd(values: Sequence[float]) -> str:
+    """Over the values that were measured: a run without validation has NaN there, and
+    ``statistics.stdev`` raises on more than one NaN rather than returning NaN."""
+    values = [v for v in values if math.isfinite(v)]
     if not values:
         return "-"
     mean = statistics.fmean(values)
@@ -216,11 +252,15 @@ def _mean_sd(values: Sequence[float]) -> str:
 
 
 def format_table(comparison: Comparison) -> str:
-    """A Markdown table: mean ± sample standard deviation over the seeds that finished."""
+    """A Markdown table: mean ± sample standard deviation over the seeds that finished;
+    a column per router loss that some run logged (MoE)."""
+    logged = {key for runs in comparison.results.values() for r in runs for key in r.router_losses}
+    router_keys = [key for key in ROUTER_LOSS_COLUMNS if key in logged]
     rows = [
         "| variant | seeds | diverged | tokens/s | train loss | held-out loss | held-out ppl "
-        "| var growth L/1 | angular dist. last 1/4 |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| var growth L/1 | angular dist. last 1/4 |"
+        + "".join(f" {ROUTER_LOSS_COLUMNS[key]} |" for key in router_keys),
+        "|---|---|---|---|---|---|---|---|---|" + "---|" * len(router_keys),
     ]
     for variant in comparison.variants:
         runs = comparison.results[variant.name]
@@ -228,6 +268,7 @@ def format_table(comparison: Comparison) -> str:
 
         def col(values: list[float], fmt: str = "mean_sd") -> str:
             if fmt == "int":
+                values = [v for v in values if math.isfinite(v)]
                 return f"{statistics.fmean(values):.0f}" if values else "-"
             return _mean_sd(values)
 
@@ -238,6 +279,10 @@ def format_table(comparison: Comparison) -> str:
             f"| {col([math.exp(r.held_out_loss) for r in ok])} "
             f"| {col([r.variance_growth for r in ok])} "
             f"| {col([r.deep_angular_distance for r in ok])} |"
+            + "".join(
+                f" {col([r.router_losses[key] for r in ok if key in r.router_losses])} |"
+                for key in router_keys
+            )
         )
     return "\n".join(rows)
 
@@ -303,6 +348,14 @@ def run_comparison(
             "last layer\nrelative to after the first (held-out data), the curse-of-depth "
             "signature LNS curbs. 'angular dist.':\nhow far the last quarter of the layers "
             "turn their input (0: the layer does nothing).\n"
+            + (
+                "Router losses (MoE): as the trainer logs them, without their coefficients, "
+                "averaged over the MoE layers\nand the steps logged in the last "
+                f"{TRAIN_LOSS_WINDOW}; the load-balancing loss is 1 when the experts are "
+                "evenly loaded.\n"
+                if any(r.router_losses for runs in results.values() for r in runs)
+                else ""
+            )
             + (
                 "One seed is not a verdict: differences between variants need --seeds N "
                 "to be read against their spread.\n"

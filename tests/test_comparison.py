@@ -5,10 +5,12 @@ resume to the same curves, finished runs are not trained again."""
 import json
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from helpers import DEMO_CONFIG, TINY_RUN_OVERRIDES, run_distributed
+from helpers import DEMO_CONFIG, ROOT, TINY_RUN_OVERRIDES, fresh_launch_env, run_distributed
 
 from megatron_lns.analysis.depth import LayerStats
 from megatron_lns.analysis.plots import trailing_mean
@@ -18,6 +20,7 @@ from megatron_lns.comparison import (
     Comparison,
     RunResult,
     Variant,
+    _final_router_losses,
     format_table,
     parse_variants,
     run_config,
@@ -82,6 +85,54 @@ def test_table_reports_mean_and_spread_and_keeps_diverged_runs_out_of_them():
     row = table.splitlines()[-1]
     ppl = f"{(math.exp(1) + math.exp(2)) / 2:.4f}"
     assert row.startswith("| LNS | 3 | 1 | 200 | 2.0000 ± 0.7071 | 1.5000 ± 0.7071 | " + ppl)
+
+
+def test_columns_no_run_measured_are_dashes_over_several_seeds():
+    runs = [RunResult("lns", seed, 6, train_loss=2.0 + seed) for seed in (1, 2)]  # no validation
+    row = format_table(Comparison(parse_variants(["lns"]), [1, 2], {"lns": runs})).splitlines()[-1]
+    assert row == "| LNS | 2 | 0 | - | 3.5000 ± 0.7071 | - | - | - | - |"
+
+
+def test_router_losses_are_columns_only_where_a_run_logged_them():
+    stats = [LayerStats(n, float(n), 0.1 * n) for n in range(1, 5)]
+
+    def run(seed, **losses):
+        return RunResult(
+            "lns",
+            seed,
+            6,
+            held_out_loss=1.0,
+            train_loss=1.5,
+            tokens_per_second=100.0,
+            layer_stats=stats,
+            router_losses=losses,
+        )
+
+    dense = format_table(Comparison(parse_variants(["lns"]), [1], {"lns": [run(1)]}))
+    assert "load-balancing loss" not in dense and dense.splitlines()[1].count("|") == 10
+    runs = {
+        "lns": [run(1, **{"moe/load_balancing_loss": 1.1}),
+                run(2, **{"moe/load_balancing_loss": 1.3})],
+        "pre_ln": [run(1, **{"moe/load_balancing_loss": 1.5})],
+    }  # fmt: skip
+    table = format_table(Comparison(parse_variants(["lns", "pre_ln"]), [1, 2], runs))
+    header, rule, lns, pre_ln = table.splitlines()
+    assert header.endswith("| load-balancing loss |") and "z-loss" not in header
+    assert rule.count("|") == header.count("|")
+    assert lns.endswith("| 1.2000 ± 0.1414 |") and pre_ln.endswith("| 1.5000 |")
+
+
+def test_final_router_losses_average_the_steps_logged_at_the_end():
+    records = [
+        {"step": 1, "loss": 3.0},
+        {"step": 10, "moe/load_balancing_loss": 2.0, "moe/z_loss": 5.0},
+        {"step": 30, "moe/load_balancing_loss": 1.4, "moe/z_loss": 4.0},
+        {"step": 30, "val_loss": 2.5},
+        {"step": 40, "moe/load_balancing_loss": 1.2, "moe/z_loss": 3.0},
+    ]
+    final = _final_router_losses(records)  # steps 21-40: the logs of steps 30 and 40
+    assert final == {"moe/load_balancing_loss": pytest.approx(1.3), "moe/z_loss": 3.5}
+    assert _final_router_losses(records[:1]) == {}  # a dense run logs none
 
 
 def test_trailing_mean_smooths_over_the_steps_before():
@@ -163,3 +214,53 @@ def test_an_interrupted_comparison_resumes_to_the_same_curves(tmp_path):
     for ref_run, resumed_run in zip(*(r["variants"]["lns"]["runs"] for r in (reference, resumed)),
                                     strict=True):  # fmt: skip
         assert {**ref_run, "tokens_per_second": 0} == {**resumed_run, "tokens_per_second": 0}
+
+
+MOE_CONFIG = ROOT / "nemo_configs" / "tiny_cpu_moe.yaml"
+# tiny_cpu_moe shrunk: a dense layer and three MoE layers of 4 experts, four steps.
+TINY_MOE_OVERRIDES = [
+    "model.num_layers=4",
+    "model.moe_layer_freq=[0,1,1,1]",
+    "model.num_moe_experts=4",
+    "model.moe_ffn_hidden_size=32",
+    "model.ffn_hidden_size=96",
+    "model.encoder_seq_length=16",
+    "model.micro_batch_size=4",
+    "model.global_batch_size=4",
+    "model.optim.sched.warmup_steps=1",
+    "trainer.max_steps=4",
+    "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=1",
+    "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
+]
+
+
+@pytest.mark.slow
+def test_compare_runs_lns_against_pre_ln_on_an_moe_config(tmp_path):
+    """The command as a user runs it (its own process: one rank, in-process)."""
+    out = tmp_path / "out"
+    args = ["compare", str(MOE_CONFIG), *TINY_MOE_OVERRIDES, "--out", str(out)]
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_lns.cli", *args],
+        capture_output=True, text=True, timeout=600, env=fresh_launch_env(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    printed = done.stdout
+    report = json.loads((out / "comparison.json").read_text())
+    assert list(report["variants"]) == ["lns", "pre_ln"]
+    for variant in ("lns", "pre_ln"):
+        stored = load_config(out / variant / "seed1234" / "config.yaml")
+        assert (stored.model.num_moe_experts, stored.model.moe_router_topk) == (4, 2)
+        (run,) = report["variants"][variant]["runs"]
+        assert run["steps"] == 4 and math.isfinite(run["held_out_loss"])
+        assert len(run["layer_stats"]) == 4  # the dense layer and the three MoE layers
+        # The router losses the trainer logged, at the end of training.
+        assert set(run["router_losses"]) == {"moe/load_balancing_loss", "moe/z_loss"}
+        assert all(math.isfinite(v) and v > 0 for v in run["router_losses"].values())
+    # Same seed and init, different norms: the arms differ from the first step on.
+    assert _losses(out / "lns" / "seed1234")[0] != _losses(out / "pre_ln" / "seed1234")[0]
+    table = (out / "comparison.md").read_text()
+    assert table.splitlines()[0].endswith("| load-balancing loss | router z-loss |")
+    assert "| LNS | 1 | 0 |" in table and "| Pre-LN | 1 | 0 |" in table
+    assert table.strip() in printed
