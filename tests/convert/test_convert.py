@@ -11,6 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import run_distributed
+from hf_parity import (
+    SEQ,
+    VOCAB,
+    assert_parity,
+    safetensors_tensors,
+    silent,
+)
 
 from megatron_lns.build import model_config
 from megatron_lns.config import load_config, to_yaml
@@ -25,9 +32,6 @@ from megatron_lns.data.tokenizer import ByteTokenizer
 from megatron_lns.model import build_model
 from megatron_lns.runtime import ParallelLayout
 from megatron_lns.training.checkpoint import load_model_weights, save_model_weights
-
-VOCAB = ByteTokenizer().vocab_size  # 257, padded to 384 in the checkpoints
-SEQ = 16
 
 
 def run_config(precision: str = "32", **model):
@@ -83,51 +87,9 @@ def save_run(root: Path, cfg, layout: ParallelLayout = ParallelLayout(), load_fr
     return path
 
 
-def megatron_logits(checkpoint: Path, cfg, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits of the megatron model (TP=PP=1) loaded from ``checkpoint``, padding trimmed."""
-    model = build_model(model_config(cfg, VOCAB))
-    load_model_weights(model, checkpoint)
-    model[0].eval()
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-    with torch.no_grad():
-        return model[0](tokens, positions, None)[..., :VOCAB]
-
-
-def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(tokens).logits
-
-
-def sample_tokens(seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
-
-
-def assert_parity(checkpoint: Path, cfg, hf_dir: Path) -> None:
-    tokens = sample_tokens()
-    torch.testing.assert_close(
-        hf_logits(hf_dir, tokens), megatron_logits(checkpoint, cfg, tokens), rtol=1e-5, atol=1e-5
-    )
-
-
-def safetensors_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for path in sorted(hf_dir.glob("*.safetensors")):
-        tensors |= load_file(path)
-    return tensors
-
-
 def assert_nothing_written(out: Path) -> None:
     assert not out.exists()
     assert not list(out.parent.glob(f".{out.name}.*")), "a staging directory was left behind"
-
-
-def silent(_: str) -> None:
-    pass
 
 
 PARITY_CASES = {

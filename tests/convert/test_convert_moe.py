@@ -11,6 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import perturb_norm_weights
+from hf_parity import (
+    SEQ,
+    VOCAB,
+    assert_parity,
+    safetensors_tensors,
+    silent,
+)
 
 from megatron_lns.build import model_config
 from megatron_lns.config import load_config, to_yaml
@@ -27,11 +34,6 @@ from megatron_lns.data.tokenizer import ByteTokenizer
 from megatron_lns.model import build_model
 from megatron_lns.moe import moe_layer_pattern
 from megatron_lns.training.checkpoint import load_model_weights, save_model_weights
-
-VOCAB = ByteTokenizer().vocab_size
-SEQ = 16
-# fp32 on both sides; the two compute routing and experts in different orders.
-TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 
 MIXTRAL = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
 QWEN2_MOE = dict(MIXTRAL, moe_shared_expert_intermediate_size=80, moe_shared_expert_gate=True)
@@ -63,47 +65,6 @@ def save_run(root: Path, cfg) -> Path:
     (path / "config.yaml").write_text(to_yaml(cfg))
     (path / "complete.json").write_text('{"iteration": 1, "consumed_samples": 8}\n')
     return path
-
-
-def sample_tokens() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
-
-
-def megatron_logits(checkpoint: Path, cfg, tokens: torch.Tensor) -> torch.Tensor:
-    model = build_model(model_config(cfg, VOCAB))
-    load_model_weights(model, checkpoint)
-    model[0].eval()
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-    with torch.no_grad():
-        return model[0](tokens, positions, None)[..., :VOCAB]
-
-
-def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(tokens).logits
-
-
-def assert_parity(checkpoint: Path, cfg, hf_dir: Path) -> None:
-    tokens = sample_tokens()
-    torch.testing.assert_close(
-        hf_logits(hf_dir, tokens), megatron_logits(checkpoint, cfg, tokens), **TOLERANCE
-    )
-
-
-def safetensors_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for path in sorted(hf_dir.glob("*.safetensors")):
-        tensors |= load_file(path)
-    return tensors
-
-
-def silent(_: str) -> None:
-    pass
 
 
 PARITY_CASES = {

@@ -1,0 +1,60 @@
+"""What the conversion tests share: the byte vocabulary they train on, sample tokens, the
+logits of a megatron checkpoint and of a Hugging Face directory, and the parity check
+between them (fp32 on both sides, which compute in different orders)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megatron_lns.build import model_config
+from megatron_lns.data.tokenizer import ByteTokenizer
+from megatron_lns.model import build_model
+from megatron_lns.training.checkpoint import load_model_weights
+
+VOCAB = ByteTokenizer().vocab_size  # 257, padded to 384 in the checkpoints
+SEQ = 16
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+
+
+def sample_tokens(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def megatron_logits(checkpoint: Path, cfg, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of the megatron model (TP=PP=1) loaded from ``checkpoint``, padding trimmed."""
+    model = build_model(model_config(cfg, VOCAB))
+    load_model_weights(model, checkpoint)
+    model[0].eval()
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.no_grad():
+        return model[0](tokens, positions, None)[..., :VOCAB]
+
+
+def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def assert_parity(checkpoint: Path, cfg, hf_dir: Path) -> None:
+    tokens = sample_tokens()
+    torch.testing.assert_close(
+        hf_logits(hf_dir, tokens), megatron_logits(checkpoint, cfg, tokens), **TOLERANCE
+    )
+
+
+def safetensors_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in sorted(hf_dir.glob("*.safetensors")):
+        tensors |= load_file(path)
+    return tensors
+
+
+def silent(_: str) -> None:
+    pass
