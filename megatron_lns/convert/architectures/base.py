@@ -91,6 +91,17 @@ def refuse_unshared_design(m: ModelConfig, names: list[str]) -> None:
         )
 
 
+def refuse_head_size_other_than_hidden_over_heads(config, head_dim: int, why: str) -> None:
+    """For architectures whose attention heads are always ``hidden_size / heads`` wide
+    (no ``head_dim`` of their own): a ``config.json`` that says otherwise is refused."""
+    heads = config.num_attention_heads
+    if head_dim * heads != config.hidden_size:
+        raise ConversionError(
+            f"config.json: head_dim={head_dim} x num_attention_heads={heads} != "
+            f"hidden_size={config.hidden_size}: {why}"
+        )
+
+
 @dataclass(frozen=True)
 class Architecture:
     """The shape and numerics of a decoder, as both sides need them for conversion.

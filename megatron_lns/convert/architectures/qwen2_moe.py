@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from megatron_lns.config.schema import ModelConfig
+from megatron_lns.convert.architectures.base import refuse_head_size_other_than_hidden_over_heads
 from megatron_lns.convert.architectures.moe import MoEArchitecture
 from megatron_lns.convert.errors import ConversionError
 
@@ -61,13 +62,9 @@ class Qwen2Moe(MoEArchitecture):
 
     @classmethod
     def check_hf_config(cls, config, head_dim: int) -> None:
-        heads = config.num_attention_heads
-        if head_dim * heads != config.hidden_size:
-            raise ConversionError(
-                f"config.json: head_dim={head_dim} x num_attention_heads={heads} != "
-                f"hidden_size={config.hidden_size}: Qwen2-MoE's heads are hidden_size / "
-                "num_attention_heads wide"
-            )
+        refuse_head_size_other_than_hidden_over_heads(
+            config, head_dim, "Qwen2-MoE's heads are hidden_size / num_attention_heads wide"
+        )
         if not config.shared_expert_intermediate_size:
             raise ConversionError(
                 "config.json: shared_expert_intermediate_size=0: megatron-lns's shared "

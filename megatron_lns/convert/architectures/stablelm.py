@@ -13,7 +13,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 from megatron_lns.config.schema import ModelConfig
-from megatron_lns.convert.architectures.base import Architecture
+from megatron_lns.convert.architectures.base import (
+    Architecture,
+    refuse_head_size_other_than_hidden_over_heads,
+)
 from megatron_lns.convert.errors import ConversionError
 
 
@@ -49,13 +52,12 @@ class StableLm(Architecture):
 
     @classmethod
     def check_hf_config(cls, config, head_dim: int) -> None:
-        heads = config.num_attention_heads
-        if head_dim * heads != config.hidden_size:
-            raise ConversionError(
-                f"config.json: head_dim={head_dim} x num_attention_heads={heads} != "
-                f"hidden_size={config.hidden_size}: StableLM's attention has hidden_size / "
-                "num_attention_heads channels per head, so model.kv_channels cannot differ"
-            )
+        refuse_head_size_other_than_hidden_over_heads(
+            config,
+            head_dim,
+            "StableLM's attention has hidden_size / num_attention_heads channels per head, so "
+            "model.kv_channels cannot differ",
+        )
 
     def hf_config_fields(self) -> dict:
         return dict(partial_rotary_factor=1.0, hidden_dropout=0.0)
