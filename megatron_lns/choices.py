@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 NormScaling = Literal["lns", "none"]
+# megatron-core's decoder-only language models: GPTModel, or HybridModel (a layer pattern).
+Architecture = Literal["gpt", "hybrid"]
 LayerVariant = Literal["pre_ln", "post_ln", "deepnorm", "mix_ln", "layerscale", "skipinit"]
 Activation = Literal["swiglu", "gelu"]
 PositionEmbedding = Literal["rope", "learned_absolute"]
@@ -29,6 +31,7 @@ MoERouterDtype = Literal["fp32", "fp64"]
 RecomputeModule = Literal["core_attn", "mlp", "moe", "moe_act", "shared_experts", "layernorm"]
 
 NORM_SCALING_CHOICES: tuple[str, ...] = get_args(NormScaling)
+ARCHITECTURES: tuple[str, ...] = get_args(Architecture)
 LAYER_VARIANTS: tuple[str, ...] = get_args(LayerVariant)
 ACTIVATIONS: tuple[str, ...] = get_args(Activation)
 POSITION_EMBEDDINGS: tuple[str, ...] = get_args(PositionEmbedding)

@@ -19,6 +19,7 @@ never a buffer or parameter, never in a state dict, so meta-device init,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -81,10 +82,16 @@ class LNSTransformerLayer(TransformerLayer):
         layer_number: int = 1,
         hidden_dropout: float | None = None,
         norm_scaling: NormScaling = "lns",
+        block_numbers: Sequence[int] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(config, submodules, layer_number, hidden_dropout, **kwargs)
         self.norm_scaling = norm_scaling
+        # A hybrid stack's sublayer: megatron's layer_number counts sublayers, the paper's
+        # depth counts blocks (hybrid_pattern.block_numbers).
+        self.block_number = (
+            block_numbers[self.layer_number - 1] if block_numbers else self.layer_number
+        )
         scale = self.norm_output_scale
         for owner in self.pre_norm_owners():
             if not isinstance(owner, ScaledNorm):
@@ -121,7 +128,7 @@ class LNSTransformerLayer(TransformerLayer):
             )
         if self.norm_output_scale != 1.0:
             raise ValueError(
-                f"layer {self.layer_number} applies the LNS factor 1/sqrt({self.layer_number}) "
+                f"layer {self.layer_number} applies the LNS factor 1/sqrt({self.block_number}) "
                 f"in {name}'s forward, which megatron's inference fused-communication path "
                 "(inference_fuse_tp_communication) bypasses with a norm weight kept from "
                 "construction; build the inference model with norm_scaling='none' and load "
@@ -143,8 +150,8 @@ class LNSTransformerLayer(TransformerLayer):
 
     @property
     def norm_output_scale(self) -> float:
-        """``1/sqrt(self.layer_number)`` with LNS, 1.0 for plain Pre-LN."""
-        return norm_output_scale(self.norm_scaling, self.layer_number)
+        """``1/sqrt(l)`` of this layer's block ``l`` with LNS, 1.0 for plain Pre-LN."""
+        return norm_output_scale(self.norm_scaling, self.block_number)
 
     def pre_norm_owners(self) -> list[ScaledNorm]:
         """The modules that apply this layer's attention and MLP pre-norms.

@@ -10,13 +10,14 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
+from megatron_lns import hybrid_pattern
 from megatron_lns.choices import (
     Activation,
+    Architecture,
     LayerVariant,
     NormScaling,
     OutputLayerInit,
@@ -102,6 +103,13 @@ class GPTModelConfig:
     ``moe_shared_expert_intermediate_size`` if set. The fields the model code itself reads
     are here; the router, dispatcher and loss settings pass through
     ``extra_transformer_config`` to megatron unchanged.
+
+    ``architecture`` picks megatron-core's model class: ``"gpt"`` (``GPTModel``: one
+    layer = attention + MLP) or ``"hybrid"`` (``HybridModel``, its successor: one module
+    per sublayer of ``hybrid_layer_pattern``, ``hybrid_pattern.py``). Without a pattern the
+    hybrid model is the GPT model's twin (:meth:`hybrid_stack_pattern`) and ``num_layers``
+    counts blocks; with one, ``num_layers`` counts its sublayers, as in megatron-core. Depth
+    (LNS's ``l``, the scaled init) always counts the paper's blocks (:meth:`num_blocks`).
     """
 
     num_layers: int
@@ -166,6 +174,8 @@ class GPTModelConfig:
     moe_shared_expert_intermediate_size: int | None = None
     moe_grouped_gemm: bool = False
     moe_permute_fusion: bool = False
+    architecture: Architecture = "gpt"
+    hybrid_layer_pattern: str | None = None
     extra_transformer_config: dict = field(default_factory=dict)
 
     def variant_settings(self) -> VariantSettings:
@@ -191,17 +201,57 @@ class GPTModelConfig:
     def flops_per_token(self) -> float:
         """Training (forward + backward) FLOPs per token: 6 x matmul parameters plus causal
         attention, the count behind model TFLOP/s and MFU (as nanoGPT's ``estimate_mfu``)."""
-        h, layers, s = self.hidden_size, self.num_layers, self.seq_length
+        h, s = self.hidden_size, self.seq_length
         ffn = self.ffn_hidden_size or 4 * h
-        groups = self.num_query_groups or self.num_attention_heads
         q = self.num_attention_heads * self.head_size  # width of all query (and output) heads
+        matmul = h * self.vocab_size
+        attention_layers = 0
+        for symbol in self.sublayer_pattern():
+            if symbol == hybrid_pattern.ATTENTION:
+                matmul += self._attention_weights()
+                attention_layers += 1
+            elif symbol == hybrid_pattern.MOE:
+                matmul += self.moe_mlp_active_weights()
+            else:
+                matmul += self._mlp_weights(ffn)
+        return 6.0 * matmul + 6.0 * attention_layers * q * s
+
+    def _attention_weights(self) -> int:
+        """Matmul weights of one attention: query, key, value and output projections."""
+        groups = self.num_query_groups or self.num_attention_heads
+        q = self.num_attention_heads * self.head_size
         kv = 2 * groups * self.head_size
-        attention = h * (q + kv) + q * h
-        matmul = layers * attention + h * self.vocab_size
-        pattern = self.moe_layer_pattern()
-        for is_moe in pattern:
-            matmul += self.moe_mlp_active_weights() if is_moe else self._mlp_weights(ffn)
-        return 6.0 * matmul + 6.0 * layers * q * s
+        return self.hidden_size * (q + kv) + q * self.hidden_size
+
+    def sublayer_pattern(self) -> str:
+        """The model as hybrid sublayers (``*`` attention, ``-`` MLP, ``E`` MoE), pipeline
+        separators left out; a GPT layer is an attention and an MLP or MoE."""
+        if self.architecture == "hybrid" and self.hybrid_layer_pattern:
+            return hybrid_pattern.sublayers(self.hybrid_layer_pattern)
+        return hybrid_pattern.gpt_equivalent_pattern(self.moe_layer_pattern())
+
+    def num_blocks(self) -> int:
+        """The paper's depth: blocks, each started by an attention (``num_layers`` for GPT)."""
+        return hybrid_pattern.num_blocks(self.sublayer_pattern())
+
+    def hybrid_stack_pattern(self, layout: ParallelLayout = ParallelLayout()) -> str:
+        """The pattern ``HybridModel`` builds at ``layout``: the configured one, or the GPT
+        twin split at the GPT model's stage boundaries (one ``|`` segment per pipeline
+        stage and virtual chunk). A pattern's ``|`` are for its training layout; built
+        without a pipeline (conversion, analysis) it is one segment."""
+        stages = layout.pipeline * (layout.virtual_pipeline or 1)
+        if not self.hybrid_layer_pattern:
+            return hybrid_pattern.gpt_equivalent_pattern(
+                self.moe_layer_pattern(), stages if stages > 1 else 1
+            )
+        if stages == 1:
+            return hybrid_pattern.sublayers(self.hybrid_layer_pattern)
+        errors = hybrid_pattern.pattern_errors(
+            self.hybrid_layer_pattern, self.num_layers, layout.pipeline, layout.virtual_pipeline
+        )
+        if errors:
+            raise hybrid_pattern.HybridPatternError(f"hybrid_layer_pattern {errors[0]}")
+        return self.hybrid_layer_pattern
 
     def moe_layer_pattern(self) -> list[int]:
         """1 for each MoE layer, 0 for each dense one (all 0 without experts)."""
@@ -233,24 +283,25 @@ class GPTModelConfig:
         Counts the matmul weights, the embedding, an untied output layer and the norms'
         weights (and LayerNorm biases); not the linear layers' biases (``bias: true``) or
         the paper variants' per-layer gains (a few ``hidden_size`` each)."""
-        h, layers = self.hidden_size, self.num_layers
+        h = self.hidden_size
         ffn = self.ffn_hidden_size or 4 * h
-        pattern = self.moe_layer_pattern()
         per_channel = 2 if self.normalization == "LayerNorm" else 1  # weight (+ bias)
         norm = per_channel * h if self.norm_affine else 0
         qk_norm = 2 * per_channel * self.head_size if self.qk_layernorm else 0
-        q = self.num_attention_heads * self.head_size
-        kv = 2 * (self.num_query_groups or self.num_attention_heads) * self.head_size
-        dense = layers * (h * (q + kv) + q * h + 2 * norm + qk_norm) + norm  # + final norm
+        sublayers = self.sublayer_pattern()
+        attention = sublayers.count(hybrid_pattern.ATTENTION)
+        dense_mlps = sublayers.count(hybrid_pattern.MLP)
+        moe_layers = sublayers.count(hybrid_pattern.MOE)
+        dense = attention * (self._attention_weights() + qk_norm) + len(sublayers) * norm
+        dense += norm  # the final norm
         dense += h * self.vocab_size * (1 if self.share_embeddings_and_output_weights else 2)
         if self.position_embedding_type == "learned_absolute":
             dense += (self.max_position_embeddings or self.seq_length) * h
-        dense += sum(self._mlp_weights(ffn) for is_moe in pattern if not is_moe)
-        if not any(pattern):
+        dense += dense_mlps * self._mlp_weights(ffn)
+        if not moe_layers:
             return ParameterCounts(total=dense, active=dense)
         expert = self._mlp_weights(self._expert_ffn())
         idle_experts = self.num_moe_experts - self.moe_router_topk
-        moe_layers = sum(pattern)
         active = dense + moe_layers * self.moe_mlp_active_weights()
         return ParameterCounts(total=active + moe_layers * idle_experts * expert, active=active)
 
@@ -268,10 +319,12 @@ class GPTModelConfig:
             # depth_scaled: each layer replaces this with its own std (variants.py).
             output_init = init_method_normal(self.init_method_std)
         else:
-            output_init = scaled_init_method_normal(self.init_method_std, self.num_layers)
+            output_init = scaled_init_method_normal(self.init_method_std, self.num_blocks())
         swiglu = self.activation == "swiglu"
         return TransformerConfig(
-            num_layers=self.num_layers,
+            num_layers=len(self.sublayer_pattern())
+            if self.architecture == "hybrid"
+            else self.num_layers,
             hidden_size=self.hidden_size,
             ffn_hidden_size=self.ffn_hidden_size,
             num_attention_heads=self.num_attention_heads,
@@ -336,9 +389,13 @@ class GPTModelConfig:
     def _moe_settings(self) -> dict:
         if not self.num_moe_experts:
             return {}
+        # The hybrid model takes its MoE layers from the pattern's ``E``s.
+        layer_freq = (
+            {} if self.architecture == "hybrid" else {"moe_layer_freq": self.moe_layer_pattern()}
+        )
         return dict(
             num_moe_experts=self.num_moe_experts,
-            moe_layer_freq=self.moe_layer_pattern(),
+            **layer_freq,
             moe_router_topk=self.moe_router_topk,
             moe_ffn_hidden_size=self.moe_ffn_hidden_size,
             moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
@@ -366,8 +423,9 @@ def build_model(
     config: GPTModelConfig,
     layout: ParallelLayout = ParallelLayout(),
     device: torch.device | str | None = None,
-) -> list[GPTModel]:
-    """This rank's model chunks: one ``GPTModel`` per virtual-pipeline stage.
+) -> list[torch.nn.Module]:
+    """This rank's model chunks: one ``GPTModel`` or ``HybridModel`` (``config.architecture``)
+    per virtual-pipeline stage.
 
     Requires megatron's parallel state to be initialised (see ``runtime.init_distributed``).
     """
@@ -376,31 +434,109 @@ def build_model(
         # Transformer Engine reads query-key layer scaling from the environment only, and
         # megatron-core refuses a config that disagrees with it.
         os.environ["NVTE_APPLY_QK_LAYER_SCALING"] = "1"
-    num_chunks = layout.virtual_pipeline or 1
+    build_chunk = _hybrid_chunk if config.architecture == "hybrid" else _gpt_chunk
     chunks = []
-    for vp_stage in range(num_chunks):
+    for vp_stage in range(layout.virtual_pipeline or 1):
         vp = vp_stage if layout.virtual_pipeline else None
-        model = GPTModel(
-            config=tf_config,
-            transformer_layer_spec=get_lns_block_spec(
-                tf_config,
-                norm_scaling=config.norm_scaling,
-                backend=config.backend,
-                norm_affine=config.norm_affine,
-                qk_layernorm=config.qk_layernorm,
-                vp_stage=vp,
-                variant=config.variant_settings(),
-            ),
-            vocab_size=config.vocab_size,
-            max_sequence_length=config.max_position_embeddings or config.seq_length,
+        model = build_chunk(
+            config,
+            tf_config,
+            layout,
+            vp,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-            share_embeddings_and_output_weights=config.share_embeddings_and_output_weights,
-            position_embedding_type=config.position_embedding_type,
-            rotary_base=config.rotary_base,
-            vp_stage=vp,
         )
         if device is not None:
             model = model.to(device)
         chunks.append(model)
     return chunks
+
+
+def _common_model_args(config: GPTModelConfig, vp: int | None) -> dict:
+    return dict(
+        vocab_size=config.vocab_size,
+        max_sequence_length=config.max_position_embeddings or config.seq_length,
+        share_embeddings_and_output_weights=config.share_embeddings_and_output_weights,
+        position_embedding_type=config.position_embedding_type,
+        rotary_base=config.rotary_base,
+        vp_stage=vp,
+    )
+
+
+def _gpt_chunk(
+    config: GPTModelConfig,
+    tf_config: TransformerConfig,
+    layout: ParallelLayout,
+    vp: int | None,
+    **stage: bool,
+) -> torch.nn.Module:
+    """A ``GPTModel`` chunk: the only code that needs megatron-core's ``GPTModel``."""
+    gpt_model = gpt_model_class()
+    return gpt_model(
+        config=tf_config,
+        transformer_layer_spec=get_lns_block_spec(
+            tf_config,
+            norm_scaling=config.norm_scaling,
+            backend=config.backend,
+            norm_affine=config.norm_affine,
+            qk_layernorm=config.qk_layernorm,
+            vp_stage=vp,
+            variant=config.variant_settings(),
+        ),
+        **_common_model_args(config, vp),
+        **stage,
+    )
+
+
+def gpt_model_class() -> type:
+    """megatron-core's ``GPTModel``, deprecated in 0.19 in favour of ``HybridModel``; a
+    release without it gets one clear error rather than an import traceback."""
+    try:
+        from megatron.core.models.gpt import GPTModel
+    except ImportError as err:
+        raise ArchitectureUnavailable(
+            "the installed megatron-core has no GPTModel (megatron-core 0.19 deprecated it in "
+            "favour of HybridModel): set model.architecture=hybrid, which builds the same LNS "
+            "model and resumes its checkpoints (docs/hybrid.md), or install megatron-core "
+            f"0.19 ({err})"
+        ) from None
+    return GPTModel
+
+
+class ArchitectureUnavailable(ImportError):
+    pass
+
+
+def _hybrid_chunk(
+    config: GPTModelConfig,
+    tf_config: TransformerConfig,
+    layout: ParallelLayout,
+    vp: int | None,
+    **stage: bool,
+) -> torch.nn.Module:
+    """A ``HybridModel`` chunk with the LNS hybrid stack (``hybrid_specs.py``)."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from megatron_lns.hybrid_specs import get_lns_hybrid_stack_spec
+
+    if config.variant_settings().needs_variant_layer:
+        raise ValueError(
+            f"layer_variant={config.layer_variant!r} is built for the GPT architecture only; "
+            "the hybrid stack has Pre-LN sublayers with or without LNS"
+        )
+    pattern = config.hybrid_stack_pattern(layout)
+    return HybridModel(
+        config=tf_config,
+        hybrid_stack_spec=get_lns_hybrid_stack_spec(
+            pattern,
+            norm_scaling=config.norm_scaling,
+            backend=config.backend,
+            norm_affine=config.norm_affine,
+            qk_layernorm=config.qk_layernorm,
+            num_experts=config.num_moe_experts,
+            moe_grouped_gemm=config.moe_grouped_gemm,
+        ),
+        hybrid_layer_pattern=pattern,
+        **_common_model_args(config, vp),
+        **stage,
+    )

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
-from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_batch_on_this_cp_rank
@@ -44,7 +43,7 @@ def _masked_token_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
 
 
-def lm_forward_step(data_iterator: Iterator[Batch], model: GPTModel):
+def lm_forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
     """megatron ``forward_step_func``: run one micro-batch, return (output, loss_func).
 
     With context parallelism every rank of a CP group reads the same micro-batch and
