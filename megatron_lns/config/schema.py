@@ -20,6 +20,7 @@ from typing import Any
 
 from megatron_lns.choices import (
     ACTIVATIONS,
+    ARCHITECTURES,
     LAYER_VARIANTS,
     MOE_DISPATCHERS,
     MOE_DROP_POLICIES,
@@ -654,6 +655,33 @@ class ModelConfig:
         target="TransformerConfig.num_layers",
         group="architecture",
         doc="`TransformerConfig.num_layers`",
+    )
+    architecture: str = setting(
+        "gpt",
+        one_of(ARCHITECTURES),
+        target="layer_spec.architecture",
+        group="architecture",
+        doc=(
+            "megatron-core's model class: `gpt` (`GPTModel`, deprecated in megatron-core 0.19) "
+            "or `hybrid` (`HybridModel`, its successor: one module per sublayer of "
+            "`hybrid_layer_pattern`). Without a pattern, `hybrid` builds the GPT model's twin "
+            "(`*-` per layer, `*E` where `moe_layer_freq` puts experts), which computes the same "
+            "function and resumes its checkpoints; LNS's depth is the paper's block index in both"
+        ),
+    )
+    hybrid_layer_pattern: str | None = setting(
+        None,
+        target="HybridModel.hybrid_layer_pattern",
+        aliases=("hybrid_override_pattern",),
+        null_means="the GPT twin",
+        group="architecture",
+        doc=(
+            "`architecture: hybrid` only: one symbol per sublayer, `*` attention, `-` MLP, `E` "
+            "MoE, `|` between pipeline segments (one per stage and virtual chunk); `num_layers` "
+            "then counts sublayers, as in megatron-core. An attention starts LNS block `l`; the "
+            "MLP/MoE sublayers after it share its `l` (docs/design.md). Mamba (`M`), GDN (`G`), "
+            "DSA (`D`), MLA (`+`) and MTP (`/`) are refused"
+        ),
     )
     hidden_size: int = setting(
         768,

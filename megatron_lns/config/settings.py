@@ -45,7 +45,7 @@ SETTING = "setting"
 # The targets build.py fills from declarations: the model (GPTModelConfig, whose fields
 # are named as TransformerConfig's and GPTModel's; a TransformerConfig field it lacks is
 # passed on to megatron-core as it is), the optimizer (OptimSettings) and megatron DDP.
-MODEL_TARGETS = ("TransformerConfig", "GPTModel", "layer_spec")
+MODEL_TARGETS = ("TransformerConfig", "GPTModel", "HybridModel", "layer_spec")
 OPTIMIZER_TARGETS = ("OptimizerConfig", "OptimizerParamScheduler", "get_megatron_optimizer")
 DDP_TARGETS = ("DistributedDataParallelConfig",)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from megatron_lns import layout
 from megatron_lns.choices import PRE_NORM_VARIANTS, lns_combines_with, warmup_fits
 from megatron_lns.config.cluster import validate_cluster
+from megatron_lns.config.hybrid_rules import check_hybrid
 from megatron_lns.config.loader import ConfigError
 from megatron_lns.config.moe_rules import check_moe
 from megatron_lns.config.paths import check_writable_paths
@@ -81,13 +82,15 @@ def validate(
             "model.virtual_pipeline_model_parallel_size needs "
             "model.pipeline_model_parallel_size > 1"
         )
-    _divisible(
-        "model.num_layers",
-        m.num_layers,
-        "model.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size",
-        pp * (vp or 1),
-        shown=f"{pp} x {vp or 1}",
-    )
+    if m.hybrid_layer_pattern is None:  # a pattern's '|' split it (check_hybrid)
+        _divisible(
+            "model.num_layers",
+            m.num_layers,
+            "model.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size",
+            pp * (vp or 1),
+            shown=f"{pp} x {vp or 1}",
+        )
+    check_hybrid(m)
     if m.sequence_parallel and tp < 2:
         raise ConfigError("model.sequence_parallel needs model.tensor_model_parallel_size > 1")
     _check_recompute(m)

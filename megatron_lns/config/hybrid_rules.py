@@ -1,0 +1,59 @@
+"""The rules that relate ``model.architecture`` / ``model.hybrid_layer_pattern`` to the
+other keys: the pattern's symbols, its length against ``num_layers``, its pipeline
+segments against the layout (``hybrid_pattern.pattern_errors``, megatron-core's rules made
+strict), and the settings that mean something only to one architecture."""
+
+from __future__ import annotations
+
+from megatron_lns import hybrid_pattern
+from megatron_lns.config.loader import ConfigError
+
+KEY = "model.hybrid_layer_pattern"
+
+
+def check_hybrid(m) -> None:
+    """Every cross-key rule of the hybrid architecture; ``m`` is the ``model:`` section."""
+    pattern = m.hybrid_layer_pattern
+    if m.architecture != "hybrid":
+        if pattern is not None:
+            raise ConfigError(
+                f"{KEY} is read by the hybrid architecture only: set model.architecture=hybrid "
+                "(or drop the pattern)"
+            )
+        return
+    if m.layer_variant != "pre_ln":
+        raise ConfigError(
+            f"model.layer_variant={m.layer_variant} is built for model.architecture=gpt only; "
+            "the hybrid stack has Pre-LN sublayers, with or without LNS"
+        )
+    if m.output_layer_init == "depth_scaled":
+        raise ConfigError(
+            "model.output_layer_init=depth_scaled is built for model.architecture=gpt only"
+        )
+    if pattern is None:
+        return
+    errors = hybrid_pattern.pattern_errors(
+        pattern,
+        m.num_layers,
+        m.pipeline_model_parallel_size,
+        m.virtual_pipeline_model_parallel_size,
+    )
+    if errors:
+        raise ConfigError(f"{KEY}={pattern!r}: {errors[0]}")
+    has_moe = hybrid_pattern.MOE in pattern
+    if has_moe and not m.num_moe_experts:
+        position = pattern.index(hybrid_pattern.MOE) + 1
+        raise ConfigError(
+            f"{KEY}={pattern!r}: 'E' at position {position} is an MoE sublayer, which needs "
+            "model.num_moe_experts"
+        )
+    if m.num_moe_experts and not has_moe:
+        raise ConfigError(
+            f"model.num_moe_experts={m.num_moe_experts} but {KEY}={pattern!r} has no 'E' "
+            "(MoE) sublayer to put experts in"
+        )
+    if str(m.moe_layer_freq) != "1":
+        raise ConfigError(
+            f"model.moe_layer_freq={m.moe_layer_freq!r} is not read when {KEY} is set: the "
+            "pattern's 'E's are the MoE layers; drop moe_layer_freq"
+        )
