@@ -372,7 +372,7 @@ class GPTModelConfig:
             hetereogenous_dist_checkpoint=self.layer_variant == "mix_ln",
             recompute_granularity=self.recompute_granularity,
             recompute_method=self.recompute_method,
-            recompute_num_layers=self.recompute_num_layers,
+            recompute_num_layers=self._recompute_num_sublayers(),
             tp_comm_overlap=self.tp_comm_overlap,
             tp_comm_bootstrap_backend=self.tp_comm_bootstrap_backend,
             cpu_offloading=self.cpu_offloading,
@@ -385,6 +385,17 @@ class GPTModelConfig:
             **self._fp8_settings(),
             **self.extra_transformer_config,
         )
+
+    def _recompute_num_sublayers(self) -> int | None:
+        """megatron's ``recompute_num_layers`` counts the stack's modules: in the GPT twin
+        (no pattern) a layer is two sublayers, so the twin recomputes what GPT does."""
+        if (
+            self.recompute_num_layers
+            and self.architecture == "hybrid"
+            and not self.hybrid_layer_pattern
+        ):
+            return 2 * self.recompute_num_layers
+        return self.recompute_num_layers
 
     def _moe_settings(self) -> dict:
         if not self.num_moe_experts:

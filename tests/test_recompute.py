@@ -15,6 +15,7 @@ from megatron.core.tensor_parallel import random as mcore_random
 
 from megatron_lns.build import model_config, wrap_with_ddp
 from megatron_lns.config import ConfigError, load_config, validate
+from megatron_lns.hybrid_pattern import gpt_key_to_hybrid
 from megatron_lns.model import build_model
 from megatron_lns.runtime import ParallelLayout, init_distributed
 from megatron_lns.training.step import forward_backward
@@ -123,9 +124,14 @@ def test_recompute_settings_that_cannot_work_are_refused_by_name(overrides, expe
 
 
 def _loss_and_grads(
-    layout: ParallelLayout, num_microbatches: int, model: dict | None = None, **recompute
+    layout: ParallelLayout,
+    num_microbatches: int,
+    model: dict | None = None,
+    regions: list | None = None,
+    **recompute,
 ):
-    """Build (same seed, same weights), run one forward/backward; this rank's results."""
+    """Build (same seed, same weights), run one forward/backward; this rank's results
+    (and the number of checkpointed regions appended to ``regions``)."""
     cfg = tiny_config(hidden_dropout=0.1, attention_dropout=0.1, **(model or {}), **recompute)
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
@@ -141,6 +147,8 @@ def _loss_and_grads(
     finally:
         mcore_random._get_all_rng_states = save_states
     assert bool(saves) == bool(recompute), f"{len(saves)} checkpointed regions with {recompute}"
+    if regions is not None:
+        regions.append(len(saves))
     assert not cfg.num_moe_experts or _moe_aux_losses_were_added()
     grads = {
         f"{index}.{name}": param.main_grad.detach().clone()
@@ -206,6 +214,30 @@ def test_recompute_matches_no_recompute_at_tp1(megatron_world1, mode):
     init_distributed(layout, device="cpu")
     baseline = _loss_and_grads(layout, 2)
     _assert_same(baseline, _loss_and_grads(layout, 2, **RECOMPUTE_MODES[mode]))
+
+
+@pytest.mark.parametrize("mode", ["full_uniform", "full_block"])
+def test_hybrid_twin_recomputes_what_gpt_recomputes(megatron_world1, mode):
+    """megatron's HybridStack counts ``recompute_num_layers`` in sublayers; the GPT twin
+    (``architecture=hybrid``, no pattern) counts GPT layers, so it recomputes the same
+    layers as the GPT model: in the same regions (``uniform``), or each of those layers'
+    two sublayers in a region of its own (``block``, one region per module); and it
+    computes the same loss and gradients (their names differ: the GPT model's layer i is
+    the twin's sublayers 2i and 2i+1)."""
+    layout = ParallelLayout()
+    init_distributed(layout, device="cpu")
+    gpt_regions, hybrid_regions = [], []
+    gpt_loss, gpt_grads = _loss_and_grads(layout, 2, regions=gpt_regions, **RECOMPUTE_MODES[mode])
+    hybrid_loss, hybrid_grads = _loss_and_grads(
+        layout, 2, {"architecture": "hybrid"}, hybrid_regions, **RECOMPUTE_MODES[mode]
+    )
+    sublayers_per_region = 2 if mode == "full_block" else 1
+    assert hybrid_regions == [sublayers_per_region * count for count in gpt_regions]
+    assert hybrid_loss == gpt_loss
+    renamed = {gpt_key_to_hybrid(name): grad for name, grad in gpt_grads.items()}
+    assert renamed.keys() == hybrid_grads.keys()
+    for name, grad in hybrid_grads.items():
+        torch.testing.assert_close(grad, renamed[name], rtol=0, atol=0, msg=name)
 
 
 def parallel_recompute_worker():
