@@ -31,14 +31,10 @@ PATTERNS = {"all_moe": 1, "mixed": [0, 1, 1, 1]}
 # name -> (layout, token dispatcher, pattern). alltoall runs where it differs from
 # allgather in what it sends: over expert ranks, and over expert-tensor ranks with the
 # uneven per-rank token counts that the CPU layer's uneven-gather stand-in serves.
+# (EP x TP runs with alltoall only: allgather's EP and TP paths each run on their own.)
 CASES = {
     "ep2_allgather": (ParallelLayout(expert=2), "allgather", "all_moe"),
     "ep2_alltoall": (ParallelLayout(expert=2), "alltoall", "all_moe"),
-    "ep2_tp2_allgather": (
-        ParallelLayout(tensor=2, expert=2, sequence_parallel=True),
-        "allgather",
-        "all_moe",
-    ),
     "ep2_tp2_alltoall": (
         ParallelLayout(tensor=2, expert=2, sequence_parallel=True),
         "alltoall",
@@ -216,10 +212,10 @@ def test_expert_parallel_layouts_match_one_rank_loss_and_gradients(results, case
     _assert_same_tensors([r[case][1] for r in results], base_grads)
 
 
-def test_alltoall_and_allgather_dispatchers_compute_the_same_logits(results):
+def test_alltoall_at_ep2_tp2_computes_the_one_rank_logits(results):
     for rank_result in results:
         torch.testing.assert_close(
-            rank_result["ep2_tp2_alltoall_logits"], rank_result["ep2_tp2_allgather_logits"]
+            rank_result["ep2_tp2_alltoall_logits"], rank_result["base_logits"], rtol=1e-4, atol=1e-6
         )
 
 
