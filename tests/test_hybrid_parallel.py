@@ -29,6 +29,7 @@ from megatron_lns.build import wrap_with_ddp
 from megatron_lns.model import build_model, unwrap
 from megatron_lns.runtime import ParallelLayout, init_distributed
 from megatron_lns.training.checkpoint import load_model_weights, save_model_weights
+from megatron_lns.training.moe_metrics import MoEMetrics
 from megatron_lns.training.step import forward_backward
 
 WORLD_SIZE = 2
@@ -37,12 +38,12 @@ SAME = dict(rtol=1e-6, atol=1e-9)
 
 MODELS = {
     "dense": {},
-    # E sublayers in blocks 2 and 4; the aux loss puts the router into the gradients.
+    # E sublayers in blocks 2 and 4; the router losses put the router into the gradients.
     "moe": dict(
         num_moe_experts=4,
         moe_layer_freq=[0, 1, 0, 1],
         extra_transformer_config=dict(
-            moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=1e-2
+            moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3
         ),
     ),
 }
@@ -113,9 +114,14 @@ def equivalence_worker(tmp: str) -> dict:
             set_moe_metrics_tracker(MoEMetricsTracker())
             chunks = wrap_with_ddp(build_model(model_config(model, architecture), layout))
             load_model_weights(chunks, f"{tmp}/{model}_{architecture}")
+            moe_metrics = MoEMetrics.for_model(chunks, unwrap(chunks[0]).config)
+            if moe_metrics:
+                moe_metrics.start_step()
             loss = forward_backward(chunks, batches).loss
             grads = full_tensors(chunks, of="grad")
             result = dict(loss=loss, grads=grads)
+            if moe_metrics:  # what a training step logs: router losses, expert load
+                result["moe_metrics"] = moe_metrics.report(len(batches))[0]
             if architecture == "hybrid":
                 result["grads"] = gpt_names(grads)
                 result["factors"] = sublayer_factors(chunks)
@@ -146,6 +152,17 @@ def test_hybrid_model_has_the_gpt_models_loss_and_gradients(results, case):
     assert hybrid_grads.keys() == gpt_grads.keys()
     if CASES[case][0] == "moe":
         assert any(".mlp.router." in name for name in gpt_grads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [case for case, (model, _) in CASES.items() if model == "moe"])
+def test_hybrid_model_logs_the_gpt_models_moe_metrics(results, case):
+    """The router losses are averaged over the MoE layers and the expert load taken over
+    them: the hybrid model's attention sublayers must not count as MoE layers."""
+    for rank_result in results:
+        gpt, hybrid = rank_result[case, "gpt"], rank_result[case, "hybrid"]
+        assert set(gpt["moe_metrics"]) >= {"moe/load_balancing_loss", "moe/z_loss"}
+        assert hybrid["moe_metrics"] == pytest.approx(gpt["moe_metrics"], rel=SAME["rtol"])
 
 
 @pytest.mark.slow

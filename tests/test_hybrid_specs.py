@@ -113,6 +113,14 @@ def test_the_final_norm_is_never_scaled(seeded):
     assert isinstance(final, LocalNorm) and final.output_scale == 1.0
 
 
+def test_megatron_counts_the_e_sublayers_as_the_moe_layers(seeded):
+    """megatron's router-loss report averages over the MoE layers that moe_layer_freq marks
+    among num_layers (here sublayers): the E sublayers, not all of them."""
+    config = hybrid_config("-*--**E-").transformer_config()
+    assert config.num_layers == 8
+    assert config.moe_layer_freq == [0, 0, 0, 0, 0, 0, 1, 0]
+
+
 @pytest.mark.parametrize("symbol", ["M", "G"])
 def test_the_stack_refuses_a_sublayer_it_does_not_build(seeded, symbol):
     """Config validation refuses these patterns first; a HybridModel built around it (as
