@@ -400,13 +400,16 @@ class GPTModelConfig:
     def _moe_settings(self) -> dict:
         if not self.num_moe_experts:
             return {}
-        # The hybrid model takes its MoE layers from the pattern's ``E``s.
-        layer_freq = (
-            {} if self.architecture == "hybrid" else {"moe_layer_freq": self.moe_layer_pattern()}
-        )
+        # The hybrid model builds its MoE layers from the pattern's ``E``s; megatron's
+        # router-loss report (and MoEMetrics) still count MoE layers by moe_layer_freq over
+        # num_layers, here sublayers, so it marks the E sublayers (1 would count all of them).
+        if self.architecture == "hybrid":
+            layer_freq = [int(s == hybrid_pattern.MOE) for s in self.sublayer_pattern()]
+        else:
+            layer_freq = self.moe_layer_pattern()
         return dict(
             num_moe_experts=self.num_moe_experts,
-            **layer_freq,
+            moe_layer_freq=layer_freq,
             moe_router_topk=self.moe_router_topk,
             moe_ffn_hidden_size=self.moe_ffn_hidden_size,
             moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
