@@ -118,13 +118,12 @@ def pattern_errors(
     if errors:
         return errors
     segments = pattern.split(PIPE)
-    position = 0
-    for segment in segments[:-1]:
-        position += len(segment) + 1
-        if not segment:
-            errors.append(f"'|' at position {position} leaves an empty pipeline segment")
-    if not segments[-1]:
-        errors.append(f"'|' at position {len(pattern)} leaves an empty pipeline segment")
+    start = 0  # of each segment in pattern, 0-based
+    for index, segment in enumerate(segments):
+        if not segment:  # named by the '|' before it (the first segment: the one after it)
+            where = start if index else 1
+            errors.append(f"'|' at position {where} leaves an empty pipeline segment")
+        start += len(segment) + 1
     count = len(sublayers(pattern))
     if count != num_layers:
         errors.append(

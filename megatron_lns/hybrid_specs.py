@@ -73,9 +73,13 @@ class LNSHybridStack(HybridStack):
         layer_types = kwargs.get("layer_type_list") or []
         unsupported = sorted(set(layer_types) - set(hybrid_pattern.SUPPORTED))
         if unsupported:
+            names = ", ".join(
+                f"{symbol!r} ({hybrid_pattern.REFUSED.get(symbol, 'unknown')})"
+                for symbol in unsupported
+            )
             raise ValueError(
                 f"the LNS hybrid stack builds {', '.join(hybrid_pattern.SUPPORTED)} sublayers, "
-                f"not {', '.join(unsupported)}"
+                f"not {names}"
             )
         numbers = hybrid_pattern.block_numbers(pattern)
         submodules = copy.copy(submodules)

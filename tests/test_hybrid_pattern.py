@@ -234,10 +234,10 @@ def test_the_segments_must_match_the_pipeline_layout(
 
 @pytest.mark.parametrize(
     "pattern, positions",
-    [("|*-*-", [1]), ("*-*-|", [5]), ("*-||*-", [4]), ("|*-||*-", [1, 5])],
+    [("|*-*-", [1]), ("*-*-|", [5]), ("*-||*-", [3]), ("|*-||*-", [1, 4])],
 )
 def test_an_empty_segment_names_its_separator(pattern, positions):
-    """The '|' that closes the empty segment (the last '|' for a trailing one)."""
+    """The '|' before the empty segment (for an empty first segment, the one after it)."""
     errors = [
         e for e in pattern_errors(pattern, 4, pipeline=len(pattern.split("|"))) if "empty" in e
     ]
