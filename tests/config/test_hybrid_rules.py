@@ -100,6 +100,12 @@ def _pattern(pattern: str) -> list[str]:
             1,
             r"model\.cpu_offloading=true is built for model\.architecture=gpt only: .*HybridStack",
         ),
+        # megatron-core's deprecated ratios (NeMo's Mamba configs) instead of a pattern.
+        (
+            ["+model.hybrid_mlp_ratio=0.5"],
+            1,
+            r"model\.hybrid_mlp_ratio=0\.5 is not supported \(deprecated .*; give model\.hybrid_",
+        ),
         # Full recomputation counts the sublayers of the longest '|' segment.
         (
             [
@@ -140,6 +146,7 @@ def test_good_patterns_validate():
     )
     # The GPT twin takes GPT's keys as they are (num_layers counts blocks).
     _config(*EXPERTS, "model.moe_layer_freq=2")
+    _config("+model.hybrid_attention_ratio=0.0", "+model.hybrid_mlp_ratio=null")
 
 
 def test_nemo_hybrid_override_pattern_sets_the_pattern():
