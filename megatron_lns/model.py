@@ -25,6 +25,7 @@ from megatron_lns.choices import (
     RecomputeGranularity,
     RecomputeMethod,
 )
+from megatron_lns.errors import UserError
 from megatron_lns.moe import MoELayerFreq, moe_layer_pattern
 from megatron_lns.runtime import ParallelLayout, uses_gloo
 from megatron_lns.specs import get_lns_block_spec
@@ -372,7 +373,7 @@ class GPTModelConfig:
             hetereogenous_dist_checkpoint=self.layer_variant == "mix_ln",
             recompute_granularity=self.recompute_granularity,
             recompute_method=self.recompute_method,
-            recompute_num_layers=self._recompute_num_sublayers(),
+            recompute_num_layers=self.megatron_recompute_num_layers(),
             tp_comm_overlap=self.tp_comm_overlap,
             tp_comm_bootstrap_backend=self.tp_comm_bootstrap_backend,
             cpu_offloading=self.cpu_offloading,
@@ -386,14 +387,14 @@ class GPTModelConfig:
             **self.extra_transformer_config,
         )
 
-    def _recompute_num_sublayers(self) -> int | None:
-        """megatron's ``recompute_num_layers`` counts the stack's modules: in the GPT twin
-        (no pattern) a layer is two sublayers, so the twin recomputes what GPT does."""
-        if (
-            self.recompute_num_layers
-            and self.architecture == "hybrid"
-            and not self.hybrid_layer_pattern
-        ):
+    def megatron_recompute_num_layers(self) -> int | None:
+        """``recompute_num_layers`` as megatron-core counts it: modules of a pipeline
+        stage, which are sublayers in the hybrid model. The GPT twin's ``num_layers`` counts
+        blocks (an attention and an MLP sublayer each), so its recompute count is doubled
+        to recompute the same blocks as the GPT model; with a pattern both count
+        sublayers."""
+        twin = self.architecture == "hybrid" and not self.hybrid_layer_pattern
+        if twin and self.recompute_num_layers:
             return 2 * self.recompute_num_layers
         return self.recompute_num_layers
 
@@ -517,8 +518,9 @@ def gpt_model_class() -> type:
     return GPTModel
 
 
-class ArchitectureUnavailable(ImportError):
-    pass
+class ArchitectureUnavailable(UserError, ImportError):
+    """The configured architecture's model class is not in the installed megatron-core: a
+    user error (one ``error:`` line naming the fix), not a bug with a traceback."""
 
 
 def _hybrid_chunk(

@@ -14,6 +14,7 @@ LAYERS = [
     "exit_status",
     "third_party_noise",
     "choices",
+    "hybrid_pattern",
     "layout",
     "moe",
     "hybrid_pattern",

@@ -30,6 +30,11 @@ def check_hybrid(m) -> None:
         raise ConfigError(
             "model.output_layer_init=depth_scaled is built for model.architecture=gpt only"
         )
+    if m.cpu_offloading:
+        raise ConfigError(
+            "model.cpu_offloading=true is built for model.architecture=gpt only: megatron-core's "
+            "HybridStack has no activation offloading, so it would offload nothing"
+        )
     if pattern is None:
         return
     errors = hybrid_pattern.pattern_errors(
@@ -56,4 +61,30 @@ def check_hybrid(m) -> None:
         raise ConfigError(
             f"model.moe_layer_freq={m.moe_layer_freq!r} is not read when {KEY} is set: the "
             "pattern's 'E's are the MoE layers; drop moe_layer_freq"
+        )
+    _check_recompute_segments(m)
+
+
+def hybrid_segments(m) -> list[str]:
+    """The pattern's ``|``-separated pipeline segments; empty without a pattern or ``|``."""
+    pattern = m.hybrid_layer_pattern
+    if m.architecture != "hybrid" or not pattern or hybrid_pattern.PIPE not in pattern:
+        return []
+    return pattern.split(hybrid_pattern.PIPE)
+
+
+def _check_recompute_segments(m) -> None:
+    """With a pattern, ``activations_checkpoint_num_layers`` counts sublayers of one
+    pipeline segment (megatron-core recomputes per model chunk); more than the longest
+    segment holds recomputes nothing more, so it is a mistake in the count."""
+    recomputed = m.activations_checkpoint_num_layers
+    segments = hybrid_segments(m)
+    if m.activations_checkpoint_granularity != "full" or not recomputed or not segments:
+        return
+    longest = max(len(segment) for segment in segments)
+    if recomputed > longest:
+        raise ConfigError(
+            f"model.activations_checkpoint_num_layers ({recomputed}) exceeds the sublayers of "
+            f"the longest pipeline segment of {KEY} ({longest}): with a pattern it counts "
+            "sublayers per segment, as megatron-core does"
         )

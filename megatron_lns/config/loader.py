@@ -91,7 +91,11 @@ def _is_known(path: str) -> bool:
 
 
 def _did_you_mean(path: str) -> str:
-    candidates = list(SCHEMA_PATHS) + sorted(k for k in NEMO_KEYS if not k.endswith("*"))
+    candidates = [
+        c
+        for c in [*SCHEMA_PATHS, *sorted(k for k in NEMO_KEYS if not k.endswith("*"))]
+        if c != path  # a NeMo key not in the file is added with '+': no hint to itself
+    ]
     close = difflib.get_close_matches(path, candidates, n=1, cutoff=0.75)
     if not close:
         leaf = path.rsplit(".", 1)[-1]
@@ -128,6 +132,12 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
             raise ConfigError(
                 f"override '{override}': no key '{key}'{_did_you_mean(key)}; use +{key}=... to add"
             )
+        raw_value = text.split("=", 1)[1]
+        if raw_value.startswith("*"):
+            # YAML reads a leading '*' as an alias, which one override cannot define: such a
+            # value is text (a hybrid layer pattern, ``model.hybrid_layer_pattern=*-*E``).
+            OmegaConf.update(cfg, key, raw_value, merge=False, force_add=True)
+            continue
         try:
             parsed = OmegaConf.to_container(OmegaConf.from_dotlist([text]), resolve=False)
         except (OmegaConfBaseException, yaml.YAMLError) as err:

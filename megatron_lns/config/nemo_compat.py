@@ -377,6 +377,16 @@ MOE_NOT_HONOURED: dict[str, Fixed] = {
 }
 NEMO_KEYS.update(MOE_NOT_HONOURED)
 
+# megatron-core's deprecated ways to ask for a hybrid pattern (NeMo's Mamba configs use
+# them): accepted unset only, the pattern is model.hybrid_layer_pattern.
+_RATIO = "deprecated in megatron-core 0.19; give model.hybrid_layer_pattern"
+NEMO_KEYS.update(
+    {
+        "model.hybrid_attention_ratio": Fixed((None, 0.0), _RATIO),
+        "model.hybrid_mlp_ratio": Fixed((None, 0.0), _RATIO),
+    }
+)
+
 # Other names of schema keys, from the keys' declarations.
 NEMO_KEYS.update(_aliases())
 

@@ -864,7 +864,12 @@ class ModelConfig:
         target="TransformerConfig.recompute_num_layers",
         aliases=("recompute_num_layers",),
         group="recomputation",
-        doc="`recompute_num_layers`, `full` only: 1 .. layers per pipeline stage",
+        doc=(
+            "`recompute_num_layers`, `full` only: 1 .. layers per pipeline stage. With "
+            "`architecture: hybrid` it counts what `num_layers` counts: blocks in the GPT twin "
+            "(passed to megatron-core doubled, as sublayers), sublayers with a pattern (at most "
+            "the longest `|` segment's)"
+        ),
     )
     recompute_modules: list[str] | None = setting(
         None,

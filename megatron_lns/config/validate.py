@@ -13,7 +13,7 @@ from pathlib import Path
 from megatron_lns import layout
 from megatron_lns.choices import PRE_NORM_VARIANTS, lns_combines_with, warmup_fits
 from megatron_lns.config.cluster import validate_cluster
-from megatron_lns.config.hybrid_rules import check_hybrid
+from megatron_lns.config.hybrid_rules import check_hybrid, hybrid_segments
 from megatron_lns.config.loader import ConfigError
 from megatron_lns.config.moe_rules import check_moe
 from megatron_lns.config.paths import check_writable_paths
@@ -250,7 +250,7 @@ def _check_recompute(m) -> None:
                 f"{key}granularity=full needs {key}method (uniform or block) and {key}num_layers"
             )
         per_stage = m.num_layers // m.pipeline_model_parallel_size
-        if num_layers > per_stage:
+        if num_layers > per_stage and not hybrid_segments(m):  # segments: check_hybrid
             raise ConfigError(
                 f"{key}num_layers ({num_layers}) exceeds the layers per pipeline stage "
                 f"({per_stage} = model.num_layers / model.pipeline_model_parallel_size)"
@@ -327,7 +327,8 @@ def _check_timers(m, t) -> None:
 
 
 def check_environment(cfg: ExperimentConfig) -> None:
-    """What the machine must offer for this config (CUDA, Transformer Engine, FP8 support).
+    """What the machine must offer for this config (CUDA, Transformer Engine, FP8 support,
+    megatron-core's ``GPTModel`` for ``model.architecture=gpt``).
 
     Separate from :func:`validate` so a config can be checked on any machine; the
     launcher runs both before any process starts.
@@ -335,6 +336,10 @@ def check_environment(cfg: ExperimentConfig) -> None:
     import torch
 
     m = cfg.model
+    if m.architecture == "gpt":
+        from megatron_lns.model import gpt_model_class
+
+        gpt_model_class()  # megatron-core without GPTModel: one line naming the fix
     cuda = torch.cuda.is_available()
     if cfg.trainer.accelerator == "gpu" and not cuda:
         raise ConfigError("trainer.accelerator=gpu but CUDA is not available on this machine")
