@@ -8,7 +8,7 @@ checkpoints at 3 and 6):
   schedule and data position all come from the GPT checkpoint): dense (layers stacked in
   the checkpoint, megatron-core's translation) with the plain optimizer at DP=2, stopped
   and continued in its run directory; MoE with a dense first layer (per-layer keys, ours)
-  with the distributed optimizer, from the checkpoint named;
+  with the distributed optimizer, from the checkpoint named; the dense one at PP=2 too;
 * a hybrid run with an explicit pattern at PP=2 (``*-*-|*-*-``) stopped and resumed
   repeats itself bit for bit, and its checkpoint resumes at PP=1 (the pattern given
   again without ``|``) and at TP=2 + SP;
@@ -84,7 +84,11 @@ def _trainings(tmp: str) -> dict:
     gpt_moe_3 = root / "gpt_moe" / "lns" / "checkpoints" / "iter_0000003"
     resume_moe = f"exp_manager.resume_from_checkpoint={gpt_moe_3}"
     out["migrated_moe_from"] = _train(root, "migrated_moe", *MOE, *HYBRID, resume_moe)
-    for name in ("gpt_dense", "migrated_dense", "gpt_moe", "migrated_moe"):
+    gpt_dense_3 = root / "gpt_dense" / "lns" / "checkpoints" / "iter_0000003"
+    resume_dense = f"exp_manager.resume_from_checkpoint={gpt_dense_3}"
+    pp2 = "model.pipeline_model_parallel_size=2"
+    out["migrated_pp2_from"] = _train(root, "migrated_pp2", *HYBRID, pp2, resume_dense)
+    for name in ("gpt_dense", "migrated_dense", "gpt_moe", "migrated_moe", "migrated_pp2"):
         out[name] = losses(name)
 
     _train(root, "hybrid", *PP2_PATTERN)
@@ -130,6 +134,14 @@ def test_a_hybrid_run_resumes_bitwise(runs):
         assert rank["hybrid_resumed_from"] == 3
         assert [step for step, _ in rank["hybrid"]] == list(range(1, 7))
         assert rank["hybrid_resumed"] == rank["hybrid"]
+
+
+def test_a_gpt_checkpoint_continues_in_the_hybrid_model_at_another_layout(runs):
+    for rank in runs:
+        assert rank["migrated_pp2_from"] == 3
+        steps, losses = zip(*rank["migrated_pp2"], strict=True)
+        assert list(steps) == [4, 5, 6]
+        assert list(losses) == pytest.approx(_after_step_3(rank["gpt_dense"]), rel=1e-5)
 
 
 @pytest.mark.parametrize("layout", list(OTHER_LAYOUTS))
