@@ -16,6 +16,9 @@ megatron runs once the background writes of every rank have finished
 (``training/checkpoint_writer.py`` schedules it). Sharded tensors carry
 global keys and offsets, so a checkpoint written at one TP/PP/VP layout loads at any
 other. Each virtual-pipeline chunk is stored under ``model{i}`` as Megatron-LM does.
+Every checkpoint records the architecture that wrote it (GPT, or the hybrid model and its
+sublayers): a GPT checkpoint loads into the hybrid model, nothing else crosses
+(``architecture_checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.errors import UserError
 from megatron_lns.model import unwrap
+from megatron_lns.training import architecture_checkpoint as architecture
 
 CHECKPOINT_DIR_RE = re.compile(r"^iter_(\d{7})$")
 COMPLETE_MARKER = "complete.json"
@@ -164,7 +168,9 @@ def _start_save(
 def save_model_weights(model: Sequence[torch.nn.Module], directory: str | Path) -> None:
     """Write this rank's shards of every chunk (weights only); all ranks must call it."""
     Path(directory).mkdir(parents=True, exist_ok=True)
-    _save(model_sharded_state_dict(model), directory)
+    sharded = model_sharded_state_dict(model)
+    sharded[architecture.ARCHITECTURE] = architecture.model_architecture(model)
+    _save(sharded, directory)
 
 
 def check_shapes_match(template: dict, directory: str | Path) -> None:
@@ -204,10 +210,31 @@ def _load_chunks(model: Sequence[torch.nn.Module], loaded: dict) -> None:
 
 
 def load_model_weights(model: Sequence[torch.nn.Module], directory: str | Path) -> None:
-    """Load weights saved at any parallel layout into this rank's chunks (strict)."""
+    """Load weights saved at any parallel layout, and by GPT into the hybrid model
+    (``architecture_checkpoint.py``), into this rank's chunks (strict)."""
     if not dist_checkpointing.check_is_distributed_checkpoint(str(directory)):
         raise CheckpointError(f"{directory} is not a megatron distributed checkpoint")
-    _load_chunks(model, _load(model_sharded_state_dict(model), directory))
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(directory))
+    except (Exception, CheckpointException) as err:
+        raise CheckpointError(f"could not load checkpoint {directory}: {err}") from err
+    template = model_sharded_state_dict(model)
+    _translate_architecture(template, model, directory, common)
+    _load_chunks(model, _load(template, directory))
+
+
+def _translate_architecture(template: dict, model, path: str | Path, common: dict) -> None:
+    """Refuse a checkpoint of another architecture or hybrid pattern that cannot load into
+    ``model``; point the template of a hybrid model at a GPT checkpoint's keys."""
+    saved = architecture.saved_architecture(common)
+    current = architecture.model_architecture(model)
+    problem = architecture.architecture_mismatch(saved, current)
+    if problem:
+        raise CheckpointError(f"checkpoint {path}: {problem}")
+    if architecture.needs_gpt_translation(saved, current):
+        parts = [f"model{i}" for i in range(len(model))] + ["optimizer"]
+        per_layer = architecture.has_per_layer_keys(path)
+        architecture.retarget_to_gpt_checkpoint(template, current["sublayers"], per_layer, parts)
 
 
 def _layout() -> dict[str, int]:
@@ -283,6 +310,7 @@ def _state_dict(
     sharded["iteration"] = state.iteration
     sharded["consumed_samples"] = state.consumed_samples
     sharded["parallel_layout"] = _layout()
+    sharded[architecture.ARCHITECTURE] = architecture.model_architecture(model)
     if with_rng:
         sharded["rng_state"] = _rng_state()
     return sharded
@@ -518,6 +546,7 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, strategy=None
     template = _state_dict(
         model, optimizer, scheduler, TrainingState(), with_rng=same_layout, is_loading=True
     )
+    _translate_architecture(template, model, path, common)
     loaded = _load(template, path, strategy)
     _load_chunks(model, loaded)
     _load_optimizer_state(optimizer, loaded["optimizer"])

@@ -10,6 +10,10 @@
   anything is loaded, naming the keys, unless ``exp_manager.override_opt_param_scheduler``
   (Megatron-LM's ``--override-opt_param-scheduler``) says to continue with the new
   schedule from the checkpoint's step.
+* ``model.architecture`` may change from ``gpt`` to ``hybrid``: a GPT run continues in its
+  hybrid twin (weights, optimizer state, schedule, data position), the way megatron-core
+  moves GPT runs to ``HybridModel``; a hybrid checkpoint resumes only in the hybrid model
+  with the same sublayers (``checkpoint.py``).
 """
 
 from __future__ import annotations
