@@ -65,7 +65,7 @@ def _pattern(pattern: str) -> list[str]:
             2,
             r"has 5 sublayers, not divisible by pipeline_model_parallel_size 2; split it",
         ),
-        ([*_pattern("*-||*-"), *PIPELINE_2], 2, r"'\|' at position 4 leaves an empty pipeline"),
+        ([*_pattern("*-||*-"), *PIPELINE_2], 2, r"'\|' at position 3 leaves an empty pipeline"),
         ([*_pattern("*-*-|"), *PIPELINE_2], 2, r"'\|' at position 5 leaves an empty pipeline"),
         # Experts and the pattern's E sublayers.
         (_pattern("*E*-"), 1, r"'E' at position 2 is an MoE sublayer, which needs model\.num_moe"),
