@@ -3,8 +3,8 @@
 Everything comes from the checkpoint: its ``config.yaml`` (the resolved run config)
 says the architecture and tokenizer, its tensors carry their global shapes. A hybrid run
 with the GPT-equivalent pattern exports as the GPT run would (its sublayers' tensors
-read under their own keys, ``Architecture.checkpoint_key``); other patterns are refused. Tensors
-are read one transformer layer at a time straight from the ``torch_dist`` files (see
+read under their own keys, ``Architecture.checkpoint_key``); other patterns are refused.
+Tensors are read one transformer layer at a time straight from the ``torch_dist`` files (see
 :mod:`~megatron_lns.convert.checkpoint_reader`), so a checkpoint saved at any
 TP/PP/VP layout exports the same, on a CPU, without a process group, and peak memory
 is one layer's tensors plus one output shard. The output is written into a hidden

@@ -231,11 +231,12 @@ def _run_config(
         got = OmegaConf.select(typed, key)
         if got != value and not (got is None and _null_means(key, arch) == value):
             raise ConversionError(_conflict(key, got, value, hf_dir))
-    pattern = cfg.model.hybrid_layer_pattern
-    if pattern is not None and hybrid_pattern.sublayers(pattern) != twin:
+    pattern, model_pattern = cfg.model.hybrid_layer_pattern, _hybrid_twin_pattern(arch)
+    if pattern is not None and hybrid_pattern.sublayers(pattern) != model_pattern:
         raise ConversionError(
             f"model.hybrid_layer_pattern={pattern!r} conflicts with {hf_dir}/config.json, "
-            f"whose model is the pattern {twin!r} (one attention and one MLP or MoE per layer)"
+            f"whose model is the pattern {model_pattern!r} (one attention and one MLP or MoE "
+            "per layer)"
         )
     if arch.lns and cfg.model.norm_scaling != "lns":
         raise ConversionError(
