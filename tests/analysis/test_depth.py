@@ -162,9 +162,9 @@ def test_a_gpt_equivalent_hybrid_model_gives_the_gpt_models_report(seeded, batch
     hybrid = build_model(tiny_config(num_layers=NUM_LAYERS, architecture="hybrid"))
     state = {gpt_key_to_hybrid(key): value for key, value in gpt[0].state_dict().items()}
     hybrid[0].load_state_dict(state)
-    expected = depth_diagnostics(gpt, batches).to_dict()
+    expected = depth_diagnostics(gpt, batches[:1]).to_dict()
     assert [row["layer_number"] for row in expected["layers"]] == [1, 2, 3, 4]
-    assert depth_diagnostics(hybrid, batches).to_dict() == expected
+    assert depth_diagnostics(hybrid, batches[:1]).to_dict() == expected
 
 
 def test_a_hybrid_block_runs_from_its_first_sublayers_input_to_its_last_ones_output(
