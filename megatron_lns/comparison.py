@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from megatron_lns.analysis.depth import LayerStats, layer_statistics, variance_growth
 from megatron_lns.analysis.plots import plot_depth_profiles, plot_seed_bands, read_metrics
-from megatron_lns.config import ExperimentConfig
+from megatron_lns.config import ConfigError, ExperimentConfig, validate
 from megatron_lns.errors import UserError
 from megatron_lns.training.trainer import Trainer, TrainingStopped
 
@@ -109,6 +109,20 @@ def parse_variants(names: Sequence[str]) -> list[Variant]:
     if repeated:
         raise CompareError(f"variant(s) given twice: {', '.join(repeated)}")
     return variants
+
+
+def check_arms(cfg: ExperimentConfig, variants: Sequence[Variant]) -> None:
+    """Refuse, before anything trains, an arm whose config is not a valid run: a variant's
+    keys may contradict the base config's (a paper variant's layers with
+    ``model.architecture=hybrid``, whose sublayers are Pre-LN with or without LNS)."""
+    for variant in variants:
+        arm = dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, **variant.model_settings)
+        )
+        try:
+            validate(arm, check_files=False)
+        except ConfigError as err:
+            raise CompareError(f"variant {variant.name}: {err}") from err
 
 
 def seeds_for(cfg: ExperimentConfig, num_seeds: int) -> list[int]:

@@ -21,6 +21,7 @@ from megatron_lns.comparison import (
     RunResult,
     Variant,
     _final_router_losses,
+    check_arms,
     format_table,
     parse_variants,
     run_config,
@@ -68,6 +69,29 @@ def test_bad_arguments_end_the_command_with_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("error: unknown variant 'nope'")
     assert err[1] == "error: --seeds must be at least 1, got 0"
+
+
+def test_hybrid_comparisons_keep_the_architecture_in_every_arm_and_refuse_gpt_only_ones(capsys):
+    hybrid = [*TINY_RUN_OVERRIDES, "model.architecture=hybrid"]
+    cfg = load_config(
+        DEMO_CONFIG, [*hybrid, "model.num_layers=7", "model.hybrid_layer_pattern='*-*--*-'"]
+    )
+    for variant in parse_variants(["lns", "pre_ln+scaled_init"]):
+        run = run_config(cfg, variant, 1, Path("/out"))
+        assert run.model.architecture == "hybrid" and run.model.hybrid_layer_pattern == "*-*--*-"
+    check_arms(cfg, parse_variants(["lns", "pre_ln+scaled_init"]))
+    for names, refused in (
+        (["lns", "post_ln"], "post_ln"),
+        (["lns+depth_scaled_init"], "lns\\+depth_scaled_init"),
+    ):
+        with pytest.raises(CompareError, match=f"variant {refused}: model.*gpt only"):
+            check_arms(cfg, parse_variants(names))
+    assert main(["compare", str(DEMO_CONFIG), *hybrid, "--variants", "mix_ln", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "error: variant mix_ln: model.layer_variant=mix_ln is built for model.architecture=gpt "
+        "only; the hybrid stack has Pre-LN sublayers, with or without LNS"
+    ]
 
 
 def test_table_reports_mean_and_spread_and_keeps_diverged_runs_out_of_them():

@@ -77,6 +77,25 @@ def test_flops_per_token_counts_the_models_matmul_weights(seeded, kv_channels):
     assert cfg.flops_per_token() == 6 * matmul_weights + attention
 
 
+@pytest.mark.parametrize("pattern", ["*-*-", "*--*-", "-*E**E"])
+def test_hybrid_flops_per_token_count_each_sublayers_weights(seeded, pattern):
+    """The same count for a hybrid pattern: every sublayer's matmul weights (a routed
+    expert ``topk / num_experts`` times), causal attention once per attention sublayer."""
+    moe = "E" in pattern
+    cfg = (_moe_config if moe else tiny_config)(
+        architecture="hybrid", num_layers=len(pattern), hybrid_layer_pattern=pattern
+    )
+    matmul_weights = Fraction(0)
+    for name, p in build_model(cfg)[0].named_parameters():
+        if p.dim() == 2 and not name.startswith("embedding."):
+            share = (
+                Fraction(cfg.moe_router_topk, cfg.num_moe_experts) if _routed_expert(name) else 1
+            )
+            matmul_weights += p.numel() * share
+    attention = 6 * pattern.count("*") * cfg.num_attention_heads * cfg.head_size * cfg.seq_length
+    assert cfg.flops_per_token() == 6 * matmul_weights + attention
+
+
 def _moe_config(topk=2, moe_layer_freq=(0, 1, 1, 1), shared=None, gate=False, **overrides):
     return tiny_config(
         num_moe_experts=4,
@@ -132,6 +151,15 @@ PARAMETER_CASES = {
         position_embedding_type="learned_absolute", norm_affine=False
     ),
     **{f"moe_{k}": (lambda c=c: _moe_config(**c)) for k, c in MOE_CASES.items()},
+    # HybridModel: the GPT twin, a dense pattern no GPT model has (two MLPs in block 1, a
+    # second block of attention only), and MoE sublayers mixed with dense ones.
+    "hybrid_gpt_twin_moe": lambda: _moe_config(architecture="hybrid"),
+    "hybrid_dense_not_gpt_equivalent": lambda: tiny_config(
+        architecture="hybrid", num_layers=5, hybrid_layer_pattern="*--*-"
+    ),
+    "hybrid_moe_not_gpt_equivalent": lambda: _moe_config(
+        architecture="hybrid", num_layers=6, hybrid_layer_pattern="*E-**E", shared=32, gate=True
+    ),
 }
 
 

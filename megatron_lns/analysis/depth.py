@@ -16,12 +16,19 @@ held-out batches for any model chunks this package builds or trains:
 Everything is collected with forward hooks on megatron's own layers and run through
 megatron's pipeline schedules, so it works at any TP/SP/PP/VP/DP layout; rows are keyed
 by the global (1-based) layer number and every rank returns the same report.
+
+A "layer" here is the paper's block ``l``: a GPT model's transformer layer, or in a
+hybrid model (``HybridModel``) the run of sublayers that share one block number (an
+attention and the MLP after it, ``hybrid_pattern.block_numbers``). A block's input is its
+first sublayer's input, its output its last sublayer's output, and removing it removes
+all its sublayers, so a GPT-equivalent hybrid model reports what its GPT twin reports.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
@@ -29,6 +36,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_lns import hybrid_pattern
 from megatron_lns.model import unwrap
 from megatron_lns.training.step import Batch, forward_backward
 
@@ -94,8 +102,14 @@ def angular_distance(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.arccos(cosine.clamp(-1.0, 1.0)) / math.pi
 
 
+def _hidden_in(args, kwargs) -> torch.Tensor:
+    return kwargs.get("hidden_states", args[0] if args else None)
+
+
 class _Accumulator:
-    """Forward hook summing one layer's statistics over every micro-batch it sees.
+    """Hooks summing one block's statistics over every micro-batch it sees: a forward
+    pre-hook on its first sublayer keeps the block's input (:meth:`enter`), a forward hook
+    on its last (the same module for a GPT layer) adds the statistics.
 
     Hidden states are megatron's ``[sequence, batch, hidden]``; under sequence
     parallelism this rank holds a slice of the sequence, and only the last tensor-parallel
@@ -105,11 +119,15 @@ class _Accumulator:
     def __init__(self, holds_last_token: bool) -> None:
         self.holds_last_token = holds_last_token
         self.totals: torch.Tensor | None = None
+        self.hidden_in: torch.Tensor | None = None
+
+    def enter(self, module, args, kwargs) -> None:
+        self.hidden_in = _hidden_in(args, kwargs)
 
     def __call__(self, module, args, kwargs, output) -> None:
-        hidden_in = kwargs.get("hidden_states", args[0] if args else None)
         hidden_out = output[0] if isinstance(output, tuple) else output
-        x_in, x_out = hidden_in.detach().double(), hidden_out.detach().double()
+        x_in, x_out = self.hidden_in.detach().double(), hidden_out.detach().double()
+        self.hidden_in = None
         distance = angular_distance(x_in, x_out)
         zero = distance.new_zeros(())
         last = distance[-1] if self.holds_last_token else None
@@ -127,15 +145,39 @@ class _Accumulator:
         self.totals = update if self.totals is None else self.totals + update
 
 
-def _local_layers(model: Sequence[torch.nn.Module]) -> Iterator[torch.nn.Module]:
+def block_number(layer: torch.nn.Module) -> int:
+    """The paper's block index of a decoder layer: its ``block_number`` (a hybrid model's
+    sublayer), else megatron's ``layer_number``."""
+    return getattr(layer, "block_number", layer.layer_number)
+
+
+def _local_blocks(model: Sequence[torch.nn.Module]) -> dict[int, list[torch.nn.Module]]:
+    """This rank's blocks, by number: each block's (sub)layers in forward order. A hybrid
+    block whose sublayers are not all in one chunk is refused: its input and output are
+    not both seen there (``analysis.trained_models`` refuses such a layout first)."""
+    blocks: dict[int, list[torch.nn.Module]] = {}
     for chunk in model:
-        yield from unwrap(chunk).decoder.layers
+        local: dict[int, list[torch.nn.Module]] = {}
+        for layer in unwrap(chunk).decoder.layers:
+            local.setdefault(block_number(layer), []).append(layer)
+        pattern = getattr(unwrap(chunk), "hybrid_layer_pattern", None)
+        if pattern:
+            sizes = Counter(hybrid_pattern.block_numbers(pattern.split(hybrid_pattern.MTP)[0]))
+            for number, layers in local.items():
+                if len(layers) != sizes[number]:
+                    raise ValueError(
+                        f"block {number} of hybrid_layer_pattern {pattern!r} is split between "
+                        "pipeline stages or virtual chunks"
+                    )
+        blocks |= local
+    return blocks
 
 
 def _reduce_totals(model: Sequence[torch.nn.Module], local: dict[int, torch.Tensor]) -> dict:
-    """Every layer's totals summed over the ranks that saw parts of them."""
+    """Every block's totals summed over the ranks that saw parts of them."""
     config = unwrap(model[0]).config
     device = next(unwrap(model[0]).parameters()).device
+    # config.num_layers counts a hybrid model's sublayers: at least one per block.
     totals = torch.zeros(config.num_layers, 7, dtype=torch.float64, device=device)
     for number, sums in local.items():
         totals[number - 1] += sums.to(device)
@@ -143,7 +185,8 @@ def _reduce_totals(model: Sequence[torch.nn.Module], local: dict[int, torch.Tens
         dist.all_reduce(totals, group=parallel_state.get_tensor_model_parallel_group())
     dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
     dist.all_reduce(totals, group=parallel_state.get_pipeline_model_parallel_group())
-    return {number: totals[number - 1].cpu() for number in range(1, config.num_layers + 1)}
+    blocks = int((totals[:, _COUNT] > 0).sum())
+    return {number: totals[number - 1].cpu() for number in range(1, blocks + 1)}
 
 
 def _stats_from_totals(number: int, totals: torch.Tensor) -> LayerStats:
@@ -184,7 +227,7 @@ def held_out_loss(
 
 
 def _replace_output_by_input(module, args, kwargs, output):
-    hidden_in = kwargs.get("hidden_states", args[0] if args else None)
+    hidden_in = _hidden_in(args, kwargs)
     if isinstance(output, tuple):
         return (hidden_in, *output[1:])
     return hidden_in
@@ -192,12 +235,12 @@ def _replace_output_by_input(module, args, kwargs, output):
 
 @contextlib.contextmanager
 def layer_removed(model: Sequence[torch.nn.Module], layer_number: int) -> Iterator[None]:
-    """Global layer ``layer_number`` acts as the identity (its output is its input) on
-    whichever rank holds it; the model is left unchanged afterwards."""
+    """Global layer (block) ``layer_number`` acts as the identity (its output is its
+    input: each of its sublayers does) on whichever rank holds it; the model is left
+    unchanged afterwards."""
     handles = [
         layer.register_forward_hook(_replace_output_by_input, with_kwargs=True)
-        for layer in _local_layers(model)
-        if layer.layer_number == layer_number
+        for layer in _local_blocks(model).get(layer_number, [])
     ]
     try:
         yield
@@ -217,9 +260,10 @@ def _layer_totals(
     )
     accumulators: dict[int, _Accumulator] = {}
     handles = []
-    for layer in _local_layers(model):
-        acc = accumulators[layer.layer_number] = _Accumulator(holds_last_token)
-        handles.append(layer.register_forward_hook(acc, with_kwargs=True))
+    for number, layers in _local_blocks(model).items():
+        acc = accumulators[number] = _Accumulator(holds_last_token)
+        handles.append(layers[0].register_forward_pre_hook(acc.enter, with_kwargs=True))
+        handles.append(layers[-1].register_forward_hook(acc, with_kwargs=True))
     try:
         loss, tokens = held_out_loss(model, batches)
     finally:

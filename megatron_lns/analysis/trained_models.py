@@ -30,6 +30,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from megatron_lns import hybrid_pattern
 from megatron_lns.analysis.depth import DepthReport, LayerDiagnostics, depth_diagnostics
 from megatron_lns.analysis.plots import plot_depth_reports
 from megatron_lns.config import ConfigError, ExperimentConfig, validate
@@ -200,7 +201,36 @@ def input_config(item: Input, overrides: list[str], work: Path, world: int | Non
         check_environment(cfg)
     except ConfigError as err:
         raise AnalysisError(f"{item.label} ({path}): {err}") from err
+    split = block_split_by_pipeline(cfg.model)
+    if split is not None:
+        raise AnalysisError(
+            f"{item.label}: model.hybrid_layer_pattern={cfg.model.hybrid_layer_pattern!r} "
+            f"splits block {split} between pipeline stages, and analyze measures each block "
+            "on one; set a pattern whose '|' fall before an attention ('*') for this layout"
+        )
     return cfg
+
+
+def num_blocks(m) -> int:
+    """The paper's depth ``L`` of a ``model:`` section: its layers, or a hybrid pattern's
+    blocks (the rows of the depth report)."""
+    if m.architecture == "hybrid" and m.hybrid_layer_pattern:
+        return hybrid_pattern.num_blocks(m.hybrid_layer_pattern)
+    return m.num_layers
+
+
+def block_split_by_pipeline(m) -> int | None:
+    """The first block of a hybrid pattern whose sublayers a ``|`` separates, or None."""
+    if m.architecture != "hybrid" or not m.hybrid_layer_pattern:
+        return None
+    segments = m.hybrid_layer_pattern.split(hybrid_pattern.PIPE)
+    numbers = hybrid_pattern.block_numbers(m.hybrid_layer_pattern)
+    end = 0
+    for segment in segments[:-1]:
+        end += len(segment)
+        if 0 < end < len(numbers) and numbers[end - 1] == numbers[end]:
+            return numbers[end]
+    return None
 
 
 def _iteration(checkpoint: Path) -> int | None:
@@ -266,7 +296,7 @@ def analyze(
             num_batches = batches or cfg.trainer.limit_val_batches
             result_path = work / f"result-{index}.json"
             _say(
-                f"analyze: {item.label}: {item.checkpoint} ({cfg.model.num_layers} layers, "
+                f"analyze: {item.label}: {item.checkpoint} ({num_blocks(cfg.model)} layers, "
                 f"{num_batches} held-out batches of {cfg.model.global_batch_size} sequences)"
             )
             _run(cfg, item.checkpoint, num_batches, prune, str(result_path))
@@ -306,7 +336,8 @@ def _input_entry(item: Input, num_batches: int, result: dict) -> dict:
         "checkpoint": None if item.kind == "huggingface" else str(item.checkpoint.absolute()),
         "iteration": None if item.kind == "huggingface" else _iteration(item.checkpoint),
         "model": {
-            "num_layers": m.num_layers,
+            "architecture": m.architecture,
+            "num_layers": num_blocks(m),
             "hidden_size": m.hidden_size,
             "norm_scaling": m.norm_scaling,
             "layer_variant": m.layer_variant,
@@ -402,7 +433,7 @@ def analysis_job(
     if prune and rank0:
         from tqdm import tqdm
 
-        bar = tqdm(total=m.num_layers, desc="layer removal", unit="layer", file=sys.stderr)
+        bar = tqdm(total=num_blocks(m), desc="layer removal", unit="layer", file=sys.stderr)
     try:
         report = depth_diagnostics(
             chunks, batches, prune=prune, progress=None if bar is None else lambda _: bar.update()

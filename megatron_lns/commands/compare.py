@@ -56,7 +56,7 @@ def compare_job(cfg: ExperimentConfig, variant_names: list[str], num_seeds: int,
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_lns.comparison import DEFAULT_VARIANTS, parse_variants, seeds_for
+    from megatron_lns.comparison import DEFAULT_VARIANTS, check_arms, parse_variants, seeds_for
     from megatron_lns.config.bundled import DEMO_CONFIG_NAME
     from megatron_lns.training.entry_point import (
         load_checked_config,
@@ -67,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_checked_config(
         getattr(args, "config", None) or DEMO_CONFIG_NAME, args.overrides, args.dry_run
     )
-    variants = [v.name for v in parse_variants(getattr(args, "variants", None) or DEFAULT_VARIANTS)]
+    parsed = parse_variants(getattr(args, "variants", None) or DEFAULT_VARIANTS)
+    check_arms(cfg, parsed)
+    variants = [v.name for v in parsed]
     num_seeds = len(seeds_for(cfg, getattr(args, "seeds", 1)))
     if args.dry_run:
         print_resolved_config(cfg)

@@ -1,8 +1,10 @@
 """``megatron-lns export-hf``: a megatron checkpoint -> a stock Hugging Face model directory.
 
 Everything comes from the checkpoint: its ``config.yaml`` (the resolved run config)
-says the architecture and tokenizer, its tensors carry their global shapes. Tensors
-are read one transformer layer at a time straight from the ``torch_dist`` files (see
+says the architecture and tokenizer, its tensors carry their global shapes. A hybrid run
+with the GPT-equivalent pattern exports as the GPT run would (its sublayers' tensors
+read under their own keys, ``Architecture.checkpoint_key``); other patterns are refused.
+Tensors are read one transformer layer at a time straight from the ``torch_dist`` files (see
 :mod:`~megatron_lns.convert.checkpoint_reader`), so a checkpoint saved at any
 TP/PP/VP layout exports the same, on a CPU, without a process group, and peak memory
 is one layer's tensors plus one output shard. The output is written into a hidden
@@ -84,9 +86,9 @@ def check_checkpoint_matches(reader: CheckpointReader, arch: Architecture, vocab
     expected: dict[str, tuple[int, ...]] = {EMBEDDING: (vocab_rows, h)}
     expected |= arch.checkpoint_shapes()
     if arch.norm_affine:
-        expected[FINAL_NORM_WEIGHT] = (h,)
+        expected[arch.checkpoint_key(FINAL_NORM_WEIGHT)] = (h,)
         if arch.norm_has_bias:
-            expected[FINAL_NORM_BIAS] = (h,)
+            expected[arch.checkpoint_key(FINAL_NORM_BIAS)] = (h,)
     if not arch.tied_embeddings:
         expected[OUTPUT_LAYER] = (vocab_rows, h)
     where = reader.directory
@@ -189,16 +191,9 @@ def _groups(
         head_shapes[HF_LM_HEAD] = (vocab, h)
 
     def head() -> dict[str, torch.Tensor]:
-        weight = (
-            reader.read({FINAL_NORM_WEIGHT: ((0,), (h,))})[FINAL_NORM_WEIGHT]
-            if arch.norm_affine
-            else None
-        )
-        bias = (
-            reader.read({FINAL_NORM_BIAS: ((0,), (h,))})[FINAL_NORM_BIAS]
-            if arch.norm_has_bias
-            else None
-        )
+        weight_key, bias_key = map(arch.checkpoint_key, (FINAL_NORM_WEIGHT, FINAL_NORM_BIAS))
+        weight = reader.read({weight_key: ((0,), (h,))})[weight_key] if arch.norm_affine else None
+        bias = reader.read({bias_key: ((0,), (h,))})[bias_key] if arch.norm_has_bias else None
         out = arch.final_norm_to_hf(weight, bias, dtype)
         if not arch.tied_embeddings:
             out[HF_LM_HEAD] = reader.read_rows(OUTPUT_LAYER, vocab)

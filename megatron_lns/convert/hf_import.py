@@ -9,7 +9,10 @@ The output directory is a megatron-lns run directory::
 ``megatron-lns train OUT_DIR/config.yaml`` resumes from it: weights from the model,
 a fresh optimizer and schedule, iteration 0. The checkpoint stores global tensors, so
 it loads at the TP/PP/VP layout the config asks for (``key=value`` overrides, checked
-by the config validation like any run config).
+by the config validation like any run config). With ``model.architecture=hybrid`` the
+checkpoint is the HybridModel's: each layer's attention and MLP under their sublayers'
+keys; a ``model.hybrid_layer_pattern`` given must be the model's (``*-`` or ``*E`` per
+layer, ``|`` where the layout needs them), and ``num_layers`` then counts sublayers.
 
 With ``lns=True`` the Hugging Face pre-norm weights are taken to carry the folded LNS
 factor (as :mod:`~megatron_lns.convert.hf_export` writes them); it is divided out so
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -30,6 +34,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from megatron_lns import hybrid_pattern
 from megatron_lns.build import build_weights_model, embedding_rows
 from megatron_lns.config import ConfigError, to_yaml, validate
 from megatron_lns.config.schema import ExperimentConfig
@@ -90,6 +95,7 @@ def import_hf(
     try:
         dtype = weights.dtype(HF_EMBEDDING)
         cfg = _run_config(arch, dtype, hf_dir, out_dir, overrides, base, copy_tokenizer)
+        arch = dataclasses.replace(arch, hybrid=cfg.model.architecture == "hybrid")
         source_tokenizer = copy.deepcopy(cfg.model.tokenizer)
         if copy_tokenizer:
             source_tokenizer.type = str(hf_dir)
@@ -190,7 +196,12 @@ def _run_config(
     An architecture key the user sets to another value is an error, not overwritten.
     """
     raw = base.copy()
-    fixed = {f"model.{key}": value for key, value in arch.model_settings().items()}
+    settings = arch.model_settings()
+    twin = _hybrid_twin_pattern(arch) if _sets_hybrid_pattern(base, overrides) else None
+    if twin is not None:  # the pattern's num_layers counts sublayers; its 'E's are the MoEs
+        settings["num_layers"] = len(twin)
+        settings.pop("moe_layer_freq", None)
+    fixed = {f"model.{key}": value for key, value in settings.items()}
     fixed["exp_manager.exp_dir"] = str(out_dir.parent)
     fixed["exp_manager.name"] = out_dir.name
     if copy_tokenizer:
@@ -220,6 +231,13 @@ def _run_config(
         got = OmegaConf.select(typed, key)
         if got != value and not (got is None and _null_means(key, arch) == value):
             raise ConversionError(_conflict(key, got, value, hf_dir))
+    pattern, model_pattern = cfg.model.hybrid_layer_pattern, _hybrid_twin_pattern(arch)
+    if pattern is not None and hybrid_pattern.sublayers(pattern) != model_pattern:
+        raise ConversionError(
+            f"model.hybrid_layer_pattern={pattern!r} conflicts with {hf_dir}/config.json, "
+            f"whose model is the pattern {model_pattern!r} (one attention and one MLP or MoE "
+            "per layer)"
+        )
     if arch.lns and cfg.model.norm_scaling != "lns":
         raise ConversionError(
             f"--lns says the weights carry LNS factors, but model.norm_scaling="
@@ -234,6 +252,19 @@ def _run_config(
     except ConfigError as err:
         raise ConversionError(str(err)) from err
     return cfg
+
+
+def _sets_hybrid_pattern(base: DictConfig, overrides: list[str]) -> bool:
+    return any(
+        _user_sets(base, overrides, f"model.{key}")
+        for key in ("hybrid_layer_pattern", "hybrid_override_pattern")
+    )
+
+
+def _hybrid_twin_pattern(arch: Architecture) -> str:
+    """The hybrid pattern of the Hugging Face model: ``*-`` per layer, ``*E`` for MoE."""
+    moe = getattr(arch, "moe_pattern", None) or (0,) * arch.num_layers
+    return hybrid_pattern.gpt_equivalent_pattern(moe)
 
 
 def _null_means(key: str, arch: Architecture) -> int | None:
@@ -325,10 +356,11 @@ def _fill(
         tensors, missed = arch.layer_from_hf(hf, index)
         inexact += missed
         for key, tensor in tensors.items():
-            assign(f"decoder.layers.{index}.{_FUSED_TO_LOCAL.get(key, key)}", tensor)
-    assign(FINAL_NORM_WEIGHT, get(HF_FINAL_NORM + "weight", (h,)))
+            name = f"decoder.layers.{index}.{_FUSED_TO_LOCAL.get(key, key)}"
+            assign(arch.checkpoint_key(name), tensor)
+    assign(arch.checkpoint_key(FINAL_NORM_WEIGHT), get(HF_FINAL_NORM + "weight", (h,)))
     if not arch.rmsnorm:
-        assign(FINAL_NORM_BIAS, get(HF_FINAL_NORM + "bias", (h,)))
+        assign(arch.checkpoint_key(FINAL_NORM_BIAS), get(HF_FINAL_NORM + "bias", (h,)))
     if arch.tied_embeddings:
         if HF_LM_HEAD in weights:
             head = get(HF_LM_HEAD, (vocab, h))

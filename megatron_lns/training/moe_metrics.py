@@ -21,7 +21,11 @@
   optimizer step zeroes it before a logger could read it.)
 
 With ``moe_per_layer_logging`` each value is also logged per MoE layer, keyed by its
-global 1-based layer number (``moe/z_loss/layer_3``).
+global 1-based layer number (``moe/z_loss/layer_3``). In a hybrid model megatron numbers
+the sublayers (its ``layer_number``, which indexes the counts and the tracker here); the
+logged name is the paper's layer, the block (``hybrid_pattern.block_numbers``), so a
+GPT-equivalent hybrid run logs the names its GPT run logs; a block with several MoE
+sublayers names each by its sublayer too (``layer_2_sublayer_5``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_lns import hybrid_pattern
+from megatron_lns.model import unwrap
 from megatron_lns.moe import moe_layer_pattern
 
 # megatron's routers record each load-balancing type under its own name.
@@ -80,11 +86,9 @@ class MoEMetrics:
 
     def __init__(self, model: Sequence[torch.nn.Module], config: TransformerConfig) -> None:
         self.config = config
-        self.moe_layers = [
-            i + 1
-            for i, is_moe in enumerate(moe_layer_pattern(config.moe_layer_freq, config.num_layers))
-            if is_moe
-        ]
+        self.moe_pattern, self.layer_names = moe_layers_of(model, config)
+        # megatron's layer_number (1-based) of each MoE layer or sublayer
+        self.moe_layers = [i + 1 for i, is_moe in enumerate(self.moe_pattern) if is_moe]
         self.loss_names = tracked_loss_names(config)
         self.per_layer = bool(config.moe_per_layer_logging)
         self.device = next(model[0].parameters()).device
@@ -121,7 +125,7 @@ class MoEMetrics:
             force_initialize=True,  # a pipeline stage without MoE layers joins the sums
             track_names=self.loss_names,
             num_layers=self.config.num_layers,
-            moe_layer_freq=moe_layer_pattern(self.config.moe_layer_freq, self.config.num_layers),
+            moe_layer_freq=self.moe_pattern,
             total_loss_dict=losses,
         )
         summary = {f"moe/{name}": float(losses[name]) for name in self.loss_names}
@@ -130,7 +134,7 @@ class MoEMetrics:
             for name in self.loss_names:
                 for layer in self.moe_layers:
                     value = per_layer.values[f"moe/{name}_layer_{layer - 1}"]
-                    layers[f"moe/{name}/layer_{layer}"] = value
+                    layers[f"moe/{name}/{self.layer_names[layer]}"] = value
         summary.update(self._expert_load(layers))
         return summary, (layers if self.per_layer else {})
 
@@ -147,8 +151,8 @@ class MoEMetrics:
         for layer, high, low in zip(
             self.moe_layers, highest.tolist(), lowest.tolist(), strict=True
         ):
-            layers[f"moe/expert_load_max/layer_{layer}"] = high
-            layers[f"moe/expert_load_min/layer_{layer}"] = low
+            layers[f"moe/expert_load_max/{self.layer_names[layer]}"] = high
+            layers[f"moe/expert_load_min/{self.layer_names[layer]}"] = low
         return {
             "moe/expert_load_max": float(highest.max()),
             "moe/expert_load_min": float(lowest.min()),
@@ -158,6 +162,29 @@ class MoEMetrics:
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
+
+
+def moe_layers_of(
+    model: Sequence[torch.nn.Module], config: TransformerConfig
+) -> tuple[list[int], dict[int, str]]:
+    """(1 for each MoE layer and 0 for each other, by megatron's ``layer_number``; the
+    logged name of each MoE layer by that number). A hybrid model's pattern (kept by
+    ``HybridModel``, the same on every rank) says which sublayers are MoE, and its
+    ``moe_layer_freq`` is not set."""
+    pattern = getattr(unwrap(model[0]), "hybrid_layer_pattern", None)
+    if not pattern:
+        flags = moe_layer_pattern(config.moe_layer_freq, config.num_layers)
+        return flags, {i + 1: f"layer_{i + 1}" for i, is_moe in enumerate(flags) if is_moe}
+    body = hybrid_pattern.sublayers(pattern.split(hybrid_pattern.MTP)[0])
+    flags = [int(symbol == hybrid_pattern.MOE) for symbol in body]
+    blocks = hybrid_pattern.block_numbers(body)
+    moe_blocks = [block for block, is_moe in zip(blocks, flags, strict=True) if is_moe]
+    names = {}
+    for number, (block, is_moe) in enumerate(zip(blocks, flags, strict=True), start=1):
+        if is_moe:
+            shared = moe_blocks.count(block) > 1
+            names[number] = f"layer_{block}" + (f"_sublayer_{number}" if shared else "")
+    return flags, names
 
 
 class _Collector:

@@ -15,6 +15,7 @@ from megatron_lns.analysis.depth import (
     layer_removed,
     layer_statistics,
 )
+from megatron_lns.hybrid_pattern import gpt_key_to_hybrid
 from megatron_lns.model import build_model
 
 NUM_LAYERS = 4
@@ -152,3 +153,38 @@ def test_tensor_and_sequence_parallel_give_the_one_process_report(tmp_path):
     for ours, theirs in zip(report["layers"], reference["layers"], strict=True):
         for key in theirs:
             assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+
+
+def test_a_gpt_equivalent_hybrid_model_gives_the_gpt_models_report(seeded, batches):
+    """A hybrid model's rows are its blocks (attention + MLP sublayers): on the GPT model's
+    weights it reports exactly what the GPT model reports, pruning included."""
+    gpt = build_model(tiny_config(num_layers=NUM_LAYERS))
+    hybrid = build_model(tiny_config(num_layers=NUM_LAYERS, architecture="hybrid"))
+    state = {gpt_key_to_hybrid(key): value for key, value in gpt[0].state_dict().items()}
+    hybrid[0].load_state_dict(state)
+    expected = depth_diagnostics(gpt, batches[:1]).to_dict()
+    assert [row["layer_number"] for row in expected["layers"]] == [1, 2, 3, 4]
+    assert depth_diagnostics(hybrid, batches[:1]).to_dict() == expected
+
+
+def test_a_hybrid_block_runs_from_its_first_sublayers_input_to_its_last_ones_output(
+    seeded, batches
+):
+    """``*--*-``: block 1 is an attention and two MLPs. Zeroing all three makes the block
+    the identity; zeroing only the MLPs does not (the attention still changes the stream)."""
+    model = build_model(
+        tiny_config(architecture="hybrid", num_layers=5, hybrid_layer_pattern="*--*-")
+    )
+    attention, mlp_1, mlp_2 = model[0].decoder.layers[:3]
+    with torch.no_grad():
+        mlp_1.mlp.linear_fc2.weight.zero_()
+        mlp_2.mlp.linear_fc2.weight.zero_()
+    partly = depth_diagnostics(model, batches)
+    assert [row.layer_number for row in partly.layers] == [1, 2]
+    assert partly.layers[0].angular_distance > 1e-3
+    assert partly.layers[0].pruning_drop != pytest.approx(0.0, abs=1e-6)
+    with torch.no_grad():
+        attention.self_attention.linear_proj.weight.zero_()
+    identity = depth_diagnostics(model, batches).layers[0]
+    assert identity.angular_distance < 1e-6
+    assert identity.pruning_drop == pytest.approx(0.0, abs=1e-12)

@@ -224,3 +224,17 @@ def test_bad_inputs_are_refused_in_one_line(run, tmp_path, capsys):
     (tmp_path / "taken" / "x").write_text("x")
     error = _error_line(capsys, str(run_dir), "--out", str(tmp_path / "taken"))
     assert "pass --overwrite" in error
+
+
+@pytest.mark.parametrize(
+    "pattern, split",
+    [("*-*-|*-*-", None), ("*--|*-", None), ("*-*|-*-", 2), ("-|*-*-", 1), ("*-*-", None)],
+)
+def test_a_pipeline_split_inside_a_hybrid_block_is_found(pattern, split):
+    """analyze measures a block on one stage: a '|' must not separate its sublayers."""
+    from types import SimpleNamespace
+
+    from megatron_lns.analysis.trained_models import block_split_by_pipeline
+
+    model = SimpleNamespace(architecture="hybrid", hybrid_layer_pattern=pattern)
+    assert block_split_by_pipeline(model) == split

@@ -19,7 +19,7 @@ from megatron_lns.cluster.slurm.rank_env import (
     master_port,
     rank_environment,
 )
-from megatron_lns.cluster.slurm.submit import prepare_job
+from megatron_lns.cluster.slurm.submit import prepare_job, write_job
 from megatron_lns.cluster.slurm.task import main as task_main
 from megatron_lns.config import ConfigError, load_config, validate
 
@@ -86,6 +86,27 @@ def test_rendered_script_matches_golden_and_is_valid_bash(name, config, override
         golden.write_text(script)
     assert script == golden.read_text(), f"differs from {golden} (UPDATE_GOLDEN=1 rewrites it)"
     _bash_syntax_ok(script)
+
+
+def test_a_hybrid_job_is_the_gpt_job_and_its_config_keeps_the_pattern(tmp_path):
+    """The model's class is the run config's business: the same script as the GPT job, and
+    the config.yaml the job reads has the architecture and the pattern (``*`` quoted)."""
+    layout = [*TINY_TP2, "trainer.devices=4", "model.pipeline_model_parallel_size=2"]
+    hybrid = [
+        "model.architecture=hybrid",
+        "model.num_layers=8",
+        "model.hybrid_layer_pattern='*-*-|*-*-'",
+    ]
+    gpt_job = prepare_job(_cfg(DEMO, *layout), tmp_path, "python", stamp=STAMP)
+    job = prepare_job(_cfg(DEMO, *layout, *hybrid), tmp_path, "python", stamp=STAMP)
+    assert job.script == gpt_job.script
+    _bash_syntax_ok(job.script)
+    write_job(job)
+    written = load_config(job.paths.config)
+    validate(written, check_files=False)
+    assert written.model.architecture == "hybrid"
+    assert written.model.hybrid_layer_pattern == "*-*-|*-*-"
+    assert written.model.num_layers == 8
 
 
 @pytest.mark.parametrize("nodes", [1, 8])

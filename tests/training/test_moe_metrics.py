@@ -16,6 +16,8 @@ from reference_moe import load_balancing_loss, z_loss
 
 from megatron_lns.build import build_trainable
 from megatron_lns.config import load_config, validate
+from megatron_lns.hybrid_pattern import gpt_key_to_hybrid
+from megatron_lns.model import unwrap
 from megatron_lns.optim import OptimSettings
 from megatron_lns.runtime import ParallelLayout
 from megatron_lns.training.moe_metrics import MoEMetrics
@@ -35,8 +37,13 @@ def clean_moe_globals():
     get_moe_metrics_tracker().clear()
 
 
-def _moe_model(per_layer=True, **extra):
+def _moe_model(
+    per_layer=True, architecture="gpt", num_layers=4, hybrid_layer_pattern=None, **extra
+):
     cfg = tiny_config(
+        architecture=architecture,
+        num_layers=num_layers,
+        hybrid_layer_pattern=hybrid_layer_pattern,
         num_moe_experts=EXPERTS,
         moe_router_topk=TOPK,
         moe_layer_freq=[0, 1, 1, 1],
@@ -141,6 +148,41 @@ def test_validation_and_unlogged_steps_leave_nothing_behind(seeded, clean_moe_gl
     assert all(math.isfinite(v) for v in summary.values())
     assert summary["moe/expert_load_max"] >= 1 >= summary["moe/expert_load_min"]
     assert not _tracked("z_loss").any()  # report clears the tracker
+
+
+def _step_metrics(model, cfg):
+    get_moe_metrics_tracker().metrics.clear()  # entries sized for the previous model
+    metrics = MoEMetrics(model, get_model_config(model[0]))
+    metrics.start_step()
+    forward_backward(model, fixed_microbatches(cfg.vocab_size, cfg.seq_length))
+    summary, per_layer = metrics.report(num_microbatches=2)
+    metrics.close()
+    return summary, per_layer
+
+
+def test_a_gpt_equivalent_hybrid_model_logs_the_gpt_models_metrics(seeded, clean_moe_globals):
+    """HybridModel numbers sublayers (MoE ones are 4, 6, 8 here): counts and losses are
+    indexed by that number, and logged under the GPT model's layer (the block)."""
+    cfg, gpt = _moe_model()
+    hybrid_cfg, hybrid = _moe_model(architecture="hybrid")
+    state = unwrap(gpt[0]).state_dict()
+    unwrap(hybrid[0]).load_state_dict({gpt_key_to_hybrid(k): v for k, v in state.items()})
+    expected = _step_metrics(gpt, cfg)
+    got = _step_metrics(hybrid, hybrid_cfg)
+    assert sorted(expected[1]) == sorted(got[1])
+    assert {key for key in got[1] if key.startswith("moe/z_loss/")} == {
+        f"moe/z_loss/layer_{layer}" for layer in MOE_LAYERS
+    }
+    for logged, reference in zip(got, expected, strict=True):
+        assert logged == pytest.approx(reference, rel=1e-6)
+
+
+def test_hybrid_moe_sublayers_of_one_block_are_named_apart(seeded, clean_moe_globals):
+    cfg, model = _moe_model(architecture="hybrid", num_layers=5, hybrid_layer_pattern="*EE*E")
+    summary, per_layer = _step_metrics(model, cfg)
+    names = {key.removeprefix("moe/z_loss/") for key in per_layer if "z_loss/" in key}
+    assert names == {"layer_1_sublayer_2", "layer_1_sublayer_3", "layer_2"}
+    assert all(math.isfinite(value) for value in (*summary.values(), *per_layer.values()))
 
 
 def test_a_dense_model_has_no_moe_metrics(seeded):

@@ -13,12 +13,20 @@ them; every lookup goes through this registry:
   same norm is read by import and exported as the earlier one, which computes the same
   function.
 
+A hybrid run (``model.architecture: hybrid``) exports as the GPT model it equals when its
+pattern is the GPT-equivalent one (``*-`` / ``*E`` per block, or no pattern): the same
+architecture, read from its sublayers' keys (``Architecture.hybrid``); any other pattern
+is refused, since no stock architecture has it.
+
 Adding an architecture is a new module here, its entry in ``ARCHITECTURES``, and its
 parity tests (docs/conversion.md, "Adding a Hugging Face architecture").
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+from megatron_lns import hybrid_pattern
 from megatron_lns.config.schema import ModelConfig
 from megatron_lns.convert.architectures.base import (
     HF_NORM_OF,
@@ -68,6 +76,8 @@ def architecture_for_hf_config(config, lns: bool) -> Architecture:
 def architecture_for_model_config(m: ModelConfig) -> Architecture:
     """The architecture a megatron-lns ``model:`` section exports as; refuses what no
     registered architecture computes exactly, naming the setting."""
+    hybrid = m.architecture == "hybrid"
+    m = gpt_model_of(m)
     refuse_unshared_design(m, [arch.name for arch in ARCHITECTURES])
     moe = bool(m.num_moe_experts)
     kind = [arch for arch in ARCHITECTURES if arch.moe == moe]
@@ -81,7 +91,36 @@ def architecture_for_model_config(m: ModelConfig) -> Architecture:
             f"{what} ({listed(arch.name for arch in kind)}) have {listed(norms, ' or ')}"
         )
     arch = next((arch for arch in candidates if arch.exports_model(m)), candidates[0])
-    return arch.from_model_config(m)
+    return dataclasses.replace(arch.from_model_config(m), hybrid=hybrid)
+
+
+def gpt_model_of(m: ModelConfig) -> ModelConfig:
+    """The GPT ``model:`` section that computes what ``m`` does: ``m`` itself for a GPT run
+    or a hybrid run without a pattern (the GPT twin: ``num_layers`` blocks,
+    ``moe_layer_freq``); for a hybrid pattern, one GPT layer per block (the paper's
+    ``l``, :func:`~megatron_lns.hybrid_pattern.block_numbers`), MoE where the block's MLP
+    is. Refuses a pattern that is not attention + one MLP or MoE per block."""
+    pattern = m.hybrid_layer_pattern
+    if m.architecture != "hybrid" or not pattern:
+        return m
+    if not hybrid_pattern.is_gpt_equivalent(pattern):
+        raise ConversionError(
+            f"model.hybrid_layer_pattern={pattern!r} cannot be exported: Hugging Face has no "
+            f"such architecture ({listed(arch.name for arch in ARCHITECTURES)} are one "
+            "attention and one MLP or MoE per block, '*-' or '*E' repeated)"
+        )
+    body = hybrid_pattern.sublayers(pattern)
+    moe = [0] * hybrid_pattern.num_blocks(body)
+    for symbol, block in zip(body, hybrid_pattern.block_numbers(body), strict=True):
+        if symbol == hybrid_pattern.MOE:
+            moe[block - 1] = 1
+    return dataclasses.replace(
+        m,
+        architecture="gpt",
+        hybrid_layer_pattern=None,
+        num_layers=len(moe),
+        moe_layer_freq=moe if any(moe) else m.moe_layer_freq,
+    )
 
 
 __all__ = [
@@ -89,4 +128,5 @@ __all__ = [
     "Architecture",
     "architecture_for_hf_config",
     "architecture_for_model_config",
+    "gpt_model_of",
 ]

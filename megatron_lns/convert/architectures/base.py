@@ -46,7 +46,9 @@ from megatron_lns.convert.mapping import (
     hf_layer_prefix,
     hf_rope_parameters,
     invert_exactly,
+    layer_prefix,
 )
+from megatron_lns.hybrid_pattern import gpt_key_to_hybrid
 from megatron_lns.scaling import fold_scale_into_beta, norm_output_scale
 
 # model.normalization -> the Hugging Face norm that computes it once the fold has
@@ -137,6 +139,9 @@ class Architecture:
     eps: float
     rotary_base: float
     max_position_embeddings: int
+    # The run is megatron-core's HybridModel with the GPT-equivalent pattern: the same
+    # tensors, each attention and MLP under its own sublayer's keys (checkpoint_key).
+    hybrid: bool = False
 
     @property
     def rmsnorm(self) -> bool:
@@ -295,9 +300,9 @@ class Architecture:
         return getattr(transformers, self.hf_config_class)(**fields)
 
     # ------------------------------------------------------------------ tensors
-    # The checkpoint side of one layer. megatron stacks the layers of a homogeneous model
-    # on a leading axis (``decoder.layers.<name>``); an architecture whose layers differ
-    # (dense and MoE) overrides ``checkpoint_shapes`` and ``read_layer``.
+    # The checkpoint side of one layer, by its GPT model keys: megatron stacks the layers
+    # of a homogeneous GPT model on a leading axis (``decoder.layers.<name>``), and saves
+    # those of an MoE or hybrid model one by one (``stacked_layers``, ``checkpoint_key``).
     def norm_keys(self, index: int) -> tuple[tuple[str, str, str], ...]:
         """(checkpoint weight key, bias key, Hugging Face norm name) of the two pre-norms
         of layer ``index``, attention first."""
@@ -332,15 +337,42 @@ class Architecture:
             shapes |= {FC1_BIAS: (2 * ffn,), FC2_BIAS: (h,)}
         return shapes
 
+    @property
+    def stacked_layers(self) -> bool:
+        """Whether the checkpoint stacks the layers on a leading axis: megatron's GPT model
+        does when its layers are alike; an MoE GPT model saves each layer under its own
+        keys (``decoder.layers.N.<name>``), a hybrid model each sublayer."""
+        return not (self.moe or self.hybrid)
+
+    def checkpoint_key(self, key: str) -> str:
+        """Where the run's checkpoint and model hold what the GPT model calls ``key``:
+        ``key`` itself, or in a hybrid run its sublayer's key
+        (:func:`~megatron_lns.hybrid_pattern.gpt_key_to_hybrid`: layer ``i``'s attention is
+        sublayer ``2i``, its MLP ``2i+1``, the final norm ``decoder.final_norm``)."""
+        return gpt_key_to_hybrid(key) if self.hybrid else key
+
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every per-layer tensor of the checkpoint: full key -> global shape."""
-        layers = self.num_layers
-        return {LAYERS + key: (layers, *shape) for key, shape in self.layer_shapes(0).items()}
+        if self.stacked_layers:
+            layers = self.num_layers
+            return {LAYERS + key: (layers, *shape) for key, shape in self.layer_shapes(0).items()}
+        return {
+            self.checkpoint_key(layer_prefix(index) + key): shape
+            for index in range(self.num_layers)
+            for key, shape in self.layer_shapes(index).items()
+        }
 
     def read_layer(self, reader: CheckpointReader, index: int) -> dict[str, Tensor]:
         """Layer ``index``'s tensors from the checkpoint, by key relative to the layer."""
-        stacked = reader.read_layer([LAYERS + key for key in self.layer_shapes(index)], index)
-        return {key.removeprefix(LAYERS): tensor for key, tensor in stacked.items()}
+        if self.stacked_layers:
+            stacked = reader.read_layer([LAYERS + key for key in self.layer_shapes(index)], index)
+            return {key.removeprefix(LAYERS): tensor for key, tensor in stacked.items()}
+        relative = {
+            self.checkpoint_key(layer_prefix(index) + key): (key, shape)
+            for key, shape in self.layer_shapes(index).items()
+        }
+        requests = {full: ((0,) * len(shape), shape) for full, (_, shape) in relative.items()}
+        return {relative[full][0]: tensor for full, tensor in reader.read(requests).items()}
 
     def layer_to_hf(self, tensors: dict[str, Tensor], index: int) -> dict[str, Tensor]:
         """One megatron layer (0-based ``index``) as Hugging Face tensors, LNS folded in."""

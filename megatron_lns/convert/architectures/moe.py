@@ -42,7 +42,6 @@ from torch import Tensor
 
 from megatron_lns.config.schema import ModelConfig
 from megatron_lns.convert.architectures.base import Architecture
-from megatron_lns.convert.checkpoint_reader import CheckpointReader
 from megatron_lns.convert.errors import ConversionError
 from megatron_lns.convert.mapping import (
     ATTN_NORM_BIAS,
@@ -56,7 +55,6 @@ from megatron_lns.convert.mapping import (
     SHARED_FC2_WEIGHT,
     SHARED_GATE_WEIGHT,
     hf_layer_prefix,
-    layer_prefix,
 )
 from megatron_lns.moe import MoELayerFreqError, moe_layer_pattern
 
@@ -248,21 +246,6 @@ class MoEArchitecture(Architecture):
             if self.shared_expert_gate:
                 shapes[SHARED_GATE_WEIGHT] = (1, h)
         return shapes
-
-    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {
-            layer_prefix(index) + key: shape
-            for index in range(self.num_layers)
-            for key, shape in self.layer_shapes(index).items()
-        }
-
-    def read_layer(self, reader: CheckpointReader, index: int) -> dict[str, Tensor]:
-        prefix = layer_prefix(index)
-        requests = {
-            prefix + key: ((0,) * len(shape), shape)
-            for key, shape in self.layer_shapes(index).items()
-        }
-        return {key.removeprefix(prefix): tensor for key, tensor in reader.read(requests).items()}
 
     # ------------------------------------------------------------------ Hugging Face side
     def hf_block(self, index: int) -> str:
