@@ -100,7 +100,9 @@ def _megatron_lm_pattern() -> str:
     try:
         from megatron.training import get_args
 
-        pattern = get_args().hybrid_layer_pattern
+        args = get_args()
+        # --hybrid-override-pattern is megatron's deprecated spelling of the same pattern.
+        pattern = args.hybrid_layer_pattern or getattr(args, "hybrid_override_pattern", None)
     except (ImportError, AssertionError, AttributeError):
         pattern = None
     if not pattern:
