@@ -58,3 +58,22 @@ def safetensors_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
 
 def silent(_: str) -> None:
     pass
+
+
+def run_config(precision: str = "32", **model):
+    """A tiny run config (4 layers, hidden 64, byte tokenizer); ``model`` overrides
+    ``model.*`` keys."""
+    from megatron_lns.config import load_config
+
+    values = dict(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=96,
+        encoder_seq_length=SEQ,
+        init_method_std=0.05,
+        data={"seq_length": SEQ, "data_prefix": ["builtin:pydoc"]},
+    )
+    values.update(model)
+    return load_config({"trainer": {"precision": precision}, "model": values})

@@ -15,6 +15,7 @@ from hf_parity import (
     SEQ,
     VOCAB,
     assert_parity,
+    run_config,
     safetensors_tensors,
     silent,
 )
@@ -32,22 +33,6 @@ from megatron_lns.data.tokenizer import ByteTokenizer
 from megatron_lns.model import build_model
 from megatron_lns.runtime import ParallelLayout
 from megatron_lns.training.checkpoint import load_model_weights, save_model_weights
-
-
-def run_config(precision: str = "32", **model):
-    """A tiny run config (byte tokenizer); ``model`` overrides ``model.*`` keys."""
-    values = dict(
-        num_layers=4,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=96,
-        encoder_seq_length=SEQ,
-        init_method_std=0.05,
-        data={"seq_length": SEQ, "data_prefix": ["builtin:pydoc"]},
-    )
-    values.update(model)
-    return load_config({"trainer": {"precision": precision}, "model": values})
 
 
 def perturb(model: torch.nn.Module, seed: int = 1) -> None:

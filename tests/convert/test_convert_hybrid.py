@@ -9,10 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import perturb_norm_weights
-from hf_parity import SEQ, VOCAB, assert_parity, megatron_logits, safetensors_tensors, silent
+from hf_parity import (
+    SEQ,
+    VOCAB,
+    assert_parity,
+    megatron_logits,
+    run_config,
+    safetensors_tensors,
+    silent,
+)
 
 from megatron_lns.build import model_config
-from megatron_lns.config import load_config, to_yaml
+from megatron_lns.config import to_yaml
 from megatron_lns.config.sources import load_run_config
 from megatron_lns.convert import ConversionError, export_hf, import_hf
 from megatron_lns.convert.architectures import architecture_for_model_config
@@ -37,20 +45,6 @@ CASES = {
         ["model.architecture=hybrid", "model.hybrid_layer_pattern='*-*E*E*E'"],
     ),
 }
-
-
-def run_config(**model):
-    values = dict(
-        num_layers=4,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=96,
-        encoder_seq_length=SEQ,
-        init_method_std=0.05,
-        data={"seq_length": SEQ, "data_prefix": ["builtin:pydoc"]},
-    )
-    return load_config({"trainer": {"precision": "32"}, "model": values | model})
 
 
 def save_run(root: Path, cfg, state: dict[str, torch.Tensor]) -> Path:

@@ -15,6 +15,7 @@ from hf_parity import (
     SEQ,
     VOCAB,
     assert_parity,
+    run_config,
     safetensors_tensors,
     silent,
 )
@@ -37,22 +38,6 @@ from megatron_lns.training.checkpoint import load_model_weights, save_model_weig
 
 MIXTRAL = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
 QWEN2_MOE = dict(MIXTRAL, moe_shared_expert_intermediate_size=80, moe_shared_expert_gate=True)
-
-
-def run_config(**model):
-    """A tiny MoE run config (4 layers, hidden 64, byte tokenizer)."""
-    values = dict(
-        num_layers=4,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=96,
-        encoder_seq_length=SEQ,
-        init_method_std=0.05,
-        data={"seq_length": SEQ, "data_prefix": ["builtin:pydoc"]},
-    )
-    values.update(model)
-    return load_config({"trainer": {"precision": "32"}, "model": values})
 
 
 def save_run(root: Path, cfg) -> Path:
