@@ -230,6 +230,11 @@ case $FAKE_MODE in
         kill -USR1 "$PPID"
         for _ in $(seq 100); do sleep 0.1; done
         exit 9 ;;
+    term)
+        # scancel or `scontrol requeue`: SLURM sends TERM; the ranks save and stop.
+        kill -TERM "$PPID"
+        sleep 0.5
+        echo "stopped 4" > "$FAKE_STATUS"; exit 0 ;;
     preempt_during_startup)
         # No handler yet: the forwarded warning kills the task (status 138).
         kill -USR1 "$PPID"
@@ -321,6 +326,28 @@ def test_batch_script_stops_requeueing_at_max_requeues(tmp_path):
     result, requeues, _, _ = _run_batch_script(tmp_path, cfg, "preempt", restart=2)
     assert result.returncode == 1 and requeues == ""
     assert "cluster.max_requeues=2 reached" in result.stdout
+
+
+def test_after_a_term_the_job_log_leaves_the_requeue_to_slurm(tmp_path):
+    """`scontrol requeue` ends the job with a TERM and SLURM requeues it: "not requeued"
+    would be wrong."""
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path))
+    result, requeues, _, _ = _run_batch_script(tmp_path, cfg, "term")
+    assert result.returncode == 0 and requeues == ""
+    last = result.stdout.splitlines()[-1]
+    assert "stopped at step 4 after TERM (checkpoint saved); not requeued by this job" in last
+    assert "SLURM requeues it itself after scontrol requeue" in last
+
+
+def test_a_restart_says_whether_the_job_or_slurm_requeued_it(tmp_path):
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path))
+    result, requeues, _, _ = _run_batch_script(tmp_path, cfg, "preempt", restart=0)
+    assert requeues == "requeue 42\n"
+    result, _, _, _ = _run_batch_script(tmp_path, cfg, "finish", restart=1)
+    first = result.stdout.splitlines()[0]
+    assert "(requeued by this job after a preemption warning)" in first
+    result, _, _, _ = _run_batch_script(tmp_path, cfg, "finish", restart=2)
+    assert "(requeued by SLURM: scontrol requeue" in result.stdout.splitlines()[0]
 
 
 @pytest.mark.parametrize("mode, code", [("fail", 3), ("exit_interval", 0)])
