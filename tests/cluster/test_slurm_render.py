@@ -189,6 +189,18 @@ def test_an_abbreviated_option_the_script_sets_is_refused_like_the_full_name(
     assert f"conflicts with {full}, set from {source}" in message, message
 
 
+def test_every_option_the_script_sets_is_in_slurms_option_table():
+    """An option missing from options.py's table would not be found by its prefixes."""
+    from megatron_lns.cluster.slurm import render
+    from megatron_lns.cluster.slurm.options import SBATCH_LONG_OPTIONS, SRUN_LONG_OPTIONS
+
+    for own, known in (
+        (render._OWN_SBATCH_OPTIONS, SBATCH_LONG_OPTIONS),
+        (render._OWN_SRUN_OPTIONS, SRUN_LONG_OPTIONS),
+    ):
+        assert [o for o in own if o.startswith("--") and o[2:] not in known] == []
+
+
 def test_an_ambiguous_prefix_that_may_mean_a_set_option_is_refused():
     with pytest.raises(ConfigError, match=r"'--no-' is ambiguous \(--no-kill, --no-requeue\)"):
         _script(_cfg(DEMO, *TINY_TP2, "cluster.sbatch_args=[--no-]"))
