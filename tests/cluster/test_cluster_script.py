@@ -135,4 +135,14 @@ def test_a_cluster_on_free_ports_is_its_own_and_stops_completely():
         stopped = _cluster_sh("stop", cluster)
         shutil.rmtree(base, ignore_errors=True)
     assert stopped.returncode == 0, stopped.stderr
-    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+    assert not [pid for pid in pids if _running(pid)]
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs: a daemon that has exited but that this machine's init
+    has not reaped yet (a zombie) has stopped."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state != "Z"
