@@ -8,6 +8,7 @@ line, ``error: ...``, and exit code 2; ``MEGATRON_LNS_DEBUG=1`` shows their trac
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from megatron_lns.commands import (
@@ -50,12 +51,34 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+# What a Unix tool's shell status is when a reader closed its output (128 + SIGPIPE).
+BROKEN_PIPE_EXIT_CODE = 141
+
+
 def main(argv: list[str] | None = None) -> int:
     quiet_third_party_noise()
-    args = _parse_args(argv)
-    from megatron_lns.exit_status import exit_status
+    try:
+        args = _parse_args(argv)
+        from megatron_lns.exit_status import exit_status
 
-    return exit_status(lambda: args.func(args))
+        status = exit_status(lambda: args.func(args))
+        sys.stdout.flush()  # here, not at exit, where a closed pipe could not be handled
+        return status
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """End quietly when the reader of our output went away (``submit ... | head -1``), as
+    Unix tools do: Python ignores SIGPIPE, so a write raises instead. stdout is pointed
+    at /dev/null so that the flush at exit does not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is no file (captured): nothing flushes it at exit
+        pass
+    return BROKEN_PIPE_EXIT_CODE
 
 
 if __name__ == "__main__":

@@ -37,8 +37,15 @@ def time_limit_seconds(value: str) -> int | None:
     return m * 60 + ms  # minutes[:seconds]
 
 
-def job_name(cfg: ExperimentConfig) -> str:
-    return cfg.cluster.job_name_prefix + cfg.name
+def job_name(cfg: ExperimentConfig, submission: str = "") -> str:
+    """prefix + config name + run name (exp_manager.name) + the submission's time stamp.
+
+    Unique per submission, as NeMo-Run's names are, so ``squeue`` and ``sacct`` tell the
+    runs of one config apart; the stamp also names the run's ``slurm/<stamp>/`` folder
+    that holds the job's script. ``submission`` is empty where only the characters are
+    checked (validation, before a stamp exists)."""
+    parts = [cfg.cluster.job_name_prefix + cfg.name, cfg.exp_manager.name, submission]
+    return "-".join(part for part in parts if part)
 
 
 def validate_cluster(cfg: ExperimentConfig) -> None:
@@ -81,7 +88,8 @@ def validate_cluster(cfg: ExperimentConfig) -> None:
             )
     if not _JOB_NAME.match(job_name(cfg)):
         raise ConfigError(
-            f"cluster.job_name_prefix + name = {job_name(cfg)!r}: a job name may hold only "
+            f"cluster.job_name_prefix + name + exp_manager.name = {job_name(cfg)!r}: a job "
+            "name may hold only "
             "letters, digits and _.:+- (it names the log files)"
         )
     if c.container_mounts and not c.container_image:

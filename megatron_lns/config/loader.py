@@ -148,9 +148,24 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
                 value = value[part]
         except (KeyError, TypeError):
             raise ConfigError(f"override '{override}' is not key=value") from None
+        if _comment_dropped(raw_value, value):
+            raise ConfigError(
+                f"override '{override}': YAML reads ' #' as the start of a comment, which "
+                f"cuts the value to {value!r}; to keep the '#', quote the value for YAML "
+                f"(\"{key}='{raw_value}'\")"
+            )
         # An interpolation stays one (``${model.encoder_seq_length}``) and is resolved
         # with the whole config, after every override.
         OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+
+
+_YAML_COMMENT = re.compile(r"(?:^|\s)#")
+
+
+def _comment_dropped(raw_value: str, value: Any) -> bool:
+    """Whether YAML read part of a command-line value as a comment (``acc #x`` is
+    ``acc``): in a file a comment is visible, on a command line it silently cuts."""
+    return len(_YAML_COMMENT.findall(raw_value)) > len(_YAML_COMMENT.findall(str(value)))
 
 
 def _interpolation_overrides(overrides: list[str]) -> dict[str, str]:

@@ -1619,7 +1619,12 @@ class ClusterConfig:
     cpus_per_task: int | None = setting(None, positive, doc="`--cpus-per-task` for sbatch and srun")
     mem: str | None = setting(None, doc='`#SBATCH --mem` (`"0"`: all of a node\'s memory)')
     job_name_prefix: str = setting(
-        "megatron_lns-", doc="job name = prefix + top-level `name`; names the log files"
+        "megatron_lns-",
+        doc=(
+            "job name = prefix + top-level `name` + `-` + `exp_manager.name` + `-` + the "
+            "submission's time stamp (its `slurm/<time>/` folder), unique per submission; "
+            "names the log files"
+        ),
     )
     container_image: str | None = setting(
         None,
@@ -1641,10 +1646,20 @@ class ClusterConfig:
             "exported before `srun` (NCCL, network); not the rank variables, which come from SLURM"
         ),
     )
-    srun_args: list[str] = setting(default_factory=list, doc="extra `srun` options, one per item")
+    srun_args: list[str] = setting(
+        default_factory=list,
+        doc=(
+            "extra `srun` options, one per item; an option the script sets "
+            "(`--kill-on-bad-exit`, the container's) is refused, also abbreviated (`--kill-on=0`)"
+        ),
+    )
     sbatch_args: list[str] = setting(
         default_factory=list,
-        doc="extra `#SBATCH` options, one per item (`--constraint=h100`, `--hold`, ...)",
+        doc=(
+            "extra `#SBATCH` options, one per item (`--constraint=h100`, `--hold`, ...); an "
+            "option the script sets is refused, also abbreviated as sbatch allows (`--no-req` "
+            "is `--no-requeue`)"
+        ),
     )
     dependency: str | None = setting(
         None, doc="`#SBATCH --dependency` (`singleton`, `afterok:123`)"

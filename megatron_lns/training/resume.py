@@ -10,6 +10,10 @@
   anything is loaded, naming the keys, unless ``exp_manager.override_opt_param_scheduler``
   (Megatron-LM's ``--override-opt_param-scheduler``) says to continue with the new
   schedule from the checkpoint's step.
+* A save that was started but never committed (the run was killed while writing it:
+  ``scancel`` past KillWait, a SIGKILL, a node failure) leaves ``iter_N.partial``; the
+  next run says so and which complete checkpoint it resumes from instead
+  (:func:`interrupted_save_note`), since the killed run could not.
 * ``model.architecture`` may change from ``gpt`` to ``hybrid``: a GPT run continues in its
   hybrid twin (weights, optimizer state, schedule, data position), the way megatron-core
   moves GPT runs to ``HybridModel``; a hybrid checkpoint resumes only in the hybrid model
@@ -18,6 +22,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from megatron.core import dist_checkpointing
@@ -46,6 +51,36 @@ SCHEDULE_KEYS = {
     "end_wd": "model.optim.weight_decay",
     "wd_incr_steps": "trainer.max_steps - model.optim.sched.constant_steps",
 }
+
+
+_PARTIAL_DIR = re.compile(r"^iter_(\d{7})\.partial$")
+
+
+def interrupted_save_note(checkpoint_dir: Path, resumed_path: Path | None) -> str | None:
+    """One line when a save newer than the checkpoint this run resumes from was started
+    and never completed (a ``.partial`` directory a killed run left); None otherwise."""
+    if not checkpoint_dir.is_dir():
+        return None
+    resumed_step = -1
+    if resumed_path is not None and (match := re.search(r"iter_(\d+)$", resumed_path.name)):
+        resumed_step = int(match.group(1))
+    unfinished = [
+        int(match.group(1))
+        for entry in checkpoint_dir.iterdir()
+        if (match := _PARTIAL_DIR.match(entry.name)) and int(match.group(1)) > resumed_step
+    ]
+    if not unfinished:
+        return None
+    killed = f"iter_{max(unfinished):07d}"
+    since = (
+        f"resuming from {resumed_path.name}, the newest complete checkpoint"
+        if resumed_path is not None
+        else "starting from scratch: there is no complete checkpoint"
+    )
+    return (
+        f"the previous run was killed while saving {killed} (left as {killed}.partial, "
+        f"never loaded); {since}"
+    )
 
 
 class ScheduleChangedError(CheckpointError):

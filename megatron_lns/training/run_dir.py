@@ -2,9 +2,12 @@
 
 ``<exp_dir>/<name>/`` holds a run's config, metrics, logs and checkpoints. Two
 processes writing into it would interleave checkpoints that a later resume mixes,
-so the first rank takes ``.lock`` (pid, host, start time) for the whole run and
-another run into the same directory is refused. A lock whose process is gone (a
-killed job) is stale and is taken over. With ``exp_manager.resume_if_exists=false``
+so the first rank takes ``.lock`` (pid, host, start time, and the SLURM job under SLURM)
+for the whole run and another run into the same directory is refused. A lock left by a
+killed job is stale and is taken over, with a note saying why: on the same host when its
+process is gone; under SLURM, from any host, when an earlier run of this same job wrote
+it (SLURM requeued the job) or SLURM no longer runs the job that wrote it. With
+``exp_manager.resume_if_exists=false``
 a directory that already holds a run is refused rather than overwritten: choose
 another name, or resume it.
 """
@@ -15,9 +18,12 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from megatron_lns.errors import UserError
+from megatron_lns.training import slurm_job
+from megatron_lns.training.slurm_job import GONE, LIVE_STATES, SlurmJob, SlurmQueryError
 
 LOCK_NAME = ".lock"
 
@@ -46,11 +52,24 @@ def _pid_alive(pid: int) -> bool:
 
 
 class RunDirLock:
-    """The lock on a run directory, held by this process until :meth:`release`."""
+    """The lock on a run directory, held by this process until :meth:`release`.
 
-    def __init__(self, run_dir: Path) -> None:
+    ``job_state`` asks SLURM for a job's state (:func:`slurm_job.job_state`; tests fake it).
+    """
+
+    def __init__(
+        self, run_dir: Path, job_state: Callable[[str], str] = slurm_job.job_state
+    ) -> None:
         self.path = run_dir / LOCK_NAME
-        self.owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+        self.job = SlurmJob.of_this_process()
+        self.owner: dict[str, object] = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.time(),
+        }
+        if self.job is not None:
+            self.owner["slurm"] = self.job.record()
+        self.job_state = job_state
         self.held = False
 
     def acquire(self) -> None:
@@ -71,18 +90,53 @@ class RunDirLock:
             holder = json.loads(self.path.read_text())
         except (OSError, ValueError):
             holder = {}
+        if not isinstance(holder, dict):
+            holder = {}
         pid, host = holder.get("pid"), holder.get("host")
         run_dir = self.path.parent
-        if host == self.owner["host"] and isinstance(pid, int) and not _pid_alive(pid):
-            print(f"note: removing the stale lock of process {pid}, which is gone, on {run_dir}")
-            self.path.unlink(missing_ok=True)
-            return
+        if host == self.owner["host"]:
+            if isinstance(pid, int) and not _pid_alive(pid):
+                print(
+                    f"note: removing the stale lock of process {pid}, which is gone, on {run_dir}"
+                )
+                self.path.unlink(missing_ok=True)
+                return
+            held_by = ""
+        else:
+            stale, held_by = self._stale_under_slurm(holder)
+            if stale:
+                print(f"note: taking over the stale lock on {run_dir}: {stale}")
+                self.path.unlink(missing_ok=True)
+                return
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
-        where = f"process {pid} on {host} since {since}" if pid else "another process"
+        where = f"process {pid} on {host} since {since}{held_by}" if pid else "another process"
         raise RunDirError(
             f"{run_dir} is in use by {where}: two runs must not share a run directory "
             f"(choose another exp_manager.name; if no run is active, delete {self.path})"
         )
+
+    def _stale_under_slurm(self, holder: dict) -> tuple[str, str]:
+        """For a lock from another host, where its pid means nothing here: why it is stale
+        (empty when it is not, or cannot be told), and what SLURM said of its job."""
+        theirs = SlurmJob.from_record(holder.get("slurm"))
+        if self.job is None or theirs is None or theirs.cluster != self.job.cluster:
+            return "", ""  # not both SLURM jobs of one cluster: the host and pid are all we know
+        job, host = theirs.job_id, holder.get("host")
+        if job == self.job.job_id:
+            if theirs.restart_count < self.job.restart_count:
+                return (
+                    f"run {theirs.restart_count} of this SLURM job {job} left it on {host}, "
+                    f"and SLURM has requeued the job since (this is run {self.job.restart_count})"
+                ), ""
+            return "", f" (this SLURM job {job}, run {theirs.restart_count})"
+        try:
+            state = self.job_state(job)
+        except SlurmQueryError as err:
+            return "", f" (SLURM job {job}; cannot ask SLURM whether it still runs: {err})"
+        if state in LIVE_STATES:
+            return "", f" (SLURM job {job}, {state})"
+        ended = "no longer known to SLURM" if state == GONE else f"{state}, no longer running"
+        return f"SLURM job {job}, which took it on {host}, is {ended}", ""
 
     def release(self) -> None:
         if self.held:
@@ -90,7 +144,11 @@ class RunDirLock:
             self.held = False
 
 
-def claim_run_dir(run_dir: Path, resume_if_exists: bool) -> RunDirLock:
+def claim_run_dir(
+    run_dir: Path,
+    resume_if_exists: bool,
+    job_state: Callable[[str], str] = slurm_job.job_state,
+) -> RunDirLock:
     """Create and lock ``run_dir`` for a new or resumed run (see module doc)."""
     try:
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
@@ -98,7 +156,7 @@ def claim_run_dir(run_dir: Path, resume_if_exists: bool) -> RunDirLock:
         raise RunDirError(f"cannot create the run directory {run_dir}: {err.strerror}") from None
     if not os.access(run_dir, os.W_OK) or not os.access(run_dir / "checkpoints", os.W_OK):
         raise RunDirError(f"the run directory {run_dir} (or its checkpoints/) is not writable")
-    lock = RunDirLock(run_dir)
+    lock = RunDirLock(run_dir, job_state)
     lock.acquire()
     if not resume_if_exists and holds_a_run(run_dir):
         lock.release()

@@ -51,7 +51,7 @@ from megatron_lns.training.manual_gc import ManualGarbageCollection
 from megatron_lns.training.metrics import MetricsLogger
 from megatron_lns.training.moe_metrics import MoEMetrics
 from megatron_lns.training.profiling import StepProfiler, profile_window
-from megatron_lns.training.resume import resume
+from megatron_lns.training.resume import interrupted_save_note, resume
 from megatron_lns.training.run_dir import RunDirError, RunDirLock, claim_run_dir
 from megatron_lns.training.run_status import write_run_status
 from megatron_lns.training.step import (
@@ -248,6 +248,8 @@ class Trainer:
             cfg, self.checkpoint_dir, self.model, self.optimizer, self.scheduler
         )
         self.resumed_from = self.state.iteration
+        if note := interrupted_save_note(self.checkpoint_dir, self.resumed_path):
+            self._print(note)
         if self.resumed_path is not None:
             self._print(f"resumed from {self.resumed_path} (step {self.state.iteration})")
         self.consecutive_skips = 0

@@ -165,6 +165,58 @@ def test_unrepresentable_or_conflicting_options_are_refused(override, message):
         _script(_cfg(DEMO, *TINY_TP2, override))
 
 
+@pytest.mark.parametrize(
+    "override, full, source",
+    [
+        ("cluster.sbatch_args=[--no-req]", "--no-requeue", "cluster.max_requeues"),
+        ("cluster.sbatch_args=[--sig=B:USR2@60]", "--signal", "cluster.preemption_signal_lead_s"),
+        ("cluster.sbatch_args=[--open=truncate]", "--open-mode", "the job log"),
+        ("cluster.sbatch_args=[--tasks-per-node=1]", "--tasks-per-node", "trainer.devices"),
+        ("cluster.srun_args=[--kill-on=0]", "--kill-on-bad-exit", "the script"),
+        ("cluster.srun_args=[--k=0]", "--kill-on-bad-exit", "the script"),
+        ("cluster.srun_args=[--container-mount-h]", "--container-mount-home", "the script"),
+    ],
+)
+def test_an_abbreviated_option_the_script_sets_is_refused_like_the_full_name(
+    override, full, source
+):
+    """sbatch and srun read any unambiguous prefix of a long option as the option."""
+    with pytest.raises(ConfigError) as info:
+        _script(_cfg(DEMO, *TINY_TP2, override))
+    message = str(info.value)
+    given = override.split("[")[1].rstrip("]")
+    assert "\n" not in message and f"'{given}'" in message, message
+    assert f"conflicts with {full}, set from {source}" in message, message
+
+
+def test_every_option_the_script_sets_is_in_slurms_option_table():
+    """An option missing from options.py's table would not be found by its prefixes."""
+    from megatron_lns.cluster.slurm import render
+    from megatron_lns.cluster.slurm.options import SBATCH_LONG_OPTIONS, SRUN_LONG_OPTIONS
+
+    for own, known in (
+        (render._OWN_SBATCH_OPTIONS, SBATCH_LONG_OPTIONS),
+        (render._OWN_SRUN_OPTIONS, SRUN_LONG_OPTIONS),
+    ):
+        assert [o for o in own if o.startswith("--") and o[2:] not in known] == []
+
+
+def test_an_ambiguous_prefix_that_may_mean_a_set_option_is_refused():
+    with pytest.raises(ConfigError, match=r"'--no-' is ambiguous \(--no-kill, --no-requeue\)"):
+        _script(_cfg(DEMO, *TINY_TP2, "cluster.sbatch_args=[--no-]"))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        "cluster.sbatch_args=[--mem-per-cpu=4G,--no-kill,--comm=x,--new-in-slurm-99]",
+        "cluster.srun_args=[--mpi=pmix,--cpu-b=cores,--container-writable]",
+    ],
+)
+def test_options_the_script_does_not_set_pass_in_any_spelling(args):
+    assert "--" in _script(_cfg(DEMO, *TINY_TP2, args))
+
+
 @pytest.mark.parametrize("value", ["a\nb", "a\rb", "a\x1bb"])
 def test_control_characters_in_script_body_values_are_refused(value):
     cfg = _cfg(DEMO, *TINY_TP2)
@@ -190,6 +242,11 @@ case $FAKE_MODE in
         kill -USR1 "$PPID"
         for _ in $(seq 100); do sleep 0.1; done
         exit 9 ;;
+    term)
+        # scancel or `scontrol requeue`: SLURM sends TERM; the ranks save and stop.
+        kill -TERM "$PPID"
+        sleep 0.5
+        echo "stopped 4" > "$FAKE_STATUS"; exit 0 ;;
     preempt_during_startup)
         # No handler yet: the forwarded warning kills the task (status 138).
         kill -USR1 "$PPID"
@@ -283,6 +340,28 @@ def test_batch_script_stops_requeueing_at_max_requeues(tmp_path):
     assert "cluster.max_requeues=2 reached" in result.stdout
 
 
+def test_after_a_term_the_job_log_leaves_the_requeue_to_slurm(tmp_path):
+    """`scontrol requeue` ends the job with a TERM and SLURM requeues it: "not requeued"
+    would be wrong."""
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path))
+    result, requeues, _, _ = _run_batch_script(tmp_path, cfg, "term")
+    assert result.returncode == 0 and requeues == ""
+    last = result.stdout.splitlines()[-1]
+    assert "stopped at step 4 after TERM (checkpoint saved); not requeued by this job" in last
+    assert "SLURM requeues it itself after scontrol requeue" in last
+
+
+def test_a_restart_says_whether_the_job_or_slurm_requeued_it(tmp_path):
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path))
+    result, requeues, _, _ = _run_batch_script(tmp_path, cfg, "preempt", restart=0)
+    assert requeues == "requeue 42\n"
+    result, _, _, _ = _run_batch_script(tmp_path, cfg, "finish", restart=1)
+    first = result.stdout.splitlines()[0]
+    assert "(requeued by this job after a preemption warning)" in first
+    result, _, _, _ = _run_batch_script(tmp_path, cfg, "finish", restart=2)
+    assert "(requeued by SLURM: scontrol requeue" in result.stdout.splitlines()[0]
+
+
 @pytest.mark.parametrize("mode, code", [("fail", 3), ("exit_interval", 0)])
 def test_batch_script_does_not_requeue_a_failure_or_a_stop_without_warning(tmp_path, mode, code):
     cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path))
@@ -354,6 +433,54 @@ def test_time_limits_in_every_slurm_form(limit, seconds):
     from megatron_lns.config.cluster import time_limit_seconds
 
     assert time_limit_seconds(limit) == seconds
+
+
+def test_a_container_job_keeps_the_home_directory_out_of_the_image():
+    """pyxis mounts $HOME by default, and ~/.local's packages would shadow the image's."""
+    assert "    --no-container-mount-home \\" in _script(_cfg(OLMO, *OLMO_DATA)).splitlines()
+    assert "container-mount-home" not in _script(_cfg(DEMO, *TINY_TP2))
+
+
+def test_an_unmounted_submit_directory_is_named_in_one_warning(capsys):
+    script = _script(_cfg(OLMO, *OLMO_DATA), workdir="/home/alice/megatron-lns")
+    assert "--container-workdir" not in script
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("warning: the submit directory ")
+    assert "/home/alice/megatron-lns is not mounted" in err and "/lustre:/lustre" in err
+    script = _script(_cfg(OLMO, *OLMO_DATA), workdir="/lustre/alice/megatron-lns")
+    assert "    --container-workdir=/lustre/alice/megatron-lns \\" in script.splitlines()
+    assert capsys.readouterr().err == ""
+
+
+def _readme_submit_overrides() -> list[str]:
+    """The overrides of the README's OLMo-7B `submit` example, as the shell splits them."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("megatron-lns submit nemo_configs/olmo_7b_lns_20b.yaml")
+    command = text[start : text.index("\n```", start)].split("\n.venv")[0]
+    words = shlex.split(command.replace("\\\n", " "), comments=True)[3:]
+    return [word.replace("$USER", "alice") for word in words]
+
+
+def test_the_readme_submit_example_renders_from_any_directory(capsys):
+    """Its run directory must be mounted in the container, wherever submit runs."""
+    overrides = _readme_submit_overrides()
+    assert any(o.startswith("cluster.account=") for o in overrides), overrides
+    script = _script(_cfg(OLMO, *overrides), workdir="/home/alice/megatron-lns")
+    assert "#SBATCH --nodes=16" in script.splitlines()
+
+
+def test_each_submission_gets_its_own_job_name(tmp_path):
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path))
+    first = prepare_job(cfg, tmp_path, "python", stamp="20260101-000000")
+    again = prepare_job(cfg, tmp_path, "python", stamp="20260101-000100")
+    cfg.exp_manager.name = "preln"
+    other_run = prepare_job(cfg, tmp_path, "python", stamp="20260101-000000")
+    names = [
+        next(line for line in job.script.splitlines() if line.startswith("#SBATCH --job-name="))
+        for job in (first, again, other_run)
+    ]
+    assert names[0] == "#SBATCH --job-name=megatron_lns-tiny_cpu_demo-lns-20260101-000000"
+    assert len(set(names)) == 3
 
 
 def test_container_job_needs_the_experiment_mounted_at_the_same_path():

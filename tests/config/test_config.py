@@ -527,6 +527,24 @@ def test_interpolations_on_the_command_line():
         _load("model.optim.betas=[0.9,")
 
 
+@pytest.mark.parametrize(
+    "override, cut",
+    [("cluster.account=acc #x", "'acc'"), ("cluster.qos=#x", "None"), ("name=a\t# b", "'a'")],
+)
+def test_an_override_that_yaml_would_cut_at_a_comment_is_refused(override, cut):
+    """In a file a '#' comment is visible; on a command line it silently shortens the value."""
+    with pytest.raises(ConfigError) as info:
+        _load(override)
+    message = str(info.value)
+    assert message.startswith(f"override '{override}': YAML reads ' #' as the start of a comment")
+    assert f"cuts the value to {cut}" in message and "\n" not in message
+
+
+def test_a_hash_that_yaml_keeps_is_kept():
+    assert _load("cluster.account='acc #x'").cluster.account == "acc #x"
+    assert _load("cluster.account=acc#x").cluster.account == "acc#x"
+
+
 # --- Paths the run writes ---
 
 

@@ -207,3 +207,21 @@ def test_ranks_that_outlive_the_timeout_are_killed_and_reported(tmp_path):
     pids = [int(path.read_text()) for path in sorted(tmp_path.glob("rank*.pid"))]
     assert len(pids) == 2
     assert not any(psutil.pid_exists(pid) for pid in pids)
+
+
+def test_a_save_the_previous_run_did_not_finish_is_reported_at_the_next_start(tmp_path):
+    """A run killed while saving cannot say so; the next one does, naming what it loads."""
+    from megatron_lns.training.resume import interrupted_save_note
+
+    assert interrupted_save_note(tmp_path / "none", None) is None
+    (tmp_path / "iter_0000004").mkdir()
+    assert interrupted_save_note(tmp_path, tmp_path / "iter_0000004") is None
+    (tmp_path / "iter_0000002.partial").mkdir()  # older than what is loaded: not news
+    assert interrupted_save_note(tmp_path, tmp_path / "iter_0000004") is None
+    (tmp_path / "iter_0000008.partial").mkdir()
+    assert interrupted_save_note(tmp_path, tmp_path / "iter_0000004") == (
+        "the previous run was killed while saving iter_0000008 (left as "
+        "iter_0000008.partial, never loaded); resuming from iter_0000004, the newest "
+        "complete checkpoint"
+    )
+    assert "starting from scratch" in interrupted_save_note(tmp_path, None)

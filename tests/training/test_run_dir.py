@@ -15,12 +15,46 @@ from megatron_lns.model import build_model
 from megatron_lns.training.checkpoint import save_model_weights
 from megatron_lns.training.metrics import MetricsLogger
 from megatron_lns.training.run_dir import LOCK_NAME, RunDirError, claim_run_dir
+from megatron_lns.training.slurm_job import GONE, SlurmQueryError
 
 
-def _lock_held_by(run_dir, pid, host=None):
+def _lock_held_by(run_dir, pid, host=None, slurm_job=None, restart_count=0):
     run_dir.mkdir(parents=True, exist_ok=True)
     owner = {"pid": pid, "host": host or socket.gethostname(), "started": 0}
+    if slurm_job is not None:
+        owner["slurm"] = {"job_id": slurm_job, "restart_count": restart_count, "cluster": "c1"}
     (run_dir / LOCK_NAME).write_text(json.dumps(owner))
+
+
+@pytest.fixture()
+def in_slurm_job(monkeypatch):
+    """This process as run ``restart`` of SLURM job 41 on cluster c1."""
+
+    def enter(restart=0):
+        monkeypatch.setenv("SLURM_JOB_ID", "41")
+        monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart))
+        monkeypatch.setenv("SLURM_CLUSTER_NAME", "c1")
+
+    for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SLURM_CLUSTER_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    return enter
+
+
+def _slurm_says(state):
+    """A fake of SLURM's answer on a job's state, remembering the jobs asked about."""
+
+    def job_state(job_id):
+        job_state.asked.append(job_id)
+        if isinstance(state, Exception):
+            raise state
+        return state
+
+    job_state.asked = []
+    return job_state
+
+
+def _not_asked(job_id):
+    raise AssertionError(f"SLURM was asked about job {job_id}")
 
 
 def test_a_second_run_into_a_locked_directory_is_refused(tmp_path):
@@ -46,6 +80,80 @@ def test_the_stale_lock_of_a_dead_process_is_taken_over(tmp_path, capsys):
     assert "stale lock" in capsys.readouterr().out
     lock.release()
     assert not (tmp_path / "run" / LOCK_NAME).exists()
+
+
+def test_a_requeued_job_on_another_host_takes_over_its_earlier_runs_lock(
+    tmp_path, in_slurm_job, capsys
+):
+    in_slurm_job(restart=2)
+    _lock_held_by(tmp_path / "run", os.getpid(), "gpu007", slurm_job="41", restart_count=1)
+    lock = claim_run_dir(tmp_path / "run", resume_if_exists=True, job_state=_not_asked)
+    assert capsys.readouterr().out == (
+        f"note: taking over the stale lock on {tmp_path / 'run'}: run 1 of this SLURM job 41 "
+        "left it on gpu007, and SLURM has requeued the job since (this is run 2)\n"
+    )
+    owner = json.loads((tmp_path / "run" / LOCK_NAME).read_text())
+    assert owner["pid"] == os.getpid() and owner["host"] == socket.gethostname()
+    assert owner["slurm"] == {"job_id": "41", "restart_count": 2, "cluster": "c1"}
+    lock.release()
+
+
+def test_the_same_run_of_a_job_on_another_host_is_refused(tmp_path, in_slurm_job):
+    in_slurm_job(restart=1)
+    _lock_held_by(tmp_path / "run", 7, "gpu007", slurm_job="41", restart_count=1)
+    with pytest.raises(RunDirError, match=r"process 7 on gpu007 .*\(this SLURM job 41, run 1\)"):
+        claim_run_dir(tmp_path / "run", resume_if_exists=True, job_state=_not_asked)
+
+
+@pytest.mark.parametrize(
+    ("state", "said"),
+    [(GONE, "no longer known to SLURM"), ("CANCELLED", "CANCELLED, no longer running"),
+     ("PENDING", "PENDING, no longer running")],
+)  # fmt: skip
+def test_the_lock_of_a_job_slurm_no_longer_runs_is_taken_over_from_any_host(
+    tmp_path, in_slurm_job, capsys, state, said
+):
+    in_slurm_job()
+    _lock_held_by(tmp_path / "run", os.getpid(), "gpu007", slurm_job="40")
+    slurm = _slurm_says(state)
+    claim_run_dir(tmp_path / "run", resume_if_exists=True, job_state=slurm).release()
+    assert slurm.asked == ["40"]
+    assert capsys.readouterr().out == (
+        f"note: taking over the stale lock on {tmp_path / 'run'}: SLURM job 40, which took it "
+        f"on gpu007, is {said}\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("slurm", "said"),
+    [(_slurm_says("RUNNING"), "SLURM job 40, RUNNING"),
+     (_slurm_says(SlurmQueryError("squeue is not installed here")),
+      "SLURM job 40; cannot ask SLURM whether it still runs: squeue is not installed here")],
+    ids=["running", "unknown"],
+)  # fmt: skip
+def test_the_lock_of_a_live_job_on_another_host_is_refused(tmp_path, in_slurm_job, slurm, said):
+    in_slurm_job(restart=3)
+    _lock_held_by(tmp_path / "run", 7, "gpu007", slurm_job="40")
+    with pytest.raises(RunDirError, match=rf"process 7 on gpu007 since .* \({said}\): .*\.lock"):
+        claim_run_dir(tmp_path / "run", resume_if_exists=True, job_state=slurm)
+    assert (tmp_path / "run" / LOCK_NAME).is_file()
+
+
+def test_on_the_same_host_only_the_lock_holders_process_decides(tmp_path, in_slurm_job):
+    in_slurm_job(restart=1)  # a requeue of the job that took the lock, whose pid is alive
+    _lock_held_by(tmp_path / "run", os.getpid(), slurm_job="41", restart_count=0)
+    with pytest.raises(RunDirError, match=f"is in use by process {os.getpid()} on"):
+        claim_run_dir(tmp_path / "run", resume_if_exists=True, job_state=_slurm_says(GONE))
+
+
+def test_without_slurm_a_lock_from_another_host_is_refused_as_before(tmp_path, in_slurm_job):
+    _lock_held_by(tmp_path / "run", 7, "gpu007", slurm_job="41")
+    with pytest.raises(RunDirError, match=r"process 7 on gpu007 since [-0-9 :]*: two runs"):
+        claim_run_dir(tmp_path / "run", resume_if_exists=True, job_state=_not_asked)
+    (tmp_path / "run" / LOCK_NAME).unlink()
+    lock = claim_run_dir(tmp_path / "run", resume_if_exists=True, job_state=_not_asked)
+    assert "slurm" not in json.loads((tmp_path / "run" / LOCK_NAME).read_text())
+    lock.release()
 
 
 def test_no_resume_into_a_directory_that_holds_a_run_is_refused(tmp_path):

@@ -19,6 +19,12 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from megatron_lns.cluster.slurm.options import (
+    SBATCH_LONG_OPTIONS,
+    SRUN_LONG_OPTIONS,
+    long_option_meanings,
+    option_name,
+)
 from megatron_lns.config import ConfigError, ExperimentConfig
 from megatron_lns.config.cluster import job_name
 from megatron_lns.training.run_status import RUN_STATUS_FILE
@@ -37,13 +43,15 @@ _DIRECTIVE_SAFE = re.compile(r"^[A-Za-z0-9_.,:=+@/?&|!*\[\]-]+$")
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 
 # sbatch / srun options the script sets itself, with the key that controls each;
-# the same option in cluster.sbatch_args / srun_args would contradict it.
+# the same option in cluster.sbatch_args / srun_args would contradict it, spelt in full
+# or abbreviated (options.py).
 _OWN_SBATCH_OPTIONS = {
     "--job-name": "cluster.job_name_prefix and name",
     "-J": "cluster.job_name_prefix and name",
     "--nodes": "trainer.num_nodes",
     "-N": "trainer.num_nodes",
     "--ntasks-per-node": "trainer.devices",
+    "--tasks-per-node": "trainer.devices",
     "--ntasks": "trainer.num_nodes x trainer.devices",
     "-n": "trainer.num_nodes x trainer.devices",
     "--output": "exp_manager.exp_dir (logs/)",
@@ -78,6 +86,7 @@ _OWN_SRUN_OPTIONS = {
     "--nodes": "trainer.num_nodes",
     "-N": "trainer.num_nodes",
     "--ntasks-per-node": "trainer.devices",
+    "--tasks-per-node": "trainer.devices",
     "--ntasks": "trainer.num_nodes x trainer.devices",
     "-n": "trainer.num_nodes x trainer.devices",
     "--cpus-per-task": "cluster.cpus_per_task",
@@ -85,6 +94,8 @@ _OWN_SRUN_OPTIONS = {
     "--container-image": "cluster.container_image",
     "--container-mounts": "cluster.container_mounts",
     "--container-workdir": "the submit directory",
+    "--no-container-mount-home": "the script (keeps ~/.local out of the image)",
+    "--container-mount-home": "the script (keeps ~/.local out of the image)",
 }
 
 
@@ -99,6 +110,11 @@ class JobPaths:
     @property
     def log_dir(self) -> Path:
         return self.run_dir / "logs"
+
+    @property
+    def submission(self) -> str:
+        """The submission's time stamp: its folder under slurm/, part of the job name."""
+        return self.config.parent.name
 
 
 def _no_control(key: str, value: str) -> str:
@@ -130,17 +146,24 @@ def directive(key: str, option: str, value: object) -> str:
     return f"#SBATCH {option}={directive_text(key, value)}"
 
 
-def _option_name(arg: str) -> str:
-    if arg.startswith("--"):
-        return arg.split("=", 1)[0]
-    return arg[:2]  # short options take their value attached: -pgpu, -t10
-
-
-def _check_not_own(key: str, args: list[str], own: dict[str, str]) -> None:
+def _check_not_own(key: str, args: list[str], own: dict[str, str], known: frozenset[str]) -> None:
+    """Refuse an option the script sets itself, in full or abbreviated: SLURM reads
+    ``--no-req`` as ``--no-requeue``. An ambiguous prefix that could mean one of them is
+    refused too (it means that option under a SLURM without the other candidates)."""
     for arg in args:
-        name = _option_name(arg)
-        if name in own:
-            raise ConfigError(f"{key}: {arg!r} conflicts with {name}, set from {own[name]}")
+        name = option_name(arg)
+        meanings = long_option_meanings(name, known) if name.startswith("--") else [name]
+        managed = [meaning for meaning in meanings if meaning in own]
+        if not managed:
+            continue
+        if len(meanings) > 1:
+            raise ConfigError(
+                f"{key}: {arg!r} is ambiguous ({', '.join(meanings)}) and may mean "
+                f"{managed[0]}, set from {own[managed[0]]}: write the option in full"
+            )
+        full = managed[0]
+        spelt = f"{arg!r}" if full == name else f"{arg!r} (an abbreviation of {full})"
+        raise ConfigError(f"{key}: {spelt} conflicts with {full}, set from {own[full]}")
 
 
 def _same_path_mount(mounts: list[str], path: Path) -> bool:
@@ -153,6 +176,21 @@ def _same_path_mount(mounts: list[str], path: Path) -> bool:
     return False
 
 
+def unmounted_workdir_warning(cfg: ExperimentConfig, paths: JobPaths) -> str | None:
+    """Why the tasks will not start in the submit directory, if they will not: pyxis
+    gets ``--container-workdir`` only for a directory mounted at its own path, so
+    relative paths in the config then mean something else inside the container."""
+    c = cfg.cluster
+    if not c.container_image or _same_path_mount(c.container_mounts, paths.workdir):
+        return None
+    mounts = ", ".join(c.container_mounts) or "none"
+    return (
+        f"the submit directory {paths.workdir} is not mounted at its own path in the "
+        f"container (cluster.container_mounts: {mounts}): the tasks start in the image's "
+        "working directory, where relative paths in the config do not lead"
+    )
+
+
 def sbatch_directives(cfg: ExperimentConfig, paths: JobPaths) -> list[str]:
     c, t = cfg.cluster, cfg.trainer
     gpus = (
@@ -162,7 +200,7 @@ def sbatch_directives(cfg: ExperimentConfig, paths: JobPaths) -> list[str]:
     )
     log_dir = directive_text("exp_manager.exp_dir", paths.log_dir)
     lines = [
-        directive("cluster.job_name_prefix + name", "--job-name", job_name(cfg)),
+        directive("cluster.job_name_prefix + name", "--job-name", job_name(cfg, paths.submission)),
         directive("trainer.num_nodes", "--nodes", t.num_nodes),
         directive("trainer.devices", "--ntasks-per-node", t.devices),
         # One log per job (%x: job name, %j: job id), appended to by each requeue;
@@ -188,7 +226,7 @@ def sbatch_directives(cfg: ExperimentConfig, paths: JobPaths) -> list[str]:
     lines += [directive(key, opt, value) for key, opt, value in optional if value is not None]
     if c.exclusive:
         lines.append("#SBATCH --exclusive")
-    _check_not_own("cluster.sbatch_args", c.sbatch_args, _OWN_SBATCH_OPTIONS)
+    _check_not_own("cluster.sbatch_args", c.sbatch_args, _OWN_SBATCH_OPTIONS, SBATCH_LONG_OPTIONS)
     lines += [f"#SBATCH {directive_text('cluster.sbatch_args', arg)}" for arg in c.sbatch_args]
     return lines
 
@@ -206,6 +244,9 @@ def srun_command(cfg: ExperimentConfig, paths: JobPaths, python: str) -> str:
         words.append(f"--cpus-per-task={c.cpus_per_task}")
     if c.container_image:
         words.append("--container-image=" + quote("cluster.container_image", c.container_image))
+        # pyxis mounts the home directory by default: ~/.local's packages would then shadow
+        # the image's (NeMo's launchers pass the same option).
+        words.append("--no-container-mount-home")
         if c.container_mounts:
             if any("," in mount for mount in c.container_mounts):
                 raise ConfigError(
@@ -216,7 +257,7 @@ def srun_command(cfg: ExperimentConfig, paths: JobPaths, python: str) -> str:
             words.append("--container-mounts=" + quote("cluster.container_mounts", mounts))
         if _same_path_mount(c.container_mounts, paths.workdir):
             words.append("--container-workdir=" + quote("submit directory", paths.workdir))
-    _check_not_own("cluster.srun_args", c.srun_args, _OWN_SRUN_OPTIONS)
+    _check_not_own("cluster.srun_args", c.srun_args, _OWN_SRUN_OPTIONS, SRUN_LONG_OPTIONS)
     words += [quote("cluster.srun_args", arg) for arg in c.srun_args]
     words += [
         quote("python", python),
@@ -255,7 +296,7 @@ def render_sbatch(cfg: ExperimentConfig, paths: JobPaths, python: str) -> str:
             f"{paths.run_dir}' or a parent to cluster.container_mounts"
         )
     values = {
-        "job_name": job_name(cfg),
+        "job_name": job_name(cfg, paths.submission),
         "sbatch_directives": "\n".join(sbatch_directives(cfg, paths)),
         "workdir": quote("submit directory", paths.workdir),
         "log_dir": quote("exp_manager.exp_dir", paths.log_dir),

@@ -5,11 +5,12 @@ from __future__ import annotations
 import copy
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_lns.cluster.slurm.render import JobPaths, render_sbatch
+from megatron_lns.cluster.slurm.render import JobPaths, render_sbatch, unmounted_workdir_warning
 from megatron_lns.config import ExperimentConfig, to_yaml
 from megatron_lns.config.cluster import job_name
 from megatron_lns.errors import UserError
@@ -66,7 +67,10 @@ def prepare_job(
     paths = JobPaths(workdir=workdir, run_dir=run_dir, config=submit_dir / "config.yaml")
     if cfg.cluster.container_image:
         python = "python"  # the container's interpreter, with megatron-lns installed
-    return PreparedJob(cfg, paths, render_sbatch(cfg, paths, python))
+    job = PreparedJob(cfg, paths, render_sbatch(cfg, paths, python))
+    if warning := unmounted_workdir_warning(cfg, paths):
+        print(f"warning: {warning}", file=sys.stderr)
+    return job
 
 
 def write_job(job: PreparedJob) -> None:
@@ -98,7 +102,7 @@ def sbatch(job: PreparedJob) -> SubmittedJob:
         message = " ".join(result.stderr.split()) or f"exit status {result.returncode}"
         raise SubmitError(f"sbatch refused {job.script_path}: {message}")
     job_id = result.stdout.strip().split(";")[0]  # "<id>" or "<id>;<cluster>"
-    name = job_name(job.cfg)
+    name = job_name(job.cfg, job.paths.submission)
     return SubmittedJob(
         job_id=job_id,
         script_path=job.script_path,
