@@ -308,8 +308,17 @@ def load_model_weights(model: Sequence[torch.nn.Module], directory: str | Path) 
     template = model_sharded_state_dict(model)
     _translate_architecture(template, model, directory, common)
     extra_state = _extra_state_may_differ(common, model)
-    loaded = _load(template, directory, may_differ=_key_filter(extra_state))
+    model_only = _key_filter(extra_state)
+    loaded = _load(
+        template, directory, may_differ=lambda key: _training_only(key) or model_only(key)
+    )
     _load_chunks(model, loaded, directory, extra_state)
+
+
+def _training_only(key: str) -> bool:
+    """A tensor of a training checkpoint that is not the model's (optimizer state, RNG):
+    a weights-only load reads a training checkpoint's model and leaves these."""
+    return key == "rng_state" or key.startswith("optimizer.")
 
 
 def _translate_architecture(template: dict, model, path: str | Path, common: dict) -> None:

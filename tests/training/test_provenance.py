@@ -1,5 +1,6 @@
 """What a checkpoint records about the run that wrote it, and what a resume reports."""
 
+import torch
 from helpers import fixed_microbatches, tiny_config
 from megatron.core import dist_checkpointing
 
@@ -92,3 +93,15 @@ def test_a_checkpoint_without_the_record_loads_and_says_so(seeded, tmp_path, mon
         "checkpoint iter_0000001 records no provenance (written before checkpoints did): "
         "versions and config not compared"
     )
+
+
+def test_weights_load_from_a_training_checkpoint_ignores_optimizer_and_rng(seeded, tmp_path):
+    """``analyze`` loads the model of a full training checkpoint: strictness is about the
+    model's tensors, not about the optimizer state and RNG the checkpoint also holds."""
+    path, trained, *_ = _save(tmp_path)
+    fresh = wrap_with_ddp(build_model(tiny_config()))
+    checkpoint.load_model_weights(fresh, path)
+    for (name, expected), (_, loaded) in zip(
+        trained[0].named_parameters(), fresh[0].named_parameters(), strict=True
+    ):
+        assert torch.equal(loaded, expected), name
