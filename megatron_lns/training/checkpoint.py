@@ -18,7 +18,13 @@ global keys and offsets, so a checkpoint written at one TP/PP/VP layout loads at
 other. Each virtual-pipeline chunk is stored under ``model{i}`` as Megatron-LM does.
 Every checkpoint records the architecture that wrote it (GPT, or the hybrid model and its
 sublayers): a GPT checkpoint loads into the hybrid model, nothing else crosses
-(``architecture_checkpoint.py``).
+(``architecture_checkpoint.py``); and its provenance: package versions, backend, config
+hash (``provenance.py``).
+
+Loading is strict: a tensor this model has and the checkpoint lacks, or one the checkpoint
+holds and this model has no place for, is an error naming it. Only Transformer Engine's
+``_extra_state`` entries (FP8 metadata) may differ, and only when the backend changed
+(``te`` <-> ``local``) or the checkpoint does not say which backend wrote it.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     TorchDistLoadShardedStrategy,
     TorchDistSaveShardedStrategy,
 )
+from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -57,6 +64,7 @@ from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.errors import UserError
 from megatron_lns.model import unwrap
 from megatron_lns.training import architecture_checkpoint as architecture
+from megatron_lns.training import provenance
 
 CHECKPOINT_DIR_RE = re.compile(r"^iter_(\d{7})$")
 COMPLETE_MARKER = "complete.json"
@@ -67,6 +75,14 @@ WEIGHTS_ONLY = "weights_only"
 
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint that is missing, partial, or does not fit this run."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A readable checkpoint whose tensors are not this model's (one more or one less)."""
+
+
+# Transformer Engine's per-module FP8 metadata: present with one backend only.
+EXTRA_STATE = "_extra_state"
 
 
 def sharded_state_dict_metadata() -> dict:
@@ -165,11 +181,15 @@ def _start_save(
         )
 
 
-def save_model_weights(model: Sequence[torch.nn.Module], directory: str | Path) -> None:
-    """Write this rank's shards of every chunk (weights only); all ranks must call it."""
+def save_model_weights(
+    model: Sequence[torch.nn.Module], directory: str | Path, config_yaml: str | None = None
+) -> None:
+    """Write this rank's shards of every chunk (weights only); all ranks must call it.
+    ``config_yaml``: the run config whose hash the provenance records, where there is one."""
     Path(directory).mkdir(parents=True, exist_ok=True)
     sharded = model_sharded_state_dict(model)
     sharded[architecture.ARCHITECTURE] = architecture.model_architecture(model)
+    sharded[provenance.PROVENANCE] = provenance.provenance_record(model, config_yaml)
     _save(sharded, directory)
 
 
@@ -191,22 +211,89 @@ def check_shapes_match(template: dict, directory: str | Path) -> None:
             )
 
 
-def _load(template: dict, directory: str | Path, strategy=None) -> dict:
-    """``dist_checkpointing.load`` after a shape check; any failure names the checkpoint."""
+def _load(
+    template: dict, directory: str | Path, strategy=None, may_differ=lambda key: False
+) -> dict:
+    """``dist_checkpointing.load`` after a shape check, strict: a key of the template not
+    in the checkpoint, or of the checkpoint not in any rank's template, is an error unless
+    ``may_differ(key)``. Any failure names the checkpoint."""
     try:
         check_shapes_match(template, directory)
-        return dist_checkpointing.load(template, str(directory), strategy)
+        # RETURN_ALL: megatron compares the keys of every rank's template with the
+        # checkpoint's (its default, ASSUME_OK_UNEXPECTED, ignores checkpoint tensors that
+        # nothing asks for) and leaves what to do to us.
+        loaded, unread, absent = dist_checkpointing.load(
+            template, str(directory), strategy, strict=StrictHandling.RETURN_ALL
+        )
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as err:
         # torch's CheckpointException derives from BaseException.
         cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"could not load checkpoint {directory}: {cause}") from err
+    _refuse_mismatch(directory, unread, absent, may_differ)
+    return loaded
 
 
-def _load_chunks(model: Sequence[torch.nn.Module], loaded: dict) -> None:
+def _refuse_mismatch(directory, unread: set[str], absent: set[str], may_differ) -> None:
+    """Raise, on every rank, naming the first key the checkpoint lacks (``absent``: this
+    rank's own) or holds without a place in the model (``unread``: the same on all ranks).
+    One gather of the (usually empty) lists, so that no rank goes on alone."""
+    local = sorted(key for key in absent if not may_differ(key))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        local = sorted({key for keys in gathered for key in keys})
+    unread = sorted(key for key in unread if not may_differ(key))
+    problems = [
+        _named(keys, what)
+        for keys, what in (
+            (local, "that this model has and the checkpoint lacks"),
+            (unread, "that the checkpoint holds and this model has no place for"),
+        )
+        if keys
+    ]
+    if problems:
+        raise CheckpointMismatchError(
+            f"checkpoint {directory} does not fit this model: "
+            + "; ".join(problems)
+            + " (another architecture or model setting than the run that wrote it)"
+        )
+
+
+def _named(keys: list[str], what: str) -> str:
+    more = f" and {len(keys) - 1} more" if len(keys) > 1 else ""
+    return f"'{keys[0]}'{more} {what}"
+
+
+def _extra_state_may_differ(common: dict, model) -> bool:
+    """Whether Transformer Engine's ``_extra_state`` may be absent on one side: when the
+    backend changed, or the checkpoint predates the record of its backend."""
+    saved = provenance.saved_provenance(common) or {}
+    return saved.get("backend") != provenance.model_backend(model)
+
+
+def _key_filter(extra_state_may_differ: bool, also=()):
+    return lambda key: key in also or (extra_state_may_differ and key.endswith(EXTRA_STATE))
+
+
+def _load_chunks(
+    model: Sequence[torch.nn.Module], loaded: dict, directory, extra_state_may_differ: bool
+) -> None:
+    """Copy the loaded state into the chunks: strict, but for ``_extra_state`` when it may
+    differ (``_load`` has already refused any other difference)."""
     for i, chunk in enumerate(model):
-        unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
+        result = unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=False)
+        left = [
+            key
+            for key in [*result.missing_keys, *result.unexpected_keys]
+            if not (extra_state_may_differ and key.endswith(EXTRA_STATE))
+        ]
+        if left:
+            raise CheckpointMismatchError(
+                f"checkpoint {directory} does not fit this model: '{left[0]}' does not match "
+                f"(model chunk {i}; {len(left)} key(s) in all)"
+            )
 
 
 def load_model_weights(model: Sequence[torch.nn.Module], directory: str | Path) -> None:
@@ -220,7 +307,18 @@ def load_model_weights(model: Sequence[torch.nn.Module], directory: str | Path) 
         raise CheckpointError(f"could not load checkpoint {directory}: {err}") from err
     template = model_sharded_state_dict(model)
     _translate_architecture(template, model, directory, common)
-    _load_chunks(model, _load(template, directory))
+    extra_state = _extra_state_may_differ(common, model)
+    model_only = _key_filter(extra_state)
+    loaded = _load(
+        template, directory, may_differ=lambda key: _training_only(key) or model_only(key)
+    )
+    _load_chunks(model, loaded, directory, extra_state)
+
+
+def _training_only(key: str) -> bool:
+    """A tensor of a training checkpoint that is not the model's (optimizer state, RNG):
+    a weights-only load reads a training checkpoint's model and leaves these."""
+    return key == "rng_state" or key.startswith("optimizer.")
 
 
 def _translate_architecture(template: dict, model, path: str | Path, common: dict) -> None:
@@ -237,7 +335,7 @@ def _translate_architecture(template: dict, model, path: str | Path, common: dic
         architecture.retarget_to_gpt_checkpoint(template, current["sublayers"], per_layer, parts)
 
 
-def _layout() -> dict[str, int]:
+def layout_record() -> dict[str, int]:
     """The parallel sizes a checkpoint records; its RNG states are restored only at the
     same ones. The expert sizes count too (each expert rank keeps its own
     ``expert-parallel-rng`` state) and are recorded only where they differ from a dense
@@ -266,7 +364,7 @@ def _rng_state() -> ShardedObject:
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
-    layout = _layout()
+    layout = layout_record()
     return ShardedObject(
         "rng_state",
         state,
@@ -298,7 +396,13 @@ class TrainingState:
 
 
 def _state_dict(
-    model, optimizer, scheduler, state: TrainingState, with_rng: bool, is_loading: bool = False
+    model,
+    optimizer,
+    scheduler,
+    state: TrainingState,
+    with_rng: bool,
+    is_loading: bool = False,
+    config_yaml: str | None = None,
 ) -> dict:
     sharded = model_sharded_state_dict(model)
     # is_loading makes a fresh optimizer allocate its state (Adam moments), so the
@@ -309,10 +413,12 @@ def _state_dict(
     sharded["scheduler"] = scheduler.state_dict()
     sharded["iteration"] = state.iteration
     sharded["consumed_samples"] = state.consumed_samples
-    sharded["parallel_layout"] = _layout()
+    sharded["parallel_layout"] = layout_record()
     sharded[architecture.ARCHITECTURE] = architecture.model_architecture(model)
     if with_rng:
         sharded["rng_state"] = _rng_state()
+    if not is_loading:
+        sharded[provenance.PROVENANCE] = provenance.provenance_record(model, config_yaml)
     return sharded
 
 
@@ -436,7 +542,8 @@ def save_checkpoint(
 ) -> Path:
     """Save everything needed to resume; returns the committed directory."""
     final, partial = _prepare_partial(root, state.iteration)
-    _save(_state_dict(model, optimizer, scheduler, state, True), partial, strategy)
+    sharded = _state_dict(model, optimizer, scheduler, state, True, config_yaml=config_yaml)
+    _save(sharded, partial, strategy)
     dist.barrier()
     _commit(partial, final, state, config_yaml)
     return final
@@ -462,7 +569,7 @@ def start_checkpoint_save(
     final, partial = _prepare_partial(root, state.iteration)
     # A copy: the request outlives this step, the trainer's state does not.
     saved = TrainingState(state.iteration, state.consumed_samples)
-    sharded = _state_dict(model, optimizer, scheduler, saved, True)
+    sharded = _state_dict(model, optimizer, scheduler, saved, True, config_yaml=config_yaml)
     request = _start_save(sharded, partial, strategy, results_queue)
     request.add_finalize_fn(lambda: _commit(partial, final, saved, config_yaml))
     return final, request
@@ -478,7 +585,7 @@ def save_weights_only_checkpoint(
     single process: training resumes from it with a fresh optimizer and schedule, at
     ``state`` (iteration 0 by default)."""
     directory, state = Path(directory), state or TrainingState()
-    save_model_weights(model, directory)
+    save_model_weights(model, directory, config_yaml)
     (directory / RUN_CONFIG).write_text(config_yaml)
     marker = {
         "iteration": state.iteration,
@@ -540,15 +647,18 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, strategy=None
         common = dist_checkpointing.load_common_state_dict(str(path))
     except (Exception, CheckpointException) as err:
         raise CheckpointError(f"could not load checkpoint {path}: {err}") from err
-    same_layout = common.get("parallel_layout") == _layout()
+    same_layout = common.get("parallel_layout") == layout_record()
     _check_optimizer_parts(path, common.get("optimizer"), optimizer)
     _allocate_distributed_optimizer_state(optimizer)
     template = _state_dict(
         model, optimizer, scheduler, TrainingState(), with_rng=same_layout, is_loading=True
     )
     _translate_architecture(template, model, path, common)
-    loaded = _load(template, path, strategy)
-    _load_chunks(model, loaded)
+    extra_state = _extra_state_may_differ(common, model)
+    # At another layout the checkpoint's RNG states are left unread.
+    unread_rng = () if same_layout else ("rng_state",)
+    loaded = _load(template, path, strategy, _key_filter(extra_state, unread_rng))
+    _load_chunks(model, loaded, path, extra_state)
     _load_optimizer_state(optimizer, loaded["optimizer"])
     scheduler.load_state_dict(loaded["scheduler"])
     if same_layout:

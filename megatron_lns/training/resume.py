@@ -18,6 +18,11 @@
   hybrid twin (weights, optimizer state, schedule, data position), the way megatron-core
   moves GPT runs to ``HybridModel``; a hybrid checkpoint resumes only in the hybrid model
   with the same sublayers (``checkpoint.py``).
+* What else changed since the checkpoint was written (package versions, the config's
+  model and trainer sections, the parallel layout) is reported in one line, not refused
+  (:func:`changes_since_checkpoint`, ``provenance.py``). A checkpoint whose tensors do not
+  fit the model is refused, and not skipped for an older one: it is readable, the model
+  differs.
 """
 
 from __future__ import annotations
@@ -31,11 +36,14 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lns.config import ExperimentConfig
+from megatron_lns.training import provenance
 from megatron_lns.training.checkpoint import (
     CheckpointError,
+    CheckpointMismatchError,
     TrainingState,
     complete_checkpoints,
     is_complete,
+    layout_record,
     load_checkpoint,
     load_strategy,
 )
@@ -156,7 +164,9 @@ def resume(
                 path, model, optimizer, scheduler, load_strategy(cfg.model.dist_ckpt_parallel_load)
             )
         except CheckpointError as err:
-            if index + 1 == len(candidates) or isinstance(err, ScheduleChangedError):
+            if index + 1 == len(candidates) or isinstance(
+                err, (ScheduleChangedError, CheckpointMismatchError)
+            ):
                 raise
             print(f"warning: skipping unreadable checkpoint: {err}", flush=True)
             continue
@@ -172,3 +182,10 @@ def _set_param_group_lr_bounds(optimizer: MegatronOptimizer, max_lr: float, min_
             group["max_lr"] = max_lr
         if "min_lr" in group:
             group["min_lr"] = min_lr
+
+
+def changes_since_checkpoint(path: Path, config_yaml: str) -> str | None:
+    """One line on what differs between the run that wrote ``path`` and this one (run
+    config ``config_yaml``, this process's packages and layout); None when nothing does."""
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    return provenance.changes_since(path, common, config_yaml, layout_record())

@@ -51,7 +51,11 @@ from megatron_lns.training.manual_gc import ManualGarbageCollection
 from megatron_lns.training.metrics import MetricsLogger
 from megatron_lns.training.moe_metrics import MoEMetrics
 from megatron_lns.training.profiling import StepProfiler, profile_window
-from megatron_lns.training.resume import interrupted_save_note, resume
+from megatron_lns.training.resume import (
+    changes_since_checkpoint,
+    interrupted_save_note,
+    resume,
+)
 from megatron_lns.training.run_dir import RunDirError, RunDirLock, claim_run_dir
 from megatron_lns.training.run_status import write_run_status
 from megatron_lns.training.step import (
@@ -252,6 +256,9 @@ class Trainer:
             self._print(note)
         if self.resumed_path is not None:
             self._print(f"resumed from {self.resumed_path} (step {self.state.iteration})")
+            changes = changes_since_checkpoint(self.resumed_path, self.config_yaml)
+            if changes is not None:
+                self._print(changes)
         self.consecutive_skips = 0
         self.manual_gc = ManualGarbageCollection(m.gc_interval)
         self.profiler = StepProfiler(

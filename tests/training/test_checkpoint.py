@@ -10,7 +10,10 @@ from megatron_lns.model import build_model
 from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
 from megatron_lns.training.checkpoint import (
     CheckpointError,
+    CheckpointMismatchError,
     TrainingState,
+    _extra_state_may_differ,
+    _key_filter,
     latest_complete_checkpoint,
     load_checkpoint,
     load_model_weights,
@@ -71,3 +74,39 @@ def test_not_a_checkpoint(seeded, tmp_path):
     with pytest.raises(CheckpointError, match="is not a megatron distributed checkpoint"):
         load_model_weights(build_model(tiny_config()), tmp_path)
     assert latest_complete_checkpoint(tmp_path / "missing") is None
+
+
+def test_a_tensor_the_checkpoint_lacks_or_holds_in_excess_is_an_error_naming_it(seeded, tmp_path):
+    save_model_weights(build_model(tiny_config(qk_layernorm=True)), tmp_path / "qk")
+    save_model_weights(build_model(tiny_config()), tmp_path / "plain")
+    key = r"'decoder\.layers\.self_attention\.[kq]_layernorm\.weight' and 1 more"
+    with pytest.raises(CheckpointMismatchError, match=key + " that the checkpoint holds and this"):
+        load_model_weights(build_model(tiny_config()), tmp_path / "qk")
+    with pytest.raises(CheckpointMismatchError, match=key + " that this model has and the check"):
+        load_model_weights(build_model(tiny_config(qk_layernorm=True)), tmp_path / "plain")
+
+
+@pytest.mark.parametrize("saved, loaded", [(True, False), (False, True)])
+def test_a_full_checkpoint_is_loaded_strictly_too(seeded, tmp_path, saved, loaded):
+    cfg, model, optimizer, scheduler = _setup(qk_layernorm=saved)
+    train_step(model, optimizer, fixed_microbatches(cfg.vocab_size, cfg.seq_length))
+    path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainingState(1, 4), "")
+    _, model, optimizer, scheduler = _setup(qk_layernorm=loaded)
+    side = "the checkpoint holds" if saved else "this model has"
+    key = r"'decoder\.layers\.self_attention\.[kq]_layernorm\.weight' and \d+ more"
+    with pytest.raises(CheckpointMismatchError, match=f"{key} that {side}") as err:
+        load_checkpoint(path, model, optimizer, scheduler)
+    assert "\n" not in str(err.value)
+
+
+def test_only_extra_state_may_differ_and_only_when_the_backend_changed():
+    same = _key_filter(extra_state_may_differ=False)
+    changed = _key_filter(extra_state_may_differ=True, also=("rng_state",))
+    key = "decoder.layers.self_attention.linear_qkv._extra_state"
+    assert not same(key) and changed(key) and changed("rng_state")
+    assert not changed("decoder.layers.self_attention.linear_qkv.weight")
+    record = {"provenance": {"backend": "te"}}
+    model = build_model(tiny_config())
+    assert _extra_state_may_differ(record, model)
+    assert not _extra_state_may_differ({"provenance": {"backend": "local"}}, model)
+    assert _extra_state_may_differ({}, model)  # written before the backend was recorded

@@ -129,7 +129,9 @@ def test_a_resume_with_nothing_left_to_do_says_so_and_writes_nothing(tmp_path, c
     before = final.stat().st_mtime_ns
     again = _run(tmp_path, tiny_run_config(tmp_path))
     assert again["steps"] == 6 and again["losses"] == []
-    assert "nothing to do:" in capfd.readouterr().out
+    out = capfd.readouterr().out
+    assert "nothing to do:" in out
+    assert "was written" not in out and "provenance" not in out  # same run: nothing to report
     assert final.stat().st_mtime_ns == before
 
 
