@@ -460,6 +460,17 @@ def test_a_stop_that_commits_nothing_after_the_start_up_is_not_called_a_short_sl
     assert "time slice is too short" not in last
 
 
+def test_runs_of_an_earlier_job_with_the_same_id_do_not_count(tmp_path):
+    """SLURM reuses job ids after its state is reset: a new job 42 is not the old one."""
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path))
+    run_dir = tmp_path / "runs" / "lns"
+    run_dir.mkdir(parents=True)
+    old = "42 0 start 0\n42 0 termed - after_s=9\n42 1 start 0\n42 1 termed - after_s=9\n"
+    (run_dir / "run_progress").write_text(old)
+    result, requeues, _, _ = _run_batch_script(tmp_path, cfg, "preempt_during_startup", 0)
+    assert result.returncode == 0 and requeues == "requeue 42\n", result.stdout
+
+
 def test_slurm_requeues_without_progress_stop_at_the_next_start(tmp_path):
     """SLURM requeues a job on its own (PreemptMode=REQUEUE): after two runs it ended
     before a checkpoint was committed, the next run does not start."""
