@@ -20,7 +20,8 @@ the rename), ``saved S`` (``step_s``: mean seconds per training step of this run
 opened with ``O_APPEND``, so lines never interleave.
 
 At its first commit the trainer also checks that the time it is given can make progress
-(:func:`coverage_warnings`) and warns once, in the job's log, when it cannot.
+(:func:`coverage_warnings`) and warns once when it cannot: in its own output (the run's
+log) and as ``warning - TEXT`` lines, which the batch script repeats in the job log.
 """
 
 from __future__ import annotations
@@ -46,12 +47,16 @@ class ProgressEvent:
     event: str
     step: int | None
     fields: dict[str, str] = field(default_factory=dict)
+    text: str = ""  # the words after the step (a warning's text)
 
 
-def append_event(run_dir: Path, job: SlurmJob, event: str, step: int | None, **fields) -> None:
+def append_event(
+    run_dir: Path, job: SlurmJob, event: str, step: int | None, text: str = "", **fields
+) -> None:
     """Append one line (one ``write``; ``O_APPEND`` keeps concurrent lines whole)."""
     words = [job.job_id, str(job.restart_count), event, "-" if step is None else str(step)]
     words += [f"{key}={value}" for key, value in fields.items()]
+    words += text.split()  # one line whatever the text holds
     fd = os.open(Path(run_dir) / RUN_PROGRESS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, (" ".join(words) + "\n").encode())
@@ -71,7 +76,8 @@ def read_events(run_dir: Path) -> list[ProgressEvent]:
             continue
         step = int(words[3]) if words[3].isdigit() else None
         pairs = dict(word.split("=", 1) for word in words[4:] if "=" in word)
-        events.append(ProgressEvent(words[0], int(words[1]), words[2], step, pairs))
+        text = " ".join(words[4:])
+        events.append(ProgressEvent(words[0], int(words[1]), words[2], step, pairs, text))
     return events
 
 
@@ -149,11 +155,11 @@ class ProgressRecorder:
         self.warned = False
         self.write_failed = False
 
-    def _append(self, event: str, step: int, **fields) -> list[str]:
+    def _append(self, event: str, step: int | None, text: str = "", **fields) -> list[str]:
         """Append a line; a failure is reported once and does not stop training (the
         guard then sees only the batch script's lines)."""
         try:
-            append_event(self.run_dir, self.job, event, step, **fields)
+            append_event(self.run_dir, self.job, event, step, text, **fields)
         except OSError as err:
             if not self.write_failed:
                 self.write_failed = True
@@ -195,7 +201,10 @@ class ProgressRecorder:
         if self.warned:
             return lines
         self.warned = True
-        return lines + coverage_warnings(
+        warnings = coverage_warnings(
             self.lead_s, self.time_limit_s, self.startup_s or 0.0, step_s, save_s,
             self.every, self.async_save,
         )  # fmt: skip
+        for warning in warnings:  # for the job log, where the batch script repeats them
+            lines += self._append("warning", None, warning)
+        return lines + warnings

@@ -471,6 +471,14 @@ def test_runs_of_an_earlier_job_with_the_same_id_do_not_count(tmp_path):
     assert result.returncode == 0 and requeues == "requeue 42\n", result.stdout
 
 
+def test_the_ranks_warnings_about_time_reach_the_job_log(tmp_path):
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path))
+    warning = "cluster.preemption_signal_lead_s=60 s cannot cover one step (2.0 s) plus ..."
+    result, _, _, _ = _run_batch_script(tmp_path, cfg, "finish", record=f"warning - {warning}")
+    assert result.returncode == 0
+    assert f"job 42 restart 0: warning: {warning}" in result.stdout  # the job log
+
+
 def test_slurm_requeues_without_progress_stop_at_the_next_start(tmp_path):
     """SLURM requeues a job on its own (PreemptMode=REQUEUE): after two runs it ended
     before a checkpoint was committed, the next run does not start."""

@@ -78,11 +78,14 @@ def test_the_recorder_runs_only_under_the_batch_script_and_warns_once(tmp_path, 
     first = recorder.committed(121, 70.0)
     assert len(first) == 1 and "preemption_signal_lead_s=60 s" in first[0]
     assert recorder.committed(122, 70.0) == []
-    assert (tmp_path / RUN_PROGRESS_FILE).read_text().splitlines() == [
+    lines = (tmp_path / RUN_PROGRESS_FILE).read_text().splitlines()
+    assert lines == [
         "42 3 resumed 120 startup_s=95 every=50",
         "42 3 saved 121 step_s=2.00 save_s=70.0",
+        f"42 3 warning - {first[0]}",  # the batch script repeats it in the job log
         "42 3 saved 122 step_s=2.00 save_s=70.0",
     ]
+    assert read_events(tmp_path)[2].text == first[0]
 
 
 def test_a_run_directory_that_cannot_be_written_costs_one_line_not_the_run(tmp_path):

@@ -149,6 +149,7 @@ def test_under_the_batch_script_the_run_records_its_progress_and_warns(
     assert [line.split()[:4] for line in lines] == [
         ["42", "1", "resumed", "0"],
         ["42", "1", "saved", "2"],
+        ["42", "1", "warning", "-"],  # for the job log (the batch script repeats it)
         ["42", "1", "saved", "4"],
     ]
     assert int(lines[0].split()[4].removeprefix("startup_s=")) >= 1000
