@@ -32,6 +32,8 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
+from collections.abc import Callable
 from functools import partial
 from multiprocessing.managers import SyncManager
 from pathlib import Path
@@ -71,16 +73,26 @@ class CheckpointWriter:
 
     ``asynchronous``: write in the background (module doc). ``parallel``: spread the
     writing of replicated shards over the data-parallel ranks (``checkpoint.save_strategy``).
+    ``on_commit(path, seconds)`` runs once each checkpoint is committed, with the seconds
+    from the start of its save (for an asynchronous one, up to the poll that committed it).
     """
 
-    def __init__(self, root: str | Path, asynchronous: bool = False, parallel: bool = False):
+    def __init__(
+        self,
+        root: str | Path,
+        asynchronous: bool = False,
+        parallel: bool = False,
+        on_commit: Callable[[Path, float], None] | None = None,
+    ):
         self.root = Path(root)
         self.asynchronous = asynchronous
         self.parallel = parallel
+        self.on_commit = on_commit
         self._calls = AsyncCallsQueue(persistent=False) if asynchronous else None
         self._results_server: SyncManager | None = None
         self._results_queue = None
         self._pending: dict[int, Path] = {}  # megatron's call index -> checkpoint
+        self._started: dict[int, float] = {}  # megatron's call index -> its save's start
 
     @property
     def pending(self) -> list[Path]:
@@ -93,12 +105,16 @@ class CheckpointWriter:
         A synchronous save returns once the checkpoint is committed; an asynchronous one
         once the state is taken, after waiting for the previous save to be committed.
         """
+        started = time.perf_counter()
         if not self.asynchronous:
-            return save_checkpoint(
+            final = save_checkpoint(
                 self.root, model, optimizer, scheduler, state, config_yaml,
                 save_strategy(self.parallel),
             )  # fmt: skip
+            self._committed(final, started)
+            return final
         self.wait()
+        started = time.perf_counter()  # the previous save's wait is not this save's time
         final, request = start_checkpoint_save(
             self.root, model, optimizer, scheduler, state, config_yaml,
             save_strategy(self.parallel), self._results(),
@@ -107,8 +123,13 @@ class CheckpointWriter:
             request = request._replace(
                 async_fn=partial(_write_following_rank, os.getpid(), request.async_fn)
             )
-        self._pending[self._calls.schedule_async_request(request)] = final
+        index = self._calls.schedule_async_request(request)
+        self._pending[index], self._started[index] = final, started
         return final
+
+    def _committed(self, path: Path, started: float) -> None:
+        if self.on_commit is not None:
+            self.on_commit(path, time.perf_counter() - started)
 
     def poll(self) -> list[Path]:
         """Commit the saves that every rank has finished writing; never waits."""
@@ -127,12 +148,16 @@ class CheckpointWriter:
             # torch's CheckpointException derives from BaseException.
             failed = next(iter(self._pending.values()))  # the oldest: finalised first
             self._pending.clear()
+            self._started.clear()
             cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
             raise CheckpointError(
                 f"could not save checkpoint {failed} (left as {failed.name}.partial, which "
                 f"resume ignores): {cause}"
             ) from err
-        return [self._pending.pop(index) for index in done]
+        committed = [self._pending.pop(index) for index in done]
+        for index, path in zip(done, committed, strict=True):
+            self._committed(path, self._started.pop(index))
+        return committed
 
     def _results(self):
         """The queue megatron's forked writer reports through, served by a process that
@@ -152,6 +177,7 @@ class CheckpointWriter:
                 call.async_caller.close(abort=True)
             self._calls.async_calls.clear()
             self._pending.clear()
+            self._started.clear()
         if self._results_server is not None:
             with contextlib.suppress(Exception):
                 self._results_server.shutdown()

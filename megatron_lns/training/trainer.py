@@ -37,6 +37,7 @@ from megatron_lns.build import (
     tokenizer_spec,
 )
 from megatron_lns.config import ExperimentConfig, to_yaml
+from megatron_lns.config.cluster import time_limit_seconds
 from megatron_lns.config.paths import run_directory
 from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.data.datasets import held_out_batches, micro_batch_loader
@@ -45,7 +46,7 @@ from megatron_lns.errors import UserError
 from megatron_lns.layout import micro_batches_per_step
 from megatron_lns.runtime import init_distributed
 from megatron_lns.training.batch_size import init_batch_size_calculator
-from megatron_lns.training.checkpoint import latest_complete_checkpoint
+from megatron_lns.training.checkpoint import CHECKPOINT_DIR_RE, latest_complete_checkpoint
 from megatron_lns.training.checkpoint_writer import CheckpointWriter
 from megatron_lns.training.manual_gc import ManualGarbageCollection
 from megatron_lns.training.metrics import MetricsLogger
@@ -57,6 +58,7 @@ from megatron_lns.training.resume import (
     resume,
 )
 from megatron_lns.training.run_dir import RunDirError, RunDirLock, claim_run_dir
+from megatron_lns.training.run_progress import ProgressRecorder
 from megatron_lns.training.run_status import write_run_status
 from megatron_lns.training.step import (
     Batch,
@@ -175,10 +177,12 @@ class Trainer:
         self.is_rank0 = dist.get_rank() == 0
         self.config_yaml = to_yaml(cfg)
         self.run_lock = self._claim_run_dir()
+        self.progress = self._progress_recorder() if self.is_rank0 else None
         self.checkpoints = CheckpointWriter(
             self.checkpoint_dir,
             asynchronous=cfg.exp_manager.checkpoint_callback_params.async_save,
             parallel=cfg.model.dist_ckpt_parallel_save,
+            on_commit=self._checkpoint_committed,
         )
         try:
             self._build()
@@ -200,6 +204,23 @@ class Trainer:
         if shared[0] is not None:
             raise RunDirError(shared[0])
         return lock
+
+    def _progress_recorder(self) -> ProgressRecorder | None:
+        """Records for the batch script's progress guard (under it only; run_progress.py)."""
+        c, saves = self.cfg.cluster, self.cfg.exp_manager.checkpoint_callback_params
+        return ProgressRecorder.for_this_run(
+            self.run_dir,
+            c.preemption_signal_lead_s,
+            time_limit_seconds(c.time_limit) if c.time_limit is not None else None,
+            saves.every_n_train_steps,
+            saves.async_save,
+        )
+
+    def _checkpoint_committed(self, path: Path, seconds: float) -> None:
+        if self.progress is not None:
+            step = int(CHECKPOINT_DIR_RE.match(path.name).group(1))
+            for line in self.progress.committed(step, seconds):
+                self._print(f"warning: {line}")
 
     def _build(self) -> None:
         cfg = self.cfg
@@ -453,6 +474,9 @@ class Trainer:
         stop = self.stop_request
         every = cfg.exp_manager.checkpoint_callback_params.every_n_train_steps
         throughput = _Throughput()
+        if self.progress is not None:
+            for line in self.progress.resumed(self.state.iteration):
+                self._print(f"warning: {line}")
         self.manual_gc.start()
         try:
             while self.state.iteration < t.max_steps:
@@ -461,7 +485,10 @@ class Trainer:
                 start = time.perf_counter()
                 with self.profiler.step(self.state.iteration + 1):
                     result = self.train_step()
-                throughput.add(result.num_tokens, time.perf_counter() - start)
+                seconds = time.perf_counter() - start
+                throughput.add(result.num_tokens, seconds)
+                if self.progress is not None:
+                    self.progress.step_done(seconds)
                 step, advanced = self.state.iteration, result.update_successful
                 self.checkpoints.poll()  # commit a background save every rank has written
                 if advanced:

@@ -42,7 +42,8 @@ JOB = [
     "cluster.time_limit='10'",
     "cluster.preemption_signal_lead_s=60",
 ]
-JOB_NAME = "megatron_lns-tiny_cpu_demo"
+# The job name ends in the submission's time stamp (config/cluster.py: job_name).
+JOB_NAME = "megatron_lns-tiny_cpu_demo-lns-"
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 WAIT_S = 240
 
@@ -102,8 +103,14 @@ def _submit(submitted: list[str], exp_dir: Path, *overrides: str) -> str:
     job_id = first.split()[2].rstrip(":")
     submitted.append(job_id)
     run_dir = exp_dir / "lns"
-    assert f"job log: {run_dir}/logs/{JOB_NAME}-{job_id}.log" in stdout.getvalue()
+    assert f"job log: {_log(run_dir, job_id)}\n" in stdout.getvalue()
     return job_id
+
+
+def _log(run_dir: Path, job_id: str, run: str = "") -> Path:
+    """The job's log (``run``: "-restart<k>", that run's own log)."""
+    stamp = next((run_dir / "slurm").iterdir()).name  # one submission per run directory
+    return run_dir / "logs" / f"{JOB_NAME}{stamp}-{job_id}{run}.log"
 
 
 def _job(job_id: str) -> dict[str, str]:
@@ -153,9 +160,9 @@ def test_submitted_job_runs_to_max_steps(uninterrupted):
     job_id, run_dir, job = uninterrupted
     assert job["JobState"] == "COMPLETED", _logs(run_dir)
     assert job["ExitCode"] == "0:0" and job["Restarts"] == "0"
-    job_log = (run_dir / "logs" / f"{JOB_NAME}-{job_id}.log").read_text()
+    job_log = _log(run_dir, job_id).read_text()
     assert f"finished at step {MAX_STEPS}" in job_log
-    run_log = (run_dir / "logs" / f"{JOB_NAME}-{job_id}-restart0.log").read_text()
+    run_log = _log(run_dir, job_id, "-restart0").read_text()
     assert f"step {MAX_STEPS:6d}  loss" in run_log
     assert (run_dir / "run_status").read_text() == f"finished {MAX_STEPS}\n"
     assert latest_complete_checkpoint(run_dir / "checkpoints").name == f"iter_{MAX_STEPS:07d}"
@@ -190,15 +197,24 @@ def test_preempted_job_requeues_and_continues_the_loss_curve_exactly(
     job = _wait_for_end(job_id, run_dir)
 
     assert job["JobState"] == "COMPLETED" and job["Restarts"] == "1", _logs(run_dir)
-    job_log = (run_dir / "logs" / f"{JOB_NAME}-{job_id}.log").read_text()
+    job_log = _log(run_dir, job_id).read_text()
     assert "requeueing (1 of at most 5)" in job_log, job_log
     assert f"finished at step {MAX_STEPS}" in job_log
     stopped_at = int(job_log.split("restart 0: stopped at step ")[1].split(";")[0])
     assert 3 <= stopped_at < MAX_STEPS
-    second_run = (run_dir / "logs" / f"{JOB_NAME}-{job_id}-restart1.log").read_text()
+    second_run = _log(run_dir, job_id, "-restart1").read_text()
     assert f"(step {stopped_at})" in second_run and "resumed from" in second_run
     # Every step exactly once, with the uninterrupted job's losses (bitwise on CPU).
     assert _losses(run_dir) == _losses(uninterrupted[1])
+    # What the progress guard read (docs/cluster.md#progress-guard): each run's start
+    # with the newest checkpoint, the step it resumed from, the warning, the commits.
+    lines = [line.split() for line in (run_dir / "run_progress").read_text().splitlines()]
+    events = sorted((run, event, step) for job_, run, event, step, *_ in lines if job_ == job_id)
+    stopped = str(stopped_at)
+    assert events == sorted([
+        ("0", "start", "0"), ("0", "resumed", "0"), ("0", "warned", "-"), ("0", "saved", stopped),
+        ("1", "start", stopped), ("1", "resumed", stopped), ("1", "saved", str(MAX_STEPS)),
+    ]), lines  # fmt: skip
 
 
 def test_job_failing_at_run_time_ends_failed_without_requeue(slurm, tmp_path):
@@ -219,8 +235,8 @@ def test_job_failing_at_run_time_ends_failed_without_requeue(slurm, tmp_path):
     # 2 (the error) or 143: srun --kill-on-bad-exit TERMs the other rank, and reports
     # the highest status of all tasks.
     assert job["ExitCode"] in ("2:0", "143:0"), job["ExitCode"]
-    job_log = (run_dir / "logs" / f"{JOB_NAME}-{job_id}.log").read_text()
+    job_log = _log(run_dir, job_id).read_text()
     assert f"failed: srun exited with status {job['ExitCode'][:-2]}; not requeued" in job_log
-    run_log = (run_dir / "logs" / f"{JOB_NAME}-{job_id}-restart0.log").read_text()
+    run_log = _log(run_dir, job_id, "-restart0").read_text()
     assert f"model.data.data_prefix: {prefix}.bin does not exist" in run_log
     assert not (run_dir / "run_status").exists()

@@ -5,6 +5,7 @@ section's checks, and the per-task rank environment derived from SLURM's variabl
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -231,6 +232,17 @@ FAKE_SRUN = r"""#!/bin/bash
 # Records what it was given, then behaves as the test asks ($FAKE_MODE).
 printf '%s\0' "$@" > "$FAKE_OUT/argv"
 for name in $FAKE_ENV_NAMES; do printf '%s\0' "${!name}"; done > "$FAKE_OUT/env"
+run_dir=${FAKE_STATUS%/*}
+# What the trainer would record for the progress guard ("resumed 4 startup_s=30").
+if [[ -n ${FAKE_RECORD:-} ]]; then
+    echo "$SLURM_JOB_ID ${SLURM_RESTART_COUNT:-0} $FAKE_RECORD" >> "$run_dir/run_progress"
+fi
+save() {  # a committed checkpoint of step $FAKE_STEP
+    local dir
+    printf -v dir '%s/checkpoints/iter_%07d' "$run_dir" "$FAKE_STEP"
+    mkdir -p "$dir" && touch "$dir/complete.json"
+    echo "stopped $FAKE_STEP" > "$FAKE_STATUS"
+}
 case $FAKE_MODE in
     finish) echo "finished 6" > "$FAKE_STATUS"; exit 0 ;;
     fail) exit 3 ;;
@@ -247,6 +259,11 @@ case $FAKE_MODE in
         kill -TERM "$PPID"
         sleep 0.5
         echo "stopped 4" > "$FAKE_STATUS"; exit 0 ;;
+    preempt_saving)
+        trap 'save; exit 0' USR1
+        kill -USR1 "$PPID"
+        for _ in $(seq 100); do sleep 0.1; done
+        exit 9 ;;
     preempt_during_startup)
         # No handler yet: the forwarded warning kills the task (status 138).
         kill -USR1 "$PPID"
@@ -259,7 +276,10 @@ echo "$*" >> "$FAKE_OUT/scontrol"
 """
 
 
-def _run_batch_script(tmp_path, cfg, mode, restart=None, python="/opt/venv/bin/python", env=()):
+def _run_batch_script(
+    tmp_path, cfg, mode, restart=None, python="/opt/venv/bin/python", env=(), **fake
+):
+    """Run the rendered script with stand-ins; ``fake``: FAKE_STEP, FAKE_RECORD, ..."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
@@ -267,6 +287,8 @@ def _run_batch_script(tmp_path, cfg, mode, restart=None, python="/opt/venv/bin/p
         (bin_dir / name).chmod(0o755)
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
+    for left in out.iterdir():  # what the stand-ins recorded in an earlier run
+        left.unlink()
     workdir = tmp_path / "work dir 'x' $(touch PWNED)"
     workdir.mkdir(exist_ok=True)
     job = prepare_job(cfg, workdir, python, stamp=STAMP)
@@ -279,6 +301,7 @@ def _run_batch_script(tmp_path, cfg, mode, restart=None, python="/opt/venv/bin/p
         "SLURM_JOB_ID": "42",
         "SLURM_JOB_NAME": "megatron_lns-tiny_cpu_demo",
         "SLURM_JOB_NODELIST": "vm",
+        **{f"FAKE_{name.upper()}": str(value) for name, value in fake.items()},
     }
     if restart is not None:
         run_env["SLURM_RESTART_COUNT"] = str(restart)
@@ -367,6 +390,111 @@ def test_batch_script_does_not_requeue_a_failure_or_a_stop_without_warning(tmp_p
     cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path))
     result, requeues, _, _ = _run_batch_script(tmp_path, cfg, mode)
     assert result.returncode == code and requeues == ""
+
+
+# --- the progress guard (docs/cluster.md#progress-guard) ---------------------------------
+
+
+def _progress(job):
+    return _timeless((job.paths.run_dir / "run_progress").read_text()).splitlines()
+
+
+def _timeless(text):
+    """Seconds measured by the script (0 or 1 here) as N."""
+    return re.sub(r"(after_s=|came |\(TERM\) )\d+", r"\1N", text)
+
+
+def test_two_runs_killed_while_starting_stop_the_requeues_saying_the_slice_is_too_short(
+    tmp_path,
+):
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path), "cluster.preemption_signal_lead_s=120")
+    # An earlier job of the experiment measured its start-up, step and save.
+    run_dir = tmp_path / "runs" / "lns"
+    run_dir.mkdir(parents=True)
+    (run_dir / "run_progress").write_text(
+        "7 0 start 0\n7 0 resumed 0 startup_s=610 every=50\n7 0 saved 50 step_s=2.50 save_s=40.0\n"
+    )
+    first, requeues, out, job = _run_batch_script(
+        tmp_path, cfg, "preempt_during_startup", restart=0, env=["MEGATRON_LNS_BATCH_START"]
+    )
+    assert first.returncode == 0 and requeues == "requeue 42\n", first.stdout
+    assert (out / "env").read_text().rstrip("\0").isdigit()  # the trainer's start-up clock
+    second, requeues, _, _ = _run_batch_script(tmp_path, cfg, "preempt_during_startup", restart=1)
+    assert second.returncode == 1 and requeues == "", second.stdout
+    last = _timeless(second.stdout.splitlines()[-1])
+    assert "not requeued: the last 2 runs of this job did not advance the newest complete " \
+        "checkpoint (step 0): the time slice is too short: the warning came N s after the " \
+        "start, while the ranks were still starting (start-up: 610 s; then one step: 2.50 s " \
+        "and one save: 40.0 s, within cluster.preemption_signal_lead_s=120 s); raise " \
+        "cluster.time_limit" in last  # fmt: skip
+    assert _progress(job)[3:] == [
+        "42 0 start 0", "42 0 warned - after_s=N", "42 1 start 0", "42 1 warned - after_s=N",
+        "42 1 guard -",
+    ]  # fmt: skip
+
+
+def test_a_run_that_commits_a_newer_checkpoint_resets_the_count(tmp_path):
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path))
+    runs = ["preempt_during_startup", "preempt_saving", "preempt_during_startup"]
+    for restart, mode in enumerate(runs):
+        result, requeues, _, job = _run_batch_script(tmp_path, cfg, mode, restart, step=5)
+        assert result.returncode == 0 and requeues == "requeue 42\n", result.stdout
+    result, requeues, _, job = _run_batch_script(tmp_path, cfg, "preempt_during_startup", 3)
+    assert result.returncode == 1 and requeues == ""
+    assert "the last 2 runs of this job did not advance the newest complete checkpoint " \
+        "(step 5)" in result.stdout  # fmt: skip
+    assert [line for line in _progress(job) if " start " in line] == [
+        "42 0 start 0", "42 1 start 0", "42 2 start 5", "42 3 start 5",
+    ]  # fmt: skip
+
+
+def test_a_stop_that_commits_nothing_after_the_start_up_is_not_called_a_short_slice(tmp_path):
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path))
+    for restart in (0, 1):  # started, stopped at step 4, but no checkpoint committed
+        result, requeues, _, _ = _run_batch_script(
+            tmp_path, cfg, "preempt", restart, record="resumed 4 startup_s=0 every=3"
+        )
+    assert result.returncode == 1 and requeues == ""
+    last = _timeless(result.stdout.splitlines()[-1])
+    assert "the warning came N s after the start, when the ranks had started" in last
+    assert "time slice is too short" not in last
+
+
+def test_runs_of_an_earlier_job_with_the_same_id_do_not_count(tmp_path):
+    """SLURM reuses job ids after its state is reset: a new job 42 is not the old one."""
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path))
+    run_dir = tmp_path / "runs" / "lns"
+    run_dir.mkdir(parents=True)
+    old = "42 0 start 0\n42 0 termed - after_s=9\n42 1 start 0\n42 1 termed - after_s=9\n"
+    (run_dir / "run_progress").write_text(old)
+    result, requeues, _, _ = _run_batch_script(tmp_path, cfg, "preempt_during_startup", 0)
+    assert result.returncode == 0 and requeues == "requeue 42\n", result.stdout
+
+
+def test_the_ranks_warnings_about_time_reach_the_job_log(tmp_path):
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path))
+    warning = "cluster.preemption_signal_lead_s=60 s cannot cover one step (2.0 s) plus ..."
+    result, _, _, _ = _run_batch_script(tmp_path, cfg, "finish", record=f"warning - {warning}")
+    assert result.returncode == 0
+    assert f"job 42 restart 0: warning: {warning}" in result.stdout  # the job log
+
+
+def test_slurm_requeues_without_progress_stop_at_the_next_start(tmp_path):
+    """SLURM requeues a job on its own (PreemptMode=REQUEUE): after two runs it ended
+    before a checkpoint was committed, the next run does not start."""
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path))
+    for restart in (0, 1):
+        result, requeues, _, _ = _run_batch_script(tmp_path, cfg, "term", restart)
+        assert result.returncode == 0 and requeues == ""
+    assert "if SLURM requeues it, the next run will not start" in result.stdout
+    third, _, out, _ = _run_batch_script(tmp_path, cfg, "finish", 2)
+    assert third.returncode == 1 and not (out / "argv").exists(), third.stdout
+    last = _timeless(third.stdout.splitlines()[-1])
+    assert "not started: the last 2 runs of this job did not advance" in last
+    assert "SLURM ended them (TERM) N s after the start" in last
+    # Requeued by hand after that stop: the guard counts afresh.
+    fourth, _, out, _ = _run_batch_script(tmp_path, cfg, "finish", 3)
+    assert fourth.returncode == 0 and "finished at step 6" in fourth.stdout
 
 
 def test_submit_dry_run_prints_the_script_and_writes_nothing(tmp_path, capsys, monkeypatch):

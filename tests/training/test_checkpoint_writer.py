@@ -76,6 +76,32 @@ def test_an_async_save_takes_the_state_at_once_and_counts_only_once_committed(se
         assert torch.equal(loaded, expected)
 
 
+def test_each_commit_is_reported_once_with_the_seconds_its_save_took(seeded, tmp_path):
+    """The progress guard's save time (run_progress.py): reported when a checkpoint is
+    committed, for a synchronous save at once, for an asynchronous one by the wait."""
+    from helpers import tiny_config
+
+    from megatron_lns.build import wrap_with_ddp
+    from megatron_lns.model import build_model
+    from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
+    from megatron_lns.training.checkpoint import TrainingState
+    from megatron_lns.training.checkpoint_writer import CheckpointWriter
+
+    model = wrap_with_ddp(build_model(tiny_config()))
+    optimizer, scheduler = build_optimizer_and_scheduler(model, OptimSettings(), 10)
+    for asynchronous in (False, True):
+        commits = []
+        writer = CheckpointWriter(
+            tmp_path / str(asynchronous), asynchronous,
+            on_commit=lambda path, seconds: commits.append((path, seconds)),  # noqa: B023
+        )  # fmt: skip
+        path = writer.save(model, optimizer, scheduler, TrainingState(1, 4), "")
+        assert len(commits) == (0 if asynchronous else 1)
+        writer.wait()
+        writer.close()
+        assert [p for p, _ in commits] == [path] and 0 < commits[0][1] < 60
+
+
 def test_a_failed_background_write_is_one_error_naming_the_checkpoint(
     seeded, tmp_path, monkeypatch
 ):

@@ -112,3 +112,50 @@ def test_manual_gc_interval_and_profile_window_in_a_run(tmp_path):
     assert collected_at == [0, 2, 4]
     assert enabled == [False, False, False] and enabled_after
     assert traces == ["rank0_steps2-3.json"]
+
+
+def _fit(cfg):
+    from megatron_lns.training.trainer import Trainer
+
+    Trainer(cfg).fit()
+
+
+def test_under_the_batch_script_the_run_records_its_progress_and_warns(
+    tmp_path, monkeypatch, capfd
+):
+    """What the progress guard reads (run_progress.py), and the warning of a time limit
+    that ends before the start-up does."""
+    import time
+
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    monkeypatch.delenv("SLURM_JOB_END_TIME", raising=False)
+    # The batch script started 1000 s ago; the time limit is 10 minutes.
+    monkeypatch.setenv("MEGATRON_LNS_BATCH_START", str(int(time.time()) - 1000))
+    cfg = load_config(
+        DEMO,
+        [
+            *TINY,
+            "trainer.max_steps=4",
+            "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
+            "cluster.time_limit='10'",
+            "cluster.preemption_signal_lead_s=60",
+            f"exp_manager.exp_dir={tmp_path}",
+        ],
+    )
+    validate(cfg)
+    run_distributed(_fit, 1, tmp_path, cfg)
+    lines = (tmp_path / "lns" / "run_progress").read_text().splitlines()
+    assert [line.split()[:4] for line in lines] == [
+        ["42", "1", "resumed", "0"],
+        ["42", "1", "saved", "2"],
+        ["42", "1", "warning", "-"],  # for the job log (the batch script repeats it)
+        ["42", "1", "saved", "4"],
+    ]
+    assert int(lines[0].split()[4].removeprefix("startup_s=")) >= 1000
+    assert lines[0].split()[5] == "every=2"
+    out = capfd.readouterr().out
+    warnings = [line for line in out.splitlines() if "warning: " in line]
+    assert len(warnings) == 1, out
+    assert "warning: the time limit (600 s) minus cluster.preemption_signal_lead_s (60 s) is " \
+        "shorter than the start-up" in warnings[0]  # fmt: skip

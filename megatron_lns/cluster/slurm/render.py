@@ -27,6 +27,7 @@ from megatron_lns.cluster.slurm.options import (
 )
 from megatron_lns.config import ConfigError, ExperimentConfig
 from megatron_lns.config.cluster import job_name
+from megatron_lns.training.run_progress import RUN_PROGRESS_FILE
 from megatron_lns.training.run_status import RUN_STATUS_FILE
 
 # slurm/ at the top of the repository, inside the package through the megatron_lns/slurm
@@ -301,7 +302,10 @@ def render_sbatch(cfg: ExperimentConfig, paths: JobPaths, python: str) -> str:
         "workdir": quote("submit directory", paths.workdir),
         "log_dir": quote("exp_manager.exp_dir", paths.log_dir),
         "status_file": quote("exp_manager.exp_dir", paths.run_dir / RUN_STATUS_FILE),
+        "progress_file": quote("exp_manager.exp_dir", paths.run_dir / RUN_PROGRESS_FILE),
+        "checkpoint_dir": quote("exp_manager.exp_dir", paths.run_dir / "checkpoints"),
         "max_requeues": str(c.max_requeues),
+        "lead_s": str(c.preemption_signal_lead_s),
         "env_exports": env_exports(cfg),
         "srun_command": srun_command(cfg, paths, python),
     }
