@@ -171,14 +171,18 @@ def trained_steps(job: Job, steps: int):
     return done
 
 
-def start_requeued_soon(job_id: str) -> None:
+def start_requeued_soon(job: Job) -> None:
     """SLURM holds a requeued job back ~2 minutes (BeginTime); as root, start it sooner.
 
-    Not in the same second as the requeue: slurmd compares a new launch credential with
-    the previous run's revocation by the second and kills a start within it ("Job
-    credential revoked"; seen once in CI as a FAILED job with no restart1 log)."""
+    Only once the job is PENDING: a job requeued for a failed node first completes on
+    its other nodes (up to KillWait), and SLURM sets BeginTime again when it is then
+    requeued. Not in the same second as the requeue: slurmd compares a new launch
+    credential with the previous run's revocation by the second and kills a start within
+    it ("Job credential revoked"; seen once in CI as a FAILED job with no restart1 log)."""
+    settled = ("PENDING", "RUNNING", *TERMINAL)  # not COMPLETING, REQUEUED, ...
+    wait_until(job, lambda state: state["JobState"] in settled, "pending after requeue", 60)
     subprocess.run(
-        ["scontrol", "update", f"JobId={job_id}", "StartTime=now+2"], capture_output=True
+        ["scontrol", "update", f"JobId={job.id}", "StartTime=now+2"], capture_output=True
     )
 
 

@@ -72,7 +72,7 @@ def test_preempted_job_requeues_and_continues_the_loss_curve_exactly(
     # batch shell, its children and every task.
     subprocess.run(["scancel", "--signal=USR1", "--full", job.id], check=True)
     wait_until(job, lambda state: state["Restarts"] == "1", "requeue")
-    start_requeued_soon(job.id)
+    start_requeued_soon(job)
     state = wait_for_end(job)
 
     assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", logs(run_dir)

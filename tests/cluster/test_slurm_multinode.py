@@ -6,13 +6,13 @@ network namespace, with its own address and hostname; docs/cluster.md):
   namespaces' network) ends with exactly the losses of the same config on 4 local ranks;
 - every task's rank environment comes from the compressed node list SLURM gives, and
   MASTER_ADDR (its first host) resolves on every node to rank 0's node;
-- a preemption warning to both nodes saves, requeues and resumes bitwise;
-- a node lost mid-run (off the network, its slurmd and ranks killed) makes SLURM requeue
-  the job, which comes back on the remaining node and the third one and finishes with
-  the uninterrupted losses.
+- a preemption warning to both nodes saves, requeues and resumes bitwise; a node lost
+  afterwards (off the network, its slurmd and ranks killed) makes SLURM requeue the
+  job, which comes back on the remaining node and the third one and finishes with the
+  uninterrupted losses (one job for both: every start-up of 4 ranks is expensive).
 
 Needs ``SLURM_CONF`` of a cluster with 2 idle nodes (3, and ``cluster.sh``'s DIR, for the
-lost node); skips without, except under CI=true, where it fails.
+interrupted job); skips without, except under CI=true, where it fails.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from helpers import DEMO_CONFIG, ROOT, fresh_launch_env
 from slurm_jobs import (
     JOB,
     MAX_STEPS,
-    job_state,
+    TERMINAL,
+    Job,
     logs,
     losses,
     require_cluster,
@@ -134,23 +135,6 @@ def test_every_rank_finds_rank_zero_through_the_first_host_of_the_node_list(slur
         assert master_addr == rank0_host and resolved == rank0_address, rows
 
 
-def test_preemption_across_both_nodes_resumes_bitwise(slurm, two_node_run, tmp_path):
-    job = submit(slurm, tmp_path, *TWO_NODES)
-    assert wait_until(job, trained_steps(job, 3), "step 3")["JobState"] == "RUNNING"
-    subprocess.run(["scancel", "--signal=USR1", "--full", job.id], check=True)
-    wait_until(job, lambda state: state["Restarts"] == "1", "requeue")
-    start_requeued_soon(job.id)
-    state = wait_for_end(job)
-
-    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", logs(job.run_dir)
-    job_log = job.log.read_text()
-    assert "requeueing (1 of at most 5)" in job_log, job_log
-    stopped_at = int(job_log.split("restart 0: stopped at step ")[1].split(";")[0])
-    assert 3 <= stopped_at < MAX_STEPS
-    assert f"(step {stopped_at})" in job.run_log(1).read_text()
-    assert losses(job.run_dir) == losses(two_node_run[0].run_dir)
-
-
 def _cluster_dir() -> Path:
     """The directory `cluster.sh start` ran in: where SLURM_CONF is, with the network it
     made (needed to take one of its nodes down)."""
@@ -168,34 +152,68 @@ def _cluster_sh(*args: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
-def test_job_on_a_lost_node_comes_back_on_the_remaining_capacity(slurm, two_node_run, tmp_path):
+def _losses_logged(job: Job) -> int:
+    metrics = job.run_dir / "metrics.jsonl"
+    return metrics.read_text().count('"loss"') if metrics.is_file() else 0
+
+
+def test_preempted_then_lost_node_job_comes_back_each_time_and_ends_bitwise(
+    slurm, two_node_run, tmp_path
+):
+    """One job, two interruptions (each 4-rank start-up costs ~40 s of this machine's
+    two cores, so one job serves both): a preemption warning reaches both nodes, the
+    job saves, requeues itself and resumes; then a node is lost, SLURM requeues the job
+    onto the remaining capacity (the surviving node and the third), and it resumes from
+    the newest checkpoint and finishes."""
     require_cluster(nodes=3)
     cluster = _cluster_dir()
-    # A checkpoint every 3 steps: the requeued run resumes from one.
     job = submit(
         slurm, tmp_path, *TWO_NODES, "exp_manager.checkpoint_callback_params.every_n_train_steps=3"
     )
-    assert wait_until(job, trained_steps(job, 4), "step 4")["JobState"] == "RUNNING"
-    first_nodes = expand_nodelist(job_state(job.id)["NodeList"])
-    lost = first_nodes[1]  # not the batch script's node: that one lives on
+    assert wait_until(job, trained_steps(job, 3), "step 3")["JobState"] == "RUNNING"
+    subprocess.run(["scancel", "--signal=USR1", "--full", job.id], check=True)
+    wait_until(job, lambda state: state["Restarts"] == "1", "requeue after USR1")
+    stopped_at = int(job.log.read_text().split("restart 0: stopped at step ")[1].split(";")[0])
+    assert 3 <= stopped_at < MAX_STEPS - 1, stopped_at
+    start_requeued_soon(job)
+
+    def running_past_the_preemption(state):
+        return state["JobState"] in TERMINAL or (
+            state["JobState"] == "RUNNING" and _losses_logged(job) > stopped_at
+        )
+
+    state = wait_until(job, running_past_the_preemption, f"step {stopped_at + 1}")
+    assert state["JobState"] == "RUNNING" and state["Restarts"] == "1", logs(job.run_dir)
+    nodes = expand_nodelist(state["NodeList"])
+    lost = nodes[1]  # not the batch script's node: that one lives on
     lost_number = re.search(r"(\d+)$", lost).group(1)
     _cluster_sh("kill-node", str(cluster), lost_number)
     try:
-        wait_until(job, lambda state: state["Restarts"] == "1", "requeue", NODE_LOSS_WAIT_S)
-        start_requeued_soon(job.id)
+        state = wait_until(
+            job,
+            lambda state: state["Restarts"] == "2" or state["JobState"] in TERMINAL,
+            "requeue after the node loss",
+            NODE_LOSS_WAIT_S,
+        )
+        assert state["Restarts"] == "2", f"not requeued: {state}\n{logs(job.run_dir)}"
+        start_requeued_soon(job)
         state = wait_for_end(job)
     finally:
         _cluster_sh("revive-node", str(cluster), lost_number)
 
-    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", logs(job.run_dir)
-    second_nodes = expand_nodelist(state["NodeList"])
-    assert len(second_nodes) == 2 and lost not in second_nodes, (first_nodes, second_nodes)
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "2", logs(job.run_dir)
+    final_nodes = expand_nodelist(state["NodeList"])
+    assert len(final_nodes) == 2 and lost not in final_nodes, (nodes, final_nodes)
     job_log = job.log.read_text()
-    assert "restart 1: starting on" in job_log and "requeued by SLURM" in job_log, job_log
-    assert "resumed from" in job.run_log(1).read_text()
-    # Steps after the checkpoint ran twice (before the loss and after the resume); every
-    # one of them, each time, with the uninterrupted job's loss.
+    assert "requeueing (1 of at most 5)" in job_log, job_log
+    assert "restart 2: starting on" in job_log and "requeued by SLURM" in job_log, job_log
+    assert f"(step {stopped_at})" in job.run_log(1).read_text()
+    assert "resumed from" in job.run_log(2).read_text()
+    # Every step up to the preemption once (the requeue resumed exactly there); the steps
+    # after the last checkpoint before the node was lost twice; every one of them, each
+    # time, with the uninterrupted job's loss.
     expected = dict(losses(two_node_run[0].run_dir))
     logged = losses(job.run_dir)
-    assert {step for step, _ in logged} == set(expected)
+    assert [step for step, _ in logged[:stopped_at]] == list(range(1, stopped_at + 1))
+    assert {step for step, _ in logged} == set(expected) == set(range(1, MAX_STEPS + 1))
     assert [(step, expected[step]) for step, _ in logged] == logged
