@@ -142,13 +142,15 @@ def logs(run_dir: Path) -> str:
     return "\n".join(f"== {p.name}\n{p.read_text()}" for p in sorted(run_dir.glob("logs/*.log")))
 
 
-def wait_until(job: Job, done, what: str, wait_s: float = WAIT_S) -> dict[str, str]:
+def wait_until(
+    job: Job, done, what: str, wait_s: float = WAIT_S, poll_s: float = 1.0
+) -> dict[str, str]:
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         state = job_state(job.id)
         if done(state):
             return state
-        time.sleep(1)
+        time.sleep(poll_s)
     subprocess.run(["scancel", job.id], capture_output=True)
     pytest.fail(
         f"job {job.id}: no {what} after {wait_s}s ({job_state(job.id)})\n{logs(job.run_dir)}"
