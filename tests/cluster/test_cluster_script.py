@@ -22,11 +22,13 @@ PORT_VARIABLES = ("SLURM_TEST_CTLD_PORT", "SLURM_TEST_SLURMD_PORT")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="cluster.sh start needs root")
 
 
-def _cluster_sh(command: str, cluster_dir: Path, **ports: int) -> subprocess.CompletedProcess:
+def _cluster_sh(
+    command: str, cluster_dir: Path, *args: str, **ports: int
+) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in PORT_VARIABLES}
     env.update({name: str(port) for name, port in ports.items()})
     return subprocess.run(
-        [str(SCRIPT), command, str(cluster_dir)], env=env, capture_output=True, text=True,
+        [str(SCRIPT), command, str(cluster_dir), *args], env=env, capture_output=True, text=True,
         timeout=180,
     )  # fmt: skip
 
@@ -146,3 +148,47 @@ def _running(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
     return state != "Z"
+
+
+@needs_root
+@pytest.mark.skipif(shutil.which("slurmctld") is None, reason="SLURM is not installed")
+def test_nodes_in_namespaces_have_their_own_names_and_addresses_and_are_removed_at_stop():
+    base = Path(tempfile.mkdtemp(prefix="megatron-lns-cluster-test."))
+    base.chmod(0o755)
+    cluster = base / "cluster"
+    # Another's namespace, of the same form as the cluster's: stop leaves it alone.
+    other = "lnsothern1"
+    subprocess.run(["ip", "netns", "add", other], check=True)
+    pids: list[int] = []
+    try:
+        started = _cluster_sh("start", cluster, "--nodes", "2")
+        assert started.returncode == 0, started.stderr
+        made = [line.split() for line in (cluster / "run" / "network").read_text().splitlines()]
+        namespaces = [name for kind, name in made if kind == "netns"]
+        links = [name for kind, name in made if kind == "link"]
+        assert len(namespaces) == 2 and len(links) == 3  # the bridge and two veths
+        assert all(len(name) <= 15 for name in links)
+        daemons = [line.split() for line in (cluster / "run" / "daemons").read_text().splitlines()]
+        pids = [int(fields[1]) for fields in daemons]
+        assert [fields[3] for fields in daemons if fields[0] == "slurmd"] == namespaces
+        env = {**os.environ, "SLURM_CONF": str(cluster / "slurm.conf")}
+        probe = subprocess.run(
+            ["srun", "--nodes=2", "sh", "-c", "echo $(hostname) $(getent hosts $(hostname))"],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert probe.returncode == 0, probe.stderr
+        rows = sorted(line.split() for line in probe.stdout.splitlines())
+        # Each node: its own hostname, resolving to its own address (not 127.0.0.1).
+        assert [row[0] for row in rows] == namespaces and len({row[1] for row in rows}) == 2
+        assert all(row[2] == row[0] and not row[1].startswith("127.") for row in rows), rows
+    finally:
+        stopped = _cluster_sh("stop", cluster)
+        netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        subprocess.run(["ip", "netns", "del", other])
+        shutil.rmtree(base, ignore_errors=True)
+    assert stopped.returncode == 0, stopped.stderr
+    assert other in netns and not any(name in netns for name in namespaces)
+    for link in links:
+        assert subprocess.run(["ip", "link", "show", link], capture_output=True).returncode != 0
+    assert not (cluster / "run" / "network").exists()
+    assert not [pid for pid in pids if _running(pid)]
