@@ -63,15 +63,27 @@ def idle_nodes() -> list[str] | str:
     )
 
 
+# How long a node may stay busy after the previous test's job: SLURM completes a job's
+# nodes (epilog, KillWait) a few seconds after the job itself has ended.
+IDLE_WAIT_S = 90
+
+
 def require_cluster(nodes: int) -> None:
-    """Skip (fail under CI=true) unless a cluster with ``nodes`` idle 2-CPU nodes answers."""
-    found = idle_nodes()
-    if isinstance(found, str):
-        reason = f"no SLURM cluster reachable ({found})"
-    elif len(found) < nodes:
+    """Skip (fail under CI=true) unless a cluster with ``nodes`` idle 2-CPU nodes answers
+    (within IDLE_WAIT_S: the nodes of a job that has just ended are still completing)."""
+    deadline = time.monotonic() + IDLE_WAIT_S
+    while True:
+        found = idle_nodes()
+        if isinstance(found, str):
+            reason = f"no SLURM cluster reachable ({found})"
+            break
+        if len(found) >= nodes:
+            return
         reason = f"the SLURM cluster has {len(found)} idle 2-CPU node(s), not {nodes}"
-    else:
-        return
+        if time.monotonic() > deadline:
+            reason += f" after {IDLE_WAIT_S} s"
+            break
+        time.sleep(2)
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail(f"CI=true but {reason}")
     pytest.skip(
