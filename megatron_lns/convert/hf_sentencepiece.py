@@ -12,13 +12,14 @@ The normalizer / pre-tokenizer / model / decoder chain is transformers' own
 ``add_dummy_prefix``, ``escape_whitespaces``), ranks BPE merges by piece score and keeps
 user-defined pieces whole. Its ``legacy`` prefix scheme is the one that matches
 SentencePiece: it adds the dummy prefix even when the text starts with whitespace that
-the normalizer removed, or with a literal ``▁``. Two things are fixed up here:
+the normalizer removed, or with a literal ``▁``. Three things are fixed up here:
 
 * SentencePiece never matches a control, unknown, unused or byte piece in text, but a
   ``tokenizers`` Unigram does (``<s>`` has score 0, the best there is): those pieces get
   a score no path through normal pieces can lose to.
-* The unknown piece decodes to SentencePiece's ``unk_surface`` (`` ⁇ ``), not to its
-  name.
+* The decoder is SentencePiece's decode (``sentencepiece_decoder``): the unknown piece
+  comes out as ``unk_surface`` (`` ⁇ ``), and leading whitespace is dropped as
+  SentencePiece drops it.
 * Control and unknown pieces become special tokens (so ``skip_special_tokens`` drops
   them, as SentencePiece's decode does), and text that spells one is still encoded as
   text (``split_special_tokens``), as in training.
@@ -41,6 +42,8 @@ UNIGRAM, BPE = 1, 2
 MODEL_TYPE_NAMES = {1: "unigram", 2: "bpe", 3: "word", 4: "char"}
 # Below any sum of normal piece scores over a span SentencePiece would match.
 UNREACHABLE_SCORE = -1e9
+WHITESPACE_MARK = "\u2581"  # SentencePiece's "▁", which stands for a space in pieces
+ALL_LEADING = 2**31  # as many leading marks as there are
 
 
 def read_model_proto(model_file: Path):
@@ -73,7 +76,7 @@ def check_supported(proto, model_file: Path) -> None:
 
 def backend_tokenizer(proto):
     """The ``tokenizers.Tokenizer`` that encodes like SentencePiece (see the module doc)."""
-    from tokenizers import AddedToken, decoders
+    from tokenizers import AddedToken
     from transformers.convert_slow_tokenizer import SpmConverter
 
     pieces = proto.pieces
@@ -85,11 +88,16 @@ def backend_tokenizer(proto):
             (piece.piece, piece.score if piece.type in matched else UNREACHABLE_SCORE)
             for piece in pieces
         ]
+    if not hasattr(SpmConverter, "build_tokenizer_from_spm_proto"):
+        import transformers
+
+        raise ConversionError(
+            f"exporting a SentencePiece tokenizer needs a newer transformers than "
+            f"{transformers.__version__} (the one in requirements/constraints.txt); "
+            "or export with --no-tokenizer"
+        )
     backend = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=True)
-    spec = proto.trainer_spec
-    if 0 <= spec.unk_id < len(pieces):
-        unk = decoders.Replace(pieces[spec.unk_id].piece, spec.unk_surface)
-        backend.decoder = decoders.Sequence([unk, backend.decoder])
+    backend.decoder = sentencepiece_decoder(proto)
     backend.add_special_tokens(
         [
             AddedToken(piece.piece, special=True, normalized=False)
@@ -98,6 +106,34 @@ def backend_tokenizer(proto):
         ]
     )
     return backend
+
+
+def sentencepiece_decoder(proto):
+    """SentencePiece's decode as a ``tokenizers`` decoder chain.
+
+    ``SentencePieceProcessor.decode`` drops the leading ``▁`` of the first piece when the
+    model adds a dummy prefix, and with ``remove_extra_whitespaces`` drops the leading
+    ``▁`` of every piece until some text has come out (``["▁", "▁a"]`` decodes to ``"a"``);
+    the unknown piece comes out as ``unk_surface`` (`` ⁇ ``), which is never stripped.
+    The converter's decoder strips one space after all pieces are joined, so it differs
+    on the second rule and on a leading unknown piece: strip ``▁`` before it becomes a
+    space, after the unknown piece has its surface.
+    """
+    from tokenizers import decoders
+
+    spec, normalizer = proto.trainer_spec, proto.normalizer_spec
+    steps = []
+    if 0 <= spec.unk_id < len(proto.pieces):
+        steps.append(decoders.Replace(proto.pieces[spec.unk_id].piece, spec.unk_surface))
+    if spec.byte_fallback:
+        steps.append(decoders.ByteFallback())
+    steps.append(decoders.Fuse())
+    if normalizer.remove_extra_whitespaces:
+        steps.append(decoders.Strip(content=WHITESPACE_MARK, left=ALL_LEADING))
+    elif normalizer.add_dummy_prefix:
+        steps.append(decoders.Strip(content=WHITESPACE_MARK, left=1))
+    steps.append(decoders.Replace(WHITESPACE_MARK, " "))
+    return decoders.Sequence(steps)
 
 
 def sentencepiece_tokenizer_fast(model_file: Path):

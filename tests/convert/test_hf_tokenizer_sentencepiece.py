@@ -50,6 +50,8 @@ MODELS = {
         "pad_id": 3,
     },
     "bpe_nfkc": {"model_type": "bpe"},
+    # Extra spaces removed, but tabs and newlines kept (no NFKC maps them to spaces).
+    "unigram_identity": {"model_type": "unigram", "normalization_rule_name": "identity"},
 }
 HARD_TEXTS = (
     "",
@@ -121,7 +123,7 @@ def test_bpe_gives_the_training_ids_everywhere(sp_models, tmp_path, name):
     assert tokenizer(texts)["input_ids"] == [trained.encode(text) for text in texts]
 
 
-@pytest.mark.parametrize("name", ["t5", "t5_no_prefix", "unigram_specials"])
+@pytest.mark.parametrize("name", ["t5", "t5_no_prefix", "unigram_specials", "unigram_identity"])
 def test_unigram_gives_the_training_ids_up_to_float32_ties(sp_models, tmp_path, name):
     """Unigram: exact on the export's probe texts; elsewhere every difference is the
     same pieces in another order (runs such as ``****`` or ``@@@``), and rare."""
@@ -200,3 +202,17 @@ def test_unsupported_model_types_are_refused(tmp_path):
     )
     with pytest.raises(ConversionError, match="of type word: only unigram and bpe"):
         export(tmp_path / "word.model", tmp_path / "hf", [])
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_leading_whitespace_and_unknown_pieces_decode_as_sentencepiece(sp_models, tmp_path, name):
+    """The rules SentencePiece's decode applies at the start of the text, on piece
+    sequences encode makes from text that starts with whitespace or a literal ``▁``."""
+    trained = export(sp_models[name], tmp_path / "hf", [])
+    tokenizer = load(tmp_path / "hf")
+    sp = trained._sp
+    space = sp.piece_to_id("\u2581")
+    word = next(i for i in range(sp.get_piece_size()) if sp.id_to_piece(i).startswith("\u2581t"))
+    unk = sp.unk_id()
+    for ids in ([space, word], [space, space, word], [unk, word], [space, unk, word], [word]):
+        assert tokenizer.decode(ids) == sp.decode(ids), [sp.id_to_piece(i) for i in ids]
