@@ -24,10 +24,11 @@ the normalizer removed, or with a literal ``▁``. Three things are fixed up her
   them, as SentencePiece's decode does), and text that spells one is still encoded as
   text (``split_special_tokens``), as in training.
 
-What remains different is refused by the export's probe check, not here: Unigram's
+What remains different is judged by the export's probe check, not here: Unigram's
 Viterbi sums scores in float32 in SentencePiece and in float64 in ``tokenizers``, so on
 exact ties (runs such as ``=====`` that several piece orders cover at the same score) the
-two may pick different orders of the same pieces.
+two may pick different orders of the same pieces; the check exports those with a
+warning and refuses any other difference.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import pytest
 
 from megatron_lns.config.schema import TokenizerConfig
 from megatron_lns.convert import ConversionError
-from megatron_lns.convert.hf_tokenizer import PROBE_TEXTS, write_tokenizer
+from megatron_lns.convert.hf_tokenizer import PROBE_TEXTS, check_tokenizer, write_tokenizer
 from megatron_lns.data.demo_corpus import demo_documents
 from megatron_lns.data.tokenizer import SentencePieceTokenizer
 
@@ -138,16 +138,37 @@ def test_unigram_gives_the_training_ids_up_to_float32_ties(sp_models, tmp_path, 
     assert len(differ) <= len(texts) // 20, f"{len(differ)} of {len(texts)} texts differ"
 
 
-def test_a_unigram_tie_is_refused_naming_the_text(sp_models, tmp_path):
-    """What cannot be reproduced is refused, with the text and how the ids differ."""
+def test_a_unigram_tie_is_exported_with_a_warning_naming_the_text(sp_models, tmp_path):
+    """A tie (the same pieces, so the same total score) is said, with the text and how the
+    ids differ, and exported; any other difference is refused."""
     trained = SentencePieceTokenizer(str(sp_models["t5_no_prefix"]))
     export(sp_models["t5_no_prefix"], tmp_path / "ok", [])
     tokenizer = load(tmp_path / "ok")
     tie = next(doc for doc in demo_documents() if tokenizer.encode(doc) != trained.encode(doc))
+    cfg = TokenizerConfig(library="sentencepiece", model=str(sp_models["t5_no_prefix"]))
+    (tmp_path / "hf").mkdir()
+    ids = write_tokenizer(cfg, trained, tmp_path / "hf", ["no tie here", tie])
+    assert ids.warning is not None and "\n" not in ids.warning
+    assert f"1 of {len(PROBE_TEXTS) + 2} probe texts" in ids.warning
+    assert repr(tie[:40]) in ids.warning and "where training has" in ids.warning
+    assert load(tmp_path / "hf").encode(tie) == tokenizer.encode(tie)
+    assert export(sp_models["t5_no_prefix"], tmp_path / "quiet", ["no tie here"])
+    assert write_tokenizer(cfg, trained, tmp_path / "quiet", []).warning is None
+
+
+def test_ids_that_differ_otherwise_are_refused_naming_the_text(sp_models, tmp_path):
+    """A tokenizer that gives other pieces (here: the dummy prefix dropped from the
+    tokenizer.json) is refused with the text and the pieces on each side."""
+    out = tmp_path / "hf"
+    trained = export(sp_models["t5"], out, [])
+    tokenizer_json = json.loads((out / "tokenizer.json").read_text())
+    (metaspace,) = tokenizer_json["pre_tokenizer"]["pretokenizers"]
+    metaspace["prepend_scheme"] = "never"
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer_json))
     with pytest.raises(ConversionError) as refused:
-        export(sp_models["t5_no_prefix"], tmp_path / "hf", [tie])
+        check_tokenizer(out, trained, [])
     message = str(refused.value)
-    assert repr(tie[:40]) in message and "the same pieces in another order" in message
+    assert "unlike training: from token 0" in message and "where training has" in message
     assert "\n" not in message and "--no-tokenizer" in message
 
 
