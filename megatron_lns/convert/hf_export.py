@@ -144,6 +144,8 @@ def export_hf(
 
         if tokenizer:
             ids = write_tokenizer(m.tokenizer, trained, stage, demo_documents()[:32])
+            if ids.warning:
+                say(f"export-hf: warning: {ids.warning}")
         else:
             ids = TokenizerIds(vocab, None, trained.eod)
             say("export-hf: no tokenizer files written (--no-tokenizer)")

@@ -315,11 +315,12 @@ def test_exported_tokenizer_gives_training_ids_and_generate_runs(seeded, tmp_pat
     assert int(generated.max()) < VOCAB
 
 
-def test_sentencepiece_tokenizer_is_exported_only_if_reproduced(seeded, tmp_path):
-    """SentencePiece: the exported tokenizer gives the training ids, or the export is
-    refused with a pointer to --no-tokenizer, which exports the weights alone."""
+def test_sentencepiece_tokenizer_is_exported_with_training_ids_and_generate_runs(seeded, tmp_path):
+    """SentencePiece: the export carries a tokenizer.json that gives the training ids,
+    generate runs on it and decodes back to the prompt; --no-tokenizer exports the
+    weights alone. (More models and texts: test_hf_tokenizer_sentencepiece.py.)"""
     import sentencepiece
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_lns.data.demo_corpus import demo_documents
 
@@ -340,17 +341,17 @@ def test_sentencepiece_tokenizer_is_exported_only_if_reproduced(seeded, tmp_path
     save_model_weights(model, path)
     (path / "config.yaml").write_text(to_yaml(cfg))
     (path / "complete.json").write_text("{}")
-    try:
-        out = export_hf(path, tmp_path / "hf", progress=silent)
-    except ConversionError as err:
-        assert "transformers does not reproduce this tokenizer" in str(err)
-        assert "--no-tokenizer" in str(err)
-        assert_nothing_written(tmp_path / "hf")
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(out)
-        assert tokenizer(documents, add_special_tokens=False)["input_ids"] == [
-            processor.encode(doc) for doc in documents
-        ]
+    out = export_hf(path, tmp_path / "hf", progress=silent)
+    assert (out / "tokenizer.json").is_file()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer(documents)["input_ids"] == [processor.encode(doc) for doc in documents]
+    assert tokenizer.eos_token_id == processor.eos_id()
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    prompt = "The assert statement"
+    inputs = tokenizer(prompt, return_tensors="pt")
+    generated = exported.generate(**inputs, max_new_tokens=6, do_sample=False)
+    assert generated.shape == (1, inputs["input_ids"].shape[1] + 6)
+    assert tokenizer.decode(generated[0], skip_special_tokens=True).startswith(prompt)
     out = export_hf(path, tmp_path / "weights", progress=silent, tokenizer=False)
     assert not list(out.glob("tokenizer*"))
     config = json.loads((out / "config.json").read_text())
