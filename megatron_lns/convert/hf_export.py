@@ -149,9 +149,12 @@ def export_hf(
         else:
             ids = TokenizerIds(vocab, None, trained.eod)
             say("export-hf: no tokenizer files written (--no-tokenizer)")
+        folds = "LNS folded into the pre-norms" if arch.lns else "Pre-LN"
+        if arch.branch_gain is not None:
+            folds += f", {arch.branch_gain} gains folded into o_proj/down_proj"
         say(
             f"export-hf: {source} -> {out_dir} as {arch.hf_class} ({arch.num_layers} layers, "
-            f"{'LNS folded into the pre-norms' if arch.lns else 'Pre-LN'}, {dtype})"
+            f"{folds}, {dtype})"
         )
         arch.hf_config(vocab, dtype, ids.bos, ids.eos).save_pretrained(stage)
         _generation_config(ids.bos, ids.eos).save_pretrained(stage)

@@ -37,6 +37,13 @@ FC1_WEIGHT = "mlp.linear_fc1.weight"
 FC1_BIAS = "mlp.linear_fc1.bias"
 FC2_WEIGHT = "mlp.linear_fc2.weight"
 FC2_BIAS = "mlp.linear_fc2.bias"
+# The branch gains of LayerScale ([h], per channel) and SkipInit ([1], a scalar), by
+# branch: megatron_lns.variants.ResidualBranch multiplies the branch output with them
+# before the residual add.
+BRANCH_GAINS = {
+    "layerscale": ("self_attn_bda.layerscale", "mlp_bda.layerscale"),
+    "skipinit": ("self_attn_bda.gate", "mlp_bda.gate"),
+}
 # A mixture-of-experts layer (megatron's MoELayer). Its pre-MLP norm is a module of its
 # own (no linear_fc1 to fuse it into); the experts of a layer are stacked on an expert
 # axis, [E, 2f, h] and [E, h, f], by SequentialMLP and TEGroupedMLP alike; the shared

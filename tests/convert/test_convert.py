@@ -451,8 +451,6 @@ def test_unexportable_settings_name_the_setting(seeded, tmp_path):
         ConversionError, match=r"model.normalization=layernorm with model.bias=true"
     ):
         architecture_for_model_config(run_config(normalization="layernorm", bias=True).model)
-    with pytest.raises(ConversionError, match=r"model.layer_variant=skipinit cannot be exported"):
-        architecture_for_model_config(run_config(layer_variant="skipinit").model)
     with pytest.raises(ConversionError, match=r"model.qk_layernorm=true cannot be exported"):
         architecture_for_model_config(run_config(qk_layernorm=True).model)
 

@@ -5,14 +5,17 @@ decoder (RoPE, SwiGLU, pre-norms, optional LNS) is *exactly*. The base holds wha
 have in common: the decoder's shape and numerics (the dataclass fields), the refusals
 of that shared design, the ``config.json`` fields every one of them has, and the
 tensor mapping of the Llama layout (``model.layers.i.self_attn.q_proj``, ...) with the
-fused QKV and gate/up splits and the LNS fold. A subclass, one module per architecture,
-says only what differs (the class attributes and hooks below): its class name, which
-norm it has, its own ``config.json`` fields, and what it refuses and why.
+fused QKV and gate/up splits, the LNS fold and the branch-gain fold. A subclass, one
+module per architecture, says only what differs (the class attributes and hooks below):
+its class name, which norm it has, its own ``config.json`` fields, and what it refuses
+and why.
 
 The tensors of block ``l`` (1-based) map as docs/conversion.md tabulates; the two
 pre-norms carry the LNS factor ``1/sqrt(l)`` folded in with the rules of
 :mod:`megatron_lns.scaling`, exactly as the megatron forward pass folds it, so the
-exported weights are the ones megatron multiplies with.
+exported weights are the ones megatron multiplies with. A LayerScale or SkipInit run's
+branch gains fold into the last linear of each branch
+(:meth:`Architecture.fold_branch_gains`), so those runs export as the same stock classes.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from megatron_lns.convert.errors import ConversionError
 from megatron_lns.convert.mapping import (
     ATTN_NORM_BIAS,
     ATTN_NORM_WEIGHT,
+    BRANCH_GAINS,
     FC1_BIAS,
     FC1_WEIGHT,
     FC2_BIAS,
@@ -62,9 +66,24 @@ def listed(names: Iterable[str], sep: str = " and ") -> str:
     return ", ".join(names[:-1]) + sep + names[-1] if len(names) > 1 else "".join(names)
 
 
+# The paper's baselines that no stock architecture computes, and why: each normalises
+# where the stock decoders (which normalise only a branch's input) have no norm.
+# pre_ln exports as it is, and LayerScale and SkipInit with their gains folded into
+# o_proj / down_proj (BRANCH_GAINS); a test requires every layer_variant to be one of these.
+UNEXPORTABLE_VARIANTS = {
+    "post_ln": "Post-LN normalises after the residual add, LN(h + f(h))",
+    "deepnorm": (
+        "DeepNorm scales the residual by alpha = (2N)^(1/4) before a norm after the add, "
+        "LN(alpha h + f(h))"
+    ),
+    "mix_ln": "Mix-LN's first layers are Post-LN, with the norm after the residual add",
+}
+
+
 def refuse_unshared_design(m: ModelConfig, names: list[str]) -> None:
     """Refuse what none of the architectures ``names`` computes: the base mapping
-    assumes RoPE, a gated SiLU MLP, plain Pre-LN blocks and real-valued weights."""
+    assumes RoPE, a gated SiLU MLP, Pre-LN blocks (with or without branch gains) and
+    real-valued weights."""
     if m.position_embedding_type != "rope":
         raise ConversionError(
             f"model.position_embedding_type={m.position_embedding_type} cannot be exported: "
@@ -76,10 +95,11 @@ def refuse_unshared_design(m: ModelConfig, names: list[str]) -> None:
             "use a gated SiLU MLP (swiglu); no stock architecture here has RoPE with a "
             "plain GELU MLP"
         )
-    if m.layer_variant != "pre_ln":
+    if m.layer_variant in UNEXPORTABLE_VARIANTS:
         raise ConversionError(
-            f"model.layer_variant={m.layer_variant} cannot be exported: the stock "
-            f"architectures ({', '.join(names)}) are Pre-LN without branch gains"
+            f"model.layer_variant={m.layer_variant} cannot be exported: "
+            f"{UNEXPORTABLE_VARIANTS[m.layer_variant]}, and the stock architectures "
+            f"({', '.join(names)}) normalise only each branch's input (Pre-LN)"
         )
     if m.qk_layernorm:
         raise ConversionError(
@@ -142,6 +162,9 @@ class Architecture:
     # The run is megatron-core's HybridModel with the GPT-equivalent pattern: the same
     # tensors, each attention and MLP under its own sublayer's keys (checkpoint_key).
     hybrid: bool = False
+    # The run's branch gains ("layerscale" or "skipinit", keys of BRANCH_GAINS), which
+    # export folds away; None for Pre-LN and for every imported model.
+    branch_gain: str | None = None
 
     @property
     def rmsnorm(self) -> bool:
@@ -202,6 +225,7 @@ class Architecture:
             eps=m.layernorm_epsilon,
             rotary_base=float(m.rotary_base),
             max_position_embeddings=m.max_position_embeddings or m.encoder_seq_length,
+            branch_gain=m.layer_variant if m.layer_variant in BRANCH_GAINS else None,
         )
 
     @classmethod
@@ -270,6 +294,9 @@ class Architecture:
             "position_embedding_type": "rope",
             "rotary_base": int(self.rotary_base),
             "share_embeddings_and_output_weights": self.tied_embeddings,
+            # A stock model has no branch gains or post-norms: any other variant would
+            # add parameters the Hugging Face model has no values for.
+            "layer_variant": "pre_ln",
         }
 
     def hf_config(self, vocab_size: int, dtype: torch.dtype, bos: int | None, eos: int):
@@ -327,6 +354,9 @@ class Architecture:
                 shapes[weight_key] = (h,)
             if self.norm_has_bias:
                 shapes[bias_key] = (h,)
+        if self.branch_gain is not None:
+            width = h if self.branch_gain == "layerscale" else 1
+            shapes |= {key: (width,) for key in BRANCH_GAINS[self.branch_gain]}
         return shapes
 
     def mlp_shapes(self, index: int) -> dict[str, tuple[int, ...]]:
@@ -374,8 +404,45 @@ class Architecture:
         requests = {full: ((0,) * len(shape), shape) for full, (_, shape) in relative.items()}
         return {relative[full][0]: tensor for full, tensor in reader.read(requests).items()}
 
+    def branch_outputs(self, index: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The tensors of layer ``index`` that make its attention branch's output and its
+        MLP branch's output, each with the output channels on its second-to-last axis
+        (a weight) or last axis (a bias): what a branch gain multiplies."""
+        attention = (PROJ_WEIGHT, PROJ_BIAS) if self.bias else (PROJ_WEIGHT,)
+        return attention, self.mlp_outputs(index)
+
+    def mlp_outputs(self, index: int) -> tuple[str, ...]:
+        """The MLP's part of :meth:`branch_outputs`: ``linear_fc2`` (and its bias)."""
+        return (FC2_WEIGHT, FC2_BIAS) if self.bias else (FC2_WEIGHT,)
+
+    def fold_branch_gains(self, tensors: dict[str, Tensor], index: int) -> dict[str, Tensor]:
+        """Layer ``index``'s tensors with its branch gains folded into the branch outputs.
+
+        ``ResidualBranch`` computes ``h + g * (W x + b)`` (``g`` per channel, or a scalar;
+        dropout is off at inference), which is ``h + (diag(g) W) x + g * b``: row ``i`` of
+        ``linear_proj`` / ``linear_fc2`` (of every expert and the shared expert in an MoE
+        layer) and bias element ``i`` are multiplied by ``g_i``, the attention branch's
+        gain for the one and the MLP branch's for the other. Each product is taken in
+        float32, where the product of two fp32/bf16/fp16 numbers rounds once (bf16 and
+        fp16 products are exact), then rounded to the checkpoint's dtype. The gain
+        tensors themselves are dropped.
+        """
+        if self.branch_gain is None:
+            return tensors
+        tensors = dict(tensors)
+        gains = [tensors.pop(key) for key in BRANCH_GAINS[self.branch_gain]]
+        for gain, outputs in zip(gains, self.branch_outputs(index), strict=True):
+            compute = torch.promote_types(gain.dtype, torch.float32)
+            for key in outputs:
+                tensor = tensors[key]
+                per_row = gain.to(compute) if tensor.dim() == 1 else gain.to(compute)[:, None]
+                tensors[key] = (tensor.to(compute) * per_row).to(tensor.dtype)
+        return tensors
+
     def layer_to_hf(self, tensors: dict[str, Tensor], index: int) -> dict[str, Tensor]:
-        """One megatron layer (0-based ``index``) as Hugging Face tensors, LNS folded in."""
+        """One megatron layer (0-based ``index``) as Hugging Face tensors, LNS and the
+        branch gains folded in."""
+        tensors = self.fold_branch_gains(tensors, index)
         prefix = hf_layer_prefix(index)
         scale = self.norm_scale(index + 1)
         out: dict[str, Tensor] = {}

@@ -247,6 +247,15 @@ class MoEArchitecture(Architecture):
                 shapes[SHARED_GATE_WEIGHT] = (1, h)
         return shapes
 
+    def mlp_outputs(self, index: int) -> tuple[str, ...]:
+        """An MoE layer's output is its experts' ``linear_fc2`` outputs, weighted by the
+        router, plus the shared expert's (times its sigmoid gate): a per-channel gain
+        folds into each of them."""
+        if not self.is_moe_layer(index):
+            return super().mlp_outputs(index)
+        shared = (SHARED_FC2_WEIGHT,) if self.shared_expert_ffn_hidden_size else ()
+        return (EXPERTS_FC2_WEIGHT, *shared)
+
     # ------------------------------------------------------------------ Hugging Face side
     def hf_block(self, index: int) -> str:
         return hf_layer_prefix(index) + self.hf_moe_block
