@@ -24,10 +24,12 @@ the model's own cross-entropy) on batches holding exactly lm-eval's windows, wit
 mask on the tokens lm-eval scores. Both sides are fp32 on the CPU and compute the same
 function in a different order (megatron's fused QKV, its attention and cross-entropy vs
 transformers' separate projections, SDPA and ``log_softmax``): each logit differs by a
-few fp32 roundings (~1e-7 relative; the parity tests bound it by 1e-5), and the mean
-over all scored tokens averages them (observed: 2e-8 to 9e-8 relative). The test asks
-for 1e-5, the parity tests' tolerance; the boundary and padding effects, its negative
-controls, exceed it many times over.
+few fp32 roundings (~1e-7 relative; the parity tests bound it by 1e-5 for any model),
+and the mean over all scored tokens averages them (observed: 2e-8 to 9e-8 relative).
+The test asks for 1e-6: ten times what is observed, and tight enough to see the
+smallest accounting mistake, cutting the last window where megatron would instead of
+right-aligning it (1.1e-5 relative here). Each negative control (that one, the padding
+term, the packed-stream loss) must miss lm-eval's loss by 5 tolerances or more.
 
 Offline: the HF_*_OFFLINE switches are set, and the socket layer is replaced so that any
 connection attempt fails and is recorded (the switches alone may have been read at
@@ -57,7 +59,9 @@ from megatron_lns.model import build_model
 from megatron_lns.training.checkpoint import load_model_weights, save_model_weights
 
 EOD = ByteTokenizer().eod
-RELATIVE_TOLERANCE = 1e-5
+RELATIVE_TOLERANCE = 1e-6
+# A negative control must miss lm-eval's loss by more than this many tolerances.
+CONTROL_MARGIN = 5
 TRAIN_STEPS = 10
 
 # A multiple-choice task small enough for the tiny model's 16-token context.
@@ -126,16 +130,20 @@ def train_tiny_run(root: Path, cfg) -> Path:
     return path
 
 
-def rolling_windows(ids: list[int], prefix: int, length: int) -> list[tuple[list[int], int]]:
+def rolling_windows(
+    ids: list[int], prefix: int, length: int, right_align_last: bool = True
+) -> list[tuple[list[int], int]]:
     """lm-eval's windows over one document, as megatron samples: ``(tokens, scored)``,
     ``length + 1`` tokens (or fewer, for a short document) whose last ``scored`` next-token
-    labels are the tokens lm-eval scores in that window."""
+    labels are the tokens lm-eval scores in that window. ``right_align_last=False`` cuts
+    the last window where megatron would (a negative control)."""
     stream = [prefix, *ids]
     windows = []
     for start in range(0, len(ids), length):
         scored = min(length, len(ids) - start)
         end = start + scored + 1
-        windows.append((stream[max(0, end - length - 1) : end], scored))
+        first = max(0, end - length - 1) if right_align_last else start
+        windows.append((stream[first:end], scored))
     return windows
 
 
@@ -279,7 +287,18 @@ def test_lm_eval_loss_on_an_export_is_the_projects_held_out_loss(seeded, tmp_pat
     )
     assert lm_eval_loss == pytest.approx(trimmed_loss, rel=RELATIVE_TOLERANCE)
     # The padding term is real: leaving it out would fail the comparison.
-    assert padding > 100 * RELATIVE_TOLERANCE * lm_eval_loss
+    assert padding > CONTROL_MARGIN * RELATIVE_TOLERANCE * lm_eval_loss
+
+    # Negative control: the last window of each document cut where megatron would cut it.
+    left = [w for doc in ids for w in rolling_windows(doc, EOD, SEQ, right_align_last=False)]
+    left_batch = megatron_batch(left)
+    left_loss = held_out_loss(model, [[left_batch]])[0] - vocabulary_padding_term(
+        model[0], left_batch
+    )
+    print(
+        f"last windows left-aligned: loss {left_loss:.7f}, difference {left_loss - lm_eval_loss:.2e}"
+    )
+    assert abs(left_loss - lm_eval_loss) > CONTROL_MARGIN * RELATIVE_TOLERANCE * lm_eval_loss
 
     # Negative control: the same token ids scored with the boundaries handled as in
     # training's packed stream (documents concatenated, windows cutting across them).
@@ -294,7 +313,7 @@ def test_lm_eval_loss_on_an_export_is_the_projects_held_out_loss(seeded, tmp_pat
     packed_loss -= vocabulary_padding_term(model[0], packed_batch)
     assert packed_tokens == sum(lengths)
     print(f"packed-stream loss {packed_loss:.7f}, difference {packed_loss - lm_eval_loss:.2e}")
-    assert abs(packed_loss - lm_eval_loss) > 10 * RELATIVE_TOLERANCE * lm_eval_loss
+    assert abs(packed_loss - lm_eval_loss) > CONTROL_MARGIN * RELATIVE_TOLERANCE * lm_eval_loss
 
     # (b) Multiple choice: lm-eval's per-choice log-likelihoods are transformers'.
     samples = results["samples"]["lns_choices"]
