@@ -1,14 +1,17 @@
 """lm-eval-harness as a client of an export: it runs offline on tasks read from local files,
 and its loss is the project's own held-out loss on the same token ids.
 
-How the two line up (byte tokenizer: ids 0-255 are UTF-8 bytes, 256 is the end-of-document
-id, there is no BOS; the export's ``eos_token_id`` is 256 and it has no ``bos_token_id``):
+Two runs: the byte tokenizer (ids 0-255 are UTF-8 bytes, 256 is the end-of-document id,
+no BOS), and a T5-style SentencePiece Unigram model, the paper's recipes' kind (its
+``</s>`` ends documents; it has a ``<s>`` that training never uses). How the two losses
+line up:
 
 - **Boundaries, BOS/EOS.** megatron's GPTDataset trains on documents concatenated as
   ``doc EOD doc EOD ...``, so every document but the first of the stream is read after an
   EOD. lm-eval's ``loglikelihood_rolling`` scores each document alone, starting from its
-  prefix token: the tokenizer's BOS, else its EOS, here EOD. So lm-eval scores every token
-  of ``doc`` given ``EOD doc[:i]``, and never scores the EOD after the document.
+  prefix token: the tokenizer's BOS, else its EOS, unless ``prefix_token_id`` names it;
+  the test (and docs/conversion.md) passes the EOD. So lm-eval scores every token of
+  ``doc`` given ``EOD doc[:i]``, and never scores the EOD after the document.
 - **Windows.** lm-eval's ``max_length`` is ``config.json``'s ``max_position_embeddings``,
   which export sets to the run's ``seq_length`` ``L``. Its rolling windows (context_len 1)
   cut ``[EOD] + doc`` into the inputs ``[0, L)``, ``[L, 2L)``, ... as megatron's samples
@@ -46,7 +49,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_parity import SEQ, VOCAB, run_config, silent
+from hf_parity import SEQ, run_config, silent
 
 from megatron_lns.analysis.depth import held_out_loss
 from megatron_lns.build import model_config
@@ -54,11 +57,10 @@ from megatron_lns.config import to_yaml
 from megatron_lns.convert import export_hf
 from megatron_lns.data.demo_corpus import demo_documents
 from megatron_lns.data.splits import document_range
-from megatron_lns.data.tokenizer import ByteTokenizer
+from megatron_lns.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer
 from megatron_lns.model import build_model
 from megatron_lns.training.checkpoint import load_model_weights, save_model_weights
 
-EOD = ByteTokenizer().eod
 RELATIVE_TOLERANCE = 1e-6
 # A negative control must miss lm-eval's loss by more than this many tolerances.
 CONTROL_MARGIN = 5
@@ -102,14 +104,14 @@ def held_out_documents(cfg) -> list[str]:
     return [doc for doc in documents[first:last] if len(doc.encode()) <= 200][:8]
 
 
-def train_tiny_run(root: Path, cfg) -> Path:
+def train_tiny_run(root: Path, cfg, tokenizer: Tokenizer) -> Path:
     """A few dozen AdamW steps of the tiny LNS model on the demo corpus's training
     documents, packed ``doc EOD doc EOD ...`` into ``SEQ + 1``-token samples as GPTDataset
     packs them, saved as training saves a checkpoint."""
-    chunks = build_model(model_config(cfg, VOCAB))
+    chunks = build_model(model_config(cfg, tokenizer.vocab_size))
     model = chunks[0]
     documents = demo_documents()
-    stream = [t for doc in documents[:800] for t in [*ByteTokenizer().encode(doc), EOD]]
+    stream = [t for doc in documents[:800] for t in [*tokenizer.encode(doc), tokenizer.eod]]
     samples = torch.tensor(stream[: (len(stream) - 1) // SEQ * SEQ + 1])
     starts = torch.arange(0, samples.numel() - SEQ - 1, SEQ)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -147,7 +149,7 @@ def rolling_windows(
     return windows
 
 
-def megatron_batch(windows: list[tuple[list[int], int]]) -> dict[str, torch.Tensor]:
+def megatron_batch(windows: list[tuple[list[int], int]], pad_id: int) -> dict[str, torch.Tensor]:
     """The windows as one megatron micro-batch, each padded to ``SEQ`` inputs; the loss
     mask keeps exactly the scored labels (padding sits after them, so causal attention
     never sees it)."""
@@ -155,8 +157,8 @@ def megatron_batch(windows: list[tuple[list[int], int]]) -> dict[str, torch.Tens
     for tokens, scored in windows:
         inputs, labels = tokens[:-1], tokens[1:]
         pad = SEQ - len(inputs)
-        rows["tokens"].append(inputs + [EOD] * pad)
-        rows["labels"].append(labels + [EOD] * pad)
+        rows["tokens"].append(inputs + [pad_id] * pad)
+        rows["labels"].append(labels + [pad_id] * pad)
         rows["loss_mask"].append([0.0] * (len(labels) - scored) + [1.0] * scored + [0.0] * pad)
     batch = {name: torch.tensor(values) for name, values in rows.items()}
     batch["position_ids"] = torch.arange(SEQ).expand(len(windows), SEQ)
@@ -164,11 +166,11 @@ def megatron_batch(windows: list[tuple[list[int], int]]) -> dict[str, torch.Tens
 
 
 @torch.no_grad()
-def vocabulary_padding_term(model, batch: dict[str, torch.Tensor]) -> float:
+def vocabulary_padding_term(model, batch: dict[str, torch.Tensor], vocab: int) -> float:
     """Mean over the scored tokens of ``logsumexp(padded logits) - logsumexp(real logits)``:
     how much the padded rows raise the megatron loss above the trimmed export's."""
     logits = model(batch["tokens"], batch["position_ids"], None).float()
-    extra = torch.logsumexp(logits, -1) - torch.logsumexp(logits[..., :VOCAB], -1)
+    extra = torch.logsumexp(logits, -1) - torch.logsumexp(logits[..., :vocab], -1)
     return float((extra * batch["loss_mask"]).sum() / batch["loss_mask"].sum())
 
 
@@ -217,13 +219,15 @@ def write_tasks(directory: Path, documents: list[str]) -> None:
     )
 
 
-def run_lm_eval(hf_dir: Path, tasks_dir: Path) -> dict:
+def run_lm_eval(hf_dir: Path, tasks_dir: Path, prefix_token_id: int) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     return lm_eval.simple_evaluate(
         model="hf",
-        model_args=f"pretrained={hf_dir},dtype=float32",
+        # The prefix is the end-of-document id, as in training's stream (lm-eval would
+        # take a tokenizer's BOS first, which training never saw).
+        model_args=f"pretrained={hf_dir},dtype=float32,prefix_token_id={prefix_token_id}",
         tasks=["lns_heldout", "lns_choices"],
         task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False),
         device="cpu",
@@ -243,41 +247,74 @@ def transformers_loglikelihood(model, tokenizer, context: str, continuation: str
     return sum(float(logits[i - 1, ids[i]]) for i in range(len(context_ids), len(ids)))
 
 
+def paper_recipe_tokenizer(directory: Path) -> SentencePieceTokenizer:
+    """A T5-style SentencePiece Unigram model (the paper's recipes' kind), trained on the
+    demo corpus's training documents; it has a BOS (``<s>``) that training never uses."""
+    import sentencepiece
+
+    directory.mkdir()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(demo_documents()[:800]),
+        model_prefix=str(directory / "t5"),
+        model_type="unigram",
+        vocab_size=400,
+        minloglevel=2,
+    )
+    return SentencePieceTokenizer(str(directory / "t5.model"))
+
+
 @pytest.mark.slow
-def test_lm_eval_loss_on_an_export_is_the_projects_held_out_loss(seeded, tmp_path, no_network):
+@pytest.mark.parametrize("library", ["byte", "sentencepiece"])
+def test_lm_eval_loss_on_an_export_is_the_projects_held_out_loss(
+    seeded, tmp_path, no_network, library
+):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cfg = run_config()  # LNS (the default), RMSNorm, GQA, untied, vocab 257 padded to 384
-    checkpoint = train_tiny_run(tmp_path / "run", cfg)
+    if library == "byte":
+        trained: Tokenizer = ByteTokenizer()
+        cfg = run_config()  # LNS (the default), RMSNorm, GQA, untied, vocab 257 padded to 384
+    else:
+        trained = paper_recipe_tokenizer(tmp_path / "tokenizer")
+        model_file = str(tmp_path / "tokenizer" / "t5.model")
+        cfg = run_config(tokenizer={"library": "sentencepiece", "model": model_file})
+    vocab, eod = trained.vocab_size, trained.eod
+    checkpoint = train_tiny_run(tmp_path / "run", cfg, trained)
     hf_dir = export_hf(tmp_path / "run", tmp_path / "hf", progress=silent)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     assert hf_model.config.max_position_embeddings == SEQ
-    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (None, EOD)
+    assert tokenizer.eos_token_id == eod
+    assert tokenizer.bos_token_id == (None if library == "byte" else 1)
 
     documents = held_out_documents(cfg)
     ids = [tokenizer(doc)["input_ids"] for doc in documents]
-    assert ids == [ByteTokenizer().encode(doc) for doc in documents]
+    assert ids == [trained.encode(doc) for doc in documents]
     lengths = [len(i) for i in ids]
     # Cover a document within one window and a right-aligned last window.
     assert min(lengths) < SEQ and any(n > SEQ and n % SEQ for n in lengths), lengths
     write_tasks(tmp_path / "tasks", documents)
-    results = run_lm_eval(hf_dir, tmp_path / "tasks")
+    results = run_lm_eval(hf_dir, tmp_path / "tasks", prefix_token_id=eod)
 
-    # (a) Perplexity: byte tokens, so lm-eval's byte perplexity is exp(token loss).
+    # (a) Perplexity: lm-eval's token loss is its summed log-likelihood over the tokens;
+    # with byte tokens its byte perplexity is exp(token loss) as well.
     heldout = results["results"]["lns_heldout"]
-    lm_eval_loss = math.log(heldout["byte_perplexity,none"])
-    assert heldout["bits_per_byte,none"] * math.log(2) == pytest.approx(lm_eval_loss, rel=1e-12)
     per_document = [-s["resps"][0][0] for s in results["samples"]["lns_heldout"]]
-    assert sum(per_document) / sum(lengths) == pytest.approx(lm_eval_loss, rel=1e-12)
+    lm_eval_loss = sum(per_document) / sum(lengths)
+    bytes_ = sum(len(doc.encode()) for doc in documents)
+    assert math.log(heldout["byte_perplexity,none"]) == pytest.approx(
+        sum(per_document) / bytes_, rel=1e-12
+    )
+    assert heldout["bits_per_byte,none"] * math.log(2) == pytest.approx(
+        sum(per_document) / bytes_, rel=1e-12
+    )
 
-    model = build_model(model_config(cfg, VOCAB))
+    model = build_model(model_config(cfg, vocab))
     load_model_weights(model, checkpoint)
-    windows = [w for doc in ids for w in rolling_windows(doc, EOD, SEQ)]
-    batch = megatron_batch(windows)
+    windows = [w for doc in ids for w in rolling_windows(doc, eod, SEQ)]
+    batch = megatron_batch(windows, eod)
     model[0].eval()
     project_loss, tokens = held_out_loss(model, [[batch]])
-    padding = vocabulary_padding_term(model[0], batch)
+    padding = vocabulary_padding_term(model[0], batch, vocab)
     assert tokens == sum(lengths)
     trimmed_loss = project_loss - padding
     print(
@@ -290,10 +327,10 @@ def test_lm_eval_loss_on_an_export_is_the_projects_held_out_loss(seeded, tmp_pat
     assert padding > CONTROL_MARGIN * RELATIVE_TOLERANCE * lm_eval_loss
 
     # Negative control: the last window of each document cut where megatron would cut it.
-    left = [w for doc in ids for w in rolling_windows(doc, EOD, SEQ, right_align_last=False)]
-    left_batch = megatron_batch(left)
+    left = [w for doc in ids for w in rolling_windows(doc, eod, SEQ, right_align_last=False)]
+    left_batch = megatron_batch(left, eod)
     left_loss = held_out_loss(model, [[left_batch]])[0] - vocabulary_padding_term(
-        model[0], left_batch
+        model[0], left_batch, vocab
     )
     print(
         f"last windows left-aligned: loss {left_loss:.7f}, difference {left_loss - lm_eval_loss:.2e}"
@@ -302,15 +339,15 @@ def test_lm_eval_loss_on_an_export_is_the_projects_held_out_loss(seeded, tmp_pat
 
     # Negative control: the same token ids scored with the boundaries handled as in
     # training's packed stream (documents concatenated, windows cutting across them).
-    stream = [EOD, *[t for doc in ids for t in [*doc, EOD]]]
+    stream = [eod, *[t for doc in ids for t in [*doc, eod]]]
     packed = []
     for start in range(0, len(stream) - 1, SEQ):
         tokens_ = stream[start : start + SEQ + 1]
         packed.append((tokens_, len(tokens_) - 1))
-    packed_batch = megatron_batch(packed)
-    packed_batch["loss_mask"] *= (packed_batch["labels"] != EOD).float()  # documents only
+    packed_batch = megatron_batch(packed, eod)
+    packed_batch["loss_mask"] *= (packed_batch["labels"] != eod).float()  # documents only
     packed_loss, packed_tokens = held_out_loss(model, [[packed_batch]])
-    packed_loss -= vocabulary_padding_term(model[0], packed_batch)
+    packed_loss -= vocabulary_padding_term(model[0], packed_batch, vocab)
     assert packed_tokens == sum(lengths)
     print(f"packed-stream loss {packed_loss:.7f}, difference {packed_loss - lm_eval_loss:.2e}")
     assert abs(packed_loss - lm_eval_loss) > CONTROL_MARGIN * RELATIVE_TOLERANCE * lm_eval_loss
