@@ -35,7 +35,8 @@ def _report_marker() -> Path | None:
     torchrun's agent, slurmstepd) and a rendezvous port."""
     if explicit := os.environ.get(REPORT_MARKER_ENV):
         return Path(explicit)
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    world = os.environ.get("WORLD_SIZE", "1")
+    if not world.isdigit() or int(world) <= 1:  # not a number: launcher_env refuses it
         return None
     key = f"{os.getppid()}-{os.environ.get('MASTER_PORT', '')}"
     return Path(tempfile.gettempdir()) / f"megatron-lns-error-{key}"

@@ -16,6 +16,7 @@ LAYERS = [
     "choices",
     "hybrid_pattern",
     "layout",
+    "launcher_env",
     "moe",
     "hybrid_pattern",
     "scaling",

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from megatron_lns.convert.hf_export import resolve_checkpoint
 from megatron_lns.convert.hf_import import import_hf
 from megatron_lns.convert.output import check_apart, check_output_dir, staged_output_dir
 from megatron_lns.errors import UserError
+from megatron_lns.launcher_env import launcher_environment
 from megatron_lns.layout import micro_batches_per_step
 
 REPORT_NAME = "analysis.json"
@@ -271,8 +271,9 @@ def analyze(
             f"--config {config} is for Hugging Face inputs; a run or checkpoint is analysed "
             "with its own config.yaml (change its data or layout with key=value settings)"
         )
-    external = "RANK" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if external else None
+    launch = launcher_environment()
+    external = launch is not None
+    world = launch.world_size if launch is not None else None
     with tempfile.TemporaryDirectory(prefix="megatron-lns-analyze-") as scratch:
         work = Path(scratch)
         for item in items:
@@ -401,7 +402,12 @@ def analysis_job(
     from megatron_lns.training.checkpoint import load_model_weights
 
     layout = parallel_layout(cfg)
-    device = init_distributed(layout, device=device_setting(cfg), seed=cfg.model.seed)
+    device = init_distributed(
+        layout,
+        device=device_setting(cfg),
+        seed=cfg.model.seed,
+        rendezvous_timeout_s=cfg.trainer.rendezvous_timeout_s,
+    )
     m = cfg.model
     gpt = model_config(cfg, build_tokenizer(*tokenizer_spec(cfg)).vocab_size)
     train, valid, test = dataset_num_samples(cfg)

@@ -236,6 +236,16 @@ class TrainerConfig:
             "0 disables"
         ),
     )
+    rendezvous_timeout_s: float = setting(
+        600.0,
+        positive,
+        doc=(
+            "not in NeMo: seconds each rank waits at start-up for the others to join rank 0's "
+            "TCP store (`MASTER_ADDR:MASTER_PORT`) before it ends naming whom it waited for; "
+            "SIGTERM or Ctrl-C during the wait ends it at once. Collectives keep torch's "
+            "timeouts"
+        ),
+    )
     exit_interval: int | None = setting(
         None,
         positive,

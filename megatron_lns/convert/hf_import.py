@@ -54,6 +54,7 @@ from megatron_lns.convert.mapping import (
 )
 from megatron_lns.convert.output import check_apart, check_output_dir, staged_output_dir
 from megatron_lns.convert.safetensors_io import SafetensorsCheckpoint
+from megatron_lns.launcher_env import launcher_environment
 from megatron_lns.specs import LOCAL_TO_FUSED_NORM_NAMES
 from megatron_lns.training.checkpoint import save_weights_only_checkpoint
 
@@ -304,7 +305,8 @@ def _single_process_megatron() -> Iterator[None]:
 
     from megatron_lns.runtime import ParallelLayout, destroy_distributed, init_distributed
 
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    launch = launcher_environment()
+    world = dist.get_world_size() if dist.is_initialized() else launch.world_size if launch else 1
     if world != 1:
         raise ConversionError(
             f"import-hf runs in one process; it was started in a world of {world}"

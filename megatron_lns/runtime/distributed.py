@@ -15,8 +15,11 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from megatron_lns.launcher_env import launcher_environment
 from megatron_lns.layout import ParallelLayout
 from megatron_lns.runtime.cpu import install_cpu_compat
+from megatron_lns.runtime.rendezvous import DEFAULT_TIMEOUT_S as DEFAULT_RENDEZVOUS_TIMEOUT_S
+from megatron_lns.runtime.rendezvous import rendezvous_store
 
 Device = Literal["auto", "cpu", "cuda"]
 
@@ -36,21 +39,31 @@ def resolve_device(device: Device = "auto") -> torch.device:
 
 
 def init_distributed(
-    layout: ParallelLayout = ParallelLayout(), device: Device = "auto", seed: int = 1234
+    layout: ParallelLayout = ParallelLayout(),
+    device: Device = "auto",
+    seed: int = 1234,
+    rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S,
 ) -> torch.device:
-    """Create the default process group and megatron's parallel state, and seed RNGs."""
+    """Create the default process group and megatron's parallel state, and seed RNGs.
+
+    The ranks meet within ``rendezvous_timeout_s`` or the process ends with a
+    :class:`~megatron_lns.runtime.rendezvous.RendezvousError` (see that module)."""
     from megatron.core import parallel_state, tensor_parallel
 
+    launcher_environment()  # refuses a partial or inconsistent one before LOCAL_RANK is used
     dev = resolve_device(device)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
+        launch = launcher_environment()
+        assert launch is not None
         dist.init_process_group(
             backend="nccl" if dev.type == "cuda" else "gloo",
-            rank=int(os.environ["RANK"]),
-            world_size=int(os.environ["WORLD_SIZE"]),
+            store=dist.PrefixStore("default_pg", rendezvous_store(launch, rendezvous_timeout_s)),
+            rank=launch.rank,
+            world_size=launch.world_size,
         )
     layout.data_parallel(dist.get_world_size())
     if layout.sharp and dev.type != "cuda":

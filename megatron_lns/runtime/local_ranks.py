@@ -34,6 +34,7 @@ from megatron_lns.errors import (
     debug_enabled,
     report_user_error_once,
 )
+from megatron_lns.launcher_env import launcher_environment
 from megatron_lns.layout import world_size
 from megatron_lns.runtime.distributed import destroy_distributed, free_port
 
@@ -157,11 +158,11 @@ class NoMultiNodeLauncher(UserError, RuntimeError):
 def run_job(fn: Callable[..., Any], num_nodes: int, devices: int, *args: Any,
             multi_node_hint: str) -> None:  # fmt: skip
     """Run ``fn(*args)`` on every rank: in this process under an external launcher
-    (torchrun, srun: ``RANK`` is set) or for one device, else on ``devices`` local
+    (torchrun, srun: :func:`launcher_environment`) or for one device, else on ``devices`` local
     processes (:func:`spawn_local`). Several nodes need the external launcher;
     ``multi_node_hint`` ends the refusal with what the calling command offers."""
     world = world_size(num_nodes, devices)
-    if "RANK" in os.environ or world == 1:
+    if launcher_environment() is not None or world == 1:
         fn(*args)
     elif num_nodes > 1:
         raise NoMultiNodeLauncher(

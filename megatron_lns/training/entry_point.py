@@ -56,15 +56,17 @@ def load_checked_config(
     from megatron_lns.config import ConfigError, validate
     from megatron_lns.config.sources import load_run_config
     from megatron_lns.config.validate import check_environment
+    from megatron_lns.launcher_env import UNSET_HINT, launcher_environment
     from megatron_lns.layout import world_size
 
+    launch = launcher_environment()  # before loading: its refusal is the first thing to fix
     cfg = load_run_config(config, overrides)
-    env_world = os.environ.get("WORLD_SIZE")
-    world = int(env_world) if env_world else None
+    world = None if launch is None else launch.world_size
     if world is not None and world != world_size(cfg.trainer.num_nodes, cfg.trainer.devices):
         raise ConfigError(
-            f"WORLD_SIZE={world} from the launcher differs from trainer.num_nodes x "
-            f"trainer.devices = {cfg.trainer.num_nodes} x {cfg.trainer.devices}"
+            f"WORLD_SIZE={world} from the launcher ({launch.describe()}) differs from "
+            f"trainer.num_nodes x trainer.devices = {cfg.trainer.num_nodes} x "
+            f"{cfg.trainer.devices}; {UNSET_HINT}"
         )
     validate(cfg, world)
     if not dry_run:

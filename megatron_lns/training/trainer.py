@@ -173,7 +173,12 @@ class Trainer:
         self.run_dir = run_directory(cfg)
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.layout = parallel_layout(cfg)
-        self.device = init_distributed(self.layout, device=device_setting(cfg), seed=cfg.model.seed)
+        self.device = init_distributed(
+            self.layout,
+            device=device_setting(cfg),
+            seed=cfg.model.seed,
+            rendezvous_timeout_s=cfg.trainer.rendezvous_timeout_s,
+        )
         self.is_rank0 = dist.get_rank() == 0
         self.config_yaml = to_yaml(cfg)
         self.run_lock = self._claim_run_dir()

@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         os.environ.update(rank_environment(os.environ))
+        # Not SLURM's: a value inherited from the submitting shell would contradict these.
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
     except SlurmEnvironmentError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
