@@ -132,8 +132,9 @@ def run_cli(args: list[str], tree: Path = ROOT, limit_as: int | None = None) -> 
     env = {**os.environ, "PYTHONPATH": str(tree), "MALLOC_ARENA_MAX": "2"}
     argv = [sys.executable, "-c", CHILD, str(limit_as or 0), *args]
     start = time.perf_counter()
+    # cwd=tree: ``python -c`` puts the working directory first on sys.path.
     child = subprocess.Popen(
-        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        argv, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     output = child.stdout.read()
     _, status, usage = os.wait4(child.pid, 0)
@@ -158,7 +159,9 @@ def idle_rss(tree: Path = ROOT) -> int:
         "from transformers import AutoConfig, PreTrainedTokenizerFast\n"
     )
     env = {**os.environ, "PYTHONPATH": str(tree), "MALLOC_ARENA_MAX": "2"}
-    child = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.DEVNULL)
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=tree, env=env, stderr=subprocess.DEVNULL
+    )
     _, _, usage = os.wait4(child.pid, 0)
     return usage.ru_maxrss * 1024
 
