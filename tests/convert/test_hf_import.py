@@ -57,7 +57,7 @@ def test_streamed_checkpoint_holds_what_megatrons_writer_writes(seeded, tmp_path
         assert data == resaved_bytes[item], item
 
 
-def test_import_reads_and_writes_one_layer_at_a_time(seeded, tmp_path, monkeypatch):
+def test_import_reads_each_layer_once_in_order(seeded, tmp_path, monkeypatch):
     """Each layer's Hugging Face tensors are read in one read of their own, once, in
     layer order (the slow test below shows what that does to memory)."""
     from megatron_lns.convert import hf_import
