@@ -27,6 +27,7 @@ import contextlib
 import copy
 import dataclasses
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -54,6 +55,7 @@ from megatron_lns.convert.mapping import (
 )
 from megatron_lns.convert.output import check_apart, check_output_dir, staged_output_dir
 from megatron_lns.convert.safetensors_io import SafetensorsCheckpoint
+from megatron_lns.convert.streaming_save import GroupedParameters, StreamingSaveStrategy
 from megatron_lns.launcher_env import launcher_environment
 from megatron_lns.specs import LOCAL_TO_FUSED_NORM_NAMES
 from megatron_lns.training.checkpoint import save_weights_only_checkpoint
@@ -63,6 +65,8 @@ PRECISION_OF_DTYPE = {torch.float32: "32", torch.bfloat16: "bf16-mixed", torch.f
 _FUSED_TO_LOCAL = {fused: local for local, fused in LOCAL_TO_FUSED_NORM_NAMES.items()}
 # Set from OUT_DIR: a different value would point the run at another directory.
 _OUT_DIR_KEYS = ("exp_manager.exp_dir", "exp_manager.name")
+# A parameter of transformer layer N (GPT names): the layer's group of the import.
+_LAYER_PARAMETER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 def import_hf(
@@ -93,53 +97,56 @@ def import_hf(
             "model.tokenizer.type or model.tokenizer.model)"
         )
     weights = SafetensorsCheckpoint(hf_dir)
-    try:
-        dtype = weights.dtype(HF_EMBEDDING)
-        cfg = _run_config(arch, dtype, hf_dir, out_dir, overrides, base, copy_tokenizer)
-        arch = dataclasses.replace(arch, hybrid=cfg.model.architecture == "hybrid")
-        source_tokenizer = copy.deepcopy(cfg.model.tokenizer)
+    dtype = weights.dtype(HF_EMBEDDING)
+    cfg = _run_config(arch, dtype, hf_dir, out_dir, overrides, base, copy_tokenizer)
+    arch = dataclasses.replace(arch, hybrid=cfg.model.architecture == "hybrid")
+    source_tokenizer = copy.deepcopy(cfg.model.tokenizer)
+    if copy_tokenizer:
+        source_tokenizer.type = str(hf_dir)
+    vocab = training_tokenizer(source_tokenizer).vocab_size
+    padded = embedding_rows(cfg, vocab)
+    hf_vocab = hf_config.vocab_size
+    if not vocab <= hf_vocab <= padded:
+        raise ConversionError(
+            f"{hf_dir}/config.json: vocab_size={hf_vocab} does not fit the tokenizer "
+            f"({vocab} tokens, padded to {padded} with model.make_vocab_size_divisible_by="
+            f"{cfg.model.make_vocab_size_divisible_by}); it must lie between the two"
+        )
+    check_hf_tensors(weights, arch, hf_vocab)
+    if cfg.model.norm_scaling == "lns" and not lns:
+        say(
+            "import-hf: note: model.norm_scaling=lns without --lns: these weights were "
+            "trained without LNS, and with it the model computes a different function"
+        )
+    with staged_output_dir(out_dir, overwrite) as stage:
         if copy_tokenizer:
-            source_tokenizer.type = str(hf_dir)
-        vocab = training_tokenizer(source_tokenizer).vocab_size
-        padded = embedding_rows(cfg, vocab)
-        hf_vocab = hf_config.vocab_size
-        if not vocab <= hf_vocab <= padded:
-            raise ConversionError(
-                f"{hf_dir}/config.json: vocab_size={hf_vocab} does not fit the tokenizer "
-                f"({vocab} tokens, padded to {padded} with model.make_vocab_size_divisible_by="
-                f"{cfg.model.make_vocab_size_divisible_by}); it must lie between the two"
-            )
-        if cfg.model.norm_scaling == "lns" and not lns:
-            say(
-                "import-hf: note: model.norm_scaling=lns without --lns: these weights were "
-                "trained without LNS, and with it the model computes a different function"
-            )
-        with staged_output_dir(out_dir, overwrite) as stage:
-            if copy_tokenizer:
-                _copy_tokenizer(hf_dir, stage / "tokenizer")
-            checkpoint = stage / "checkpoints" / "iter_0000000"
-            with _single_process_megatron():
+            _copy_tokenizer(hf_dir, stage / "tokenizer")
+        checkpoint = stage / "checkpoints" / "iter_0000000"
+        with _single_process_megatron():
+            # On the meta device: megatron's layout of the checkpoint, without its memory.
+            with torch.device("meta"):
                 model = build_weights_model(cfg, vocab)
-                model_dtype = next(model.parameters()).dtype
-                if model_dtype != dtype:
-                    say(
-                        f"import-hf: note: casting {dtype} weights to {model_dtype} "
-                        "(trainer.precision)"
-                    )
+            model_dtype = next(model.parameters()).dtype
+            if model_dtype != dtype:
                 say(
-                    f"import-hf: {hf_dir} ({arch.hf_class}, {arch.num_layers} layers) -> "
-                    f"{out_dir} ({'LNS factors divided out' if lns else 'Pre-LN'})"
+                    f"import-hf: note: casting {dtype} weights to {model_dtype} (trainer.precision)"
                 )
-                inexact = _fill(model, weights, arch, hf_vocab, padded, say)
-                if inexact:
-                    say(
-                        f"import-hf: warning: {inexact} norm weight elements have no float "
-                        "that the LNS factor maps back to them exactly; the nearest was taken"
-                    )
-                save_weights_only_checkpoint([model], checkpoint, to_yaml(cfg))
-            (stage / RUN_CONFIG).write_text(to_yaml(cfg))
-    finally:
-        weights.close()
+            say(
+                f"import-hf: {hf_dir} ({arch.hf_class}, {arch.num_layers} layers) -> "
+                f"{out_dir} ({'LNS factors divided out' if lns else 'Pre-LN'})"
+            )
+            source = HfParameters(weights, arch, hf_vocab, padded, say)
+            parameters = GroupedParameters(model, source.group_of, source.produce)
+            strategy = StreamingSaveStrategy(parameters)
+            save_weights_only_checkpoint([model], checkpoint, to_yaml(cfg), strategy=strategy)
+            if parameters.unwritten():
+                raise AssertionError(f"import left parameters unset: {parameters.unwritten()}")
+            if source.inexact:
+                say(
+                    f"import-hf: warning: {source.inexact} norm weight elements have no float "
+                    "that the LNS factor maps back to them exactly; the nearest was taken"
+                )
+        (stage / RUN_CONFIG).write_text(to_yaml(cfg))
     say(f"import-hf: done: train with `megatron-lns train {out_dir / 'config.yaml'}`")
     return out_dir / RUN_CONFIG
 
@@ -320,73 +327,99 @@ def _single_process_megatron() -> Iterator[None]:
             destroy_distributed()
 
 
-def _fill(
-    model: torch.nn.Module,
-    weights: SafetensorsCheckpoint,
-    arch: Architecture,
-    vocab: int,
-    padded: int,
-    say: Callable[[str], None],
-) -> int:
-    """Copy the Hugging Face tensors into ``model``'s parameters; every parameter must be
-    set and every Hugging Face tensor used. Returns the count of inexact norm elements."""
-    params = dict(model.named_parameters())
-    assigned: set[str] = set()
-    used: set[str] = set()
-
-    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        used.add(name)
-        return weights.get(name, shape)
-
-    def assign(name: str, tensor: torch.Tensor) -> None:
-        param = params[name]
-        if param.shape != tensor.shape:
-            raise ConversionError(
-                f"'{name}' would get shape {tuple(tensor.shape)}, the model has "
-                f"{tuple(param.shape)}"
-            )
-        with torch.no_grad():
-            param.copy_(tensor)
-        assigned.add(name)
-
+def check_hf_tensors(weights: SafetensorsCheckpoint, arch: Architecture, vocab: int) -> None:
+    """Every tensor the model needs is there with the shape config.json implies, and no
+    other: checked from the file headers, before anything is read or written."""
     h = arch.hidden_size
-    assign(EMBEDDING, _pad_rows(get(HF_EMBEDDING, (vocab, h)), padded))
-    inexact = 0
+    needed: dict[str, tuple[int, ...]] = {HF_EMBEDDING: (vocab, h)}
     for index in range(arch.num_layers):
-        say(f"import-hf: layer {index + 1}/{arch.num_layers}")
-        hf = {name: get(name, shape) for name, shape in arch.hf_layer_shapes(index).items()}
-        tensors, missed = arch.layer_from_hf(hf, index)
-        inexact += missed
-        for key, tensor in tensors.items():
-            name = f"decoder.layers.{index}.{_FUSED_TO_LOCAL.get(key, key)}"
-            assign(arch.checkpoint_key(name), tensor)
-    assign(arch.checkpoint_key(FINAL_NORM_WEIGHT), get(HF_FINAL_NORM + "weight", (h,)))
-    if not arch.rmsnorm:
-        assign(arch.checkpoint_key(FINAL_NORM_BIAS), get(HF_FINAL_NORM + "bias", (h,)))
-    if arch.tied_embeddings:
-        if HF_LM_HEAD in weights:
-            head = get(HF_LM_HEAD, (vocab, h))
-            if not torch.equal(head, weights.get(HF_EMBEDDING)):
-                raise ConversionError(
-                    f"{weights.directory}: tie_word_embeddings is true but '{HF_LM_HEAD}' differs "
-                    f"from '{HF_EMBEDDING}'"
-                )
-    else:
-        assign(OUTPUT_LAYER, _pad_rows(get(HF_LM_HEAD, (vocab, h)), padded))
+        needed |= arch.hf_layer_shapes(index)
+    needed |= _hf_head_shapes(arch, vocab, HF_LM_HEAD in weights)
+    for name, shape in needed.items():
+        weights.check(name, shape)
     unused = [
         name
         for name in weights.names()
-        if name not in used and not name.endswith(HF_DERIVED_SUFFIXES)
+        if name not in needed and not name.endswith(HF_DERIVED_SUFFIXES)
     ]
     if unused:
         raise ConversionError(
             f"{weights.directory}: tensor '{unused[0]}' has no place in a {arch.hf_class} of this "
             f"config ({len(unused)} such tensors)"
         )
-    unset = sorted(set(params) - assigned)
-    if unset:
-        raise AssertionError(f"import left parameters unset: {unset}")
-    return inexact
+
+
+def _hf_head_shapes(arch: Architecture, vocab: int, has_lm_head: bool) -> dict:
+    """The final norm and, untied or given anyway, the LM head."""
+    h = arch.hidden_size
+    shapes = {HF_FINAL_NORM + "weight": (h,)}
+    if not arch.rmsnorm:
+        shapes[HF_FINAL_NORM + "bias"] = (h,)
+    if not arch.tied_embeddings or has_lm_head:
+        shapes[HF_LM_HEAD] = (vocab, h)
+    return shapes
+
+
+class HfParameters:
+    """The megatron model's parameters made from the Hugging Face tensors, one group at
+    a time (the save streams them, :mod:`~megatron_lns.convert.streaming_save`): group 0
+    is the embedding, group ``i + 1`` transformer layer ``i``, the last the final norm
+    and the output layer. A group reads only its own tensors."""
+
+    def __init__(
+        self,
+        weights: SafetensorsCheckpoint,
+        arch: Architecture,
+        vocab: int,
+        padded: int,
+        say: Callable[[str], None],
+    ) -> None:
+        self.weights, self.arch, self.vocab, self.padded, self.say = (
+            weights,
+            arch,
+            vocab,
+            padded,
+            say,
+        )
+        self.inexact = 0  # norm elements without an exact preimage (--lns)
+
+    def group_of(self, name: str) -> int:
+        """The group of the model parameter ``name``."""
+        gpt_name = hybrid_pattern.hybrid_key_to_gpt(name) if self.arch.hybrid else name
+        if gpt_name == EMBEDDING:
+            return 0
+        layer = _LAYER_PARAMETER.match(gpt_name)
+        return 1 + int(layer.group(1)) if layer else self.arch.num_layers + 1
+
+    def produce(self, group: int) -> dict[str, torch.Tensor]:
+        """Group ``group``'s parameters by their model names."""
+        arch, h = self.arch, self.arch.hidden_size
+        if group == 0:
+            embedding = self.weights.get(HF_EMBEDDING, (self.vocab, h))
+            return {EMBEDDING: _pad_rows(embedding, self.padded)}
+        if group <= arch.num_layers:
+            index = group - 1
+            self.say(f"import-hf: layer {group}/{arch.num_layers}")
+            tensors, missed = arch.layer_from_hf(
+                self.weights.read(arch.hf_layer_shapes(index)), index
+            )
+            self.inexact += missed
+            return {
+                arch.checkpoint_key(f"decoder.layers.{index}.{_FUSED_TO_LOCAL.get(key, key)}"): t
+                for key, t in tensors.items()
+            }
+        hf = self.weights.read(_hf_head_shapes(arch, self.vocab, HF_LM_HEAD in self.weights))
+        out = {arch.checkpoint_key(FINAL_NORM_WEIGHT): hf[HF_FINAL_NORM + "weight"]}
+        if not arch.rmsnorm:
+            out[arch.checkpoint_key(FINAL_NORM_BIAS)] = hf[HF_FINAL_NORM + "bias"]
+        if not arch.tied_embeddings:
+            out[OUTPUT_LAYER] = _pad_rows(hf[HF_LM_HEAD], self.padded)
+        elif HF_LM_HEAD in hf and not torch.equal(hf[HF_LM_HEAD], self.weights.get(HF_EMBEDDING)):
+            raise ConversionError(
+                f"{self.weights.directory}: tie_word_embeddings is true but '{HF_LM_HEAD}' "
+                f"differs from '{HF_EMBEDDING}'"
+            )
+        return out
 
 
 def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -122,28 +121,34 @@ def check_written(out_dir: Path, weight_map: dict[str, str]) -> None:
 
 
 class SafetensorsCheckpoint:
-    """The tensors of a Hugging Face model directory (safetensors only), read lazily."""
+    """The tensors of a Hugging Face model directory (safetensors only), read lazily.
+
+    Names, shapes and dtypes come from the file headers, read once. No file stays open:
+    :meth:`read` opens the files its tensors lie in and closes them again. safetensors'
+    tensors are views of the file's memory mapping, so the pages a read touched are
+    given back with its tensors, and reading a model group by group holds one group.
+    """
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         index_path, single = directory / INDEX_FILE, directory / SINGLE_FILE
+        # name -> (shape, safetensors dtype code), of the tensors of every file
+        self._header: dict[str, tuple[tuple[int, ...], str]] = {}
         if index_path.is_file():
             try:
                 self.weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
             except (ValueError, KeyError) as err:
                 raise ConversionError(f"{index_path} is not a safetensors index: {err}") from err
         elif single.is_file():
-            self.weight_map = dict.fromkeys(self._keys(single), SINGLE_FILE)
+            self.weight_map = dict.fromkeys(self._read_header(single), SINGLE_FILE)
         else:
             pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(
                 p.name for p in directory.glob("*.pt")
             )
             hint = f" (found {pickles[0]}: pickled weights are not read)" if pickles else ""
             raise ConversionError(f"{directory} has no {SINGLE_FILE} or {INDEX_FILE}{hint}")
-        self._stack = ExitStack()
-        self._open: dict[str, object] = {}
         for file in sorted(set(self.weight_map.values())):
-            stored = set(self._keys(directory / file))
+            stored = set(self._read_header(directory / file))
             listed = {name for name, f in self.weight_map.items() if f == file}
             if listed - stored:
                 raise ConversionError(
@@ -151,14 +156,19 @@ class SafetensorsCheckpoint:
                     "lists there"
                 )
 
-    def _keys(self, path: Path) -> list[str]:
+    def _read_header(self, path: Path) -> list[str]:
+        """The names of the tensors in ``path``; records their shapes and dtypes."""
         if not path.is_file():
             raise ConversionError(f"safetensors file {path} is missing")
         try:
             with safe_open(str(path), framework="pt") as f:
-                return list(f.keys())
+                names = list(f.keys())
+                for name in names:
+                    part = f.get_slice(name)
+                    self._header.setdefault(name, (tuple(part.get_shape()), part.get_dtype()))
         except (SafetensorError, OSError) as err:
             raise ConversionError(f"{path} is not a readable safetensors file: {err}") from err
+        return names
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
@@ -166,39 +176,51 @@ class SafetensorsCheckpoint:
     def names(self) -> Iterator[str]:
         return iter(self.weight_map)
 
-    def _handle(self, name: str):
+    def _path(self, name: str) -> Path:
         if name not in self.weight_map:
             raise ConversionError(f"{self.directory}: tensor '{name}' is missing")
-        file = self.weight_map[name]
-        if file not in self._open:
-            path = str(self.directory / file)
-            self._open[file] = self._stack.enter_context(safe_open(path, framework="pt"))
-        return self._open[file]
+        return self.directory / self.weight_map[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of tensor ``name``, from the file header (nothing is read)."""
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        self._path(name)
+        return self._header[name][0]
 
     def dtype(self, name: str) -> torch.dtype:
         """dtype of tensor ``name``, from the file header (nothing is read)."""
-        code = self._handle(name).get_slice(name).get_dtype()
+        self._path(name)
+        code = self._header[name][1]
         if code not in _DTYPES:
             raise ConversionError(f"{self.directory}: tensor '{name}' has dtype {code}")
         return _DTYPES[code]
 
+    def check(self, name: str, shape: tuple[int, ...]) -> None:
+        """Tensor ``name`` exists with shape ``shape`` (from the header)."""
+        if self.shape(name) != tuple(shape):
+            raise ConversionError(
+                f"{self._path(name)}: tensor '{name}' has shape {self.shape(name)}, "
+                f"config.json implies {tuple(shape)}"
+            )
+
+    def read(self, shapes: dict[str, tuple[int, ...] | None]) -> dict[str, torch.Tensor]:
+        """The tensors named by ``shapes``, each of its shape where one is given; each
+        file they lie in is opened once."""
+        by_file: dict[Path, list[str]] = {}
+        for name, shape in shapes.items():
+            if shape is not None:
+                self.check(name, shape)
+            by_file.setdefault(self._path(name), []).append(name)
+        out: dict[str, torch.Tensor] = {}
+        for path, names in by_file.items():
+            name = names[0]
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    for name in names:
+                        out[name] = f.get_tensor(name)
+            except (SafetensorError, OSError, RuntimeError) as err:
+                raise ConversionError(f"{path}: cannot read tensor '{name}': {err}") from err
+        return {name: out[name] for name in shapes}
+
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """Tensor ``name``; its shape must be ``shape`` when given."""
-        path = self.directory / self.weight_map.get(name, "?")
-        try:
-            tensor = self._handle(name).get_tensor(name)
-        except (SafetensorError, OSError, RuntimeError) as err:
-            raise ConversionError(f"{path}: cannot read tensor '{name}': {err}") from err
-        if shape is not None and tuple(tensor.shape) != tuple(shape):
-            raise ConversionError(
-                f"{path}: tensor '{name}' has shape {tuple(tensor.shape)}, config.json implies "
-                f"{tuple(shape)}"
-            )
-        return tensor
-
-    def close(self) -> None:
-        self._stack.close()
+        return self.read({name: shape})[name]

@@ -182,15 +182,19 @@ def _start_save(
 
 
 def save_model_weights(
-    model: Sequence[torch.nn.Module], directory: str | Path, config_yaml: str | None = None
+    model: Sequence[torch.nn.Module],
+    directory: str | Path,
+    config_yaml: str | None = None,
+    strategy=None,
 ) -> None:
     """Write this rank's shards of every chunk (weights only); all ranks must call it.
-    ``config_yaml``: the run config whose hash the provenance records, where there is one."""
+    ``config_yaml``: the run config whose hash the provenance records, where there is one.
+    ``strategy``: megatron's writer (``import-hf`` streams a meta model's weights)."""
     Path(directory).mkdir(parents=True, exist_ok=True)
     sharded = model_sharded_state_dict(model)
     sharded[architecture.ARCHITECTURE] = architecture.model_architecture(model)
     sharded[provenance.PROVENANCE] = provenance.provenance_record(model, config_yaml)
-    _save(sharded, directory)
+    _save(sharded, directory, strategy)
 
 
 def check_shapes_match(template: dict, directory: str | Path) -> None:
@@ -580,12 +584,13 @@ def save_weights_only_checkpoint(
     directory: str | Path,
     config_yaml: str,
     state: TrainingState | None = None,
+    strategy=None,
 ) -> Path:
     """A complete checkpoint of the weights alone (``import-hf`` writes these), from a
     single process: training resumes from it with a fresh optimizer and schedule, at
-    ``state`` (iteration 0 by default)."""
+    ``state`` (iteration 0 by default). ``strategy``: as for :func:`save_model_weights`."""
     directory, state = Path(directory), state or TrainingState()
-    save_model_weights(model, directory, config_yaml)
+    save_model_weights(model, directory, config_yaml, strategy)
     (directory / RUN_CONFIG).write_text(config_yaml)
     marker = {
         "iteration": state.iteration,
