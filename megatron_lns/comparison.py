@@ -46,6 +46,7 @@ from megatron_lns.config import ConfigError, ExperimentConfig, to_yaml, validate
 from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.errors import UserError
 from megatron_lns.training.provenance import changed_config_keys
+from megatron_lns.training.run_dir import holds_a_run
 from megatron_lns.training.trainer import Trainer, TrainingStopped
 
 # Variant name -> (label, model keys). Names are the paper's arms; the keys are the only
@@ -182,8 +183,10 @@ def check_existing_runs(
         for variant in variants:
             run_dir = out / variant.name / f"seed{seed}"
             stored = run_dir / RUN_CONFIG
-            if not stored.is_file():
-                continue
+            if not stored.is_file() or not (
+                (run_dir / RESULT_FILE).is_file() or holds_a_run(run_dir)
+            ):
+                continue  # nothing kept that would be reused: the arm starts afresh
             arm = to_yaml(run_config(cfg, variant, seed, out))
             changed = changed_config_keys(stored.read_text(), arm)
             keys = [key for key in changed if key not in MAY_DIFFER_ON_RESUME]
