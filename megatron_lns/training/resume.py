@@ -14,6 +14,8 @@
   ``scancel`` past KillWait, a SIGKILL, a node failure) leaves ``iter_N.partial``; the
   next run says so and which complete checkpoint it resumes from instead
   (:func:`interrupted_save_note`), since the killed run could not.
+* A resume from a checkpoint older than others of the run (a rewind) moves the newer
+  ones aside before the new branch writes anything (``rewind.py``, the trainer).
 * ``model.architecture`` may change from ``gpt`` to ``hybrid``: a GPT run continues in its
   hybrid twin (weights, optimizer state, schedule, data position), the way megatron-core
   moves GPT runs to ``HybridModel``; a hybrid checkpoint resumes only in the hybrid model

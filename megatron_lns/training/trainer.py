@@ -57,6 +57,7 @@ from megatron_lns.training.resume import (
     interrupted_save_note,
     resume,
 )
+from megatron_lns.training.rewind import finish_interrupted_moves, set_aside_newer_checkpoints
 from megatron_lns.training.run_dir import RunDirError, RunDirLock, claim_run_dir
 from megatron_lns.training.run_progress import ProgressRecorder
 from megatron_lns.training.run_status import write_run_status
@@ -199,6 +200,14 @@ class Trainer:
                 (self.run_dir / RUN_CONFIG).write_text(self.config_yaml)
             except RunDirError as err:
                 error = str(err)
+        if lock is not None:
+            # Before any rank lists the checkpoints: finish a move a killed run began.
+            try:
+                for note in finish_interrupted_moves(self.checkpoint_dir):
+                    self._print(note)
+            except (OSError, ValueError, KeyError) as err:
+                lock.release()
+                error = f"cannot finish moving checkpoints aside in {self.checkpoint_dir}: {err}"
         shared = [error]
         dist.broadcast_object_list(shared, src=0, device=self.device)
         if shared[0] is not None:
@@ -273,6 +282,7 @@ class Trainer:
             cfg, self.checkpoint_dir, self.model, self.optimizer, self.scheduler
         )
         self.resumed_from = self.state.iteration
+        self._set_abandoned_branch_aside()
         if note := interrupted_save_note(self.checkpoint_dir, self.resumed_path):
             self._print(note)
         if self.resumed_path is not None:
@@ -303,6 +313,27 @@ class Trainer:
             run_name=cfg.exp_manager.name,
             resume_step=self.state.iteration,
         )
+
+    def _set_abandoned_branch_aside(self) -> None:
+        """Rank 0 moves the checkpoints newer than the resumed one out of resume's way
+        (``rewind.py``) before this branch writes anything; the other ranks wait."""
+        if self.resumed_path is None:
+            return
+        error = None
+        if self.is_rank0:
+            try:
+                note = set_aside_newer_checkpoints(
+                    self.checkpoint_dir, self.resumed_path.name, self.state.iteration
+                )
+            except OSError as err:
+                error = f"cannot move the checkpoints newer than {self.resumed_path} aside: {err}"
+            else:
+                if note is not None:
+                    self._print(note)
+        shared = [error]
+        dist.broadcast_object_list(shared, src=0, device=self.device)
+        if shared[0] is not None:
+            raise RunDirError(shared[0])
 
     def close(self) -> None:
         """Close the logs, release the run directory, restore the signal handlers
@@ -383,7 +414,9 @@ class Trainer:
                 f"step {self.state.iteration + 1}: loss {result.loss}, gradient norm "
                 f"{result.grad_norm}: the run diverged and stops before its next checkpoint "
                 f"(newest complete one: {latest_complete_checkpoint(self.checkpoint_dir)}); "
-                "lower the learning rate or resume from an earlier checkpoint"
+                "lower the learning rate or resume from an earlier checkpoint "
+                "(exp_manager.resume_from_checkpoint; the checkpoints after it are then moved "
+                "aside to checkpoints/abandoned-*, kept)"
             )
         self.consecutive_skips = 0
         self.scheduler.step(increment=1)
