@@ -57,7 +57,13 @@ from megatron_lns.training.resume import (
     interrupted_save_note,
     resume,
 )
-from megatron_lns.training.rewind import finish_interrupted_moves, set_aside_newer_checkpoints
+from megatron_lns.training.rewind import (
+    RewindRecord,
+    RewindRecordError,
+    continuing_note,
+    finish_interrupted_moves,
+    set_aside_newer_checkpoints,
+)
 from megatron_lns.training.run_dir import RunDirError, RunDirLock, claim_run_dir
 from megatron_lns.training.run_progress import ProgressRecorder
 from megatron_lns.training.run_status import write_run_status
@@ -316,15 +322,26 @@ class Trainer:
 
     def _set_abandoned_branch_aside(self) -> None:
         """Rank 0 moves the checkpoints newer than the resumed one out of resume's way
-        (``rewind.py``) before this branch writes anything; the other ranks wait."""
+        (``rewind.py``) before this branch writes anything, and records a start from
+        ``resume_from_checkpoint`` so that a rerun continues the branch; the other ranks
+        wait."""
         if self.resumed_path is None:
             return
+        requested = self.cfg.exp_manager.resume_from_checkpoint
+        record = None
+        if requested and Path(requested).resolve() == self.resumed_path.resolve():
+            now = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+            record = RewindRecord(self.resumed_path.resolve(), None, now)
         error = None
         if self.is_rank0:
             try:
+                if requested and record is None:  # continuing the branch of an earlier start
+                    self._print(continuing_note(self.checkpoint_dir, self.resumed_path))
                 note = set_aside_newer_checkpoints(
-                    self.checkpoint_dir, self.resumed_path.name, self.state.iteration
+                    self.checkpoint_dir, self.resumed_path.name, self.state.iteration, record
                 )
+            except RewindRecordError as err:
+                error = str(err)
             except OSError as err:
                 error = f"cannot move the checkpoints newer than {self.resumed_path} aside: {err}"
             else:

@@ -234,7 +234,7 @@ def test_a_save_the_previous_run_did_not_finish_is_reported_at_the_next_start(tm
 
 
 def test_a_rewind_sets_the_abandoned_branch_aside_where_no_resume_picks_it(tmp_path, capfd):
-    _run(tmp_path, tiny_run_config(tmp_path))  # iter_3, iter_6
+    straight = _run(tmp_path, tiny_run_config(tmp_path))  # iter_3, iter_6
     checkpoints = tmp_path / "lns" / "checkpoints"
     (checkpoints / "iter_0000007.partial").mkdir()  # a killed save of the old branch
     rewind = f"exp_manager.resume_from_checkpoint={checkpoints / 'iter_0000003'}"
@@ -247,3 +247,8 @@ def test_a_rewind_sets_the_abandoned_branch_aside_where_no_resume_picks_it(tmp_p
     assert (aside / "iter_0000006" / "complete.json").is_file()
     out = capfd.readouterr().out
     assert "moved the newer checkpoints iter_0000007.partial, iter_0000006 aside to" in out
+    # The same command again (a requeue) continues the branch: no second rewind.
+    again = _run(tmp_path, tiny_run_config(tmp_path, rewind, "trainer.exit_interval=4"))
+    assert again["resumed_from"] == 4 and again["losses"] == straight["losses"][4:]
+    assert [p.name for p in checkpoints.glob("abandoned-*")] == [aside.name]
+    assert "the rewind to iter_0000003 was already done at " in capfd.readouterr().out
