@@ -22,10 +22,9 @@ the same rewind again; done again, it would set the branch's own progress aside 
 restart from the same step every time. So rank 0 records each run started from
 ``resume_from_checkpoint`` in ``checkpoints/rewind.json`` (:class:`RewindRecord`: the
 checkpoint, resolved, the abandoned directory, the time), written atomically before
-anything moves.
-A later run asked for the same checkpoint, in a run directory that has complete
-checkpoints newer than it and saved after the record (the branch's: the rewind moved all
-the older newer ones aside), continues from the newest of them as a plain resume does
+anything moves. A later run asked for the same checkpoint, in a run directory that has
+complete checkpoints newer than it and saved after the record (the branch's: the rewind
+moved all the older newer ones aside), continues from the newest of them as a plain resume does
 (:func:`branch_to_continue`), and says so in one line naming the record; to rewind to the
 same checkpoint again, remove the record. Only the latest explicit start is recorded, so
 a rewind to another checkpoint is never taken for a requeue, and a checkpoint of another
