@@ -9,7 +9,10 @@ default case: LNS and Pre-LN, one seed, on ``tiny_cpu_demo``.
 Runs live in ``<out>/<variant>/seed<seed>/``, ordinary run directories: a comparison that
 is interrupted resumes every run from its last checkpoint when started again with the
 same ``--out``, and a finished run is not trained again (its ``compare_result.json`` holds
-what the table needs).
+what the table needs). Runs started with other ``model`` or ``trainer`` settings than the
+arm's are refused by name (:func:`check_existing_runs`), and so are command-line
+overrides of the keys each arm sets itself (:func:`check_overrides`): either would put
+arms trained otherwise into one table.
 
 The table reports, per variant, the mean and the sample standard deviation over seeds of
 the held-out loss and perplexity, hidden-state variance growth (last layer / first), and
@@ -29,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,8 +42,11 @@ import torch.distributed as dist
 
 from megatron_lns.analysis.depth import LayerStats, layer_statistics, variance_growth
 from megatron_lns.analysis.plots import plot_depth_profiles, plot_seed_bands, read_metrics
-from megatron_lns.config import ConfigError, ExperimentConfig, validate
+from megatron_lns.config import ConfigError, ExperimentConfig, to_yaml, validate
+from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.errors import UserError
+from megatron_lns.training.provenance import changed_config_keys
+from megatron_lns.training.run_dir import holds_a_run
 from megatron_lns.training.trainer import Trainer, TrainingStopped
 
 # Variant name -> (label, model keys). Names are the paper's arms; the keys are the only
@@ -123,6 +130,72 @@ def check_arms(cfg: ExperimentConfig, variants: Sequence[Variant]) -> None:
             validate(arm, check_files=False)
         except ConfigError as err:
             raise CompareError(f"variant {variant.name}: {err}") from err
+
+
+# What ``run_config`` sets for each arm besides the variant's model keys, and why.
+ARM_KEYS = {"exp_manager.name": "the run's name by its seed"}
+
+
+def check_overrides(overrides: Sequence[str], variants: Sequence[Variant], command: str) -> None:
+    """Refuse command-line overrides of keys each arm sets itself: the user's value would
+    be dropped without a word (a YAML's value is the base the arms replace, as meant)."""
+    variant_keys = {f"model.{key}" for v in variants for key in v.model_settings}
+    given = [o.lstrip("+~").split("=", 1)[0].strip() for o in overrides]
+    ours = list(dict.fromkeys(k for k in given if k in variant_keys or k in ARM_KEYS))
+    if ours:
+        why = ["the layers by the variant"] if any(k in variant_keys for k in ours) else []
+        why += [ARM_KEYS[k] for k in ours if k in ARM_KEYS]
+        raise CompareError(
+            f"{', '.join(ours)}: {command} sets these for each arm ({', '.join(why)}); "
+            "choose the arms with `compare --variants` instead"
+        )
+
+
+# Keys a resume honours that do not change what an arm trains: where it runs (the
+# parallel layout, docs/resuming.md) and when it stops or logs. A run stopped with
+# ``trainer.exit_interval`` may be resumed without it, on more devices, and so on.
+MAY_DIFFER_ON_RESUME = frozenset(
+    {
+        "trainer.devices",
+        "trainer.num_nodes",
+        "trainer.exit_interval",
+        "trainer.log_every_n_steps",
+        "model.tensor_model_parallel_size",
+        "model.pipeline_model_parallel_size",
+        "model.virtual_pipeline_model_parallel_size",
+        "model.sequence_parallel",
+        "model.context_parallel_size",
+        "model.expert_model_parallel_size",
+        "model.expert_tensor_parallel_size",
+    }
+)
+
+
+def check_existing_runs(
+    cfg: ExperimentConfig, variants: Sequence[Variant], seeds: Sequence[int], out: Path
+) -> None:
+    """Refuse a comparison into an ``out`` whose runs were started with other settings:
+    their results (or checkpoints) would go into one table with arms trained otherwise.
+    Compares each existing run's ``config.yaml`` with the arm's, over the sections a
+    checkpoint's config hash covers (``provenance.py``: ``model`` and ``trainer``), but
+    for :data:`MAY_DIFFER_ON_RESUME`."""
+    for seed in seeds:
+        for variant in variants:
+            run_dir = out / variant.name / f"seed{seed}"
+            stored = run_dir / RUN_CONFIG
+            if not stored.is_file() or not (
+                (run_dir / RESULT_FILE).is_file() or holds_a_run(run_dir)
+            ):
+                continue  # nothing kept that would be reused: the arm starts afresh
+            arm = to_yaml(run_config(cfg, variant, seed, out))
+            changed = changed_config_keys(stored.read_text(), arm)
+            keys = [key for key in changed if key not in MAY_DIFFER_ON_RESUME]
+            if keys:
+                raise CompareError(
+                    f"{run_dir} was trained with other settings than this comparison's "
+                    f"({', '.join(keys)}): rerun with the settings it was started with, or "
+                    "choose another --out"
+                )
 
 
 def seeds_for(cfg: ExperimentConfig, num_seeds: int) -> list[int]:
@@ -233,6 +306,14 @@ def train_and_measure(cfg: ExperimentConfig, variant: str, seed: int) -> RunResu
         result.router_losses = {} if result.diverged else router_losses
         (run_dir / RESULT_FILE).write_text(json.dumps(result.to_json(), indent=1))
     return result
+
+
+def _is_rank0() -> bool:
+    """Rank 0, also before a process group exists: a comparison whose runs have all
+    finished starts none (no Trainer), and its launcher's ranks still know their RANK."""
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _finished(cfg: ExperimentConfig, run_dir: Path) -> RunResult | None:
@@ -348,12 +429,12 @@ def run_comparison(
             run_dir = out / variant.name / f"seed{seed}"
             result = _finished(run_cfg, run_dir) or train_and_measure(run_cfg, variant.name, seed)
             if result is None:
-                if dist.get_rank() == 0:
+                if _is_rank0():
                     print(f"comparison stopped; rerun with --out {out} to resume", flush=True)
                 return Comparison(list(variants), seeds, results, stopped=True)
             results[variant.name].append(result)
     comparison = Comparison(list(variants), seeds, results)
-    if dist.get_rank() == 0:
+    if _is_rank0():
         pngs = _write_outputs(comparison, out, title=f"{cfg.name}: {len(seeds)} seed(s)")
         print("\n" + format_table(comparison), flush=True)
         print(

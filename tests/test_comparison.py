@@ -288,3 +288,71 @@ def test_compare_runs_lns_against_pre_ln_on_an_moe_config(tmp_path):
     assert table.splitlines()[0].endswith("| load-balancing loss | router z-loss |")
     assert "| LNS | 1 | 0 |" in table and "| Pre-LN | 1 | 0 |" in table
     assert table.strip() in printed
+
+
+def _finished_arm(out: Path, overrides=TINY_RUN_OVERRIDES) -> Path:
+    """``out`` as a comparison of the lns arm alone (one seed) leaves it when it has
+    finished: the run's config, its result and its metrics, without its checkpoints."""
+    from megatron_lns.comparison import RESULT_FILE, Variant, run_config
+    from megatron_lns.config import to_yaml
+
+    cfg = load_config(DEMO_CONFIG, list(overrides))
+    validate(cfg, check_files=False)
+    run_dir = out / "lns" / "seed1234"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(to_yaml(run_config(cfg, Variant.parse("lns"), 1234, out)))
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 5.0 - s / 10}) + "\n" for s in range(1, 7))
+    )
+    result = RunResult("lns", 1234, steps=6, held_out_loss=4.5, train_loss=4.6)
+    (run_dir / RESULT_FILE).write_text(json.dumps(result.to_json()))
+    return run_dir
+
+
+@pytest.mark.slow
+def test_rerunning_a_finished_comparison_prints_its_table_without_training(tmp_path):
+    out = tmp_path / "cmp"
+    run_dir = _finished_arm(out)
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_lns.cli", "compare", str(DEMO_CONFIG),
+         *TINY_RUN_OVERRIDES, "--variants", "lns", "--out", str(out)],
+        cwd=ROOT, env=fresh_launch_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert "| LNS | 1 | 0 |" in done.stdout and "4.5000" in done.stdout
+    assert not (run_dir / "checkpoints").exists()  # nothing was trained
+
+
+def test_a_comparison_into_an_out_of_other_settings_is_refused_naming_the_keys(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    _finished_arm(out)
+    args = ["compare", str(DEMO_CONFIG), *TINY_RUN_OVERRIDES]
+    arms = ["--variants", "lns", "pre_ln", "--out", str(out)]
+    assert main([*args, "model.hidden_size=32", "model.optim.lr=0.01", *arms]) == 2
+    assert main([*args, "trainer.limit_val_batches=2", *arms, "--dry-run"]) == 2
+    # What a resume may change without changing what an arm trains is accepted.
+    assert main([*args, "trainer.exit_interval=3", "trainer.log_every_n_steps=2", *arms,
+                 "--dry-run"]) == 0  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == (
+        f"error: {out / 'lns' / 'seed1234'} was trained with other settings than this "
+        "comparison's (model.hidden_size, model.optim.lr): rerun with the settings it was "
+        "started with, or choose another --out"
+    )
+    assert err[1].endswith("(trainer.limit_val_batches): rerun with the settings it was "
+                           "started with, or choose another --out")  # fmt: skip
+    assert not (out / "pre_ln").exists()
+
+
+@pytest.mark.parametrize("command", ["compare", "demo"])
+def test_overrides_of_the_keys_each_arm_sets_are_refused_by_name(command, capsys):
+    config = [str(DEMO_CONFIG)] if command == "compare" else ["--config", str(DEMO_CONFIG)]
+    ours = ["model.layer_variant=post_ln", "+model.norm_scaling=none", "exp_manager.name=mine"]
+    assert main([command, *config, *TINY_RUN_OVERRIDES, *ours, "--dry-run"]) == 2
+    [err] = capsys.readouterr().err.strip().splitlines()
+    assert err == (
+        "error: model.layer_variant, model.norm_scaling, exp_manager.name: "
+        f"{command} sets these for each arm (the layers by the variant, the run's name by its "
+        "seed); choose the arms with `compare --variants` instead"
+    )

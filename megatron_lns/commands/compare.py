@@ -56,7 +56,14 @@ def compare_job(cfg: ExperimentConfig, variant_names: list[str], num_seeds: int,
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_lns.comparison import DEFAULT_VARIANTS, check_arms, parse_variants, seeds_for
+    from megatron_lns.comparison import (
+        DEFAULT_VARIANTS,
+        check_arms,
+        check_existing_runs,
+        check_overrides,
+        parse_variants,
+        seeds_for,
+    )
     from megatron_lns.config.bundled import DEMO_CONFIG_NAME
     from megatron_lns.training.entry_point import (
         load_checked_config,
@@ -68,9 +75,13 @@ def run(args: argparse.Namespace) -> int:
         getattr(args, "config", None) or DEMO_CONFIG_NAME, args.overrides, args.dry_run
     )
     parsed = parse_variants(getattr(args, "variants", None) or DEFAULT_VARIANTS)
+    check_overrides(args.overrides, parsed, args.command)
     check_arms(cfg, parsed)
     variants = [v.name for v in parsed]
-    num_seeds = len(seeds_for(cfg, getattr(args, "seeds", 1)))
+    seeds = seeds_for(cfg, getattr(args, "seeds", 1))
+    num_seeds = len(seeds)
+    if args.out is not None:
+        check_existing_runs(cfg, parsed, seeds, Path(args.out))
     if args.dry_run:
         print_resolved_config(cfg)
         return 0

@@ -298,7 +298,12 @@ class ExpManagerConfig:
         ),
     )
     resume_from_checkpoint: str | None = setting(
-        None, doc="an `iter_NNNNNNN` checkpoint directory to resume from instead of the newest"
+        None,
+        doc=(
+            "an `iter_NNNNNNN` checkpoint directory to resume from instead of the newest; "
+            "once: a rerun of the same command continues the branch it started (see "
+            "[resuming.md](resuming.md))"
+        ),
     )
     resume_past_unreadable: bool = setting(
         False,

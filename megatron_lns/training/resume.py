@@ -2,6 +2,9 @@
 
 * ``exp_manager.resume_from_checkpoint`` names one; otherwise, with
   ``exp_manager.resume_if_exists``, the newest complete one under ``checkpoints/``.
+  A run asked for the checkpoint an earlier run of this directory already started a
+  branch from continues that branch once it has saved (``rewind.py``): a requeue of the
+  same command does not rewind again.
 * A checkpoint that cannot be read stops the run with its name and the reason, or,
   with ``exp_manager.resume_past_unreadable``, is skipped for the next older one.
 * The LR schedule and weight decay are part of the checkpoint (megatron's
@@ -14,6 +17,8 @@
   ``scancel`` past KillWait, a SIGKILL, a node failure) leaves ``iter_N.partial``; the
   next run says so and which complete checkpoint it resumes from instead
   (:func:`interrupted_save_note`), since the killed run could not.
+* A resume from a checkpoint older than others of the run (a rewind) moves the newer
+  ones aside before the new branch writes anything (``rewind.py``, the trainer).
 * ``model.architecture`` may change from ``gpt`` to ``hybrid``: a GPT run continues in its
   hybrid twin (weights, optimizer state, schedule, data position), the way megatron-core
   moves GPT runs to ``HybridModel``; a hybrid checkpoint resumes only in the hybrid model
@@ -47,6 +52,7 @@ from megatron_lns.training.checkpoint import (
     load_checkpoint,
     load_strategy,
 )
+from megatron_lns.training.rewind import branch_to_continue
 
 # megatron scheduler state -> the config keys that set it.
 SCHEDULE_KEYS = {
@@ -105,6 +111,9 @@ def checkpoints_to_try(cfg: ExperimentConfig, checkpoint_dir: Path) -> list[Path
                 f"exp_manager.resume_from_checkpoint: {path} is not a complete checkpoint "
                 "(an iter_NNNNNNN directory with complete.json)"
             )
+        branch = branch_to_continue(checkpoint_dir, path, complete_checkpoints(checkpoint_dir))
+        if branch:
+            return [*branch, path] if em.resume_past_unreadable else branch[:1]
         return [path]
     if not em.resume_if_exists:
         return []

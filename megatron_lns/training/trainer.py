@@ -57,6 +57,13 @@ from megatron_lns.training.resume import (
     interrupted_save_note,
     resume,
 )
+from megatron_lns.training.rewind import (
+    RewindRecord,
+    RewindRecordError,
+    continuing_note,
+    finish_interrupted_moves,
+    set_aside_newer_checkpoints,
+)
 from megatron_lns.training.run_dir import RunDirError, RunDirLock, claim_run_dir
 from megatron_lns.training.run_progress import ProgressRecorder
 from megatron_lns.training.run_status import write_run_status
@@ -204,6 +211,14 @@ class Trainer:
                 (self.run_dir / RUN_CONFIG).write_text(self.config_yaml)
             except RunDirError as err:
                 error = str(err)
+        if lock is not None:
+            # Before any rank lists the checkpoints: finish a move a killed run began.
+            try:
+                for note in finish_interrupted_moves(self.checkpoint_dir):
+                    self._print(note)
+            except (OSError, ValueError, KeyError) as err:
+                lock.release()
+                error = f"cannot finish moving checkpoints aside in {self.checkpoint_dir}: {err}"
         shared = [error]
         dist.broadcast_object_list(shared, src=0, device=self.device)
         if shared[0] is not None:
@@ -278,6 +293,7 @@ class Trainer:
             cfg, self.checkpoint_dir, self.model, self.optimizer, self.scheduler
         )
         self.resumed_from = self.state.iteration
+        self._set_abandoned_branch_aside()
         if note := interrupted_save_note(self.checkpoint_dir, self.resumed_path):
             self._print(note)
         if self.resumed_path is not None:
@@ -308,6 +324,38 @@ class Trainer:
             run_name=cfg.exp_manager.name,
             resume_step=self.state.iteration,
         )
+
+    def _set_abandoned_branch_aside(self) -> None:
+        """Rank 0 moves the checkpoints newer than the resumed one out of resume's way
+        (``rewind.py``) before this branch writes anything, and records a start from
+        ``resume_from_checkpoint`` so that a rerun continues the branch; the other ranks
+        wait."""
+        if self.resumed_path is None:
+            return
+        requested = self.cfg.exp_manager.resume_from_checkpoint
+        record = None
+        if requested and Path(requested).resolve() == self.resumed_path.resolve():
+            now = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+            record = RewindRecord(self.resumed_path.resolve(), None, now)
+        error = None
+        if self.is_rank0:
+            try:
+                if requested and record is None:  # continuing the branch of an earlier start
+                    self._print(continuing_note(self.checkpoint_dir, self.resumed_path))
+                note = set_aside_newer_checkpoints(
+                    self.checkpoint_dir, self.resumed_path.name, self.state.iteration, record
+                )
+            except RewindRecordError as err:
+                error = str(err)
+            except OSError as err:
+                error = f"cannot move the checkpoints newer than {self.resumed_path} aside: {err}"
+            else:
+                if note is not None:
+                    self._print(note)
+        shared = [error]
+        dist.broadcast_object_list(shared, src=0, device=self.device)
+        if shared[0] is not None:
+            raise RunDirError(shared[0])
 
     def close(self) -> None:
         """Close the logs, release the run directory, restore the signal handlers
@@ -388,7 +436,9 @@ class Trainer:
                 f"step {self.state.iteration + 1}: loss {result.loss}, gradient norm "
                 f"{result.grad_norm}: the run diverged and stops before its next checkpoint "
                 f"(newest complete one: {latest_complete_checkpoint(self.checkpoint_dir)}); "
-                "lower the learning rate or resume from an earlier checkpoint"
+                "lower the learning rate or resume from an earlier checkpoint "
+                "(exp_manager.resume_from_checkpoint; the checkpoints after it are then moved "
+                "aside to checkpoints/abandoned-*, kept)"
             )
         self.consecutive_skips = 0
         self.scheduler.step(increment=1)

@@ -81,6 +81,10 @@ def test_unreadable_newest_checkpoint_is_named_or_skipped_when_asked(tmp_path):
     resumed = _run(tmp_path, tiny_run_config(tmp_path, "exp_manager.resume_past_unreadable=true"))
     assert resumed["resumed_from"] == 4
     assert resumed["losses"] == straight["losses"][4:]
+    # The skipped checkpoint is kept, out of the way, not overwritten or picked again.
+    checkpoints = tmp_path / "lns" / "checkpoints"
+    assert [p.name for p in checkpoints.glob("abandoned-*-from-iter_0000004/*")] == [newest.name]
+    assert latest_complete_checkpoint(checkpoints).name == "iter_0000006"
 
 
 def test_resume_from_a_chosen_checkpoint(tmp_path):
@@ -227,3 +231,24 @@ def test_a_save_the_previous_run_did_not_finish_is_reported_at_the_next_start(tm
         "complete checkpoint"
     )
     assert "starting from scratch" in interrupted_save_note(tmp_path, None)
+
+
+def test_a_rewind_sets_the_abandoned_branch_aside_where_no_resume_picks_it(tmp_path, capfd):
+    straight = _run(tmp_path, tiny_run_config(tmp_path))  # iter_3, iter_6
+    checkpoints = tmp_path / "lns" / "checkpoints"
+    (checkpoints / "iter_0000007.partial").mkdir()  # a killed save of the old branch
+    rewind = f"exp_manager.resume_from_checkpoint={checkpoints / 'iter_0000003'}"
+    branch = _run(tmp_path, tiny_run_config(tmp_path, rewind, "trainer.exit_interval=4"))
+    assert branch["resumed_from"] == 3 and branch["steps"] == 4
+    # A plain resume now continues the new branch, not the old iter_6.
+    assert latest_complete_checkpoint(checkpoints) == checkpoints / "iter_0000004"
+    [aside] = checkpoints.glob("abandoned-*-from-iter_0000003")
+    assert sorted(p.name for p in aside.iterdir()) == ["iter_0000006", "iter_0000007.partial"]
+    assert (aside / "iter_0000006" / "complete.json").is_file()
+    out = capfd.readouterr().out
+    assert "moved the newer checkpoints iter_0000007.partial, iter_0000006 aside to" in out
+    # The same command again (a requeue) continues the branch: no second rewind.
+    again = _run(tmp_path, tiny_run_config(tmp_path, rewind, "trainer.exit_interval=4"))
+    assert again["resumed_from"] == 4 and again["losses"] == straight["losses"][4:]
+    assert [p.name for p in checkpoints.glob("abandoned-*")] == [aside.name]
+    assert "the rewind to iter_0000003 was already done at " in capfd.readouterr().out

@@ -1,0 +1,222 @@
+"""Setting aside the checkpoints of an abandoned branch when a run resumes from an older one.
+
+A run with ``iter_2``, ``iter_4`` and ``iter_6`` that resumes from ``iter_2`` (with
+``exp_manager.resume_from_checkpoint``, or past an unreadable newest one) trains a new
+branch. Left in place, the old ``iter_4`` and ``iter_6`` would be overwritten one by one
+by the new branch's saves, or, where the new branch saves at other steps or stops early,
+picked by the next plain resume: a run mixing two branches. So before the new branch
+writes anything, every checkpoint newer than the resumed step (and any ``.partial`` save
+newer than it) moves into ``checkpoints/abandoned-<time>-from-iter_0000002/``, which no
+resume, export or batch script looks into, and nothing ever deletes.
+
+The move is crash-safe by a journal: ``moving.json`` (written atomically inside the new
+directory) lists what is to move before anything moves, and is removed once everything
+has. A run that starts while a journal exists (the previous one died mid-move) finishes
+the move before it chooses its checkpoint (:func:`finish_interrupted_moves`), so a resume
+never sees half of an abandoned branch. Renames within ``checkpoints/`` are atomic, and a
+rename already done is skipped, so finishing twice is harmless.
+
+A rewind asked for with ``exp_manager.resume_from_checkpoint`` starts its branch once.
+The setting stays in the command, so a SLURM requeue or a rerun after a crash asks for
+the same rewind again; done again, it would set the branch's own progress aside and
+restart from the same step every time. So rank 0 records each run started from
+``resume_from_checkpoint`` in ``checkpoints/rewind.json`` (:class:`RewindRecord`: the
+checkpoint, resolved, the abandoned directory, the time), written atomically before
+anything moves. A later run asked for the same checkpoint, in a run directory that has
+complete checkpoints newer than it and saved after the record (the branch's: the rewind
+moved all the older newer ones aside), continues from the newest of them as a plain resume does
+(:func:`branch_to_continue`), and says so in one line naming the record; to rewind to the
+same checkpoint again, remove the record. Only the latest explicit start is recorded, so
+a rewind to another checkpoint is never taken for a requeue, and a checkpoint of another
+run directory is matched by its resolved path like any other. A fork from another run
+(nothing to move) or from this run's newest checkpoint is recorded too: its requeue
+would otherwise set its own branch aside the same way.
+
+Rank 0 alone writes and moves (the trainer makes the other ranks wait); every rank reads
+the record and lists the checkpoints before any rank writes, so all choose the same
+checkpoint. Nothing here needs torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_lns.errors import UserError
+
+ABANDONED_PREFIX = "abandoned-"
+JOURNAL = "moving.json"
+RECORD = "rewind.json"
+_CHECKPOINT_ENTRY = re.compile(r"^iter_(\d{7})(\.partial)?$")
+
+
+def newer_checkpoints(checkpoint_dir: Path, resumed_step: int) -> list[str]:
+    """The checkpoint directories under ``checkpoint_dir`` newer than ``resumed_step``,
+    newest first: complete ones, and the ``.partial`` ones with them (a ``.partial`` one
+    alone is an interrupted save of this branch's future, which its save replaces)."""
+    if not checkpoint_dir.is_dir():
+        return []
+    newer = []
+    for entry in checkpoint_dir.iterdir():
+        match = _CHECKPOINT_ENTRY.match(entry.name)
+        if match and entry.is_dir() and int(match.group(1)) > resumed_step:
+            newer.append((int(match.group(1)), entry.name))
+    if not any(not name.endswith(".partial") for _, name in newer):
+        return []
+    return [name for _, name in sorted(newer, reverse=True)]
+
+
+def _new_abandoned_dir(checkpoint_dir: Path, resumed_name: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for attempt in range(100):
+        suffix = f"-{attempt}" if attempt else ""
+        path = checkpoint_dir / f"{ABANDONED_PREFIX}{stamp}-from-{resumed_name}{suffix}"
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"no free name for {path}")
+
+
+def _write_journal(abandoned: Path, names: list[str]) -> None:
+    temporary = abandoned / (JOURNAL + ".tmp")
+    temporary.write_text(json.dumps({"move": names}) + "\n")
+    os.replace(temporary, abandoned / JOURNAL)
+
+
+def _move(checkpoint_dir: Path, abandoned: Path, names: list[str]) -> None:
+    """Move what the journal lists (what is still there), then end the journal."""
+    for name in names:
+        source = checkpoint_dir / name
+        if source.exists():
+            source.rename(abandoned / name)
+    (abandoned / JOURNAL).unlink()
+
+
+class RewindRecordError(UserError):
+    """``rewind.json`` cannot be read."""
+
+
+@dataclass(frozen=True)
+class RewindRecord:
+    """The latest run of this run directory started from ``resume_from_checkpoint``."""
+
+    checkpoint: Path  # resolved
+    abandoned: Path | None  # where the newer checkpoints went; None when none moved
+    time: str  # UTC, for people; the file's mtime is what checkpoints are compared with
+
+    @staticmethod
+    def path(checkpoint_dir: Path) -> Path:
+        return checkpoint_dir / RECORD
+
+    @classmethod
+    def read(cls, checkpoint_dir: Path) -> RewindRecord | None:
+        path = cls.path(checkpoint_dir)
+        if not path.is_file():
+            return None
+        try:
+            fields = json.loads(path.read_text())
+            abandoned = fields["abandoned"]
+            return cls(
+                Path(fields["checkpoint"]), Path(abandoned) if abandoned else None, fields["time"]
+            )
+        except (ValueError, KeyError, TypeError) as err:
+            raise RewindRecordError(
+                f"cannot read the rewind record {path} ({type(err).__name__}: {err}); remove it "
+                "to resume from exp_manager.resume_from_checkpoint as a new rewind"
+            ) from None
+
+    def write(self, checkpoint_dir: Path) -> None:
+        """Atomically: a reader sees the previous record or this one, never half of one."""
+        fields = {
+            "checkpoint": str(self.checkpoint),
+            "abandoned": str(self.abandoned) if self.abandoned else None,
+            "time": self.time,
+        }
+        temporary = self.path(checkpoint_dir).with_suffix(".json.tmp")
+        temporary.write_text(json.dumps(fields) + "\n")
+        os.replace(temporary, self.path(checkpoint_dir))
+
+
+def _step(checkpoint: Path) -> int | None:
+    match = _CHECKPOINT_ENTRY.match(checkpoint.name)
+    return int(match.group(1)) if match and not match.group(2) else None
+
+
+def branch_to_continue(checkpoint_dir: Path, requested: Path, complete: list[Path]) -> list[Path]:
+    """The checkpoints of the branch an earlier run started from ``requested`` (module
+    doc), newest first, from ``complete`` (this run's complete checkpoints, newest
+    first); empty when ``requested`` is to be resumed from (the rewind is new, or its
+    branch saved nothing yet)."""
+    record = RewindRecord.read(checkpoint_dir)
+    step = _step(requested)
+    if record is None or step is None or record.checkpoint != requested.resolve():
+        return []
+    recorded_ns = RewindRecord.path(checkpoint_dir).stat().st_mtime_ns
+    return [
+        path
+        for path in complete
+        if (_step(path) or -1) > step and (path / "complete.json").stat().st_mtime_ns >= recorded_ns
+    ]
+
+
+def continuing_note(checkpoint_dir: Path, resumed: Path) -> str:
+    """The line of a run that continues a branch instead of rewinding again."""
+    record = RewindRecord.read(checkpoint_dir)
+    moved = f" (abandoned checkpoints in {record.abandoned})" if record.abandoned else ""
+    return (
+        f"the rewind to {record.checkpoint.name} was already done at {record.time}{moved}: "
+        f"continuing its branch from {resumed.name}; to rewind to {record.checkpoint.name} "
+        f"again, remove {RewindRecord.path(checkpoint_dir)}"
+    )
+
+
+def set_aside_newer_checkpoints(
+    checkpoint_dir: Path, resumed_name: str, resumed_step: int, record: RewindRecord | None = None
+) -> str | None:
+    """Move the checkpoints newer than ``resumed_step`` aside (module doc); one line
+    saying which and where, or None when there are none. A run started from
+    ``resume_from_checkpoint`` passes its ``record``, written (naming the abandoned
+    directory) before anything moves: a run killed before the move ends repeats the
+    rewind, since no checkpoint is newer than the record yet. With nothing to move, a
+    record of the same checkpoint is kept as it is (the branch's start; a rerun of it
+    whose branch saved nothing yet)."""
+    names = newer_checkpoints(checkpoint_dir, resumed_step)
+    if not names:
+        previous = RewindRecord.read(checkpoint_dir) if record is not None else None
+        if record is not None and (previous is None or previous.checkpoint != record.checkpoint):
+            record.write(checkpoint_dir)
+        return None
+    abandoned = _new_abandoned_dir(checkpoint_dir, resumed_name)
+    if record is not None:
+        RewindRecord(record.checkpoint, abandoned, record.time).write(checkpoint_dir)
+    _write_journal(abandoned, names)
+    _move(checkpoint_dir, abandoned, names)
+    return (
+        f"resuming from {resumed_name}: moved the newer checkpoints {', '.join(names)} "
+        f"aside to {abandoned} (kept, never deleted; no resume picks them)"
+    )
+
+
+def finish_interrupted_moves(checkpoint_dir: Path) -> list[str]:
+    """Finish every move a killed run left half done (a journal still there); one line
+    for each."""
+    if not checkpoint_dir.is_dir():
+        return []
+    notes = []
+    for abandoned in sorted(checkpoint_dir.glob(ABANDONED_PREFIX + "*")):
+        journal = abandoned / JOURNAL
+        if not journal.is_file():
+            continue
+        names = json.loads(journal.read_text())["move"]
+        _move(checkpoint_dir, abandoned, names)
+        notes.append(
+            f"note: finished moving {', '.join(names)} aside to {abandoned} (the run that "
+            "started the move was stopped during it)"
+        )
+    return notes
