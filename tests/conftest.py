@@ -17,6 +17,20 @@ def private_corpus_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("MEGATRON_LNS_CACHE", str(tmp_path_factory.getbasetemp() / "corpus_cache"))
 
 
+@pytest.fixture(scope="session")
+def straight_tiny_run(tmp_path_factory):
+    """The six-step tiny run (``tiny_run_config`` as it is) trained once, straight
+    through, for the tests that compare a resumed or re-pointed run with it: the run is
+    deterministic on CPU, so one straight run serves them all. Its run directory (with
+    checkpoints at steps 3 and 6) is shared: read it, never write to it."""
+    from helpers import train_tiny_run
+
+    cache = tmp_path_factory.getbasetemp() / "corpus_cache"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MEGATRON_LNS_CACHE", str(cache))
+        return train_tiny_run(tmp_path_factory.mktemp("straight_tiny_run"))
+
+
 @pytest.fixture()
 def seeded(megatron_world1):
     torch.manual_seed(1234)

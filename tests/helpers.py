@@ -62,6 +62,25 @@ def tiny_run_config(exp_dir, *overrides: str):
     return cfg
 
 
+def _fit_and_summarize(cfg) -> dict[str, Any]:
+    from megatron_lns.training.trainer import Trainer
+
+    summary = Trainer(cfg).fit()
+    return {
+        "losses": summary.train_losses,
+        "valid": summary.valid_loss,
+        "resumed_from": summary.resumed_from,
+        "steps": summary.steps,
+        "run_dir": summary.run_dir,
+    }
+
+
+def train_tiny_run(exp_dir: Path, *overrides: str) -> dict[str, Any]:
+    """Train ``tiny_run_config(exp_dir, *overrides)`` on one fresh rank; its summary."""
+    cfg = tiny_run_config(exp_dir, *overrides)
+    return run_distributed(_fit_and_summarize, 1, Path(exp_dir) / "rank_results", cfg)[0]
+
+
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 

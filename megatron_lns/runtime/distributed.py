@@ -68,6 +68,7 @@ def init_distributed(
     layout.data_parallel(dist.get_world_size())
     if layout.sharp and dev.type != "cuda":
         raise ValueError("SHARP needs NCCL on CUDA GPUs; this run uses gloo")
+    _destroy_subgroups()
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tensor,
@@ -81,6 +82,21 @@ def init_distributed(
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return dev
+
+
+def _destroy_subgroups() -> None:
+    """Destroy the process groups an earlier ``init_distributed`` made in this process.
+
+    megatron's ``destroy_model_parallel`` only forgets its groups: torch keeps them
+    registered and alive, each gloo group with its own threads and sockets, so every
+    re-initialisation (a test trying layout after layout in one process) added dozens
+    of groups whose threads slowed everything after them.
+    """
+    from torch.distributed import distributed_c10d
+
+    for group in list(distributed_c10d._world.pg_map):
+        if group is not distributed_c10d.GroupMember.WORLD:
+            dist.destroy_process_group(group)
 
 
 def uses_gloo() -> bool:

@@ -51,9 +51,25 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+def _share_cpu_threads(world_size: int) -> None:
+    """Split torch's intra-op threads among the local ranks (torchrun gives each one).
+
+    Each process would otherwise start one thread per core, so ``world_size`` ranks
+    run ``world_size`` times as many busy threads as there are cores, and spinning
+    OpenMP workers of one rank take the cores that the others' collectives wait on
+    (on 2 cores, 2 ranks ran their work twice as slowly). An explicit
+    ``OMP_NUM_THREADS`` wins.
+    """
+    import torch
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+
+
 def _rank_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
     os.setpgrp()
     _die_with_parent()
+    _share_cpu_threads(world_size)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),

@@ -65,8 +65,7 @@ def test_an_fp16_run_whose_updates_are_all_skipped_stops(tmp_path):
     assert result["error"].startswith("the last 50 optimizer updates after step 0 were all skipped")
 
 
-def test_unreadable_newest_checkpoint_is_named_or_skipped_when_asked(tmp_path):
-    straight = _run(tmp_path, tiny_run_config(tmp_path / "straight"))
+def test_unreadable_newest_checkpoint_is_named_or_skipped_when_asked(tmp_path, straight_tiny_run):
     _run(tmp_path, tiny_run_config(tmp_path, "trainer.exit_interval=5",
                            "exp_manager.checkpoint_callback_params.every_n_train_steps=2"))  # fmt: skip
     newest = latest_complete_checkpoint(tmp_path / "lns" / "checkpoints")
@@ -80,23 +79,22 @@ def test_unreadable_newest_checkpoint_is_named_or_skipped_when_asked(tmp_path):
 
     resumed = _run(tmp_path, tiny_run_config(tmp_path, "exp_manager.resume_past_unreadable=true"))
     assert resumed["resumed_from"] == 4
-    assert resumed["losses"] == straight["losses"][4:]
+    assert resumed["losses"] == straight_tiny_run["losses"][4:]
     # The skipped checkpoint is kept, out of the way, not overwritten or picked again.
     checkpoints = tmp_path / "lns" / "checkpoints"
     assert [p.name for p in checkpoints.glob("abandoned-*-from-iter_0000004/*")] == [newest.name]
     assert latest_complete_checkpoint(checkpoints).name == "iter_0000006"
 
 
-def test_resume_from_a_chosen_checkpoint(tmp_path):
-    straight = _run(tmp_path, tiny_run_config(tmp_path / "straight"))
-    _run(tmp_path, tiny_run_config(tmp_path))
-    chosen = tmp_path / "lns" / "checkpoints" / "iter_0000003"
+def test_resume_from_a_chosen_checkpoint(tmp_path, straight_tiny_run):
+    # A checkpoint of another run directory, which is not the newest there.
+    chosen = straight_tiny_run["run_dir"] / "checkpoints" / "iter_0000003"
     other = _run(
         tmp_path,
         tiny_run_config(tmp_path / "other", f"exp_manager.resume_from_checkpoint={chosen}"),
     )
     assert other["resumed_from"] == 3
-    assert other["losses"] == straight["losses"][3:]
+    assert other["losses"] == straight_tiny_run["losses"][3:]
     missing = _run(
         tmp_path, tiny_run_config(tmp_path / "x", "exp_manager.resume_from_checkpoint=/nope")
     )

@@ -64,8 +64,8 @@ def test_training_from_yaml_at_parallel_layouts(tmp_path, layout):
     assert (run_dir / "config.yaml").is_file()
 
 
-def test_resume_continues_the_loss_curve_exactly(tmp_path):
-    straight = _run(tmp_path, tiny_run_config(tmp_path / "straight"))
+def test_resume_continues_the_loss_curve_exactly(tmp_path, straight_tiny_run):
+    straight = straight_tiny_run
     first = _run(tmp_path, tiny_run_config(tmp_path / "resumed", "trainer.exit_interval=3"))
     assert [s for s, _ in first["losses"]] == [1, 2, 3]
     second = _run(tmp_path, tiny_run_config(tmp_path / "resumed"))
@@ -79,8 +79,8 @@ def test_resume_continues_the_loss_curve_exactly(tmp_path):
     [["model.tensor_model_parallel_size=2"], ["model.pipeline_model_parallel_size=2"]],
     ids=["tp1_to_tp2", "pp1_to_pp2"],
 )
-def test_resume_at_a_different_parallel_layout(tmp_path, layout):
-    straight = _run(tmp_path, tiny_run_config(tmp_path / "straight"))
+def test_resume_at_a_different_parallel_layout(tmp_path, layout, straight_tiny_run):
+    straight = straight_tiny_run
     _run(tmp_path, tiny_run_config(tmp_path / "resharded", "trainer.exit_interval=3"))
     resumed = _run(tmp_path, tiny_run_config(tmp_path / "resharded", "trainer.devices=2", *layout))
     assert resumed["resumed_from"] == 3
