@@ -431,22 +431,35 @@ class Trainer:
             return result
         grad_norm = result.grad_norm if result.grad_norm is not None else 0.0
         if not (math.isfinite(result.loss) and math.isfinite(grad_norm)):
-            self.wait_for_checkpoints()  # every rank stops here (loss and norm are global)
-            raise TrainingStopped(
+            # every rank stops here (loss and norm are global)
+            raise self._diverged(
                 f"step {self.state.iteration + 1}: loss {result.loss}, gradient norm "
-                f"{result.grad_norm}: the run diverged and stops before its next checkpoint "
-                f"(newest complete one: {latest_complete_checkpoint(self.checkpoint_dir)}); "
-                "lower the learning rate or resume from an earlier checkpoint "
-                "(exp_manager.resume_from_checkpoint; the checkpoints after it are then moved "
-                "aside to checkpoints/abandoned-*, kept)"
+                f"{result.grad_norm}"
             )
         self.consecutive_skips = 0
         self.scheduler.step(increment=1)
         self.state.iteration += 1
         return result
 
+    def _diverged(self, what: str) -> TrainingStopped:
+        """The error that ends a diverged run (``what``: the non-finite values), raised
+        before the step's checkpoint, so that the newest checkpoint a rerun resumes from
+        is one taken before the divergence. Call it on every rank: it waits for the
+        background saves."""
+        self.wait_for_checkpoints()
+        return TrainingStopped(
+            f"{what}: the run diverged and stops before its next checkpoint "
+            f"(newest complete one: {latest_complete_checkpoint(self.checkpoint_dir)}); "
+            "lower the learning rate or resume from an earlier checkpoint "
+            "(exp_manager.resume_from_checkpoint; the checkpoints after it are then moved "
+            "aside to checkpoints/abandoned-*, kept)"
+        )
+
     def evaluate(self) -> float:
-        """Token-mean loss over the validation batches; logged at the current step."""
+        """Token-mean loss over the validation batches; logged at the current step.
+
+        A non-finite loss ends the run as a non-finite training loss does: the weights
+        just updated are what it measured, and they must not be checkpointed."""
         for chunk in self.model:
             chunk.eval()
         loss_sum = tokens = 0.0
@@ -461,6 +474,8 @@ class Trainer:
         self.logger.log(
             self.state.iteration, {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
         )
+        if not math.isfinite(loss):  # the same on every rank: the loss is reduced
+            raise self._diverged(f"step {self.state.iteration}: validation loss {loss}")
         return loss
 
     def save(self) -> Path:

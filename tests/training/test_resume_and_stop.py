@@ -59,6 +59,22 @@ def test_nan_loss_stops_the_run_before_its_next_checkpoint(tmp_path):
     assert latest_complete_checkpoint(tmp_path / "lns" / "checkpoints") is None
 
 
+def test_a_nan_validation_loss_stops_the_run_before_the_checkpoint_of_its_step(tmp_path):
+    # The update of step 2 (lr 5e29, no clipping) makes the weights non-finite: step 2's
+    # training loss was taken before it, its validation loss after.
+    cfg = tiny_run_config(
+        tmp_path,
+        "model.optim.lr=1e30",
+        "trainer.gradient_clip_val=0",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=2",
+        "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
+    )
+    result = _run(tmp_path, cfg)
+    assert result["error"].startswith("step 2: validation loss nan: the run diverged")
+    assert latest_complete_checkpoint(tmp_path / "lns" / "checkpoints") is None
+
+
 def test_an_fp16_run_whose_updates_are_all_skipped_stops(tmp_path):
     cfg = tiny_run_config(tmp_path, "trainer.precision=16-mixed", "trainer.max_steps=200")
     result = _run(tmp_path, cfg, poison=float("inf"))
