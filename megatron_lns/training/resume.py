@@ -46,8 +46,8 @@ from megatron_lns.training.checkpoint import (
     CheckpointError,
     CheckpointMismatchError,
     TrainingState,
+    checkpoint_problem,
     complete_checkpoints,
-    is_complete,
     layout_record,
     load_checkpoint,
     load_strategy,
@@ -106,10 +106,10 @@ def checkpoints_to_try(cfg: ExperimentConfig, checkpoint_dir: Path) -> list[Path
     em = cfg.exp_manager
     if em.resume_from_checkpoint:
         path = Path(em.resume_from_checkpoint)
-        if not is_complete(path):
+        if problem := checkpoint_problem(path):
             raise CheckpointError(
                 f"exp_manager.resume_from_checkpoint: {path} is not a complete checkpoint "
-                "(an iter_NNNNNNN directory with complete.json)"
+                f"(an iter_NNNNNNN directory with complete.json): it {problem}"
             )
         branch = branch_to_continue(checkpoint_dir, path, complete_checkpoints(checkpoint_dir))
         if branch:
@@ -123,6 +123,11 @@ def checkpoints_to_try(cfg: ExperimentConfig, checkpoint_dir: Path) -> list[Path
 
 def _saved_schedule(path: Path) -> dict | None:
     """The checkpoint's scheduler state; None for a weights-only checkpoint (import-hf)."""
+    if problem := checkpoint_problem(path):  # before torch logs its own tracebacks
+        raise CheckpointError(
+            f"checkpoint {path} {problem}; set exp_manager.resume_past_unreadable=true to "
+            "resume from the newest one before it (this one is then moved aside, kept)"
+        )
     try:
         return dist_checkpointing.load_common_state_dict(str(path)).get("scheduler")
     except (Exception, CheckpointException) as err:

@@ -3,6 +3,7 @@ named in one line."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -163,6 +164,25 @@ def _cli(*args, **popen):
         text=True,
         **popen,
     )
+
+
+@pytest.mark.parametrize("lost", ["metadata.json", ".metadata"])
+def test_a_committed_checkpoint_that_lost_a_file_is_named_not_passed_over(
+    tmp_path, straight_tiny_run, lost
+):
+    """Passed over, the run would resume from iter_3 and its save of step 6 would delete
+    the damaged iter_6; read, torch printed its tracebacks before the one line."""
+    shutil.copytree(straight_tiny_run["run_dir"], tmp_path / "lns")
+    damaged = tmp_path / "lns" / "checkpoints" / "iter_0000006"
+    (damaged / lost).unlink()
+    train = ["train", str(DEMO), *TINY_RUN_OVERRIDES, f"exp_manager.exp_dir={tmp_path}"]
+    out, err = _cli(*train, "trainer.max_steps=9").communicate(timeout=600)
+    assert err.splitlines() == [
+        f"error: checkpoint {damaged} is damaged: {lost} missing; set "
+        "exp_manager.resume_past_unreadable=true to resume from the newest one before it "
+        "(this one is then moved aside, kept)"
+    ], err
+    assert (damaged / "complete.json").is_file() and "resumed from" not in out
 
 
 def test_sigterm_stops_both_ranks_of_a_local_run_which_then_resumes_bitwise(tmp_path):
