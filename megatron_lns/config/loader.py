@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import types
+import typing
 import warnings
 from pathlib import Path
 from typing import Any
@@ -279,6 +281,82 @@ def _resolve_references_to(cfg: DictConfig, removed: list[str]) -> None:
             parent[leaf] = _resolved(cfg, path)
 
 
+# What a schema key holds, as a user reads it.
+_SECTION, _MAPPING, _LIST, _VALUE = (
+    "a section of keys",
+    "a mapping (key: value)",
+    "a list",
+    "a single value",
+)
+_GOT = {_MAPPING: "a mapping", _LIST: "a list", _VALUE: "a single value"}
+# Forms of a key that other tools accept and megatron-lns does not: said by name.
+_UNSUPPORTED_FORMS = {
+    ("model.data.data_prefix", _MAPPING): (
+        "NeMo's per-split form of model.data.data_prefix (train/validation/test) is not "
+        "supported: give one list of prefixes (with weights if blended) and split it with "
+        "model.data.splits_string"
+    ),
+}
+
+
+def _kind_of_hint(hint: Any) -> tuple[str | None, Any]:
+    """What a field of type ``hint`` must hold (None: anything) and the type of its
+    elements (for a mapping or list)."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _kind_of_hint(options[0]) if len(options) == 1 else (None, None)
+    if dataclasses.is_dataclass(hint):
+        return _SECTION, hint
+    origin = typing.get_origin(hint) or hint
+    if origin is dict:
+        return _MAPPING, (typing.get_args(hint) or (None, Any))[1]
+    if origin is list:
+        return _LIST, (typing.get_args(hint) or (Any,))[0]
+    if hint in (str, int, float, bool):
+        return _VALUE, None
+    return None, None
+
+
+def _kind_of_node(node: Any) -> str:
+    if isinstance(node, DictConfig):
+        return _MAPPING
+    return _LIST if isinstance(node, ListConfig) else _VALUE
+
+
+def _check_kinds(node: Any, hint: Any, path: str) -> None:
+    """Refuse, naming the key, a list or a single value where the schema has a mapping,
+    or any other such mix (OmegaConf's merge ends in a TypeError, or names no key)."""
+    if node is None or node._is_none() or node._is_interpolation() or node._is_missing():
+        return
+    want, element = _kind_of_hint(hint)
+    if want is None:
+        return
+    got = _kind_of_node(node)
+    if got != (_MAPPING if want == _SECTION else want):
+        if (path, got) in _UNSUPPORTED_FORMS:
+            raise ConfigError(_UNSUPPORTED_FORMS[path, got])
+        shown = OmegaConf.to_container(node) if got != _VALUE else node._value()
+        raise ConfigError(f"'{path}' must be {want}, not {_GOT[got]} ({shown})")
+    if want == _SECTION:
+        fields = typing.get_type_hints(element)
+        for key in node:
+            if key in fields:
+                _check_kinds(node._get_node(key), fields[key], f"{path}.{key}")
+    elif want == _MAPPING:
+        for key in node:
+            _check_kinds(node._get_node(key), element, f"{path}.{key}")
+    elif want == _LIST:
+        for index in range(len(node)):
+            _check_kinds(node._get_node(index), element, f"{path}[{index}]")
+
+
+def _check_sections(raw: DictConfig) -> None:
+    fields = typing.get_type_hints(ExperimentConfig)
+    for key in raw:
+        if key in fields:
+            _check_kinds(raw._get_node(key), fields[key], str(key))
+
+
 def load_config(
     source: str | Path | DictConfig | dict, overrides: list[str] | None = None
 ) -> ExperimentConfig:
@@ -299,6 +377,7 @@ def load_config(
     apply_overrides(raw, overrides)
     try:
         normalize_nemo_spellings(raw)
+        _check_sections(raw)
         to_judge, inert = _take_nemo_keys(raw)
         cfg = _typed(raw, _interpolation_overrides(overrides))
         apply_nemo_settings(cfg, to_judge)
