@@ -37,17 +37,31 @@ def staged_output_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[
     """Yield a fresh staging directory that becomes ``out_dir`` if the block succeeds."""
     out_dir = Path(out_dir)
     check_output_dir(out_dir, overwrite)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    with _unwritable(out_dir):
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
     try:
         yield staging
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     previous = out_dir.with_name(f".{out_dir.name}.replaced-{os.getpid()}")
-    if out_dir.exists():
-        out_dir.rename(previous)
-    staging.rename(out_dir)
+    with _unwritable(out_dir, cleanup=staging):
+        if out_dir.exists():
+            out_dir.rename(previous)
+        staging.rename(out_dir)
     shutil.rmtree(previous, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _unwritable(out_dir: Path, cleanup: Path | None = None) -> Iterator[None]:
+    """An OSError (a read-only or foreign directory) as one line naming OUT_DIR; the
+    staging directory ``cleanup`` is removed first."""
+    try:
+        yield
+    except OSError as err:
+        if cleanup is not None:
+            shutil.rmtree(cleanup, ignore_errors=True)
+        raise ConversionError(f"cannot write output directory {out_dir}: {err.strerror}") from None
