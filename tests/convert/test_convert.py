@@ -639,9 +639,7 @@ def test_import_base_config_may_be_a_run_directory(tmp_path):
     assert _read_base_config(tmp_path / "config.yaml").trainer.max_steps == 7
 
 
-def test_an_unwritable_output_directory_is_one_line_for_export_and_import(
-    seeded, tmp_path, capsys
-):
+def test_an_unwritable_output_directory_is_one_line_for_export_and_import(seeded, tmp_path, capsys):
     """Both ended in a PermissionError / read-only file system traceback."""
     from helpers import read_only
 
