@@ -4,14 +4,16 @@ between them (fp32 on both sides, which compute in different orders)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from megatron_lns.build import model_config
+from megatron_lns.config import to_yaml
 from megatron_lns.data.tokenizer import ByteTokenizer
 from megatron_lns.model import build_model
-from megatron_lns.training.checkpoint import load_model_weights
+from megatron_lns.training.checkpoint import load_model_weights, save_model_weights
 
 VOCAB = ByteTokenizer().vocab_size  # 257, padded to 384 in the checkpoints
 SEQ = 16
@@ -77,3 +79,14 @@ def run_config(precision: str = "32", **model):
     )
     values.update(model)
     return load_config({"trainer": {"precision": precision}, "model": values})
+
+
+def save_checkpoint(chunks, root: Path, cfg, iteration: int = 1) -> Path:
+    """``chunks`` saved as training saves a checkpoint of ``cfg`` at step ``iteration``
+    under the run directory ``root``: weights, config and the completion marker."""
+    path = root / "checkpoints" / f"iter_{iteration:07d}"
+    save_model_weights(chunks, path)
+    (path / "config.yaml").write_text(to_yaml(cfg))
+    complete = {"iteration": iteration, "consumed_samples": 8 * iteration}
+    (path / "complete.json").write_text(json.dumps(complete) + "\n")
+    return path

@@ -16,17 +16,16 @@ from hf_parity import (
     megatron_logits,
     run_config,
     safetensors_tensors,
+    save_checkpoint,
     silent,
 )
 
 from megatron_lns.build import model_config
-from megatron_lns.config import to_yaml
 from megatron_lns.config.sources import load_run_config
 from megatron_lns.convert import ConversionError, export_hf, import_hf
 from megatron_lns.convert.architectures import architecture_for_model_config
 from megatron_lns.hybrid_pattern import gpt_key_to_hybrid
 from megatron_lns.model import build_model
-from megatron_lns.training.checkpoint import save_model_weights
 
 MOE = dict(
     num_moe_experts=4,
@@ -51,11 +50,7 @@ def save_run(root: Path, cfg, state: dict[str, torch.Tensor]) -> Path:
     """A checkpoint of ``cfg`` holding ``state``, as training saves it."""
     model = build_model(model_config(cfg, VOCAB))
     model[0].load_state_dict(state)
-    path = root / "checkpoints" / "iter_0000001"
-    save_model_weights(model, path)
-    (path / "config.yaml").write_text(to_yaml(cfg))
-    (path / "complete.json").write_text('{"iteration": 1, "consumed_samples": 8}\n')
-    return path
+    return save_checkpoint(model, root, cfg)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -18,19 +18,19 @@ from hf_parity import (
     run_config,
     safetensors_tensors,
     sample_tokens,
+    save_checkpoint,
     silent,
 )
 from reference_llama import ReferenceLlama
 
 from megatron_lns.build import model_config
 from megatron_lns.choices import LAYER_VARIANTS
-from megatron_lns.config import to_yaml
 from megatron_lns.convert import ConversionError, export_hf, import_hf
 from megatron_lns.convert.architectures import Architecture, architecture_for_model_config
 from megatron_lns.convert.architectures.base import UNEXPORTABLE_VARIANTS
 from megatron_lns.convert.mapping import BRANCH_GAINS
 from megatron_lns.model import build_model
-from megatron_lns.training.checkpoint import load_model_weights, save_model_weights
+from megatron_lns.training.checkpoint import load_model_weights
 
 QWEN2_MOE = dict(
     num_moe_experts=4,
@@ -60,11 +60,7 @@ def save_run(root: Path, cfg) -> Path:
     chunks = build_model(model_config(cfg, VOCAB))
     for chunk in chunks:
         perturb_norms_and_gains(chunk)
-    path = root / "checkpoints" / "iter_0000001"
-    save_model_weights(chunks, path)
-    (path / "config.yaml").write_text(to_yaml(cfg))
-    (path / "complete.json").write_text('{"iteration": 1, "consumed_samples": 8}\n')
-    return path
+    return save_checkpoint(chunks, root, cfg)
 
 
 def reference_logits(checkpoint: Path, cfg, tokens: torch.Tensor) -> torch.Tensor:
