@@ -17,6 +17,9 @@ from megatron_lns.training.checkpoint import load_model_weights, save_model_weig
 
 VOCAB = ByteTokenizer().vocab_size  # 257, padded to 384 in the checkpoints
 SEQ = 16
+# Tiny mixture-of-experts settings (model.* keys) that export as Mixtral and Qwen2-MoE.
+MIXTRAL = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
+QWEN2_MOE = dict(MIXTRAL, moe_shared_expert_intermediate_size=80, moe_shared_expert_gate=True)
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 
 

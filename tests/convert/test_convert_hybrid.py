@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import perturb_norm_weights
 from hf_parity import (
+    QWEN2_MOE,
     SEQ,
     VOCAB,
     assert_parity,
@@ -27,20 +28,13 @@ from megatron_lns.convert.architectures import architecture_for_model_config
 from megatron_lns.hybrid_pattern import gpt_key_to_hybrid
 from megatron_lns.model import build_model
 
-MOE = dict(
-    num_moe_experts=4,
-    moe_router_topk=2,
-    moe_ffn_hidden_size=48,
-    moe_shared_expert_intermediate_size=80,
-    moe_shared_expert_gate=True,
-)
 CASES = {
     # The GPT twin (no pattern: num_layers counts blocks) of a dense Llama.
     "llama-twin": (dict(), dict(architecture="hybrid"), ["model.architecture=hybrid"]),
     # A pattern (num_layers counts sublayers) with a dense first block: Qwen2-MoE.
     "qwen2moe-pattern": (
-        dict(MOE, moe_layer_freq=[0, 1, 1, 1]),
-        dict(MOE, architecture="hybrid", num_layers=8, hybrid_layer_pattern="*-*E*E*E"),
+        dict(QWEN2_MOE, moe_layer_freq=[0, 1, 1, 1]),
+        dict(QWEN2_MOE, architecture="hybrid", num_layers=8, hybrid_layer_pattern="*-*E*E*E"),
         ["model.architecture=hybrid", "model.hybrid_layer_pattern='*-*E*E*E'"],
     ),
 }

@@ -12,6 +12,8 @@ import pytest
 import torch
 from helpers import perturb_norm_weights
 from hf_parity import (
+    MIXTRAL,
+    QWEN2_MOE,
     SEQ,
     VOCAB,
     assert_parity,
@@ -36,9 +38,6 @@ from megatron_lns.data.tokenizer import ByteTokenizer
 from megatron_lns.model import build_model
 from megatron_lns.moe import moe_layer_pattern
 from megatron_lns.training.checkpoint import load_model_weights
-
-MIXTRAL = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
-QWEN2_MOE = dict(MIXTRAL, moe_shared_expert_intermediate_size=80, moe_shared_expert_gate=True)
 
 
 def save_run(root: Path, cfg) -> Path:

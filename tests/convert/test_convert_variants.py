@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_parity import (
+    QWEN2_MOE,
     TOLERANCE,
     VOCAB,
     assert_parity,
@@ -31,15 +32,6 @@ from megatron_lns.convert.architectures.base import UNEXPORTABLE_VARIANTS
 from megatron_lns.convert.mapping import BRANCH_GAINS
 from megatron_lns.model import build_model
 from megatron_lns.training.checkpoint import load_model_weights
-
-QWEN2_MOE = dict(
-    num_moe_experts=4,
-    moe_router_topk=2,
-    moe_ffn_hidden_size=48,
-    moe_shared_expert_intermediate_size=80,
-    moe_shared_expert_gate=True,
-    moe_layer_freq=[0, 1, 1, 1],
-)
 
 
 def perturb_norms_and_gains(model: torch.nn.Module, seed: int = 1) -> None:
@@ -109,7 +101,11 @@ GAIN_CASES = {
         False,
     ),
     # An MoE MLP branch: the gain folds into every expert's and the shared expert's fc2.
-    "layerscale-qwen2moe-lns": (dict(QWEN2_MOE, layer_variant="layerscale"), "Qwen2Moe", False),
+    "layerscale-qwen2moe-lns": (
+        dict(QWEN2_MOE, moe_layer_freq=[0, 1, 1, 1], layer_variant="layerscale"),
+        "Qwen2Moe",
+        False,
+    ),
 }
 
 
