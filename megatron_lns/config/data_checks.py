@@ -37,7 +37,9 @@ def check_tokenizer(cfg: ExperimentConfig) -> int | None:
     from megatron_lns.data.tokenizer import checked_vocab_size
 
     tok = cfg.model.tokenizer
-    key = "model.tokenizer.type" if tok.library == "huggingface" else "model.tokenizer.model"
+    key = {"huggingface": "model.tokenizer.type", "sentencepiece": "model.tokenizer.model"}.get(
+        tok.library, "model.tokenizer.library"
+    )
     try:
         return checked_vocab_size(tok.library, tok.type, tok.model)
     except DataError as err:
@@ -56,17 +58,17 @@ def check_datasets(cfg: ExperimentConfig, blend: DataBlend, vocab_size: int | No
 
     d, tok = cfg.model.data, cfg.model.tokenizer
     files = [p for p in blend.prefixes if not p.startswith(BUILTIN_PREFIX)]
+    resolved = tokenizer_name(tok.library, tok.type, tok.model)
+    # A path as the config gives it names the same files wherever it is mounted; the
+    # login node may resolve its links differently from the compute node that wrote it.
+    as_given = tokenizer_name(tok.library, tok.type, tok.model, resolve=False)
     try:
         for prefix in files:
             metadata = DatasetMetadata.load(prefix)
             if metadata is None:  # prepared by other tools: the ranks scan its token ids
                 continue
-            name = tokenizer_name(tok.library, tok.type, tok.model)
-            as_given = tokenizer_name(tok.library, tok.type, tok.model, resolve=False)
-            # The path as the config gives it names the same files wherever it is mounted.
-            mismatch = metadata.tokenizer_mismatch(
-                prefix, as_given if metadata.tokenizer == as_given else name, vocab_size
-            )
+            name = as_given if metadata.tokenizer == as_given else resolved
+            mismatch = metadata.tokenizer_mismatch(prefix, name, vocab_size)
             if mismatch:
                 raise ConfigError(f"model.data.data_prefix: {mismatch}")
         check_split_shares(

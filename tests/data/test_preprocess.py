@@ -184,3 +184,33 @@ def test_batch_sampler_layout_and_resume():
         [8, 9],
         [0, 1],
     ]  # wraps, never stops
+
+
+@pytest.mark.parametrize("library", ["byte", "huggingface", "sentencepiece"])
+def test_data_passes_the_config_checks_with_its_own_tokenizer_only(
+    tmp_path, library, hf_tokenizer_dir, sp_model
+):
+    """The checks before any rank starts (config/data_checks.py) accept data made with the
+    configured tokenizer, and refuse it under another one, as the ranks do."""
+    from helpers import DEMO_CONFIG
+
+    from megatron_lns.config import ConfigError, load_config, validate
+
+    paths = {"huggingface": hf_tokenizer_dir, "sentencepiece": sp_model}
+    preprocess(
+        DOCS, tmp_path / "data", library,
+        tokenizer_type=paths.get(library) if library == "huggingface" else None,
+        tokenizer_model=paths.get(library) if library == "sentencepiece" else None,
+    )  # fmt: skip
+
+    def config(library):
+        return load_config(DEMO_CONFIG, [
+            f"model.data.data_prefix=[{tmp_path}/data]", f"exp_manager.exp_dir={tmp_path}/runs",
+            f"model.tokenizer.library={library}",
+            f"model.tokenizer.type={hf_tokenizer_dir}", f"model.tokenizer.model={sp_model}",
+        ])  # fmt: skip
+
+    validate(config(library))
+    other = "sentencepiece" if library == "byte" else "byte"
+    with pytest.raises(ConfigError, match=rf"^model.data.data_prefix: dataset .* with {library}"):
+        validate(config(other))
