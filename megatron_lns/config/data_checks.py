@@ -47,11 +47,13 @@ def check_tokenizer(cfg: ExperimentConfig) -> int | None:
 
 
 def check_datasets(cfg: ExperimentConfig, blend: DataBlend, vocab_size: int | None) -> None:
-    """Refuse data from another tokenizer, and splits megatron cannot build samples from
-    (no documents, no tokens, or less than one sample of an unweighted blend's prefix).
+    """Refuse token files cut short, data from another tokenizer, and splits megatron
+    cannot build samples from (no documents, no tokens, or less than one sample of an
+    unweighted blend's prefix).
 
     Built-in corpora are prepared by the ranks; a file path prefix must exist already
     (``validate`` checked it)."""
+    from megatron_lns.data.index_file import check_token_file
     from megatron_lns.data.metadata import DatasetMetadata
     from megatron_lns.data.splits import check_split_shares, split_bookends
     from megatron_lns.data.tokenizer import tokenizer_name
@@ -64,6 +66,7 @@ def check_datasets(cfg: ExperimentConfig, blend: DataBlend, vocab_size: int | No
     as_given = tokenizer_name(tok.library, tok.type, tok.model, resolve=False)
     try:
         for prefix in files:
+            check_token_file(prefix)
             metadata = DatasetMetadata.load(prefix)
             if metadata is None:  # prepared by other tools: the ranks scan its token ids
                 continue

@@ -167,6 +167,15 @@ def test_an_index_file_in_another_format(tmp_path, monkeypatch, capsys, corpora)
     )
 
 
+def test_a_token_file_cut_short(tmp_path, monkeypatch, capsys, corpora):
+    (tmp_path / "big.idx").write_bytes((corpora / "big.idx").read_bytes())
+    (tmp_path / "big.bin").write_bytes((corpora / "big.bin").read_bytes()[:1000])
+    message = _refusals(tmp_path, monkeypatch, capsys, f"model.data.data_prefix=[{tmp_path}/big]")
+    assert message.startswith(
+        f"error: model.data.data_prefix: {tmp_path}/big.bin is cut short: 1000 bytes where "
+    )
+
+
 def test_data_that_fits_passes(tmp_path, monkeypatch, capsys, corpora):
     monkeypatch.chdir(tmp_path)
     args = [f"model.data.data_prefix=[{corpora}/big]", f"exp_manager.exp_dir={tmp_path}/runs"]
