@@ -53,13 +53,15 @@ def check_datasets(cfg: ExperimentConfig, blend: DataBlend, vocab_size: int | No
 
     Built-in corpora are prepared by the ranks; a file path prefix must exist already
     (``validate`` checked it)."""
+    files = [p for p in blend.prefixes if not p.startswith(BUILTIN_PREFIX)]
+    if not files:
+        return  # without importing numpy
     from megatron_lns.data.index_file import check_token_file
     from megatron_lns.data.metadata import DatasetMetadata
     from megatron_lns.data.splits import check_split_shares, split_bookends
     from megatron_lns.data.tokenizer import tokenizer_name
 
     d, tok = cfg.model.data, cfg.model.tokenizer
-    files = [p for p in blend.prefixes if not p.startswith(BUILTIN_PREFIX)]
     resolved = tokenizer_name(tok.library, tok.type, tok.model)
     # A path as the config gives it names the same files wherever it is mounted; the
     # login node may resolve its links differently from the compute node that wrote it.
