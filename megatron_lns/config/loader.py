@@ -37,6 +37,7 @@ from megatron_lns.config.nemo_compat import (
 from megatron_lns.config.schema import ExperimentConfig
 from megatron_lns.config.settings import declaration
 from megatron_lns.errors import UserError
+from megatron_lns.path_kind import not_a_file
 
 
 class ConfigError(UserError, ValueError):
@@ -365,8 +366,8 @@ def load_config(
     overrides = overrides or []
     if isinstance(source, (str, Path)):
         path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+        if problem := not_a_file(path):
+            raise ConfigError(f"config file {path} {problem}")
         raw = _read_yaml(path)
     else:
         raw = OmegaConf.create(source) if isinstance(source, dict) else source.copy()
