@@ -142,6 +142,24 @@ def test_a_changed_schedule_is_refused_on_resume_unless_overridden(tmp_path):
     assert overridden["lrs"][-5:] == pytest.approx(fresh["lrs"][-5:], rel=1e-12)
 
 
+def test_a_resume_with_another_layer_variant_names_the_key(tmp_path):
+    """It was a kilobyte of megatron's internal tensor names (a raw KeyError of
+    ``apply_factory_merges`` from Mix-LN's per-layer keys), or the first tensor that did
+    not fit; the config key that changed is what the user can act on."""
+    variant = ("model.norm_scaling=none", "trainer.exit_interval=3")
+    _run(tmp_path, tiny_run_config(tmp_path, *variant, "model.layer_variant=mix_ln"))
+    for other in ("pre_ln", "layerscale"):
+        refused = _run(
+            tmp_path, tiny_run_config(tmp_path, *variant, f"model.layer_variant={other}")
+        )
+        assert refused["error"] == (
+            f"checkpoint {tmp_path / 'lns' / 'checkpoints' / 'iter_0000003'} was written by "
+            f"another model (model.layer_variant: mix_ln -> {other}): a run resumes with the "
+            "model it trained; restore those values, or start a new run (another "
+            "exp_manager.name)"
+        )
+
+
 def test_a_resume_with_nothing_left_to_do_says_so_and_writes_nothing(tmp_path, capfd):
     _run(tmp_path, tiny_run_config(tmp_path))
     final = tmp_path / "lns" / "checkpoints" / "iter_0000006"
