@@ -71,6 +71,19 @@ def test_bad_arguments_end_the_command_with_one_line(capsys):
     assert err[1] == "error: --seeds must be at least 1, got 0"
 
 
+def test_seeds_past_numpys_range_are_refused_before_any_arm_trains(capsys):
+    """The second arm's seed 2**32 failed in megatron's data shuffling after the first arm
+    had trained, blamed on a cached index mapping."""
+    top = ["compare", str(DEMO_CONFIG), f"model.seed={2**32 - 1}", "--dry-run"]
+    assert main([*top, "--seeds", "1"]) == 0
+    capsys.readouterr()
+    assert main([*top, "--seeds", "2"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --seeds 2 from model.seed={2**32 - 1} reaches seed {2**32}: seeds must be "
+        "an integer in [0, 2**32); lower model.seed or --seeds\n"
+    )
+
+
 def test_hybrid_comparisons_keep_the_architecture_in_every_arm_and_refuse_gpt_only_ones(capsys):
     hybrid = [*TINY_RUN_OVERRIDES, "model.architecture=hybrid"]
     cfg = load_config(
