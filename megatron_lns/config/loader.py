@@ -116,6 +116,30 @@ def _delete(cfg: DictConfig, path: str) -> None:
     del parent[leaf]
 
 
+def _named_inside_a_list(cfg: DictConfig, defaults: DictConfig, key: str) -> str | None:
+    """Why a dotted ``key`` cannot be set when a part of it names, not numbers, an element
+    of a list (``model.data.data_prefix.train``); None when none does. OmegaConf raised
+    'Index ... is not an int' with its traceback."""
+    parts = key.split(".")
+    for i in range(1, len(parts)):
+        above, name = ".".join(parts[:i]), parts[i]
+        if name.isdigit():
+            continue
+        for source in (cfg, defaults):
+            try:
+                node = OmegaConf.select(source, above, default=None, throw_on_missing=False)
+            except OmegaConfBaseException:
+                node = None
+            if isinstance(node, ListConfig):
+                if (above, _MAPPING) in _UNSUPPORTED_FORMS:
+                    return _UNSUPPORTED_FORMS[above, _MAPPING]
+                return (
+                    f"{above} is a list: '{name}' is no element of it (number one, "
+                    f"{above}.0=..., or give the whole list, {above}=[...])"
+                )
+    return None
+
+
 def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
     """Hydra-style overrides, in order, onto a raw (unvalidated) config."""
     defaults = OmegaConf.structured(ExperimentConfig)
@@ -128,6 +152,8 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
         if "=" not in text:
             raise ConfigError(f"override '{override}' is not key=value")
         key = text.split("=", 1)[0].strip()
+        if problem := _named_inside_a_list(cfg, defaults, key):
+            raise ConfigError(f"override '{override}': {problem}")
         exists = OmegaConf.select(cfg, key, default="__missing__") != "__missing__" or (
             OmegaConf.select(defaults, key, default="__missing__") != "__missing__"
         )

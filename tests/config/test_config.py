@@ -898,6 +898,37 @@ def test_elements_of_another_kind_name_the_key(override, expected):
     assert str(info.value).startswith(expected), info.value
 
 
+_PER_SPLIT = (
+    "NeMo's per-split form of model.data.data_prefix (train/validation/test) is not supported: "
+    "give one list of prefixes (with weights if blended) and split it with "
+    "model.data.splits_string"
+)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("model.data.data_prefix.train=[a]", _PER_SPLIT),
+        ("+model.data.data_prefix.validation=[a]", _PER_SPLIT),
+        (
+            "model.optim.betas.beta1=0.8",
+            "model.optim.betas is a list: 'beta1' is no element of it (number one, "
+            "model.optim.betas.0=..., or give the whole list, model.optim.betas=[...])",
+        ),
+    ],
+)
+def test_a_dotted_key_that_names_an_element_of_a_list_is_one_line(override, expected):
+    """NeMo's ``data_prefix.train=...`` form ended in OmegaConf's ConfigTypeError and its
+    traceback ('Index 'train' (str) is not an int')."""
+    with pytest.raises(ConfigError) as info:
+        _load(override)
+    assert str(info.value) == f"override '{override}': {expected}"
+
+
+def test_a_dotted_key_that_numbers_an_element_of_a_list_sets_it():
+    assert _load("model.optim.betas.0=0.8").model.optim.betas == [0.8, 0.95]
+
+
 @pytest.mark.parametrize(
     "args",
     [
