@@ -293,7 +293,7 @@ def train_and_measure(cfg: ExperimentConfig, variant: str, seed: int) -> RunResu
 
     On rank 0 the result also holds what ``metrics.jsonl`` says (losses, tokens/s) and is
     written to the run directory."""
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, log_label=f"{variant} seed{seed}")
     run_dir = trainer.run_dir
     try:
         summary = trainer.fit()

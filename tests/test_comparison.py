@@ -337,6 +337,24 @@ def test_rerunning_a_finished_comparison_prints_its_table_without_training(tmp_p
     assert not (run_dir / "checkpoints").exists()  # nothing was trained
 
 
+@pytest.mark.slow
+def test_each_runs_lines_say_its_variant_and_seed(tmp_path):
+    """Every run's lines were prefixed ``[seed1234]``: LNS and Pre-LN lines could not be
+    told apart."""
+    short = ["trainer.max_steps=2", "trainer.val_check_interval=2",
+             "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
+             "model.optim.sched.warmup_steps=1"]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_lns.cli", "compare", str(DEMO_CONFIG),
+         *TINY_RUN_OVERRIDES, *short, "--variants", "lns", "pre_ln", "--out", str(tmp_path)],
+        cwd=ROOT, env=fresh_launch_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    prefixes = [line.split("]")[0] + "]" for line in done.stdout.splitlines() if line[:1] == "["]
+    assert set(prefixes) == {"[lns seed1234]", "[pre_ln seed1234]"}
+    assert prefixes.count("[lns seed1234]") == prefixes.count("[pre_ln seed1234]") >= 3
+
+
 def test_a_comparison_into_an_out_of_other_settings_is_refused_naming_the_keys(tmp_path, capsys):
     out = tmp_path / "cmp"
     _finished_arm(out)

@@ -172,10 +172,13 @@ class Trainer:
     the run directory when it returns; so does :meth:`close`.
     """
 
-    def __init__(self, cfg: ExperimentConfig) -> None:
+    def __init__(self, cfg: ExperimentConfig, log_label: str | None = None) -> None:
+        """``log_label`` prefixes the run's console lines (default: ``exp_manager.name``);
+        a comparison's runs share their names (``seed1234``) and say their variant too."""
         # First, so that a stop signal arriving while the checkpoint loads is kept.
         self.stop_request = _StopRequest()
         self.cfg = cfg
+        self.log_label = log_label or cfg.exp_manager.name
         self.run_lock = None
         self.run_dir = run_directory(cfg)
         self.checkpoint_dir = self.run_dir / "checkpoints"
@@ -322,6 +325,7 @@ class Trainer:
             wandb=cfg.exp_manager.create_wandb_logger,
             wandb_kwargs=cfg.exp_manager.wandb_logger_kwargs,
             run_name=cfg.exp_manager.name,
+            console_label=self.log_label,
             resume_step=self.state.iteration,
         )
 
@@ -387,7 +391,7 @@ class Trainer:
 
     def _print(self, message: str) -> None:
         if self.is_rank0:
-            print(f"[{self.cfg.exp_manager.name}] {message}", flush=True)
+            print(f"[{self.log_label}] {message}", flush=True)
 
     def validation_microbatches(self) -> Iterator[list[Batch]]:
         """The first ``limit_val_batches`` global batches of the validation split, one
