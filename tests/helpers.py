@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from megatron_lns.launcher_env import ADDRESS_VARIABLES, RANK_VARIABLES
 from megatron_lns.model import GPTModelConfig
 from megatron_lns.runtime import spawn_local
 
@@ -81,7 +82,7 @@ def train_tiny_run(exp_dir: Path, *overrides: str) -> dict[str, Any]:
     return run_distributed(_fit_and_summarize, 1, Path(exp_dir) / "rank_results", cfg)[0]
 
 
-TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN_VARIABLES = RANK_VARIABLES + ADDRESS_VARIABLES
 
 
 def hugging_face_tokenizer_dir(directory: Path) -> Path:
