@@ -39,6 +39,7 @@ class Plan:
     heaviest: MemoryEstimate
     throughput: Throughput
     mfu_source: str
+    notes: tuple[str, ...] = ()  # what the plan cannot promise on this GPU
     fixes: tuple = field(default=())  # fixes.Fix, when it does not fit
 
     @property
@@ -83,6 +84,7 @@ def make_plan(
         heaviest=heaviest(stages),
         throughput=throughput(cfg, shape, gpu, world, mfu or DEFAULT_MFU),
         mfu_source="--mfu" if mfu else MFU_SOURCE,
+        notes=tuple(_notes(cfg, gpu)),
     )
     if plan.fits or not with_fixes:
         return plan
@@ -91,6 +93,16 @@ def make_plan(
         return make_plan(changed, vocab_size, gpu, mfu, vocab_source, with_fixes=False)
 
     return Plan(**{**plan.__dict__, "fixes": tuple(ranked_fixes(cfg, plan, replan))})
+
+
+def _notes(cfg: ExperimentConfig, gpu: GPU) -> list[str]:
+    notes = []
+    if cfg.model.fp8 and gpu.fp8_tflops is None:
+        notes.append(
+            f"model.fp8 is set but the {gpu.name} has no FP8 tensor cores (Transformer "
+            "Engine's FP8 needs compute capability 8.9+): the run would stop; set model.fp8=null"
+        )
+    return notes
 
 
 def plan_text(plan: Plan, config: str | Path, cfg: ExperimentConfig) -> str:
@@ -149,6 +161,7 @@ def plan_text(plan: Plan, config: str | Path, cfg: ExperimentConfig) -> str:
         f"  tokens/s per GPU             {t.tokens_per_second_per_gpu:9.0f}",
         f"  to max_steps {t.max_steps}: {_duration(t.total_seconds)}, {t.gpu_hours:,.0f} GPU-hours",
     ]
+    lines += [f"note: {note}" for note in plan.notes]
     if plan.fixes:
         lines.append("changes that make it fit, cheapest first (step-time cost, estimated):")
         for fix in plan.fixes:

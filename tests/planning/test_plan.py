@@ -1,0 +1,117 @@
+"""``megatron-lns plan`` end to end: every bundled config, ``--json`` round trip, the
+fixes of a run that does not fit (each, passed back as overrides, fits), one-line
+errors, and no torch or megatron-core imported on the way."""
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+
+import pytest
+from helpers import ROOT, fresh_launch_env
+
+from megatron_lns.cli import main
+from megatron_lns.config import validate
+from megatron_lns.planning import gpu_named, load_for_plan, make_plan
+
+BUNDLED = sorted((ROOT / "nemo_configs").glob("*.yaml"))
+OLMO = ROOT / "nemo_configs" / "olmo_7b_lns_20b.yaml"
+# The OLMo-7B run squeezed onto one A100 40GB node without its parallel layout.
+CROWDED = [
+    "trainer.num_nodes=1",
+    "model.tensor_model_parallel_size=1",
+    "model.pipeline_model_parallel_size=1",
+    "model.virtual_pipeline_model_parallel_size=null",
+    "model.sequence_parallel=false",
+    "model.overlap_p2p_comm=false",
+    "model.optim.name=fused_adam",
+    "model.optim.overlap_param_sync=false",
+    "model.global_batch_size=64",
+]
+
+
+def _plan_json(capsys, *args) -> dict:
+    assert main(["plan", *map(str, args), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("config", BUNDLED, ids=[p.stem for p in BUNDLED])
+def test_plan_runs_on_every_bundled_config(config, capsys):
+    assert main(["plan", str(config)]) == 0
+    text = capsys.readouterr().out
+    assert "memory per GPU" in text and "time per step" in text
+    assert ("fits:" in text) != ("DOES NOT FIT" in text)
+    data = _plan_json(capsys, config)
+    assert data["parameters"]["total"] > 0 and data["throughput"]["step_seconds"] > 0
+    assert data["fits"] == (data["margin_gb"] >= 0)
+
+
+def test_json_round_trips_the_plan(capsys):
+    cfg = load_for_plan(OLMO)
+    validate(cfg, check_files=False)
+    plan = make_plan(cfg, 50280, gpu_named("H200"), vocab_source="--vocab-size")
+    data = _plan_json(capsys, OLMO, "--gpu", "h200", "--vocab-size", 50280)
+    expected = json.loads(json.dumps(asdict(plan)))
+    for key, value in expected.items():
+        if key == "heaviest" or key == "stages":
+            continue
+        assert data[key] == value, key
+    assert data["heaviest"]["total_gb"] == pytest.approx(plan.heaviest.total_gb)
+    assert data["margin_gb"] == pytest.approx(plan.margin_gb) and data["fits"] is plan.fits
+    assert [s["parameters"] for s in data["stages"]] == [s.parameters for s in plan.stages]
+    assert data["gpu"]["memory_gb"] == 141
+
+
+def test_a_run_that_does_not_fit_lists_fixes_that_each_fit(capsys):
+    data = _plan_json(capsys, OLMO, *CROWDED, "--gpu", "A100-40GB", "--vocab-size", 50280)
+    assert not data["fits"]
+    fixes = data["fixes"]
+    assert fixes, "no fix found"
+    assert [f["cost"] for f in fixes] == sorted(f["cost"] for f in fixes)
+    for fix in fixes:
+        again = _plan_json(
+            capsys, OLMO, *CROWDED, *fix["overrides"], "--gpu", "A100-40GB", "--vocab-size", 50280
+        )
+        assert again["fits"], fix["what"]
+        assert again["heaviest"]["total_gb"] == pytest.approx(fix["total_gb"])
+
+
+def test_the_distributed_optimizer_is_the_free_fix(capsys):
+    crowded = [*CROWDED, "model.fp8=null"]  # an A100 has no FP8
+    data = _plan_json(capsys, OLMO, *crowded, "--gpu", "A100-80GB", "--vocab-size", 50280)
+    assert not data["fits"] and not data["notes"]
+    first = data["fixes"][0]
+    assert first["cost"] == 0 and "model.optim.name=distributed_fused_adam" in first["overrides"]
+
+
+def test_fp8_on_a_gpu_without_fp8_is_noted(capsys):
+    data = _plan_json(capsys, OLMO, "--gpu", "A100-80GB", "--vocab-size", 50280)
+    assert data["notes"] and "no FP8 tensor cores" in data["notes"][0]
+
+
+def test_an_unknown_gpu_is_one_line(capsys):
+    assert main(["plan", str(OLMO), "--gpu", "V100"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --gpu V100: not in the GPU table") and "\n" not in err
+
+
+def test_plan_imports_neither_torch_nor_megatron():
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['megatron-lns', 'plan', sys.argv[1]]\n"
+        "try:\n"
+        "    runpy.run_module('megatron_lns.cli', run_name='__main__')\n"
+        "except SystemExit as exit:\n"
+        "    assert not exit.code, exit.code\n"
+        "print('HEAVY:' + ','.join(m for m in ('torch', 'megatron.core') if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(OLMO)],
+        cwd=ROOT,
+        env=fresh_launch_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "fits:" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "HEAVY:"
