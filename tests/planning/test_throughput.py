@@ -109,3 +109,19 @@ def test_step_time_is_the_steps_flops_at_the_stated_mfu():
     assert throughput(cfg, shape, h100, 128, mfu=1.0).step_seconds == pytest.approx(
         t.step_seconds / 2
     )
+
+
+@pytest.mark.parametrize(
+    "source, overrides", [(OLMO, []), (DEMO_CONFIG, TINY_MOE_SHARED), (HYBRID, [])]
+)
+def test_flops_are_those_the_trainer_reports_mfu_with(source, overrides):
+    """The trainer's TFLOP/s use ``GPTModelConfig.flops_per_token``: the same count, but
+    for the router's GEMM (h x experts per MoE sublayer), which megatron leaves out."""
+    from megatron_lns.build import model_config
+
+    cfg = load_for_plan(source, overrides)
+    shape = model_shape(cfg, VOCAB)
+    trainers = model_config(cfg, VOCAB).flops_per_token()
+    moe_sublayers = sum(u.moe_mlps for u in shape.units)
+    router = 6.0 * moe_sublayers * shape.hidden * shape.moe_experts
+    assert flops_per_token(shape, cfg.model.encoder_seq_length) == trainers - router
