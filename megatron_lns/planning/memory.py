@@ -14,7 +14,8 @@ The model of memory, for megatron-core's mixed-precision training:
   checks the two agree);
 * with FP8, Transformer Engine's FP8 copy of each GEMM weight and its transpose
   (2 bytes/parameter of the transformer layers' GEMMs);
-* activations kept for backward, per micro-batch, in 2-byte elements, with sequence
+* activations kept for backward, per micro-batch, in elements of the activation dtype
+  (2 bytes; 4 in an fp32 run; the router's fp32 counted as two), with sequence
   parallelism dividing them by TP and context parallelism the sequence by CP: per
   attention sublayer its pre-norm's input and output (2 x s*b*h), the query and the
   attention output (2 x s*b*q), key and value (2 x s*b*kv); per dense MLP its pre-norm's
@@ -91,6 +92,7 @@ def stage_estimates(cfg: ExperimentConfig, shape: ModelShape) -> list[MemoryEsti
     weight_bytes = 4 if precision == "fp32" else 2
     grad_bytes = 4 if (precision == "fp32" or (m.optim.grad_sync_dtype or "fp32") == "fp32") else 2
     optimizer_bytes = 12 if precision != "fp32" else 8  # (+ fp32 main copy) + Adam m, v
+    activation_bytes = 4 if precision == "fp32" else 2
     distributed = m.optim.name == "distributed_fused_adam"
     expert_shards = world // (shape.etp * shape.ep * pp) if shape.moe_experts else 1
     micro_batches = layout.micro_batches_per_step(m.global_batch_size, m.micro_batch_size, dp)
@@ -111,7 +113,7 @@ def stage_estimates(cfg: ExperimentConfig, shape: ModelShape) -> list[MemoryEsti
                 grads_gb=params * grad_bytes / GB,
                 optimizer_gb=(sharded if distributed else replicated) / GB,
                 fp8_weight_copies_gb=(2 * gemm_weights / GB) if m.fp8 else 0.0,
-                activations_gb=elements * 2 / GB,
+                activations_gb=elements * activation_bytes / GB,
                 layer_microbatches=layer_microbatches,
                 expert_parameters=experts,
                 optimizer_gb_distributed=sharded / GB,

@@ -106,3 +106,10 @@ def test_the_distributed_optimizer_shards_only_the_optimizer_state():
     assert sharded[0].optimizer_gb == pytest.approx(plain[0].optimizer_gb / 8)
     assert sharded[0].weights_gb == plain[0].weights_gb
     assert sharded[0].optimizer_gb_replicated == plain[0].optimizer_gb
+
+
+def test_an_fp32_run_keeps_4_byte_activations():
+    fp32 = _tiny("trainer.precision=32")
+    bf16 = _tiny("trainer.precision=bf16-mixed")
+    assert fp32[0].activations_gb == pytest.approx(2 * bf16[0].activations_gb)
+    assert fp32[0].weights_gb == pytest.approx(2 * bf16[0].weights_gb)
