@@ -9,6 +9,7 @@ from pathlib import Path
 
 from megatron_lns import layout
 from megatron_lns.config.schema import ExperimentConfig
+from megatron_lns.errors import UserError
 from megatron_lns.planning.fixes import ranked_fixes
 from megatron_lns.planning.gpus import GPU
 from megatron_lns.planning.memory import MemoryEstimate, heaviest, stage_estimates
@@ -19,6 +20,11 @@ from megatron_lns.planning.shape import (
     world_and_data_parallel,
 )
 from megatron_lns.planning.throughput import DEFAULT_MFU, MFU_SOURCE, Throughput, throughput
+
+
+class PlanDoesNotFitError(UserError):
+    pass
+
 
 # What a GPU needs besides the estimate's items: the CUDA context, NCCL and Transformer
 # Engine workspaces and the allocator's fragmentation. Not measured here: a margin smaller
@@ -175,8 +181,9 @@ def plan_text(plan: Plan, config: str | Path, cfg: ExperimentConfig) -> str:
 def summary_line(plan: Plan) -> str:
     """One line for ``submit``."""
     e = plan.heaviest
+    assumed = " (vocabulary assumed)" if plan.vocab_source.startswith("ASSUMED") else ""
     return (
-        f"plan: {e.total_gb:.1f} of {plan.gpu.memory_gb:g} GB per {plan.gpu.name} "
+        f"plan{assumed}: {e.total_gb:.1f} of {plan.gpu.memory_gb:g} GB per {plan.gpu.name} "
         f"({'fits' if plan.fits else 'DOES NOT FIT'}, margin {plan.margin_gb:+.1f} GB), "
         f"{plan.throughput.step_seconds:.2f} s/step at {plan.throughput.mfu:.0%} MFU, "
         f"{plan.throughput.gpu_hours:,.0f} GPU-hours to max_steps"

@@ -115,3 +115,37 @@ def test_plan_imports_neither_torch_nor_megatron():
     )
     assert "fits:" in done.stdout
     assert done.stdout.strip().splitlines()[-1] == "HEAVY:"
+
+
+# --- submit's check ---
+
+
+def _submit_inputs(tmp_path) -> list[str]:
+    """Data, tokenizer and mounts that exist, as submit checks them."""
+    prefix = tmp_path / "corpus_text_document"
+    for suffix in (".bin", ".idx"):
+        prefix.with_suffix(suffix).touch()
+    (tmp_path / "tokenizer").mkdir()
+    return [
+        f"model.data.data_prefix=[{prefix}]",
+        f"model.tokenizer.type={tmp_path / 'tokenizer'}",
+        f"exp_manager.exp_dir={tmp_path / 'runs'}",
+        f"cluster.container_mounts=[{tmp_path}:{tmp_path}]",
+    ]
+
+
+def test_submit_prints_the_plan_and_refuses_a_job_that_does_not_fit(tmp_path, capsys):
+    inputs = _submit_inputs(tmp_path)
+    assert main(["submit", str(OLMO), *inputs, "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("#!/bin/bash\n")  # stdout stays the script
+    assert captured.err.startswith("plan (vocabulary assumed): 23.9 of 80 GB per H100")
+    assert "fits" in captured.err
+
+    crowded = [*inputs, *CROWDED]
+    assert main(["submit", str(OLMO), *crowded, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "DOES NOT FIT" in err.splitlines()[0]
+    assert err.splitlines()[1].startswith("error: the job needs 154.2 GB per GPU")
+    assert main(["submit", str(OLMO), *crowded, "--dry-run", "--skip-plan-check"]) == 0
+    assert main(["submit", str(OLMO), *crowded, "--dry-run", "--gpu", "B200"]) == 0
