@@ -33,7 +33,12 @@ def run(args: argparse.Namespace) -> int:
         plan_text,
         vocab_size_of,
     )
+    from megatron_lns.planning.plan import PlanArgumentError
 
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        raise PlanArgumentError(f"--mfu {args.mfu}: a fraction of the peak, in (0, 1]")
+    if args.nodes is not None and args.nodes < 1:
+        raise PlanArgumentError(f"--nodes {args.nodes}: at least 1")
     gpu = gpu_named(args.gpu)
     cfg = load_for_plan(args.config, args.overrides, args.nodes)
     # As train checks it, except the files (the data need not exist yet to plan).

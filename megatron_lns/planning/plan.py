@@ -26,6 +26,10 @@ class PlanDoesNotFitError(UserError):
     pass
 
 
+class PlanArgumentError(UserError):
+    pass
+
+
 # What a GPU needs besides the estimate's items: the CUDA context, NCCL and Transformer
 # Engine workspaces and the allocator's fragmentation. Not measured here: a margin smaller
 # than this is called tight.

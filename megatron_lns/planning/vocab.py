@@ -34,7 +34,7 @@ def load_for_plan(
 
     raw = OmegaConf.load(config_file(source))
     filled = [f"{key}={value}" for key, value in PLACEHOLDERS.items() if _missing(raw, key)]
-    nodes_override = [f"trainer.num_nodes={nodes}"] if nodes else []
+    nodes_override = [f"trainer.num_nodes={nodes}"] if nodes is not None else []
     return load_run_config(source, [*filled, *nodes_override, *(overrides or [])])
 
 

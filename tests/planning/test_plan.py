@@ -89,10 +89,19 @@ def test_fp8_on_a_gpu_without_fp8_is_noted(capsys):
     assert data["notes"] and "no FP8 tensor cores" in data["notes"][0]
 
 
-def test_an_unknown_gpu_is_one_line(capsys):
-    assert main(["plan", str(OLMO), "--gpu", "V100"]) == 2
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gpu", "V100"], "error: --gpu V100: not in the GPU table"),
+        (["--mfu", "0"], "error: --mfu 0.0: a fraction of the peak"),
+        (["--mfu", "41"], "error: --mfu 41.0: a fraction of the peak"),
+        (["--nodes", "0"], "error: --nodes 0: at least 1"),
+    ],
+)
+def test_a_bad_argument_is_one_line(args, message, capsys):
+    assert main(["plan", str(OLMO), *args]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: --gpu V100: not in the GPU table") and "\n" not in err
+    assert err.startswith(message) and "\n" not in err
 
 
 def test_plan_imports_neither_torch_nor_megatron():
