@@ -8,10 +8,13 @@ import sys
 from dataclasses import asdict
 
 import pytest
-from helpers import ROOT, fresh_launch_env
+from helpers import ROOT, fresh_launch_env, hugging_face_tokenizer_dir
 
 from megatron_lns.cli import main
 from megatron_lns.config import validate
+from megatron_lns.data.demo_corpus import demo_documents
+from megatron_lns.data.metadata import DatasetMetadata
+from megatron_lns.data.preprocess import preprocess
 from megatron_lns.planning import gpu_named, load_for_plan, make_plan
 
 BUNDLED = sorted((ROOT / "nemo_configs").glob("*.yaml"))
@@ -130,11 +133,12 @@ def test_plan_imports_neither_torch_nor_megatron():
 
 
 def _submit_inputs(tmp_path) -> list[str]:
-    """Data, tokenizer and mounts that exist, as submit checks them."""
+    """Data, tokenizer and mounts that pass submit's checks (config/data_checks.py)."""
     prefix = tmp_path / "corpus_text_document"
-    for suffix in (".bin", ".idx"):
-        prefix.with_suffix(suffix).touch()
+    preprocess(demo_documents()[:300], prefix)  # enough documents for OLMo's 998,2,0
+    DatasetMetadata.path_for(prefix).unlink()  # as if made by other tools
     (tmp_path / "tokenizer").mkdir()
+    hugging_face_tokenizer_dir(tmp_path / "tokenizer")
     return [
         f"model.data.data_prefix=[{prefix}]",
         f"model.tokenizer.type={tmp_path / 'tokenizer'}",
@@ -148,13 +152,13 @@ def test_submit_prints_the_plan_and_refuses_a_job_that_does_not_fit(tmp_path, ca
     assert main(["submit", str(OLMO), *inputs, "--dry-run"]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("#!/bin/bash\n")  # stdout stays the script
-    assert captured.err.startswith("plan (vocabulary assumed): 23.9 of 80 GB per H100")
+    assert captured.err.startswith("plan: 23.3 of 80 GB per H100")  # vocabulary 3, read
     assert "fits" in captured.err
 
     crowded = [*inputs, *CROWDED]
     assert main(["submit", str(OLMO), *crowded, "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert "DOES NOT FIT" in err.splitlines()[0]
-    assert err.splitlines()[1].startswith("error: the job needs 154.2 GB per GPU")
+    assert err.splitlines()[1].startswith("error: the job needs 146.8 GB per GPU")
     assert main(["submit", str(OLMO), *crowded, "--dry-run", "--skip-plan-check"]) == 0
     assert main(["submit", str(OLMO), *crowded, "--dry-run", "--gpu", "B200"]) == 0
