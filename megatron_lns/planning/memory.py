@@ -15,14 +15,23 @@ The model of memory, for megatron-core's mixed-precision training:
 * with FP8, Transformer Engine's FP8 copy of each GEMM weight and its transpose
   (2 bytes/parameter of the transformer layers' GEMMs);
 * activations kept for backward, per micro-batch, in elements of the activation dtype
-  (2 bytes; 4 in an fp32 run; the router's fp32 counted as two), with sequence
-  parallelism dividing them by TP and context parallelism the sequence by CP: per
-  attention sublayer its pre-norm's input and output (2 x s*b*h), the query and the
-  attention output (2 x s*b*q), key and value (2 x s*b*kv); per dense MLP its pre-norm's
-  input and output (2 x s*b*h), fc1's output and the SwiGLU output ((glu + 1) x s*b*ffn).
-  Flash/fused attention keeps no s x s matrix; the local backend's unfused attention keeps
-  the softmax probabilities (b*heads/TP*s*s), which selective recomputation drops. An MoE
-  sublayer, for balanced routing: its pre-norm (2 x s*b*h), the router's logits and
+  (2 bytes; 4 in an fp32 run; the router's fp32 counted as two). Tensor parallelism
+  divides what its GEMMs split (q, k, v, ffn-wide tensors, the attention probabilities);
+  the h-wide ones (the pre-norms' and their GEMMs' inputs) only with sequence
+  parallelism; context parallelism divides the sequence by CP. With Transformer Engine
+  (the fused GPU path): per attention sublayer its pre-norm's input and output
+  (2 x s*b*h), the query and the attention output (2 x s*b*q), key and value
+  (2 x s*b*kv); per dense MLP its pre-norm's input and output (2 x s*b*h), fc1's output
+  and the SwiGLU output ((glu + 1) x s*b*ffn); flash/fused attention keeps no s x s
+  matrix. megatron-core's local backend (``transformer_engine: false``) keeps more: its
+  torch norms also the normalised input (3 x s*b*h), the unfused attention contiguous
+  copies of q and k, v as a view of the mixed QKV tensor, which stays whole (s*b*(q +
+  2kv); under GQA the copy of v repeated to every head, s*b*q), the softmax
+  probabilities (b*heads/TP*s*s, which selective recomputation drops) and the attention
+  output; the unfused SwiGLU fc1's output, its two halves and activated gate, and its
+  output (5 x s*b*ffn). ``tests/planning/test_activations_measured.py`` measures the local
+  backend's on CPU. An MoE
+  sublayer, for balanced routing: its pre-norm (as above), the router's logits and
   scores in fp32 (2 x s*b*experts, at 4 bytes), each token's ``topk`` copies through the
   experts, s*b*topk*ETP/SP tokens per rank (the dispatcher gathers tokens over ETP), each
   keeping the dispatched input and the expert's output (2 x h) and fc1's and SwiGLU's
@@ -32,12 +41,14 @@ The model of memory, for megatron-core's mixed-precision training:
   micro-batches of the stage's units; interleaved (VP chunks), megatron-core's warm-up
   count + 1 chunk forwards, 2(PP - r - 1) + (VP - 1)PP + 1 (at most micro-batches x VP),
   each of the stage's units / VP. Full recomputation keeps only each recomputed group's
-  input, plus one group's full activations while it is recomputed; activation offloading
-  keeps the units that are not offloaded.
+  input, plus one group's full activations while it is recomputed (its first input
+  counted once); activation offloading keeps the units that are not offloaded.
 
 Not counted: the CUDA context, NCCL and TE workspaces, the allocator's fragmentation,
-the logits of the loss (s*b*vocab/TP fp32 for one micro-batch at a time), and the
-``recompute_modules`` other than the core attention.
+the logits of the loss (s*b*vocab/TP fp32 for one micro-batch at a time), the
+``recompute_modules`` other than the core attention, and per layer the rotary cos/sin
+tables (4 x s*head_size), the norms' fp32 inverse RMS (s*b) and the causal mask (s*s
+bytes): under 1% of a 7B layer's activations, 2-5% of the tiny test model's.
 """
 
 from __future__ import annotations
@@ -129,21 +140,35 @@ def heaviest(estimates: list[MemoryEstimate]) -> MemoryEstimate:
 
 
 def _activation_elements(cfg, shape: ModelShape, stage: int, units, micro_batches: int):
-    """2-byte elements kept for backward at the peak, and the units x micro-batches."""
+    """Activation-dtype elements kept for backward at the peak, and the units x
+    micro-batches in flight."""
     m = cfg.model
     tp, pp, vp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, shape.chunks
     s, b = m.encoder_seq_length // m.context_parallel_size, m.micro_batch_size
     sp = tp if m.sequence_parallel else 1
-    h, q, kv = shape.hidden, shape.query, shape.key_value
+    h, q, kv, ffn = shape.hidden, shape.query, shape.key_value, shape.ffn
+    local = not m.transformer_engine
+    # Per token: what each pre-norm keeps (its input and output; the local backend's torch
+    # norm also its normalised input), split over TP only with sequence parallelism ...
+    norm = (3 if local else 2) * h
+    # ... and what the attention and MLP keep of the tensors TP splits (see the docstring).
+    if local:  # q and k as contiguous copies, v (a view of the mixed QKV, or repeated
+        # to every head under GQA), the attention output; fc1's output, SwiGLU's split
+        # halves and activated gate (2 more ffn-wide), its output
+        attention = 3 * q + (q if kv < q else q + 2 * kv)
+        mlp = (shape.glu + 1 + 2 * (shape.glu - 1)) * ffn
+    else:
+        attention = 2 * q + 2 * kv
+        mlp = (shape.glu + 1) * ffn
     softmax = 0
-    if not m.transformer_engine and m.activations_checkpoint_granularity != "selective":
+    if local and m.activations_checkpoint_granularity != "selective":
         softmax = b * (shape.heads // tp) * s * s * m.context_parallel_size
     per_unit = []
     for u in units:
-        e = u.attention * (s * b * (2 * h + 2 * q + 2 * kv) // sp + softmax)
-        e += u.dense_mlps * s * b * (2 * h + (shape.glu + 1) * shape.ffn) // sp
+        e = u.attention * (s * b * (norm // sp + attention // tp) + softmax)
+        e += u.dense_mlps * s * b * (norm // sp + mlp // tp)
         if u.moe_mlps:
-            e += u.moe_mlps * (s * b * 2 * h // sp + _moe_elements(shape, s, b, sp))
+            e += u.moe_mlps * (s * b * norm // sp + _moe_elements(shape, s, b, sp))
         per_unit.append(e)
     units_here = len(units)
     mean = sum(per_unit) / units_here if units_here else 0
@@ -166,8 +191,9 @@ def _activation_elements(cfg, shape: ModelShape, stage: int, units, micro_batche
         kept = recomputed * unit_input + (1 - recomputed) * mean
     else:
         kept = unit_input / group  # one group input per `group` units
-    # ... plus one group's full activations while it is recomputed in backward.
-    return layer_microbatches * kept + group * mean, layer_microbatches
+    # ... plus one group's full activations while it is recomputed in backward, whose
+    # first pre-norm keeps the group's input already counted.
+    return layer_microbatches * kept + group * mean - unit_input, layer_microbatches
 
 
 def _moe_elements(shape: ModelShape, s: int, b: int, sp: int) -> int:
