@@ -39,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
         raise PlanArgumentError(f"--mfu {args.mfu}: a fraction of the peak, in (0, 1]")
     if args.nodes is not None and args.nodes < 1:
         raise PlanArgumentError(f"--nodes {args.nodes}: at least 1")
+    if args.vocab_size is not None and args.vocab_size < 1:
+        raise PlanArgumentError(f"--vocab-size {args.vocab_size}: at least 1")
     gpu = gpu_named(args.gpu)
     cfg = load_for_plan(args.config, args.overrides, args.nodes)
     # As train checks it, except the files (the data need not exist yet to plan).

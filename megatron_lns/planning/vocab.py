@@ -7,12 +7,18 @@ import json
 from pathlib import Path
 
 from megatron_lns.config.schema import ExperimentConfig
+from megatron_lns.errors import UserError
 
 BYTE_VOCAB = 257  # megatron_lns.data.tokenizer's byte tokenizer: 256 bytes + EOD
 # When the tokenizer cannot be read here (not given, or a SentencePiece model): the
 # GPT-NeoX / OLMo tokenizer's size, which the bundled 7B configs use. Stated in the
 # output as an assumption; --vocab-size replaces it.
 ASSUMED_VOCAB = 50280
+
+
+class UnreadableTokenizerError(UserError):
+    pass
+
 
 # The run's inputs cost no GPU memory: where a config leaves them unset (``???``), plan
 # fills them with these placeholders so that it can be planned before the data exists.
@@ -48,7 +54,7 @@ def _missing(raw, key: str) -> bool:
 
 def vocab_size_of(cfg: ExperimentConfig, given: int | None = None) -> tuple[int, str]:
     """The tokenizer's vocabulary size and where it came from."""
-    if given:
+    if given is not None:
         return given, "--vocab-size"
     tokenizer = cfg.model.tokenizer
     if tokenizer.library == "byte":
@@ -66,9 +72,15 @@ def _huggingface_vocab(directory: Path) -> int | None:
     path = directory / "tokenizer.json"
     if not path.is_file():
         return None
-    data = json.loads(path.read_text())
-    vocab = (data.get("model") or {}).get("vocab") or {}
-    # BPE / WordPiece: token -> id; Unigram: a list of [token, score], ids by position.
-    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
-    ids += [token["id"] for token in data.get("added_tokens", [])]
-    return max(ids) + 1 if ids else None
+    try:
+        data = json.loads(path.read_text())
+        vocab = (data.get("model") or {}).get("vocab") or {}
+        # BPE / WordPiece: token -> id; Unigram: a list of [token, score], ids by position.
+        ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+        ids += [token["id"] for token in data.get("added_tokens", [])]
+        return max(ids) + 1 if ids else None
+    except (ValueError, AttributeError, TypeError, KeyError) as error:
+        raise UnreadableTokenizerError(
+            f"{path}: not a Hugging Face tokenizer.json ({type(error).__name__}: {error}); "
+            "pass --vocab-size N to plan without reading it"
+        ) from None

@@ -99,12 +99,25 @@ def test_fp8_on_a_gpu_without_fp8_is_noted(capsys):
         (["--mfu", "0"], "error: --mfu 0.0: a fraction of the peak"),
         (["--mfu", "41"], "error: --mfu 41.0: a fraction of the peak"),
         (["--nodes", "0"], "error: --nodes 0: at least 1"),
+        (["--vocab-size", "0"], "error: --vocab-size 0: at least 1"),
+        (["--vocab-size", "-5"], "error: --vocab-size -5: at least 1"),
     ],
 )
 def test_a_bad_argument_is_one_line(args, message, capsys):
     assert main(["plan", str(OLMO), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(message) and "\n" not in err
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"model": 3}'])
+def test_an_unreadable_tokenizer_json_is_one_line(content, tmp_path, capsys):
+    (tmp_path / "tokenizer.json").write_text(content)
+    tokenizer = ["model.tokenizer.library=huggingface", f"model.tokenizer.type={tmp_path}"]
+    assert main(["plan", "tiny_cpu_demo", *tokenizer]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {tmp_path / 'tokenizer.json'}: not a Hugging Face")
+    assert "--vocab-size" in err and "\n" not in err
+    assert main(["plan", "tiny_cpu_demo", *tokenizer, "--vocab-size", "300"]) == 0
 
 
 def test_plan_imports_neither_torch_nor_megatron():
