@@ -120,7 +120,13 @@ def test_an_unreadable_tokenizer_json_is_one_line(content, tmp_path, capsys):
     assert main(["plan", "tiny_cpu_demo", *tokenizer, "--vocab-size", "300"]) == 0
 
 
-def test_plan_imports_neither_torch_nor_megatron():
+HEAVY = ("torch", "megatron.core", "transformers")
+
+
+@pytest.mark.parametrize("config", ["olmo_7b_lns_20b", "olmoe_1b_7b_lns", "tiny_cpu_hybrid"])
+def test_plan_imports_neither_torch_nor_megatron_nor_transformers(config):
+    """In a fresh interpreter (this one has long imported them); the probe's negative
+    control is tests/config/test_light_imports.py::test_the_probe_sees_a_heavy_import."""
     code = (
         "import runpy, sys\n"
         "sys.argv = ['megatron-lns', 'plan', sys.argv[1]]\n"
@@ -128,17 +134,17 @@ def test_plan_imports_neither_torch_nor_megatron():
         "    runpy.run_module('megatron_lns.cli', run_name='__main__')\n"
         "except SystemExit as exit:\n"
         "    assert not exit.code, exit.code\n"
-        "print('HEAVY:' + ','.join(m for m in ('torch', 'megatron.core') if m in sys.modules))\n"
+        f"print('HEAVY:' + ','.join(m for m in {HEAVY!r} if m in sys.modules))\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code, str(OLMO)],
+        [sys.executable, "-c", code, config],
         cwd=ROOT,
         env=fresh_launch_env(),
         capture_output=True,
         text=True,
         check=True,
     )
-    assert "fits:" in done.stdout
+    assert "memory per GPU" in done.stdout
     assert done.stdout.strip().splitlines()[-1] == "HEAVY:"
 
 
