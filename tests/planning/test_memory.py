@@ -113,3 +113,23 @@ def test_an_fp32_run_keeps_4_byte_activations():
     bf16 = _tiny("trainer.precision=bf16-mixed")
     assert fp32[0].activations_gb == pytest.approx(2 * bf16[0].activations_gb)
     assert fp32[0].weights_gb == pytest.approx(2 * bf16[0].weights_gb)
+
+
+def test_tensor_parallelism_splits_its_gemms_tensors_and_sequence_parallelism_the_rest():
+    """Transformer Engine's count, 4 layers of hidden 64, ffn 128 (SwiGLU), s 32, b 2, fp32:
+    per token and layer the pre-norms keep 2 x 2h, attention 2q + 2kv, the MLP 3 x ffn.
+    TP splits the q, k, v and ffn-wide tensors with or without SP; SP also the h-wide."""
+    te = ["model.transformer_engine=true", "trainer.accelerator=gpu"]
+    h, ffn, tokens, layers, fp32 = 64, 128, 32 * 2, 4, 4
+
+    def planned_bytes(*overrides):
+        return _tiny(*te, *overrides)[0].activations_gb * GB
+
+    def expected(h_split, tp_split):
+        per_token = 4 * h / h_split + (4 * h + 3 * ffn) / tp_split
+        return per_token * tokens * layers * fp32
+
+    tp2 = "model.tensor_model_parallel_size=2"
+    assert planned_bytes() == pytest.approx(expected(1, 1))
+    assert planned_bytes(tp2) == pytest.approx(expected(1, 2))
+    assert planned_bytes(tp2, "model.sequence_parallel=true") == pytest.approx(expected(2, 2))
