@@ -8,6 +8,7 @@ import pickle
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -196,3 +197,42 @@ def read_only(directory: Path):
         yield
     finally:
         subprocess.run(["umount", str(directory)], check=True)
+
+
+def megatron_memory_args(cfg, vocab_size: int) -> SimpleNamespace:
+    """megatron-lm's argument names for the same run (theoretical_memory_usage.py)."""
+    from megatron_lns.planning.shape import padded_vocab_size
+
+    m = cfg.model
+    world = cfg.trainer.num_nodes * cfg.trainer.devices
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    return SimpleNamespace(
+        kv_channels=m.kv_channels or m.hidden_size // m.num_attention_heads,
+        num_attention_heads=m.num_attention_heads,
+        hidden_size=m.hidden_size,
+        group_query_attention=m.num_query_groups is not None,
+        num_query_groups=m.num_query_groups,
+        num_experts=m.num_moe_experts,
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+        moe_layer_freq=m.moe_layer_freq,
+        num_layers=m.num_layers,
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        mtp_num_layers=None,
+        normalization="RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm",
+        multi_latent_attention=False,
+        padded_vocab_size=padded_vocab_size(vocab_size, tp, m.make_vocab_size_divisible_by),
+        untie_embeddings_and_output_weights=not m.share_embeddings_and_output_weights,
+        ffn_hidden_size=m.ffn_hidden_size,
+        swiglu=m.activation == "swiglu",
+        moe_latent_size=None,
+        moe_router_topk=m.moe_router_topk,
+        add_bias_linear=m.bias,
+        moe_shared_expert_gate=m.moe_shared_expert_gate,
+        expert_tensor_parallel_size=m.expert_tensor_parallel_size or tp,
+        expert_model_parallel_size=m.expert_model_parallel_size,
+        pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=tp,
+        world_size=world,
+        data_parallel_size=world // (tp * pp * m.context_parallel_size),
+        use_distributed_optimizer=m.optim.name == "distributed_fused_adam",
+    )

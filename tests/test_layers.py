@@ -34,6 +34,7 @@ LAYERS = [
     "optim",
     "data",
     "config",
+    "planning",
     "build",
     "training",
     "convert",
