@@ -31,6 +31,7 @@ from megatron_lns.errors import (
     USER_ERROR_EXIT_CODE,
     RankFailed,
     UserError,
+    as_user_error,
     debug_enabled,
     report_user_error_once,
 )
@@ -79,10 +80,11 @@ def _rank_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple
     )
     try:
         fn(*args)
-    except UserError as err:
-        if debug_enabled():
+    except (UserError, OSError) as err:
+        user_error = as_user_error(err)  # OSError: a full disk that no writer reported
+        if user_error is None or debug_enabled():
             raise
-        report_user_error_once(err)
+        report_user_error_once(user_error)
         sys.exit(USER_ERROR_EXIT_CODE)
     finally:
         destroy_distributed()

@@ -36,7 +36,7 @@ import queue
 import random
 import re
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,7 +61,14 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lns.config.sources import RUN_CONFIG
-from megatron_lns.errors import UserError
+from megatron_lns.errors import (
+    DiskFullError,
+    UserError,
+    disk_full_error,
+    disk_full_reported,
+    free_bytes,
+    is_disk_full,
+)
 from megatron_lns.model import unwrap
 from megatron_lns.training import architecture_checkpoint as architecture
 from megatron_lns.training import provenance
@@ -158,12 +165,97 @@ def load_strategy(
     return FullyParallelLoadStrategyWrapper(strategy, group)
 
 
-def _save(sharded_state_dict: dict, directory: str | Path, strategy=None) -> None:
-    """``dist_checkpointing.save``, synchronous, without a helper process."""
-    with _write_results_into(queue.Queue()):
-        dist_checkpointing.save(
-            sharded_state_dict, str(directory), strategy, async_strategy=ASYNC_STRATEGY
+# Free bytes under which a failed write is taken for a full disk when the writer lost
+# the reason (megatron's writer keeps only the text of its threads' errors).
+NEARLY_FULL_BYTES = 1 << 20
+
+
+def _full_disk_in(err: BaseException) -> OSError | None:
+    """The full-disk ``OSError`` that caused ``err``, through causes and the per-rank
+    failures of torch's ``CheckpointException``; None where there is none."""
+    seen, todo = set(), [err]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if is_disk_full(current):
+            return current
+        todo += [current.__cause__, current.__context__]
+        for failure in getattr(current, "failures", {}).values():  # (exception, traceback)
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+    return None
+
+
+def write_failure(
+    final: Path, partial: Path, err: BaseException
+) -> CheckpointError | DiskFullError:
+    """The one-line error of a checkpoint write into ``partial`` that failed with ``err``.
+
+    A full disk (``err`` says so, or fewer bytes are free than the newest checkpoint
+    beside it takes, and at least :data:`NEARLY_FULL_BYTES`: megatron's writer loses the
+    reason) names ``final``, the space free and needed, and removes ``partial`` to give
+    its space back; resume never picks it either way. Every rank that failed calls this;
+    rank 0 removes.
+    """
+    if isinstance(err, (CheckpointError, DiskFullError)):  # already said (``_commit``)
+        return err
+    oserror = _full_disk_in(err)
+    free, needed = free_bytes(partial), saved_bytes(final.parent)
+    if oserror is None and (free is None or free >= max(needed or 0, NEARLY_FULL_BYTES)):
+        cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        return CheckpointError(
+            f"could not save checkpoint {final} (left as {partial.name}, which resume "
+            f"ignores): {cause}"
         )
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    previous = latest_complete_checkpoint(final.parent)
+    resumes = f"; a rerun resumes from {previous.name}" if previous is not None else ""
+    then = f"; {partial.name} removed{resumes} once space is freed"
+    return disk_full_error(final, oserror, needed, then)
+
+
+def saved_bytes(root: str | Path) -> int | None:
+    """The size of the newest complete checkpoint under ``root``: about what the next
+    one needs; None when there is none."""
+    newest = latest_complete_checkpoint(root)
+    if newest is None:
+        return None
+    return sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
+
+
+def _on_rank0_then_everywhere(write: Callable[[], None], path: Path, what: str) -> None:
+    """Run ``write`` on rank 0 and raise its error on every rank: no rank may be left
+    waiting in the next collective for a rank 0 whose write failed (a full disk)."""
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            with disk_full_reported(path):
+                write()
+        except UserError as err:
+            error = err
+        except OSError as err:
+            error = CheckpointError(f"cannot {what} {path}: {err.strerror or err}")
+    shared = [error]
+    dist.broadcast_object_list(shared, src=0)
+    if shared[0] is not None:
+        raise shared[0]
+
+
+def _save(sharded_state_dict: dict, directory: str | Path, strategy=None) -> None:
+    """``dist_checkpointing.save``, synchronous, without a helper process. A write that
+    fails raises on every rank (megatron broadcasts the failure): a one-line error."""
+    directory = Path(directory)
+    try:
+        with _write_results_into(queue.Queue()):
+            dist_checkpointing.save(
+                sharded_state_dict, str(directory), strategy, async_strategy=ASYNC_STRATEGY
+            )
+    except (Exception, CheckpointException) as err:
+        # torch's CheckpointException derives from BaseException.
+        final = directory.with_name(directory.name.removesuffix(".partial"))
+        raise write_failure(final, directory, err) from err
 
 
 def _start_save(
@@ -515,24 +607,34 @@ def _prepare_partial(root: str | Path, iteration: int) -> tuple[Path, Path]:
     """The committed and the in-progress directory of a save, the latter made empty."""
     final = checkpoint_path(root, iteration)
     partial = final.with_name(final.name + ".partial")
-    if dist.get_rank() == 0:
+
+    def make_empty() -> None:
         shutil.rmtree(partial, ignore_errors=True)  # left by a killed save of this step
         partial.mkdir(parents=True)
-    dist.barrier()
+
+    _on_rank0_then_everywhere(make_empty, partial, "create")
     return final, partial
 
 
 def _commit(partial: Path, final: Path, state: TrainingState, config_yaml: str) -> None:
     """Make a fully written checkpoint count: called on every rank once every rank's
-    shards are on disk; rank 0 writes the marker and renames."""
-    if dist.get_rank() == 0:
-        (partial / RUN_CONFIG).write_text(config_yaml)
-        marker = {"iteration": state.iteration, "consumed_samples": state.consumed_samples}
-        (partial / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
+    shards are on disk; rank 0 writes the marker and renames. A failure (a full disk)
+    raises on every rank and leaves nothing that counts."""
+
+    def mark_and_rename() -> None:
+        try:
+            (partial / RUN_CONFIG).write_text(config_yaml)
+            marker = {"iteration": state.iteration, "consumed_samples": state.consumed_samples}
+            (partial / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
+        except OSError as err:
+            if is_disk_full(err):
+                raise write_failure(final, partial, err) from err
+            raise
         if final.exists():
             shutil.rmtree(final)
         partial.rename(final)
-    dist.barrier()
+
+    _on_rank0_then_everywhere(mark_and_rename, partial, "commit")
 
 
 def save_checkpoint(

@@ -110,3 +110,29 @@ def test_only_extra_state_may_differ_and_only_when_the_backend_changed():
     assert _extra_state_may_differ(record, model)
     assert not _extra_state_may_differ({"provenance": {"backend": "local"}}, model)
     assert _extra_state_may_differ({}, model)  # written before the backend was recorded
+
+
+def test_a_save_onto_a_full_disk_is_one_line_and_leaves_the_last_checkpoint(seeded, tmp_path):
+    """A synchronous save that the disk cannot hold: one line naming the checkpoint and
+    the space, its partial files removed, the previous checkpoint still the newest."""
+    from helpers import directory_bytes, fill_leaving, small_filesystem
+
+    from megatron_lns.errors import DiskFullError
+    from megatron_lns.training.checkpoint_writer import CheckpointWriter
+
+    cfg, model, optimizer, scheduler = _setup()
+    train_step(model, optimizer, fixed_microbatches(cfg.vocab_size, cfg.seq_length))
+    with small_filesystem(tmp_path / "disk", 4096) as disk:
+        writer = CheckpointWriter(disk / "checkpoints")
+        first = writer.save(model, optimizer, scheduler, TrainingState(1, 4), "a: 1\n")
+        fill_leaving(disk, directory_bytes(first) // 2)
+        with pytest.raises(DiskFullError) as info:
+            writer.save(model, optimizer, scheduler, TrainingState(2, 8), "a: 1\n")
+        message = str(info.value)
+        assert message.startswith(
+            f"cannot write {disk / 'checkpoints' / 'iter_0000002'}: no space left on device ("
+        )
+        assert "needed" in message and "iter_0000001" in message and "\n" not in message
+        assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["iter_0000001"]
+        assert latest_complete_checkpoint(disk / "checkpoints") == first
+        assert load_checkpoint(first, model, optimizer, scheduler).iteration == 1
