@@ -29,7 +29,15 @@ class UserError(Exception):
 
 
 class DiskFullError(UserError):
-    """A write that failed because its filesystem is full, over quota or read-only."""
+    """A write that failed because its filesystem is full, over quota or read-only;
+    ``needed``: the bytes it needed, where known."""
+
+    def __init__(self, message: str, needed: int | None = None) -> None:
+        super().__init__(message)
+        self.needed = needed
+
+    def __reduce__(self):  # pickled between ranks with what it needed
+        return type(self), (str(self), self.needed)
 
 
 # What a write fails with when the disk, not the program, is the problem.
@@ -74,7 +82,7 @@ def disk_full_error(
     if needed is not None:
         space.append(f"about {byte_size(needed)} needed")
     detail = f" ({', '.join(space)})" if space and (err is None or err.errno != errno.EROFS) else ""
-    return DiskFullError(f"cannot write {path}: {reason.lower()}{detail}{then}")
+    return DiskFullError(f"cannot write {path}: {reason.lower()}{detail}{then}", needed)
 
 
 @contextlib.contextmanager
