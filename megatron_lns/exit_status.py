@@ -13,11 +13,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
+from megatron_lns.disk import as_user_error
 from megatron_lns.errors import (
     USER_ERROR_EXIT_CODE,
     RankFailed,
     UserError,
-    as_user_error,
     debug_enabled,
     report_user_error_once,
 )

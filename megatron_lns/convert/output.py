@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from megatron_lns.convert.errors import ConversionError
-from megatron_lns.errors import DiskFullError, disk_full_error, is_disk_full
+from megatron_lns.disk import DiskFullError, disk_full_error, is_disk_full
 
 
 def check_output_dir(out_dir: Path, overwrite: bool) -> None:

@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megatron_lns.convert.errors import ConversionError
-from megatron_lns.errors import disk_full_reported
+from megatron_lns.disk import disk_full_reported
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

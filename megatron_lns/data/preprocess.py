@@ -31,7 +31,7 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
 from megatron_lns.data.errors import DataError
 from megatron_lns.data.tokenizer import Tokenizer, build_tokenizer
-from megatron_lns.errors import disk_full_reported
+from megatron_lns.disk import disk_full_reported
 
 
 class PreprocessError(DataError):

@@ -26,12 +26,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from megatron_lns.disk import as_user_error
 from megatron_lns.errors import (
     REPORT_MARKER_ENV,
     USER_ERROR_EXIT_CODE,
     RankFailed,
     UserError,
-    as_user_error,
     debug_enabled,
     report_user_error_once,
 )

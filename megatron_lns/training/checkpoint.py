@@ -61,14 +61,14 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lns.config.sources import RUN_CONFIG
-from megatron_lns.errors import (
+from megatron_lns.disk import (
     DiskFullError,
-    UserError,
     disk_full_error,
     disk_full_reported,
     free_bytes,
     is_disk_full,
 )
+from megatron_lns.errors import UserError
 from megatron_lns.model import unwrap
 from megatron_lns.training import architecture_checkpoint as architecture
 from megatron_lns.training import provenance

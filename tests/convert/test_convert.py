@@ -643,7 +643,7 @@ def test_export_and_import_onto_a_full_disk_are_one_line_and_write_nothing(seede
     OUT_DIR; the staging directory is gone (its space given back), OUT_DIR as it was."""
     from helpers import directory_bytes, small_filesystem
 
-    from megatron_lns.errors import DiskFullError
+    from megatron_lns.disk import DiskFullError
 
     save_run(tmp_path / "run", run_config())
     exported = export_hf(tmp_path / "run", tmp_path / "hf", progress=silent)

@@ -117,7 +117,7 @@ def test_a_save_onto_a_full_disk_is_one_line_and_leaves_the_last_checkpoint(seed
     the space, its partial files removed, the previous checkpoint still the newest."""
     from helpers import directory_bytes, fill_leaving, small_filesystem
 
-    from megatron_lns.errors import DiskFullError
+    from megatron_lns.disk import DiskFullError
     from megatron_lns.training.checkpoint_writer import CheckpointWriter
 
     cfg, model, optimizer, scheduler = _setup()

@@ -1,10 +1,10 @@
-"""The one-line report of an input problem, and of a disk that refuses a write."""
+"""Writes that the disk refuses: one line naming what could not be written."""
 
 import errno
 
 import pytest
 
-from megatron_lns.errors import (
+from megatron_lns.disk import (
     DiskFullError,
     as_user_error,
     byte_size,
@@ -46,3 +46,17 @@ def test_a_full_disk_no_writer_reported_still_ends_in_one_line(capsys):
     assert as_user_error(OSError(errno.EIO, "I/O error")) is None
     with pytest.raises(OSError):
         exit_status(lambda: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+
+
+def test_an_atomic_write_onto_a_full_disk_keeps_the_old_file_and_no_temporary(tmp_path):
+    from helpers import fill_leaving, small_filesystem
+
+    from megatron_lns.disk import write_text_atomically
+
+    with small_filesystem(tmp_path / "disk", 64) as disk:
+        write_text_atomically(disk / "config.yaml", "a: 1\n")
+        fill_leaving(disk, 0)
+        with pytest.raises(DiskFullError, match=r"; it stays as it was$"):
+            write_text_atomically(disk / "config.yaml", "b: 2\n" * 4096, "; it stays as it was")
+        assert (disk / "config.yaml").read_text() == "a: 1\n"
+        assert sorted(p.name for p in disk.iterdir()) == ["config.yaml", "filler"]
