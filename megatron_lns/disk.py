@@ -62,13 +62,18 @@ def byte_size(count: int) -> str:
 
 
 def disk_full_error(
-    path: str | Path, err: OSError | None = None, needed: int | None = None, then: str = ""
+    path: str | Path,
+    err: OSError | None = None,
+    needed: int | None = None,
+    then: str = "",
+    free: int | None = None,
 ) -> DiskFullError:
     """The one line for a write to ``path`` that the disk refused: why (``err``'s reason,
-    or a full disk when the writer lost it), what is free and, where known, ``needed``;
-    ``then``: what became of the output."""
+    or a full disk when the writer lost it), what is free (``free``, measured when the
+    write failed, else now) and, where known, ``needed``; ``then``: what became of the
+    output."""
     reason = os.strerror(err.errno) if err is not None else os.strerror(errno.ENOSPC)
-    free = free_bytes(path)
+    free = free_bytes(path) if free is None else free
     space = [] if free is None else [f"{byte_size(free)} free there"]
     if needed is not None:
         space.append(f"about {byte_size(needed)} needed")

@@ -30,8 +30,11 @@ holds and this model has no place for, is an error naming it. Only Transformer E
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
+import logging
+import os
 import queue
 import random
 import re
@@ -170,6 +173,30 @@ def load_strategy(
 NEARLY_FULL_BYTES = 1 << 20
 
 
+@contextlib.contextmanager
+def _writer_errors() -> Iterator[list[str]]:
+    """The errors megatron's writer logs (its threads' ``OSError`` as text, the only place
+    their errno survives), collected for the one-line report instead of printed."""
+    logger = logging.getLogger(filesystem_async.__name__)
+    messages: list[str] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger.addHandler(handler)
+    propagate, logger.propagate = logger.propagate, False
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+
+
+def _logged_oserror(messages: list[str]) -> OSError | None:
+    for message in messages:
+        if code := re.search(r"\[Errno (\d+)\]", message):
+            return OSError(int(code.group(1)), message)
+    return None
+
+
 def _full_disk_in(err: BaseException) -> OSError | None:
     """The full-disk ``OSError`` that caused ``err``, through causes and the per-rank
     failures of torch's ``CheckpointException``; None where there is none."""
@@ -188,19 +215,22 @@ def _full_disk_in(err: BaseException) -> OSError | None:
 
 
 def write_failure(
-    final: Path, partial: Path, err: BaseException
+    final: Path, partial: Path, err: BaseException, logged: Sequence[str] = ()
 ) -> CheckpointError | DiskFullError:
-    """The one-line error of a checkpoint write into ``partial`` that failed with ``err``.
+    """The one-line error of a checkpoint write into ``partial`` that failed with ``err``
+    (``logged``: what megatron's writer logged meanwhile, :func:`_writer_errors`).
 
-    A full disk (``err`` says so, or fewer bytes are free than the newest checkpoint
-    beside it takes, and at least :data:`NEARLY_FULL_BYTES`: megatron's writer loses the
-    reason) names ``final``, the space free and needed, and removes ``partial`` to give
-    its space back; resume never picks it either way. Every rank that failed calls this;
-    rank 0 removes.
+    A full disk (``err`` or the log says so, or, where megatron's writer lost the reason,
+    fewer bytes are free than the newest checkpoint beside it takes, and at least
+    :data:`NEARLY_FULL_BYTES`) names ``final``, the space free and needed, and removes
+    ``partial`` to give its space back; resume never picks it either way. Every rank that
+    failed calls this; rank 0 removes.
     """
     if isinstance(err, (CheckpointError, DiskFullError)):  # already said (``_commit``)
         return err
-    oserror = _full_disk_in(err)
+    oserror = _full_disk_in(err) or _logged_oserror(list(logged))
+    if oserror is not None and not is_disk_full(oserror):
+        err, oserror = oserror, None  # the writer's own reason, for the message
     free, needed = free_bytes(partial), saved_bytes(final.parent)
     if oserror is None and (free is None or free >= max(needed or 0, NEARLY_FULL_BYTES)):
         cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
@@ -208,12 +238,14 @@ def write_failure(
             f"could not save checkpoint {final} (left as {partial.name}, which resume "
             f"ignores): {cause}"
         )
+    if oserror is None:
+        oserror = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     if not dist.is_initialized() or dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
     previous = latest_complete_checkpoint(final.parent)
-    resumes = f"; a rerun resumes from {previous.name}" if previous is not None else ""
-    then = f"; {partial.name} removed{resumes} once space is freed"
-    return disk_full_error(final, oserror, needed, then)
+    rerun = f"resumes from {previous.name}" if previous is not None else "starts afresh"
+    then = f"; {partial.name} removed, a rerun {rerun} once space is freed"
+    return disk_full_error(final, oserror, needed, then, free)
 
 
 def saved_bytes(root: str | Path) -> int | None:
@@ -247,15 +279,16 @@ def _save(sharded_state_dict: dict, directory: str | Path, strategy=None) -> Non
     """``dist_checkpointing.save``, synchronous, without a helper process. A write that
     fails raises on every rank (megatron broadcasts the failure): a one-line error."""
     directory = Path(directory)
-    try:
-        with _write_results_into(queue.Queue()):
-            dist_checkpointing.save(
-                sharded_state_dict, str(directory), strategy, async_strategy=ASYNC_STRATEGY
-            )
-    except (Exception, CheckpointException) as err:
-        # torch's CheckpointException derives from BaseException.
-        final = directory.with_name(directory.name.removesuffix(".partial"))
-        raise write_failure(final, directory, err) from err
+    with _writer_errors() as logged:
+        try:
+            with _write_results_into(queue.Queue()):
+                dist_checkpointing.save(
+                    sharded_state_dict, str(directory), strategy, async_strategy=ASYNC_STRATEGY
+                )
+        except (Exception, CheckpointException) as err:
+            # torch's CheckpointException derives from BaseException.
+            final = directory.with_name(directory.name.removesuffix(".partial"))
+            raise write_failure(final, directory, err, logged) from err
 
 
 def _start_save(

@@ -6,6 +6,7 @@ import pytest
 from helpers import fixed_microbatches, tiny_config
 
 from megatron_lns.build import wrap_with_ddp
+from megatron_lns.disk import DiskFullError
 from megatron_lns.model import build_model
 from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
 from megatron_lns.training.checkpoint import (
@@ -112,12 +113,13 @@ def test_only_extra_state_may_differ_and_only_when_the_backend_changed():
     assert _extra_state_may_differ({}, model)  # written before the backend was recorded
 
 
-def test_a_save_onto_a_full_disk_is_one_line_and_leaves_the_last_checkpoint(seeded, tmp_path):
+def test_a_save_onto_a_full_disk_is_one_line_and_leaves_the_last_checkpoint(
+    seeded, tmp_path, capfd
+):
     """A synchronous save that the disk cannot hold: one line naming the checkpoint and
     the space, its partial files removed, the previous checkpoint still the newest."""
     from helpers import directory_bytes, fill_leaving, small_filesystem
 
-    from megatron_lns.disk import DiskFullError
     from megatron_lns.training.checkpoint_writer import CheckpointWriter
 
     cfg, model, optimizer, scheduler = _setup()
@@ -132,7 +134,49 @@ def test_a_save_onto_a_full_disk_is_one_line_and_leaves_the_last_checkpoint(seed
         assert message.startswith(
             f"cannot write {disk / 'checkpoints' / 'iter_0000002'}: no space left on device ("
         )
-        assert "needed" in message and "iter_0000001" in message and "\n" not in message
+        assert message.endswith(
+            "needed); iter_0000002.partial removed, a rerun resumes from iter_0000001 once "
+            "space is freed"
+        )
+        assert "\n" not in message and "Errno" not in capfd.readouterr().err
         assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["iter_0000001"]
         assert latest_complete_checkpoint(disk / "checkpoints") == first
         assert load_checkpoint(first, model, optimizer, scheduler).iteration == 1
+
+
+def _start_a_save_at_step_5(root: str, out_dir: str) -> None:
+    """On each rank of a world of two: start a save whose directory only rank 0 makes;
+    record what each rank raised."""
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from megatron_lns.training.checkpoint import _prepare_partial
+
+    dist.init_process_group("gloo")
+    try:
+        _prepare_partial(root, 5)
+        outcome = "saved"
+    except DiskFullError as err:
+        outcome = str(err)
+    (Path(out_dir) / f"rank{os.environ['RANK']}").write_text(outcome)
+
+
+@pytest.mark.slow  # two fresh ranks: about 20 s on a loaded 2-core machine
+def test_a_write_only_rank_0_makes_fails_on_every_rank_not_in_a_collective(tmp_path):
+    """Rank 0 alone creates ``iter_N.partial`` (and commits): when the disk refuses it,
+    every rank raises the same error instead of waiting for rank 0 in a barrier."""
+    from helpers import small_filesystem
+
+    from megatron_lns.runtime import spawn_local
+
+    with small_filesystem(tmp_path / "disk", 64, inodes=3) as disk:
+        (disk / "checkpoints").mkdir()
+        (disk / "filler").touch()  # the last inode
+        spawn_local(_start_a_save_at_step_5, 2, str(disk / "checkpoints"), str(tmp_path),
+                    timeout_s=300)  # fmt: skip
+        outcomes = {(tmp_path / f"rank{rank}").read_text() for rank in (0, 1)}
+        partial = disk / "checkpoints" / "iter_0000005.partial"
+        [outcome] = outcomes  # the same on both ranks
+        assert outcome.startswith(f"cannot write {partial}: no space left on device (")

@@ -250,3 +250,39 @@ def test_a_rewind_sets_the_abandoned_branch_aside_where_no_resume_picks_it(tmp_p
     assert again["resumed_from"] == 4 and again["losses"] == straight["losses"][4:]
     assert [p.name for p in checkpoints.glob("abandoned-*")] == [aside.name]
     assert "the rewind to iter_0000003 was already done at " in capfd.readouterr().out
+
+
+def test_a_full_disk_ends_every_rank_with_one_line_and_the_run_resumes(straight_tiny_run, tmp_path):
+    """Two ranks on a disk that holds the step-3 checkpoint and not the step-6 one: both
+    end, one line names the checkpoint (no traceback, no rank left in a collective), only
+    iter_0000003 remains; on a larger disk the same command resumes from it and ends."""
+    from helpers import directory_bytes, small_filesystem
+
+    checkpoint_bytes = directory_bytes(straight_tiny_run["run_dir"] / "checkpoints/iter_0000003")
+    size_kib = checkpoint_bytes * 3 // 2 // 1024 + 256
+    with small_filesystem(tmp_path / "disk", size_kib) as disk:
+        command = [sys.executable, "-m", "megatron_lns.cli", "train", str(DEMO),
+                   *TINY_RUN_OVERRIDES, "trainer.devices=2", f"exp_manager.exp_dir={disk}"]  # fmt: skip
+        full = subprocess.run(
+            command, cwd=ROOT, env=fresh_launch_env(), capture_output=True, text=True, timeout=600
+        )
+        checkpoints = disk / "lns" / "checkpoints"
+        errors = [line for line in full.stderr.splitlines() if line.startswith("error:")]
+        assert full.returncode == 2, full.stderr[-3000:]
+        assert len(errors) == 1 and "Traceback" not in full.stderr, full.stderr[-3000:]
+        assert errors[0].startswith(
+            f"error: cannot write {checkpoints / 'iter_0000006'}: no space left on device ("
+        )
+        assert errors[0].endswith(
+            "; iter_0000006.partial removed, a rerun resumes from iter_0000003 once space is freed"
+        )
+        assert "Local worker" not in full.stderr  # megatron's log of it, said in the line
+        assert [p.name for p in checkpoints.iterdir()] == ["iter_0000003"]
+
+        subprocess.run(["mount", "-o", f"remount,size={size_kib * 3}k", str(disk)], check=True)
+        resumed = subprocess.run(
+            command, cwd=ROOT, env=fresh_launch_env(), capture_output=True, text=True, timeout=600
+        )
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert f"resumed from {checkpoints / 'iter_0000003'} (step 3)" in resumed.stdout
+        assert latest_complete_checkpoint(checkpoints).name == "iter_0000006"
