@@ -159,18 +159,6 @@ def dataset_settings(cfg: ExperimentConfig) -> DatasetSettings:
     )
 
 
-def dataset_num_samples(cfg: ExperimentConfig) -> tuple[int, int, int]:
-    """The (train, valid, test) sample counts a run draws; they decide the datasets'
-    index mappings, so whatever rebuilds a run's held-out data must ask for the same."""
-    t, m = cfg.trainer, cfg.model
-    num_evals = t.max_steps // t.val_check_interval + 1
-    return (
-        t.max_steps * m.global_batch_size,
-        t.limit_val_batches * m.global_batch_size * num_evals,
-        0,
-    )
-
-
 def wrap_with_ddp(
     chunks: Sequence[torch.nn.Module], ddp_config: DistributedDataParallelConfig | None = None
 ) -> list[DistributedDataParallel]:

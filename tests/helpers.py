@@ -84,6 +84,19 @@ def train_tiny_run(exp_dir: Path, *overrides: str) -> dict[str, Any]:
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+def hugging_face_tokenizer_dir(directory: Path) -> Path:
+    """A minimal Hugging Face tokenizer directory (``tokenizer.json`` and its config, eos
+    ``</s>``), made with the ``tokenizers`` library alone: no transformers, no download."""
+    import json
+
+    from tokenizers import Tokenizer, models
+
+    vocab = {"<unk>": 0, "</s>": 1, "a": 2}
+    Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return directory
+
+
 def fresh_launch_env(**extra: str) -> dict[str, str]:
     """The environment of a new top-level launch: no torchrun variables.
 

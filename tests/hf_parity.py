@@ -4,17 +4,22 @@ between them (fp32 on both sides, which compute in different orders)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from megatron_lns.build import model_config
+from megatron_lns.config import to_yaml
 from megatron_lns.data.tokenizer import ByteTokenizer
 from megatron_lns.model import build_model
-from megatron_lns.training.checkpoint import load_model_weights
+from megatron_lns.training.checkpoint import load_model_weights, save_model_weights
 
 VOCAB = ByteTokenizer().vocab_size  # 257, padded to 384 in the checkpoints
 SEQ = 16
+# Tiny mixture-of-experts settings (model.* keys) that export as Mixtral and Qwen2-MoE.
+MIXTRAL = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
+QWEN2_MOE = dict(MIXTRAL, moe_shared_expert_intermediate_size=80, moe_shared_expert_gate=True)
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -77,3 +82,14 @@ def run_config(precision: str = "32", **model):
     )
     values.update(model)
     return load_config({"trainer": {"precision": precision}, "model": values})
+
+
+def save_checkpoint(chunks, root: Path, cfg, iteration: int = 1) -> Path:
+    """``chunks`` saved as training saves a checkpoint of ``cfg`` at step ``iteration``
+    under the run directory ``root``: weights, config and the completion marker."""
+    path = root / "checkpoints" / f"iter_{iteration:07d}"
+    save_model_weights(chunks, path)
+    (path / "config.yaml").write_text(to_yaml(cfg))
+    complete = {"iteration": iteration, "consumed_samples": 8 * iteration}
+    (path / "complete.json").write_text(json.dumps(complete) + "\n")
+    return path

@@ -389,13 +389,13 @@ def analysis_job(
 
     from megatron_lns.build import (
         build_model_chunks,
-        dataset_num_samples,
         dataset_settings,
         device_setting,
         model_config,
         parallel_layout,
         tokenizer_spec,
     )
+    from megatron_lns.config.data_checks import dataset_num_samples
     from megatron_lns.data.datasets import held_out_batches
     from megatron_lns.data.tokenizer import build_tokenizer
     from megatron_lns.runtime import init_distributed

@@ -110,10 +110,12 @@ def _is_split(value: Any) -> bool:
     parts = str(value).split(",")
     if len(parts) != 3 or not all(_SPLIT_NUMBER.match(p) for p in parts):
         return False
-    return sum(float(p) for p in parts) > 0
+    # megatron builds no training split from a zero train weight: the run would start and
+    # stop at once with "no training data".
+    return float(parts[0]) > 0
 
 
 split_weights = Check(
-    "three comma-separated non-negative numbers with a positive sum (train,valid,test)",
+    "three comma-separated non-negative numbers, the first (train) positive (train,valid,test)",
     _is_split,
 )

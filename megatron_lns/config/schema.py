@@ -451,8 +451,8 @@ class DataConfig:
         split_weights,
         target="GPTDatasetConfig.split",
         doc=(
-            "train/valid/test document split, three non-negative numbers with a positive sum "
-            "(`GPTDatasetConfig.split`)"
+            "train/valid/test document split, three non-negative numbers, the train weight "
+            "positive (`GPTDatasetConfig.split`)"
         ),
     )
     seq_length: int = setting(

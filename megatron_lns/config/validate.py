@@ -13,6 +13,7 @@ from pathlib import Path
 from megatron_lns import layout
 from megatron_lns.choices import PRE_NORM_VARIANTS, lns_combines_with, warmup_fits
 from megatron_lns.config.cluster import validate_cluster
+from megatron_lns.config.data_checks import check_datasets, check_tokenizer
 from megatron_lns.config.hybrid_rules import check_hybrid, hybrid_segments
 from megatron_lns.config.loader import ConfigError
 from megatron_lns.config.moe_rules import check_moe
@@ -47,7 +48,9 @@ def _divisible(key: str, value: int, by_key: str, by: int, shown: str | None = N
 def data_blend(data_prefix) -> DataBlend:
     """``model.data.data_prefix`` as a blend; a malformed list names the key."""
     try:
-        return DataBlend.parse(data_prefix)
+        blend = DataBlend.parse(data_prefix)
+        blend.check_builtin_names()
+        return blend
     except DataBlendError as err:
         raise ConfigError(f"model.data.{err}") from None
 
@@ -186,8 +189,10 @@ def validate(
             )
         if tok.library == "sentencepiece" and not Path(tok.model).is_file():
             raise ConfigError(f"model.tokenizer.model: {tok.model} does not exist")
+        vocab_size = check_tokenizer(cfg)
         for missing in blend.missing_files():
             raise ConfigError(f"model.data.data_prefix: {missing} does not exist")
+        check_datasets(cfg, blend, vocab_size)
         check_writable_paths(cfg, blend)
     validate_cluster(cfg)
 

@@ -31,15 +31,18 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def _unknown_builtin(name: str) -> str:
+    return f"unknown built-in corpus '{BUILTIN_PREFIX}{name}'; available: " + ", ".join(
+        BUILTIN_PREFIX + n for n in BUILTIN_CORPORA
+    )
+
+
 def builtin_dataset_prefix(
     name: str, library: str, tokenizer_type: str | None, tokenizer_model: str | None
 ) -> Path:
     """Prefix of the prepared built-in corpus ``name``, preprocessing it on first use."""
     if name not in BUILTIN_CORPORA:
-        raise DataBlendError(
-            f"unknown built-in corpus '{BUILTIN_PREFIX}{name}'; available: "
-            + ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_CORPORA)
-        )
+        raise DataBlendError(_unknown_builtin(name))
     key = hashlib.sha256(f"{library}|{tokenizer_type}|{tokenizer_model}".encode()).hexdigest()[:12]
     prefix = cache_dir() / f"{name}_{library}_{key}"
     # preprocess() writes under a name unique to the process and renames the .json into
@@ -78,6 +81,14 @@ class DataBlend:
         if any(w <= 0 for w in weights):
             raise DataBlendError(f"data_prefix weights must be positive, got {list(weights)}")
         return cls(tuple(str(p) for p in items[1::2]), weights)
+
+    def check_builtin_names(self) -> None:
+        """Refuse a ``builtin:`` name no corpus has: known without preparing anything, so
+        it is refused before a job is queued, not when its ranks start."""
+        for prefix in self.prefixes:
+            name = prefix[len(BUILTIN_PREFIX) :]
+            if prefix.startswith(BUILTIN_PREFIX) and name not in BUILTIN_CORPORA:
+                raise DataBlendError(f"data_prefix: {_unknown_builtin(name)}")
 
     def missing_files(self) -> list[str]:
         """The ``.bin``/``.idx`` files of non-built-in prefixes that do not exist."""

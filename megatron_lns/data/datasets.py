@@ -21,7 +21,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_lns.data.blend import DataBlend
 from megatron_lns.data.errors import DataError
-from megatron_lns.data.preprocess import DatasetMetadata
+from megatron_lns.data.metadata import DatasetMetadata
 from megatron_lns.data.splits import DatasetSplitError, check_split_shares, check_split_string
 from megatron_lns.data.tokenizer import Tokenizer, build_tokenizer
 
@@ -34,12 +34,9 @@ def check_dataset_fits(prefix: str, tokenizer: Tokenizer, model_vocab_size: int)
     """Refuse data made with another tokenizer or with ids the model cannot embed."""
     metadata = DatasetMetadata.load(prefix)
     if metadata is not None:
-        if metadata.tokenizer != tokenizer.name or metadata.vocab_size != tokenizer.vocab_size:
-            raise DataMismatchError(
-                f"dataset {prefix} was tokenized with {metadata.tokenizer} (vocab "
-                f"{metadata.vocab_size}) but model.tokenizer is {tokenizer.name} (vocab "
-                f"{tokenizer.vocab_size})"
-            )
+        mismatch = metadata.tokenizer_mismatch(prefix, tokenizer.name, tokenizer.vocab_size)
+        if mismatch:
+            raise DataMismatchError(mismatch)
         max_id = metadata.max_token_id
     else:
         # Prepared elsewhere (e.g. Megatron-LM's tools): scan the memory-mapped tokens.

@@ -21,7 +21,6 @@ import signal
 import threading
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,42 +29,13 @@ import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
 from megatron_lns.data.errors import DataError
+from megatron_lns.data.metadata import DatasetMetadata
 from megatron_lns.data.tokenizer import Tokenizer, build_tokenizer
 from megatron_lns.disk import disk_full_reported
 
 
 class PreprocessError(DataError):
     """Input that cannot be tokenized (bad JSON, wrong key or type, not UTF-8, nothing in it)."""
-
-
-@dataclass
-class DatasetMetadata:
-    tokenizer: str
-    vocab_size: int
-    eod: int
-    max_token_id: int
-    num_documents: int
-    num_tokens: int
-
-    @staticmethod
-    def path_for(prefix: str | Path) -> Path:
-        return Path(f"{prefix}.json")
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
-
-    @classmethod
-    def load(cls, prefix: str | Path) -> DatasetMetadata | None:
-        path = cls.path_for(prefix)
-        if not path.is_file():
-            return None
-        try:
-            return cls(**json.loads(path.read_text()))
-        except (ValueError, TypeError) as err:
-            raise DataError(
-                f"{path} is not a megatron-lns dataset description ({err}): delete it or "
-                "preprocess the data again"
-            ) from None
 
 
 def _records(path: Path) -> Iterator[tuple[int, str]]:

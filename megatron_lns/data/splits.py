@@ -11,17 +11,17 @@ with the prefix, the split and what to do.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
-from megatron.core.datasets.indexed_dataset import IndexedDataset
-from megatron.core.datasets.utils import Split
 
 from megatron_lns.data.errors import DataError
+from megatron_lns.data.index_file import sequence_lengths
 
 SplitMatrix = Sequence[tuple[float, float] | None]
+SPLITS = ("train", "valid", "test")  # megatron.core.datasets.utils.Split, in order
 
 
 class DatasetSplitError(DataError):
@@ -42,14 +42,41 @@ class SplitShare:
         return self.end - self.begin
 
 
+def split_weights(split: str) -> list[float] | None:
+    """The normalised weights of a split string as megatron-core's
+    ``parse_and_normalize_split`` reads it (numbers in order, missing ones 0), or None
+    where megatron cannot use it (more than three, or none positive)."""
+    try:
+        weights = [float(w) for w in re.findall(r"[.0-9]+", split)]
+    except ValueError:  # a lone "."
+        return None
+    weights += [0.0] * (len(SPLITS) - len(weights))
+    total = sum(weights)
+    if len(weights) != len(SPLITS) or total <= 0:
+        return None
+    return [w / total for w in weights]
+
+
+def split_bookends(split: str, num_samples: Sequence[int]) -> list[tuple[float, float] | None]:
+    """The document bookends of each split megatron builds for a run that draws
+    ``num_samples`` (train, valid, test): those of megatron-core's
+    ``convert_split_vector_to_split_matrix``, None for a split with no weight or no samples."""
+    weights = split_weights(split)
+    if weights is None:
+        raise DatasetSplitError(f"split '{split}' is not up to three non-negative weights")
+    matrix: list[tuple[float, float] | None] = []
+    begin = 0.0
+    for weight, samples in zip(weights, num_samples, strict=True):
+        end = begin + weight
+        matrix.append((begin, end) if end > begin and samples else None)
+        begin = end
+    return matrix
+
+
 def check_split_string(split: str) -> None:
     """A ``train,valid,test`` weight string megatron can parse, with a training share."""
-    try:
-        with np.errstate(invalid="ignore", divide="ignore"):  # all-zero weights: NaN
-            weights = parse_and_normalize_split(split)
-    except (AssertionError, ValueError, ZeroDivisionError):
-        weights = None
-    if weights is None or not np.all(np.isfinite(weights)) or weights[0] <= 0:
+    weights = split_weights(split)
+    if weights is None or weights[0] <= 0:
         raise DatasetSplitError(
             f"split '{split}' must be up to three non-negative weights 'train,valid,test' "
             "with a positive train weight, e.g. '949,50,1'"
@@ -68,13 +95,13 @@ def split_shares(
 ) -> list[SplitShare | None]:
     """What each split takes from one prefix (``None``: the split is not built)."""
     shares: list[SplitShare | None] = []
-    for split, bookends in zip(Split, split_matrix, strict=True):
+    for split, bookends in zip(SPLITS, split_matrix, strict=True):
         if bookends is None:
             shares.append(None)
             continue
         begin, end = document_range(len(sequence_lengths), bookends)
         tokens = int(np.sum(sequence_lengths[begin:end], dtype=np.int64))
-        shares.append(SplitShare(split.name, begin, end, tokens))
+        shares.append(SplitShare(split, begin, end, tokens))
     return shares
 
 
@@ -101,9 +128,7 @@ def check_split_shares(
     split then also needs one whole sample (``seq_length`` + 1 tokens) from every prefix.
     """
     for prefix in prefixes:
-        dataset = IndexedDataset(prefix)  # owns the memory map the lengths live in
-        lengths = np.array(dataset.sequence_lengths)
-        del dataset
+        lengths = sequence_lengths(prefix)
         for share, bookends in zip(split_shares(lengths, split_matrix), split_matrix, strict=True):
             if share is None or bookends is None:
                 continue

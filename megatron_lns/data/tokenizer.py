@@ -8,6 +8,7 @@ tokenizer is loaded from a local directory with the hub offline.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,7 +76,7 @@ class HuggingFaceTokenizer(_Identified):
         eod = self._tok.eos_token_id
         if eod is None:
             raise TokenizerError(f"tokenizer at {path} has no eos token to use as end-of-document")
-        self.name = f"huggingface:{Path(path).resolve()}"
+        self.name = tokenizer_name("huggingface", type=path)
         self.vocab_size = len(self._tok)
         self.eod = int(eod)
 
@@ -93,7 +94,7 @@ class SentencePieceTokenizer(_Identified):
             self._sp = sentencepiece.SentencePieceProcessor(model_file=model_path)
         except (OSError, RuntimeError) as err:
             raise TokenizerError(f"cannot load SentencePiece model {model_path}: {err}") from None
-        self.name = f"sentencepiece:{Path(model_path).resolve()}"
+        self.name = tokenizer_name("sentencepiece", model=model_path)
         self.vocab_size = int(self._sp.get_piece_size())
         eos = self._sp.eos_id()
         if eos < 0:
@@ -104,6 +105,76 @@ class SentencePieceTokenizer(_Identified):
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
+
+
+def tokenizer_name(
+    library: str, type: str | None = None, model: str | None = None, resolve: bool = True
+) -> str:
+    """The name a tokenizer's data records (``PREFIX.json``): the library and the path of
+    its files, symbolic links resolved unless ``resolve`` is false."""
+    if library == "byte":
+        return ByteTokenizer.name
+    path = Path(type if library == "huggingface" else model)
+    return f"{library}:{path.resolve() if resolve else path.absolute()}"
+
+
+# Files a Hugging Face tokenizer directory holds: the fast tokenizer, its config, or a
+# slow tokenizer's vocabulary. AutoTokenizer loads nothing from a directory without one.
+HUGGING_FACE_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+
+
+def check_hugging_face_directory(path: str) -> None:
+    """What can be known of a Hugging Face tokenizer directory without transformers (which
+    imports torch: seconds on a login node): that it is one, that its JSON parses and that
+    the ``tokenizers`` library loads its ``tokenizer.json``. Loading it fully is left to
+    the ranks."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise TokenizerError(f"{path} is not a directory: give the directory save_pretrained wrote")
+    if not any((directory / name).is_file() for name in HUGGING_FACE_TOKENIZER_FILES):
+        raise TokenizerError(
+            f"{path} holds no tokenizer files ({', '.join(HUGGING_FACE_TOKENIZER_FILES)})"
+        )
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (directory / name).is_file():
+            try:
+                json.loads((directory / name).read_text())
+            except (OSError, ValueError) as err:
+                raise TokenizerError(f"{path}: {name} is not valid JSON ({err})") from None
+    if (directory / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer as FastTokenizer
+
+        try:
+            FastTokenizer.from_file(str(directory / "tokenizer.json"))
+        except Exception as err:  # the Rust library raises plain Exception
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise TokenizerError(
+                f"{path}: cannot load a Hugging Face tokenizer from its tokenizer.json "
+                f"({first_line})"
+            ) from None
+
+
+def checked_vocab_size(
+    library: str, type: str | None = None, model: str | None = None
+) -> int | None:
+    """Check that the tokenizer's files load, as far as that is cheap: the whole tokenizer
+    for ``byte`` and ``sentencepiece`` (a fraction of a second), the files of a Hugging
+    Face one. Its vocabulary size where loaded, else None."""
+    if library == "huggingface" and type:
+        check_hugging_face_directory(type)
+        return None
+    if library == "sentencepiece" and model:
+        return SentencePieceTokenizer(model).vocab_size
+    return build_tokenizer(library, type, model).vocab_size
 
 
 def build_tokenizer(library: str, type: str | None = None, model: str | None = None) -> Tokenizer:

@@ -28,7 +28,6 @@ from megatron.core.utils import get_model_config
 
 from megatron_lns.build import (
     build_trainable_from_config,
-    dataset_num_samples,
     dataset_settings,
     device_setting,
     fast_paths,
@@ -38,6 +37,7 @@ from megatron_lns.build import (
 )
 from megatron_lns.config import ExperimentConfig, to_yaml
 from megatron_lns.config.cluster import time_limit_seconds
+from megatron_lns.config.data_checks import dataset_num_samples
 from megatron_lns.config.paths import run_directory
 from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.data.datasets import held_out_batches, micro_batch_loader

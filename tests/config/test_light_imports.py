@@ -9,7 +9,11 @@ import subprocess
 import sys
 
 import pytest
-from helpers import FIXTURES, ROOT, fresh_launch_env
+from helpers import FIXTURES, ROOT, fresh_launch_env, hugging_face_tokenizer_dir
+
+from megatron_lns.data.demo_corpus import demo_documents
+from megatron_lns.data.metadata import DatasetMetadata
+from megatron_lns.data.preprocess import preprocess
 
 OLMO = ROOT / "nemo_configs" / "olmo_7b_lns_20b.yaml"
 NEMO = FIXTURES / "nemo_megatron_gpt_config.yaml"
@@ -63,11 +67,13 @@ def test_the_probe_sees_a_heavy_import():
 @pytest.mark.parametrize("command", ["submit", "train"])
 def test_dry_runs_import_neither_torch_nor_megatron(command, tmp_path):
     """What a login node runs before a job is queued: the whole command, in a fresh
-    interpreter (the same probe as benchmarks/cli_startup.py)."""
+    interpreter (the same probe as benchmarks/cli_startup.py), with data and a tokenizer
+    that its checks read (config/data_checks.py)."""
     prefix = tmp_path / "corpus_text_document"
-    for suffix in (".bin", ".idx"):
-        prefix.with_suffix(suffix).touch()
+    preprocess(demo_documents()[:300], prefix)  # enough documents for OLMo's 998,2,0
+    DatasetMetadata.path_for(prefix).unlink()  # as if made by other tools, with this tokenizer
     (tmp_path / "tokenizer").mkdir()
+    hugging_face_tokenizer_dir(tmp_path / "tokenizer")
     overrides = [
         f"model.data.data_prefix=[{prefix}]",
         f"model.tokenizer.type={tmp_path / 'tokenizer'}",

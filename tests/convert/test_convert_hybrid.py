@@ -10,38 +10,31 @@ import pytest
 import torch
 from helpers import perturb_norm_weights
 from hf_parity import (
+    QWEN2_MOE,
     SEQ,
     VOCAB,
     assert_parity,
     megatron_logits,
     run_config,
     safetensors_tensors,
+    save_checkpoint,
     silent,
 )
 
 from megatron_lns.build import model_config
-from megatron_lns.config import to_yaml
 from megatron_lns.config.sources import load_run_config
 from megatron_lns.convert import ConversionError, export_hf, import_hf
 from megatron_lns.convert.architectures import architecture_for_model_config
 from megatron_lns.hybrid_pattern import gpt_key_to_hybrid
 from megatron_lns.model import build_model
-from megatron_lns.training.checkpoint import save_model_weights
 
-MOE = dict(
-    num_moe_experts=4,
-    moe_router_topk=2,
-    moe_ffn_hidden_size=48,
-    moe_shared_expert_intermediate_size=80,
-    moe_shared_expert_gate=True,
-)
 CASES = {
     # The GPT twin (no pattern: num_layers counts blocks) of a dense Llama.
     "llama-twin": (dict(), dict(architecture="hybrid"), ["model.architecture=hybrid"]),
     # A pattern (num_layers counts sublayers) with a dense first block: Qwen2-MoE.
     "qwen2moe-pattern": (
-        dict(MOE, moe_layer_freq=[0, 1, 1, 1]),
-        dict(MOE, architecture="hybrid", num_layers=8, hybrid_layer_pattern="*-*E*E*E"),
+        dict(QWEN2_MOE, moe_layer_freq=[0, 1, 1, 1]),
+        dict(QWEN2_MOE, architecture="hybrid", num_layers=8, hybrid_layer_pattern="*-*E*E*E"),
         ["model.architecture=hybrid", "model.hybrid_layer_pattern='*-*E*E*E'"],
     ),
 }
@@ -51,11 +44,7 @@ def save_run(root: Path, cfg, state: dict[str, torch.Tensor]) -> Path:
     """A checkpoint of ``cfg`` holding ``state``, as training saves it."""
     model = build_model(model_config(cfg, VOCAB))
     model[0].load_state_dict(state)
-    path = root / "checkpoints" / "iter_0000001"
-    save_model_weights(model, path)
-    (path / "config.yaml").write_text(to_yaml(cfg))
-    (path / "complete.json").write_text('{"iteration": 1, "consumed_samples": 8}\n')
-    return path
+    return save_checkpoint(model, root, cfg)
 
 
 @pytest.mark.parametrize("case", list(CASES))

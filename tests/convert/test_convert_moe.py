@@ -12,16 +12,19 @@ import pytest
 import torch
 from helpers import perturb_norm_weights
 from hf_parity import (
+    MIXTRAL,
+    QWEN2_MOE,
     SEQ,
     VOCAB,
     assert_parity,
     run_config,
     safetensors_tensors,
+    save_checkpoint,
     silent,
 )
 
 from megatron_lns.build import model_config
-from megatron_lns.config import load_config, to_yaml
+from megatron_lns.config import load_config
 from megatron_lns.config.schema import ModelConfig
 from megatron_lns.convert import ConversionError, export_hf, import_hf
 from megatron_lns.convert.architectures import (
@@ -34,10 +37,7 @@ from megatron_lns.convert.architectures.moe import MEGATRON_ONLY_ROUTING, ROUTIN
 from megatron_lns.data.tokenizer import ByteTokenizer
 from megatron_lns.model import build_model
 from megatron_lns.moe import moe_layer_pattern
-from megatron_lns.training.checkpoint import load_model_weights, save_model_weights
-
-MIXTRAL = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
-QWEN2_MOE = dict(MIXTRAL, moe_shared_expert_intermediate_size=80, moe_shared_expert_gate=True)
+from megatron_lns.training.checkpoint import load_model_weights
 
 
 def save_run(root: Path, cfg) -> Path:
@@ -45,11 +45,7 @@ def save_run(root: Path, cfg) -> Path:
     chunks = build_model(model_config(cfg, VOCAB))
     for chunk in chunks:
         perturb_norm_weights(chunk)
-    path = root / "checkpoints" / "iter_0000001"
-    save_model_weights(chunks, path)
-    (path / "config.yaml").write_text(to_yaml(cfg))
-    (path / "complete.json").write_text('{"iteration": 1, "consumed_samples": 8}\n')
-    return path
+    return save_checkpoint(chunks, root, cfg)
 
 
 PARITY_CASES = {

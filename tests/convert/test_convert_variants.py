@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_parity import (
+    QWEN2_MOE,
     TOLERANCE,
     VOCAB,
     assert_parity,
@@ -18,28 +19,19 @@ from hf_parity import (
     run_config,
     safetensors_tensors,
     sample_tokens,
+    save_checkpoint,
     silent,
 )
 from reference_llama import ReferenceLlama
 
 from megatron_lns.build import model_config
 from megatron_lns.choices import LAYER_VARIANTS
-from megatron_lns.config import to_yaml
 from megatron_lns.convert import ConversionError, export_hf, import_hf
 from megatron_lns.convert.architectures import Architecture, architecture_for_model_config
 from megatron_lns.convert.architectures.base import UNEXPORTABLE_VARIANTS
 from megatron_lns.convert.mapping import BRANCH_GAINS
 from megatron_lns.model import build_model
-from megatron_lns.training.checkpoint import load_model_weights, save_model_weights
-
-QWEN2_MOE = dict(
-    num_moe_experts=4,
-    moe_router_topk=2,
-    moe_ffn_hidden_size=48,
-    moe_shared_expert_intermediate_size=80,
-    moe_shared_expert_gate=True,
-    moe_layer_freq=[0, 1, 1, 1],
-)
+from megatron_lns.training.checkpoint import load_model_weights
 
 
 def perturb_norms_and_gains(model: torch.nn.Module, seed: int = 1) -> None:
@@ -60,11 +52,7 @@ def save_run(root: Path, cfg) -> Path:
     chunks = build_model(model_config(cfg, VOCAB))
     for chunk in chunks:
         perturb_norms_and_gains(chunk)
-    path = root / "checkpoints" / "iter_0000001"
-    save_model_weights(chunks, path)
-    (path / "config.yaml").write_text(to_yaml(cfg))
-    (path / "complete.json").write_text('{"iteration": 1, "consumed_samples": 8}\n')
-    return path
+    return save_checkpoint(chunks, root, cfg)
 
 
 def reference_logits(checkpoint: Path, cfg, tokens: torch.Tensor) -> torch.Tensor:
@@ -113,7 +101,11 @@ GAIN_CASES = {
         False,
     ),
     # An MoE MLP branch: the gain folds into every expert's and the shared expert's fc2.
-    "layerscale-qwen2moe-lns": (dict(QWEN2_MOE, layer_variant="layerscale"), "Qwen2Moe", False),
+    "layerscale-qwen2moe-lns": (
+        dict(QWEN2_MOE, moe_layer_freq=[0, 1, 1, 1], layer_variant="layerscale"),
+        "Qwen2Moe",
+        False,
+    ),
 }
 
 

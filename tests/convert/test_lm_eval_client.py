@@ -44,22 +44,20 @@ from __future__ import annotations
 import json
 import math
 import socket
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from hf_parity import SEQ, run_config, silent
+from hf_parity import SEQ, run_config, save_checkpoint, silent
 
 from megatron_lns.analysis.depth import held_out_loss
 from megatron_lns.build import model_config
-from megatron_lns.config import to_yaml
 from megatron_lns.convert import export_hf
 from megatron_lns.data.demo_corpus import demo_documents
 from megatron_lns.data.splits import document_range
 from megatron_lns.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer
 from megatron_lns.model import build_model
-from megatron_lns.training.checkpoint import load_model_weights, save_model_weights
+from megatron_lns.training.checkpoint import load_model_weights
 
 RELATIVE_TOLERANCE = 1e-6
 # A negative control must miss lm-eval's loss by more than this many tolerances.
@@ -125,11 +123,7 @@ def train_tiny_run(root: Path, cfg, tokenizer: Tokenizer) -> Path:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    path = root / "checkpoints" / f"iter_{TRAIN_STEPS:07d}"
-    save_model_weights(chunks, path)
-    (path / "config.yaml").write_text(to_yaml(cfg))
-    (path / "complete.json").write_text(json.dumps({"iteration": TRAIN_STEPS}) + "\n")
-    return path
+    return save_checkpoint(chunks, root, cfg, TRAIN_STEPS)
 
 
 def rolling_windows(
@@ -177,46 +171,45 @@ def vocabulary_padding_term(model, batch: dict[str, torch.Tensor], vocab: int) -
 def write_tasks(directory: Path, documents: list[str]) -> None:
     """The two tasks as lm-eval reads them from ``--include_path``: local JSON files."""
     directory.mkdir()
-    cache = directory / "datasets-cache"
     with (directory / "heldout.jsonl").open("w") as f:
         for doc in documents:
             f.write(json.dumps({"text": doc}) + "\n")
     (directory / "choices.json").write_text(json.dumps(CHOICE_ITEMS))
-    (directory / "lns_heldout.yaml").write_text(
-        textwrap.dedent(f"""\
-        task: lns_heldout
-        dataset_path: json
-        dataset_kwargs:
-          data_files:
-            test: {directory / "heldout.jsonl"}
-          cache_dir: {cache}
-        test_split: test
-        output_type: loglikelihood_rolling
-        doc_to_text: ""
-        doc_to_target: "{{{{text}}}}"
-        metric_list:
-          - metric: word_perplexity
-          - metric: byte_perplexity
-          - metric: bits_per_byte
-        """)
+    perplexity = ["word_perplexity", "byte_perplexity", "bits_per_byte"]
+    write_task(
+        directory,
+        "lns_heldout",
+        "heldout.jsonl",
+        output_type="loglikelihood_rolling",
+        doc_to_text="",
+        doc_to_target="{{text}}",
+        metric_list=[{"metric": metric} for metric in perplexity],
     )
-    (directory / "lns_choices.yaml").write_text(
-        textwrap.dedent(f"""\
-        task: lns_choices
-        dataset_path: json
-        dataset_kwargs:
-          data_files:
-            test: {directory / "choices.json"}
-          cache_dir: {cache}
-        test_split: test
-        output_type: multiple_choice
-        doc_to_text: "{{{{question}}}}"
-        doc_to_choice: "{{{{choices}}}}"
-        doc_to_target: "{{{{answer}}}}"
-        metric_list:
-          - metric: acc
-        """)
+    write_task(
+        directory,
+        "lns_choices",
+        "choices.json",
+        output_type="multiple_choice",
+        doc_to_text="{{question}}",
+        doc_to_choice="{{choices}}",
+        doc_to_target="{{answer}}",
+        metric_list=[{"metric": "acc"}],
     )
+
+
+def write_task(directory: Path, name: str, data_file: str, **fields) -> None:
+    """A task YAML (JSON is YAML) reading its test split from a local file."""
+    task = {
+        "task": name,
+        "dataset_path": "json",
+        "dataset_kwargs": {
+            "data_files": {"test": str(directory / data_file)},
+            "cache_dir": str(directory / "datasets-cache"),
+        },
+        "test_split": "test",
+        **fields,
+    }
+    (directory / f"{name}.yaml").write_text(json.dumps(task, indent=2) + "\n")
 
 
 def run_lm_eval(hf_dir: Path, tasks_dir: Path, prefix_token_id: int) -> dict:

@@ -128,6 +128,36 @@ def test_dataset_from_another_tokenizer_is_refused(tmp_path, hf_tokenizer_dir):
         check_dataset_fits(str(tmp_path / "hf"), ByteTokenizer(), model_vocab_size=384)
 
 
+@pytest.mark.parametrize("library", ["byte", "huggingface", "sentencepiece"])
+def test_data_passes_the_config_checks_with_its_own_tokenizer_only(
+    tmp_path, library, hf_tokenizer_dir, sp_model
+):
+    """The checks before any rank starts (config/data_checks.py) accept data made with the
+    configured tokenizer, and refuse it under another one, as the ranks do."""
+    from helpers import DEMO_CONFIG
+
+    from megatron_lns.config import ConfigError, load_config, validate
+
+    paths = {"huggingface": hf_tokenizer_dir, "sentencepiece": sp_model}
+    preprocess(
+        DOCS, tmp_path / "data", library,
+        tokenizer_type=paths.get(library) if library == "huggingface" else None,
+        tokenizer_model=paths.get(library) if library == "sentencepiece" else None,
+    )  # fmt: skip
+
+    def config(library):
+        return load_config(DEMO_CONFIG, [
+            f"model.data.data_prefix=[{tmp_path}/data]", f"exp_manager.exp_dir={tmp_path}/runs",
+            f"model.tokenizer.library={library}",
+            f"model.tokenizer.type={hf_tokenizer_dir}", f"model.tokenizer.model={sp_model}",
+        ])  # fmt: skip
+
+    validate(config(library))
+    other = "sentencepiece" if library == "byte" else "byte"
+    with pytest.raises(ConfigError, match=rf"^model.data.data_prefix: dataset .* with {library}"):
+        validate(config(other))
+
+
 def test_ids_beyond_model_vocab_are_refused_even_without_metadata(tmp_path, hf_tokenizer_dir):
     preprocess(DOCS[:20], tmp_path / "hf", "huggingface", tokenizer_type=hf_tokenizer_dir)
     tokenizer = build_tokenizer("huggingface", hf_tokenizer_dir)

@@ -139,9 +139,9 @@ def test_a_split_string_megatron_cannot_use_is_refused(tmp_path, split):
         _build([prefix], split)
 
 
-@pytest.mark.slow
 def test_train_on_a_corpus_too_small_for_its_split_stops_with_one_line(tmp_path):
-    """The demo's ``95,5,0`` on ten documents: an error and exit code 2, not a hang."""
+    """The demo's ``95,5,0`` on ten documents: an error and exit code 2, not a hang; since
+    the config checks count the splits (config/data_checks.py), before any rank starts."""
     prefix = _corpus(tmp_path, 10)
     command = [
         sys.executable,
@@ -159,7 +159,7 @@ def test_train_on_a_corpus_too_small_for_its_split_stops_with_one_line(tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == [
-        f"error: the valid split of {prefix} (split '95,5,0') gets 0 of its 10 documents and "
+        f"error: model.data.data_prefix: the valid split of {prefix} (split '95,5,0') gets 0 of its 10 documents and "
         "megatron would loop forever building it: give at least 11 documents, or a larger "
         "valid share (e.g. split '90,10,0')"
     ]
