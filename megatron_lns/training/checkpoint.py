@@ -47,6 +47,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing import serialization
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -273,6 +274,41 @@ def _on_rank0_then_everywhere(write: Callable[[], None], path: Path, what: str) 
     dist.broadcast_object_list(shared, src=0)
     if shared[0] is not None:
         raise shared[0]
+
+
+# What megatron's coordinator failed to write of the checkpoint being saved (below).
+_metadata_write_failures: list[OSError] = []
+
+
+@contextlib.contextmanager
+def metadata_write_failures_kept() -> Iterator[None]:
+    """While a checkpoint is saved or finalised: keep, not raise, an ``OSError`` from the
+    two files megatron's coordinator (rank 0) writes alone between two collectives:
+    ``.metadata`` (torch's ``finish``) and ``metadata.json`` (``save_config``). Raised
+    there, it would leave every other rank waiting in the next collective; kept, the
+    commit that follows in the block raises it on every rank (``_commit``)."""
+
+    def kept(write):
+        @functools.wraps(write)
+        def write_or_keep(*args, **kwargs):
+            try:
+                return write(*args, **kwargs)
+            except OSError as err:
+                _metadata_write_failures.append(err)
+
+        return write_or_keep
+
+    patched = [(filesystem_async.FileSystemWriterAsync, "finish"), (serialization, "save_config")]
+    originals = [getattr(owner, name) for owner, name in patched]
+    _metadata_write_failures.clear()
+    for (owner, name), original in zip(patched, originals, strict=True):
+        setattr(owner, name, kept(original))
+    try:
+        yield
+    finally:
+        for (owner, name), original in zip(patched, originals, strict=True):
+            setattr(owner, name, original)
+        _metadata_write_failures.clear()
 
 
 def _save(sharded_state_dict: dict, directory: str | Path, strategy=None) -> None:
@@ -656,13 +692,13 @@ def _commit(partial: Path, final: Path, state: TrainingState, config_yaml: str) 
 
     def mark_and_rename() -> None:
         try:
+            if _metadata_write_failures:  # megatron's metadata (``metadata_write_failures_kept``)
+                raise _metadata_write_failures[0]
             (partial / RUN_CONFIG).write_text(config_yaml)
             marker = {"iteration": state.iteration, "consumed_samples": state.consumed_samples}
             (partial / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
         except OSError as err:
-            if is_disk_full(err):
-                raise write_failure(final, partial, err) from err
-            raise
+            raise write_failure(final, partial, err) from err
         if final.exists():
             shutil.rmtree(final)
         partial.rename(final)
@@ -682,9 +718,10 @@ def save_checkpoint(
     """Save everything needed to resume; returns the committed directory."""
     final, partial = _prepare_partial(root, state.iteration)
     sharded = _state_dict(model, optimizer, scheduler, state, True, config_yaml=config_yaml)
-    _save(sharded, partial, strategy)
-    dist.barrier()
-    _commit(partial, final, state, config_yaml)
+    with metadata_write_failures_kept():
+        _save(sharded, partial, strategy)
+        dist.barrier()
+        _commit(partial, final, state, config_yaml)
     return final
 
 

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lns.training.checkpoint import (
     TrainingState,
+    metadata_write_failures_kept,
     save_checkpoint,
     save_strategy,
     start_checkpoint_save,
@@ -143,7 +144,8 @@ class CheckpointWriter:
         if not self._pending:
             return []
         try:
-            done = self._calls.maybe_finalize_async_calls(blocking=blocking)
+            with metadata_write_failures_kept():  # its commit raises them on every rank
+                done = self._calls.maybe_finalize_async_calls(blocking=blocking)
         except (Exception, CheckpointException) as err:
             # torch's CheckpointException derives from BaseException.
             failed = next(iter(self._pending.values()))  # the oldest: finalised first
