@@ -349,7 +349,7 @@ class Trainer:
                 note = set_aside_newer_checkpoints(
                     self.checkpoint_dir, self.resumed_path.name, self.state.iteration, record
                 )
-            except RewindRecordError as err:
+            except (RewindRecordError, DiskFullError) as err:
                 error = str(err)
             except OSError as err:
                 error = f"cannot move the checkpoints newer than {self.resumed_path} aside: {err}"
