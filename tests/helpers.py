@@ -236,3 +236,40 @@ def megatron_memory_args(cfg, vocab_size: int) -> SimpleNamespace:
         data_parallel_size=world // (tp * pp * m.context_parallel_size),
         use_distributed_optimizer=m.optim.name == "distributed_fused_adam",
     )
+
+
+@contextlib.contextmanager
+def small_filesystem(directory: Path, size_kib: int, inodes: int | None = None):
+    """``directory`` as a fresh tmpfs of ``size_kib`` KiB (and ``inodes`` files), for
+    tests of a full disk; unmounted afterwards. Skips the test where mounting is not
+    permitted (not root, or a container without CAP_SYS_ADMIN); CI runs as root."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("a full-disk test mounts a small tmpfs, which needs root")
+    directory.mkdir(parents=True, exist_ok=True)
+    options = f"size={size_kib}k" + (f",nr_inodes={inodes}" if inodes else "")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs for a full-disk test: {mounted.stderr.strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "--lazy", str(directory)], check=True)
+
+
+def fill_leaving(directory: Path, free_bytes: int) -> None:
+    """Fill the filesystem of ``directory`` until about ``free_bytes`` remain free."""
+    stat = os.statvfs(directory)
+    fill = stat.f_bavail * stat.f_frsize - free_bytes
+    if fill > 0:
+        with open(directory / "filler", "wb") as f:
+            f.write(b"\0" * fill)
+
+
+def directory_bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())
