@@ -201,8 +201,7 @@ def _read_yaml(path: Path) -> DictConfig:
             # as a mapping with the whole text as its one key.
             if not isinstance(yaml.load(f, Loader=yaml.SafeLoader), dict):
                 raise ConfigError(
-                    f"config file {path} must be a mapping with trainer/exp_manager/model "
-                    "sections"
+                    f"config file {path} must be a mapping with trainer/exp_manager/model sections"
                 )
         raw = OmegaConf.load(path)
     except yaml.YAMLError as err:
