@@ -125,11 +125,23 @@ def write_synthetic_llama(
     return {"model_bytes": total, "layer_bytes": layer, "embedding_bytes": 4 * vocab * hidden}
 
 
+def _child_env(tree: Path) -> dict[str, str]:
+    """The environment of a new top-level launch importing the package from ``tree``.
+
+    A caller that initialised a world in-process (a test) left its launcher variables
+    behind; a child inheriting them would try to join that world."""
+    from megatron_lns.launcher_env import ADDRESS_VARIABLES, RANK_VARIABLES
+
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES + ADDRESS_VARIABLES}
+    env.update(PYTHONPATH=str(tree), MALLOC_ARENA_MAX="2")
+    return env
+
+
 def run_cli(args: list[str], tree: Path = ROOT, limit_as: int | None = None) -> dict:
     """``megatron-lns ARGS`` in a fresh interpreter importing the package from ``tree``,
     its address space (RLIMIT_AS) capped at ``limit_as`` bytes where given. Returns its
     exit code, peak RSS, peak virtual size, wall time and the end of its output."""
-    env = {**os.environ, "PYTHONPATH": str(tree), "MALLOC_ARENA_MAX": "2"}
+    env = _child_env(tree)
     argv = [sys.executable, "-c", CHILD, str(limit_as or 0), *args]
     start = time.perf_counter()
     # cwd=tree: ``python -c`` puts the working directory first on sys.path.
@@ -158,7 +170,7 @@ def idle_rss(tree: Path = ROOT) -> int:
         "import transformers, tokenizers\n"
         "from transformers import AutoConfig, PreTrainedTokenizerFast\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(tree), "MALLOC_ARENA_MAX": "2"}
+    env = _child_env(tree)
     child = subprocess.Popen(
         [sys.executable, "-c", code], cwd=tree, env=env, stderr=subprocess.DEVNULL
     )

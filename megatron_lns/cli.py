@@ -1,4 +1,4 @@
-"""``megatron-lns`` command line: train, submit, compare, demo, preprocess, export-hf,
+"""``megatron-lns`` command line: train, plan, submit, compare, demo, preprocess, export-hf,
 import-hf, analyze.
 
 Errors in the input (config, data, checkpoints, run directory) end the command with one
@@ -17,6 +17,7 @@ from megatron_lns.commands import (
     demo,
     export_hf,
     import_hf,
+    plan,
     preprocess,
     submit,
     train,
@@ -24,7 +25,7 @@ from megatron_lns.commands import (
 from megatron_lns.third_party_noise import quiet_third_party_noise
 
 # Every command, in the order ``--help`` lists them: a module of megatron_lns.commands.
-COMMANDS = [train, submit, compare, demo, preprocess, export_hf, import_hf, analyze]
+COMMANDS = [train, plan, submit, compare, demo, preprocess, export_hf, import_hf, analyze]
 
 
 def build_parser() -> argparse.ArgumentParser:

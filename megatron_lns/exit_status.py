@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
+from megatron_lns.disk import as_user_error
 from megatron_lns.errors import (
     USER_ERROR_EXIT_CODE,
     RankFailed,
@@ -31,6 +32,12 @@ def exit_status(body: Callable[[], int | None]) -> int:
         if debug_enabled():
             raise
         report_user_error_once(err)
+        return USER_ERROR_EXIT_CODE
+    except OSError as err:  # a full disk that no writer reported itself
+        user_error = as_user_error(err)
+        if user_error is None or debug_enabled():
+            raise
+        report_user_error_once(user_error)
         return USER_ERROR_EXIT_CODE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

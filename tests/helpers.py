@@ -8,10 +8,12 @@ import pickle
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from megatron_lns.launcher_env import ADDRESS_VARIABLES, RANK_VARIABLES
 from megatron_lns.model import GPTModelConfig
 from megatron_lns.runtime import spawn_local
 
@@ -81,7 +83,7 @@ def train_tiny_run(exp_dir: Path, *overrides: str) -> dict[str, Any]:
     return run_distributed(_fit_and_summarize, 1, Path(exp_dir) / "rank_results", cfg)[0]
 
 
-TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN_VARIABLES = RANK_VARIABLES + ADDRESS_VARIABLES
 
 
 def hugging_face_tokenizer_dir(directory: Path) -> Path:
@@ -195,3 +197,79 @@ def read_only(directory: Path):
         yield
     finally:
         subprocess.run(["umount", str(directory)], check=True)
+
+
+def megatron_memory_args(cfg, vocab_size: int) -> SimpleNamespace:
+    """megatron-lm's argument names for the same run (theoretical_memory_usage.py)."""
+    from megatron_lns.planning.shape import padded_vocab_size
+
+    m = cfg.model
+    world = cfg.trainer.num_nodes * cfg.trainer.devices
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    return SimpleNamespace(
+        kv_channels=m.kv_channels or m.hidden_size // m.num_attention_heads,
+        num_attention_heads=m.num_attention_heads,
+        hidden_size=m.hidden_size,
+        group_query_attention=m.num_query_groups is not None,
+        num_query_groups=m.num_query_groups,
+        num_experts=m.num_moe_experts,
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+        moe_layer_freq=m.moe_layer_freq,
+        num_layers=m.num_layers,
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        mtp_num_layers=None,
+        normalization="RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm",
+        multi_latent_attention=False,
+        padded_vocab_size=padded_vocab_size(vocab_size, tp, m.make_vocab_size_divisible_by),
+        untie_embeddings_and_output_weights=not m.share_embeddings_and_output_weights,
+        ffn_hidden_size=m.ffn_hidden_size,
+        swiglu=m.activation == "swiglu",
+        moe_latent_size=None,
+        moe_router_topk=m.moe_router_topk,
+        add_bias_linear=m.bias,
+        moe_shared_expert_gate=m.moe_shared_expert_gate,
+        expert_tensor_parallel_size=m.expert_tensor_parallel_size or tp,
+        expert_model_parallel_size=m.expert_model_parallel_size,
+        pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=tp,
+        world_size=world,
+        data_parallel_size=world // (tp * pp * m.context_parallel_size),
+        use_distributed_optimizer=m.optim.name == "distributed_fused_adam",
+    )
+
+
+@contextlib.contextmanager
+def small_filesystem(directory: Path, size_kib: int, inodes: int | None = None):
+    """``directory`` as a fresh tmpfs of ``size_kib`` KiB (and ``inodes`` files), for
+    tests of a full disk; unmounted afterwards. Skips the test where mounting is not
+    permitted (not root, or a container without CAP_SYS_ADMIN); CI runs as root."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("a full-disk test mounts a small tmpfs, which needs root")
+    directory.mkdir(parents=True, exist_ok=True)
+    options = f"size={size_kib}k" + (f",nr_inodes={inodes}" if inodes else "")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs for a full-disk test: {mounted.stderr.strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "--lazy", str(directory)], check=True)
+
+
+def fill_leaving(directory: Path, free_bytes: int) -> None:
+    """Fill the filesystem of ``directory`` until about ``free_bytes`` remain free."""
+    stat = os.statvfs(directory)
+    fill = stat.f_bavail * stat.f_frsize - free_bytes
+    if fill > 0:
+        with open(directory / "filler", "wb") as f:
+            f.write(b"\0" * fill)
+
+
+def directory_bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())

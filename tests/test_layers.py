@@ -11,6 +11,7 @@ PACKAGE = ROOT / "megatron_lns"
 # Bottom to top. A module may import from its own entry or any entry before it.
 LAYERS = [
     "errors",
+    "disk",
     "exit_status",
     "third_party_noise",
     "choices",
@@ -34,6 +35,7 @@ LAYERS = [
     "optim",
     "data",
     "config",
+    "planning",
     "build",
     "training",
     "convert",

@@ -3,10 +3,9 @@ EP / TP x ETP layouts, weights + gradients + optimizer state against megatron's 
 arithmetic, and the OLMoE config quoting its current numbers."""
 
 import sys
-from types import SimpleNamespace
 
 import pytest
-from helpers import ROOT, run_distributed
+from helpers import ROOT, megatron_memory_args, run_distributed
 
 from megatron_lns.config import validate
 
@@ -75,45 +74,6 @@ def test_parameters_per_gpu_are_those_of_the_built_model(tmp_path):
         assert [counts[i] for counts in per_rank] == [expected, expected], list(LAYOUTS)[i]
 
 
-def _megatron_args(cfg, vocab_size):
-    """megatron-lm's argument names for the same run (theoretical_memory_usage.py)."""
-    from megatron_lns.model import padded_vocab_size
-
-    m = cfg.model
-    world = cfg.trainer.num_nodes * cfg.trainer.devices
-    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
-    return SimpleNamespace(
-        kv_channels=m.kv_channels or m.hidden_size // m.num_attention_heads,
-        num_attention_heads=m.num_attention_heads,
-        hidden_size=m.hidden_size,
-        group_query_attention=m.num_query_groups is not None,
-        num_query_groups=m.num_query_groups,
-        num_experts=m.num_moe_experts,
-        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
-        moe_layer_freq=m.moe_layer_freq,
-        num_layers=m.num_layers,
-        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
-        mtp_num_layers=None,
-        normalization="RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm",
-        multi_latent_attention=False,
-        padded_vocab_size=padded_vocab_size(vocab_size, tp, m.make_vocab_size_divisible_by),
-        untie_embeddings_and_output_weights=not m.share_embeddings_and_output_weights,
-        ffn_hidden_size=m.ffn_hidden_size,
-        swiglu=m.activation == "swiglu",
-        moe_latent_size=None,
-        moe_router_topk=m.moe_router_topk,
-        add_bias_linear=m.bias,
-        moe_shared_expert_gate=m.moe_shared_expert_gate,
-        expert_tensor_parallel_size=m.expert_tensor_parallel_size or tp,
-        expert_model_parallel_size=m.expert_model_parallel_size,
-        pipeline_model_parallel_size=pp,
-        tensor_model_parallel_size=tp,
-        world_size=world,
-        data_parallel_size=world // (tp * pp * m.context_parallel_size),
-        use_distributed_optimizer=m.optim.name == "distributed_fused_adam",
-    )
-
-
 @pytest.mark.parametrize(
     "name, make",
     [
@@ -140,7 +100,7 @@ def test_weights_gradients_and_optimizer_state_agree_with_megatron(name, make):
     theoretical = pytest.importorskip("megatron.training.theoretical_memory_usage")
     cfg = make()
     ours = memory.estimate(cfg, OLMO_TOKENIZER_VOCAB)
-    args = _megatron_args(cfg, OLMO_TOKENIZER_VOCAB)
+    args = megatron_memory_args(cfg, OLMO_TOKENIZER_VOCAB)
     theirs = theoretical.compute_weight_and_optimizer_memory(args) / memory.GB
     # With PP > 1 megatron spreads the final norm's bytes over the stages (we put it on the
     # last stage): that share of one norm is the only difference allowed.

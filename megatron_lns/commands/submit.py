@@ -14,6 +14,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     submit.add_argument(
         "--dry-run", action="store_true", help="print the sbatch script; write and submit nothing"
     )
+    submit.add_argument(
+        "--gpu", default=None, help="the GPU `plan` checks the job against (default H100)"
+    )
+    submit.add_argument(
+        "--skip-plan-check",
+        action="store_true",
+        help="submit a job that `plan` says does not fit the GPU's memory",
+    )
     submit.set_defaults(func=run)
 
 
@@ -26,6 +34,8 @@ def run(args: argparse.Namespace) -> int:
     # the login node may have no GPU; each task checks that when it starts.
     cfg = load_run_config(args.config, args.overrides)
     validate(cfg)
+    if cfg.trainer.accelerator == "gpu":
+        _check_plan(cfg, args)
     executor = executor_for(cfg)
     job = executor.prepare(cfg, Path.cwd(), sys.executable)
     if args.dry_run:
@@ -34,3 +44,23 @@ def run(args: argparse.Namespace) -> int:
     for line in executor.submit(job).report():
         print(line)
     return 0
+
+
+def _check_plan(cfg, args: argparse.Namespace) -> None:
+    """``plan``'s one line on stderr (stdout is the script or the job), and a refusal when
+    the job would not fit the GPU's memory, unless ``--skip-plan-check``."""
+    from megatron_lns.planning import DEFAULT_GPU, gpu_named, make_plan, summary_line
+    from megatron_lns.planning.plan import PlanDoesNotFitError
+    from megatron_lns.planning.vocab import vocab_size_of
+
+    vocab, source = vocab_size_of(cfg)
+    gpu = gpu_named(args.gpu or DEFAULT_GPU)
+    plan = make_plan(cfg, vocab, gpu, vocab_source=source, with_fixes=False)
+    print(summary_line(plan), file=sys.stderr)
+    if not plan.fits and not args.skip_plan_check:
+        raise PlanDoesNotFitError(
+            f"the job needs {plan.heaviest.total_gb:.1f} GB per GPU, more than the "
+            f"{plan.gpu.name}'s {plan.gpu.memory_gb:g} GB: `megatron-lns plan` with the same "
+            "arguments lists the changes that would fit (--gpu NAME for another GPU, "
+            "--skip-plan-check to submit anyway)"
+        )

@@ -225,6 +225,13 @@ def _one_line(err: Exception, position: bool = True) -> str:
 
 def _read_yaml(path: Path) -> DictConfig:
     try:
+        with path.open(encoding="utf-8") as f:
+            # OmegaConf.load would parse a file holding one string (e.g. not YAML at all)
+            # as a mapping with the whole text as its one key.
+            if not isinstance(yaml.load(f, Loader=yaml.SafeLoader), dict):
+                raise ConfigError(
+                    f"config file {path} must be a mapping with trainer/exp_manager/model sections"
+                )
         raw = OmegaConf.load(path)
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {path}: {_one_line(err)}") from None

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from megatron_lns.convert.errors import ConversionError
+from megatron_lns.disk import DiskFullError, disk_full_error, is_disk_full
 
 
 def check_output_dir(out_dir: Path, overwrite: bool) -> None:
@@ -34,18 +35,27 @@ def check_apart(out_dir: Path, source: Path) -> None:
 
 @contextlib.contextmanager
 def staged_output_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a fresh staging directory that becomes ``out_dir`` if the block succeeds."""
+    """Yield a fresh staging directory that becomes ``out_dir`` if the block succeeds.
+
+    A full disk (anything written in the block, or the staging directory itself) is one
+    :class:`~megatron_lns.errors.DiskFullError` naming ``out_dir``, after the staging
+    directory is removed (its space given back)."""
     out_dir = Path(out_dir)
     check_output_dir(out_dir, overwrite)
+    then = f"; {out_dir} left as it was" if out_dir.exists() else f"; no {out_dir} written"
     staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
-    with _unwritable(out_dir):
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
     try:
+        with _unwritable(out_dir):
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir()
         yield staging
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
+        if is_disk_full(err) or isinstance(err, DiskFullError):
+            reason = err if isinstance(err, OSError) else None  # a writer's own error
+            needed = getattr(err, "needed", None)
+            raise disk_full_error(out_dir, reason, needed, then) from err
         raise
     previous = out_dir.with_name(f".{out_dir.name}.replaced-{os.getpid()}")
     with _unwritable(out_dir, cleanup=staging):
@@ -58,10 +68,13 @@ def staged_output_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[
 @contextlib.contextmanager
 def _unwritable(out_dir: Path, cleanup: Path | None = None) -> Iterator[None]:
     """An OSError (a read-only or foreign directory) as one line naming OUT_DIR; the
-    staging directory ``cleanup`` is removed first."""
+    staging directory ``cleanup`` is removed first. A full disk is left to the caller,
+    which says so."""
     try:
         yield
     except OSError as err:
+        if is_disk_full(err):
+            raise
         if cleanup is not None:
             shutil.rmtree(cleanup, ignore_errors=True)
         raise ConversionError(f"cannot write output directory {out_dir}: {err.strerror}") from None

@@ -12,6 +12,7 @@ shard, truncated file, missing tensor, wrong shape) names the file or tensor.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megatron_lns.convert.errors import ConversionError
+from megatron_lns.disk import disk_full_reported
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -64,6 +66,9 @@ def write_sharded(
             shard_bytes = 0
         shards[-1].append(i)
         shard_bytes += size
+    planned_bytes = sum(
+        _numel(shape) * itemsize for shapes, _ in groups for shape in shapes.values()
+    )
     names = (
         [SINGLE_FILE]
         if len(shards) == 1
@@ -86,7 +91,9 @@ def write_sharded(
                         f"{name}: {tensor.shape} {tensor.dtype}, planned {shapes[name]} {dtype}"
                     )
                 tensors[name] = tensor.contiguous()
-        save_file(tensors, str(out_dir / names[shard_index]), metadata={"format": "pt"})
+        path = out_dir / names[shard_index]
+        with disk_full_reported(path, needed=planned_bytes):
+            _save_file(tensors, path)
         total_bytes += sum(t.numel() * itemsize for t in tensors.values())
         weight_map |= dict.fromkeys(tensors, names[shard_index])
         if progress is not None:
@@ -97,6 +104,18 @@ def write_sharded(
         (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     check_written(out_dir, weight_map)
     return weight_map
+
+
+def _save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``save_file``, whose I/O errors carry only text ("... (os error 28)"): raised as
+    the ``OSError`` they were, so that a full disk is told apart."""
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as err:
+        code = re.search(r"\(os error (\d+)\)", str(err))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from err
 
 
 def _numel(shape: tuple[int, ...]) -> int:

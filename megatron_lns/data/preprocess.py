@@ -12,6 +12,7 @@ model's vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import multiprocessing
@@ -30,6 +31,7 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from megatron_lns.data.errors import DataError
 from megatron_lns.data.metadata import DatasetMetadata
 from megatron_lns.data.tokenizer import Tokenizer, build_tokenizer
+from megatron_lns.disk import disk_full_reported
 
 
 class PreprocessError(DataError):
@@ -212,7 +214,12 @@ def preprocess(
             for batch in itertools.batched(documents, POOL_BATCH_DOCUMENTS):
                 yield from pool.map(_encode, batch, chunksize=64)
 
-    with _StopSignals() as stop:
+    untouched = (
+        f"; {output_prefix}.bin/.idx left as they were"
+        if Path(f"{output_prefix}.bin").exists()
+        else "; nothing written"
+    )
+    with _StopSignals() as stop, disk_full_reported(f"{output_prefix}.bin", then=untouched):
         builder = IndexedDatasetBuilder(f"{tmp_prefix}.bin", dtype=dtype)
         generator = encoded()
         stream: Iterable[list[int]] = generator
@@ -252,7 +259,8 @@ def preprocess(
             generator.close()
             if stream is not generator:
                 stream.close()  # the progress bar
-            builder.data_file.close()
+            with contextlib.suppress(OSError):  # its buffer cannot go to a full disk either
+                builder.data_file.close()
             for suffix in (".bin", ".idx", ".json"):
                 Path(f"{tmp_prefix}{suffix}").unlink(missing_ok=True)
     return metadata

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from megatron_lns.disk import as_user_error
 from megatron_lns.errors import (
     REPORT_MARKER_ENV,
     USER_ERROR_EXIT_CODE,
@@ -79,10 +80,11 @@ def _rank_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple
     )
     try:
         fn(*args)
-    except UserError as err:
-        if debug_enabled():
+    except (UserError, OSError) as err:
+        user_error = as_user_error(err)  # OSError: a full disk that no writer reported
+        if user_error is None or debug_enabled():
             raise
-        report_user_error_once(err)
+        report_user_error_once(user_error)
         sys.exit(USER_ERROR_EXIT_CODE)
     finally:
         destroy_distributed()

@@ -30,13 +30,16 @@ holds and this model has no place for, is an error naming it. Only Transformer E
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
+import logging
+import os
 import queue
 import random
 import re
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +47,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing import serialization
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -61,6 +65,13 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lns.config.sources import RUN_CONFIG
+from megatron_lns.disk import (
+    DiskFullError,
+    disk_full_error,
+    disk_full_reported,
+    free_bytes,
+    is_disk_full,
+)
 from megatron_lns.errors import UserError
 from megatron_lns.model import unwrap
 from megatron_lns.training import architecture_checkpoint as architecture
@@ -158,12 +169,162 @@ def load_strategy(
     return FullyParallelLoadStrategyWrapper(strategy, group)
 
 
-def _save(sharded_state_dict: dict, directory: str | Path, strategy=None) -> None:
-    """``dist_checkpointing.save``, synchronous, without a helper process."""
-    with _write_results_into(queue.Queue()):
-        dist_checkpointing.save(
-            sharded_state_dict, str(directory), strategy, async_strategy=ASYNC_STRATEGY
+# Free bytes under which a failed write is taken for a full disk when the writer lost
+# the reason (megatron's writer keeps only the text of its threads' errors).
+NEARLY_FULL_BYTES = 1 << 20
+
+
+@contextlib.contextmanager
+def _writer_errors() -> Iterator[list[str]]:
+    """The errors megatron's writer logs (its threads' ``OSError`` as text, the only place
+    their errno survives), collected for the one-line report instead of printed."""
+    logger = logging.getLogger(filesystem_async.__name__)
+    messages: list[str] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger.addHandler(handler)
+    propagate, logger.propagate = logger.propagate, False
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+
+
+def _logged_oserror(messages: list[str]) -> OSError | None:
+    for message in messages:
+        if code := re.search(r"\[Errno (\d+)\]", message):
+            return OSError(int(code.group(1)), message)
+    return None
+
+
+def _full_disk_in(err: BaseException) -> OSError | None:
+    """The full-disk ``OSError`` that caused ``err``, through causes and the per-rank
+    failures of torch's ``CheckpointException``; None where there is none."""
+    seen, todo = set(), [err]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if is_disk_full(current):
+            return current
+        todo += [current.__cause__, current.__context__]
+        for failure in getattr(current, "failures", {}).values():  # (exception, traceback)
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+    return None
+
+
+def write_failure(
+    final: Path, partial: Path, err: BaseException, logged: Sequence[str] = ()
+) -> CheckpointError | DiskFullError:
+    """The one-line error of a checkpoint write into ``partial`` that failed with ``err``
+    (``logged``: what megatron's writer logged meanwhile, :func:`_writer_errors`).
+
+    A full disk (``err`` or the log says so, or, where megatron's writer lost the reason,
+    fewer bytes are free than the newest checkpoint beside it takes, and at least
+    :data:`NEARLY_FULL_BYTES`) names ``final``, the space free and needed, and removes
+    ``partial`` to give its space back; resume never picks it either way. Every rank that
+    failed calls this; rank 0 removes.
+    """
+    if isinstance(err, (CheckpointError, DiskFullError)):  # already said (``_commit``)
+        return err
+    oserror = _full_disk_in(err) or _logged_oserror(list(logged))
+    if oserror is not None and not is_disk_full(oserror):
+        err, oserror = oserror, None  # the writer's own reason, for the message
+    free, needed = free_bytes(partial), saved_bytes(final.parent)
+    if oserror is None and (free is None or free >= max(needed or 0, NEARLY_FULL_BYTES)):
+        cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        return CheckpointError(
+            f"could not save checkpoint {final} (left as {partial.name}, which resume "
+            f"ignores): {cause}"
         )
+    if oserror is None:
+        oserror = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    previous = latest_complete_checkpoint(final.parent)
+    rerun = f"resumes from {previous.name}" if previous is not None else "starts afresh"
+    then = f"; {partial.name} removed, a rerun {rerun} once space is freed"
+    return disk_full_error(final, oserror, needed, then, free)
+
+
+def saved_bytes(root: str | Path) -> int | None:
+    """The size of the newest complete checkpoint under ``root``: about what the next
+    one needs; None when there is none."""
+    newest = latest_complete_checkpoint(root)
+    if newest is None:
+        return None
+    return sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
+
+
+def _on_rank0_then_everywhere(write: Callable[[], None], path: Path, what: str) -> None:
+    """Run ``write`` on rank 0 and raise its error on every rank: no rank may be left
+    waiting in the next collective for a rank 0 whose write failed (a full disk)."""
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            with disk_full_reported(path):
+                write()
+        except UserError as err:
+            error = err
+        except OSError as err:
+            error = CheckpointError(f"cannot {what} {path}: {err.strerror or err}")
+    shared = [error]
+    dist.broadcast_object_list(shared, src=0)
+    if shared[0] is not None:
+        raise shared[0]
+
+
+# What megatron's coordinator failed to write of the checkpoint being saved (below).
+_metadata_write_failures: list[OSError] = []
+
+
+@contextlib.contextmanager
+def metadata_write_failures_kept() -> Iterator[None]:
+    """While a checkpoint is saved or finalised: keep, not raise, an ``OSError`` from the
+    two files megatron's coordinator (rank 0) writes alone between two collectives:
+    ``.metadata`` (torch's ``finish``) and ``metadata.json`` (``save_config``). Raised
+    there, it would leave every other rank waiting in the next collective; kept, the
+    commit that follows in the block raises it on every rank (``_commit``)."""
+
+    def kept(write):
+        @functools.wraps(write)
+        def write_or_keep(*args, **kwargs):
+            try:
+                return write(*args, **kwargs)
+            except OSError as err:
+                _metadata_write_failures.append(err)
+
+        return write_or_keep
+
+    patched = [(filesystem_async.FileSystemWriterAsync, "finish"), (serialization, "save_config")]
+    originals = [getattr(owner, name) for owner, name in patched]
+    _metadata_write_failures.clear()
+    for (owner, name), original in zip(patched, originals, strict=True):
+        setattr(owner, name, kept(original))
+    try:
+        yield
+    finally:
+        for (owner, name), original in zip(patched, originals, strict=True):
+            setattr(owner, name, original)
+        _metadata_write_failures.clear()
+
+
+def _save(sharded_state_dict: dict, directory: str | Path, strategy=None) -> None:
+    """``dist_checkpointing.save``, synchronous, without a helper process. A write that
+    fails raises on every rank (megatron broadcasts the failure): a one-line error."""
+    directory = Path(directory)
+    with _writer_errors() as logged:
+        try:
+            with _write_results_into(queue.Queue()):
+                dist_checkpointing.save(
+                    sharded_state_dict, str(directory), strategy, async_strategy=ASYNC_STRATEGY
+                )
+        except (Exception, CheckpointException) as err:
+            # torch's CheckpointException derives from BaseException.
+            final = directory.with_name(directory.name.removesuffix(".partial"))
+            raise write_failure(final, directory, err, logged) from err
 
 
 def _start_save(
@@ -515,24 +676,34 @@ def _prepare_partial(root: str | Path, iteration: int) -> tuple[Path, Path]:
     """The committed and the in-progress directory of a save, the latter made empty."""
     final = checkpoint_path(root, iteration)
     partial = final.with_name(final.name + ".partial")
-    if dist.get_rank() == 0:
+
+    def make_empty() -> None:
         shutil.rmtree(partial, ignore_errors=True)  # left by a killed save of this step
         partial.mkdir(parents=True)
-    dist.barrier()
+
+    _on_rank0_then_everywhere(make_empty, partial, "create")
     return final, partial
 
 
 def _commit(partial: Path, final: Path, state: TrainingState, config_yaml: str) -> None:
     """Make a fully written checkpoint count: called on every rank once every rank's
-    shards are on disk; rank 0 writes the marker and renames."""
-    if dist.get_rank() == 0:
-        (partial / RUN_CONFIG).write_text(config_yaml)
-        marker = {"iteration": state.iteration, "consumed_samples": state.consumed_samples}
-        (partial / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
+    shards are on disk; rank 0 writes the marker and renames. A failure (a full disk)
+    raises on every rank and leaves nothing that counts."""
+
+    def mark_and_rename() -> None:
+        try:
+            if _metadata_write_failures:  # megatron's metadata (``metadata_write_failures_kept``)
+                raise _metadata_write_failures[0]
+            (partial / RUN_CONFIG).write_text(config_yaml)
+            marker = {"iteration": state.iteration, "consumed_samples": state.consumed_samples}
+            (partial / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
+        except OSError as err:
+            raise write_failure(final, partial, err) from err
         if final.exists():
             shutil.rmtree(final)
         partial.rename(final)
-    dist.barrier()
+
+    _on_rank0_then_everywhere(mark_and_rename, partial, "commit")
 
 
 def save_checkpoint(
@@ -547,9 +718,10 @@ def save_checkpoint(
     """Save everything needed to resume; returns the committed directory."""
     final, partial = _prepare_partial(root, state.iteration)
     sharded = _state_dict(model, optimizer, scheduler, state, True, config_yaml=config_yaml)
-    _save(sharded, partial, strategy)
-    dist.barrier()
-    _commit(partial, final, state, config_yaml)
+    with metadata_write_failures_kept():
+        _save(sharded, partial, strategy)
+        dist.barrier()
+        _commit(partial, final, state, config_yaml)
     return final
 
 

@@ -42,11 +42,12 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lns.training.checkpoint import (
-    CheckpointError,
     TrainingState,
+    metadata_write_failures_kept,
     save_checkpoint,
     save_strategy,
     start_checkpoint_save,
+    write_failure,
 )
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -143,17 +144,15 @@ class CheckpointWriter:
         if not self._pending:
             return []
         try:
-            done = self._calls.maybe_finalize_async_calls(blocking=blocking)
+            with metadata_write_failures_kept():  # its commit raises them on every rank
+                done = self._calls.maybe_finalize_async_calls(blocking=blocking)
         except (Exception, CheckpointException) as err:
             # torch's CheckpointException derives from BaseException.
             failed = next(iter(self._pending.values()))  # the oldest: finalised first
             self._pending.clear()
             self._started.clear()
-            cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-            raise CheckpointError(
-                f"could not save checkpoint {failed} (left as {failed.name}.partial, which "
-                f"resume ignores): {cause}"
-            ) from err
+            partial = failed.with_name(f"{failed.name}.partial")
+            raise write_failure(failed, partial, err) from err
         committed = [self._pending.pop(index) for index in done]
         for index, path in zip(done, committed, strict=True):
             self._committed(path, self._started.pop(index))

@@ -14,7 +14,9 @@ directory) lists what is to move before anything moves, and is removed once ever
 has. A run that starts while a journal exists (the previous one died mid-move) finishes
 the move before it chooses its checkpoint (:func:`finish_interrupted_moves`), so a resume
 never sees half of an abandoned branch. Renames within ``checkpoints/`` are atomic, and a
-rename already done is skipped, so finishing twice is harmless.
+rename already done is skipped, so finishing twice is harmless. A disk too full for the
+journal or the record undoes the rewind whole before anything moves (one line, a
+``DiskFullError``): the same command sets the checkpoints aside once space is freed.
 
 A rewind asked for with ``exp_manager.resume_from_checkpoint`` starts its branch once.
 The setting stays in the command, so a SLURM requeue or a rerun after a crash asks for
@@ -40,12 +42,13 @@ checkpoint. Nothing here needs torch.
 from __future__ import annotations
 
 import json
-import os
 import re
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_lns.disk import DiskFullError, disk_full_reported, write_text_atomically
 from megatron_lns.errors import UserError
 
 ABANDONED_PREFIX = "abandoned-"
@@ -70,13 +73,18 @@ def newer_checkpoints(checkpoint_dir: Path, resumed_step: int) -> list[str]:
     return [name for _, name in sorted(newer, reverse=True)]
 
 
+# What a rewind that the disk refused leaves (``set_aside_newer_checkpoints``).
+_NOTHING_MOVED = "; nothing was moved, a rerun sets the newer checkpoints aside once space is freed"
+
+
 def _new_abandoned_dir(checkpoint_dir: Path, resumed_name: str) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for attempt in range(100):
         suffix = f"-{attempt}" if attempt else ""
         path = checkpoint_dir / f"{ABANDONED_PREFIX}{stamp}-from-{resumed_name}{suffix}"
         try:
-            path.mkdir()
+            with disk_full_reported(path, then=_NOTHING_MOVED):
+                path.mkdir()
         except FileExistsError:
             continue
         return path
@@ -84,9 +92,7 @@ def _new_abandoned_dir(checkpoint_dir: Path, resumed_name: str) -> Path:
 
 
 def _write_journal(abandoned: Path, names: list[str]) -> None:
-    temporary = abandoned / (JOURNAL + ".tmp")
-    temporary.write_text(json.dumps({"move": names}) + "\n")
-    os.replace(temporary, abandoned / JOURNAL)
+    write_text_atomically(abandoned / JOURNAL, json.dumps({"move": names}) + "\n", _NOTHING_MOVED)
 
 
 def _move(checkpoint_dir: Path, abandoned: Path, names: list[str]) -> None:
@@ -131,16 +137,15 @@ class RewindRecord:
                 "to resume from exp_manager.resume_from_checkpoint as a new rewind"
             ) from None
 
-    def write(self, checkpoint_dir: Path) -> None:
-        """Atomically: a reader sees the previous record or this one, never half of one."""
+    def write(self, checkpoint_dir: Path, then: str = "") -> None:
+        """Atomically: a reader sees the previous record or this one, never half of one
+        (a full disk: :class:`DiskFullError`, ``then`` saying what that left)."""
         fields = {
             "checkpoint": str(self.checkpoint),
             "abandoned": str(self.abandoned) if self.abandoned else None,
             "time": self.time,
         }
-        temporary = self.path(checkpoint_dir).with_suffix(".json.tmp")
-        temporary.write_text(json.dumps(fields) + "\n")
-        os.replace(temporary, self.path(checkpoint_dir))
+        write_text_atomically(self.path(checkpoint_dir), json.dumps(fields) + "\n", then)
 
 
 def _step(checkpoint: Path) -> int | None:
@@ -193,9 +198,15 @@ def set_aside_newer_checkpoints(
             record.write(checkpoint_dir)
         return None
     abandoned = _new_abandoned_dir(checkpoint_dir, resumed_name)
-    if record is not None:
-        RewindRecord(record.checkpoint, abandoned, record.time).write(checkpoint_dir)
-    _write_journal(abandoned, names)
+    try:  # the record last: none may name a directory that a failure here removes
+        _write_journal(abandoned, names)
+        if record is not None:
+            RewindRecord(record.checkpoint, abandoned, record.time).write(
+                checkpoint_dir, _NOTHING_MOVED
+            )
+    except DiskFullError:
+        shutil.rmtree(abandoned)  # its journal at most: the rewind is undone whole
+        raise
     _move(checkpoint_dir, abandoned, names)
     return (
         f"resuming from {resumed_name}: moved the newer checkpoints {', '.join(names)} "

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from megatron_lns.disk import disk_full_reported
 from megatron_lns.errors import UserError
 from megatron_lns.training import slurm_job
 from megatron_lns.training.slurm_job import GONE, LIVE_STATES, SlurmJob, SlurmQueryError
@@ -79,8 +80,12 @@ class RunDirLock:
             except FileExistsError:
                 self._take_over_if_stale()
                 continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.owner, f)
+            try:  # a lock without its owner would refuse every later run: none or whole
+                with disk_full_reported(self.path), os.fdopen(fd, "w") as f:
+                    json.dump(self.owner, f)
+            except BaseException:
+                self.path.unlink(missing_ok=True)
+                raise
             self.held = True
             return
         raise RunDirError(f"could not lock {self.path.parent}: another run took it meanwhile")

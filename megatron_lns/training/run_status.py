@@ -10,17 +10,23 @@ writes nothing; launchers remove the file before each run.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from megatron_lns.disk import write_text_atomically
 
 RUN_STATUS_FILE = "run_status"
 
 
 def write_run_status(run_dir: Path, stopped_early: bool, step: int) -> None:
-    path = Path(run_dir) / RUN_STATUS_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(f"{'stopped' if stopped_early else 'finished'} {step}\n")
-    os.replace(tmp, path)  # readers never see half a line
+    """Readers never see half a line. A full disk is an error (``DiskFullError``), not a
+    warning: without the file a launcher takes the run for a crash, so the run must not
+    end as if it had written it."""
+    write_text_atomically(
+        Path(run_dir) / RUN_STATUS_FILE,
+        f"{'stopped' if stopped_early else 'finished'} {step}\n",
+        then=f"; the run itself ended at step {step}, and a rerun resumes from its newest "
+        "checkpoint",
+    )
 
 
 def read_run_status(run_dir: Path) -> tuple[str, int] | None:

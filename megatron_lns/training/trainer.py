@@ -42,6 +42,7 @@ from megatron_lns.config.paths import run_directory
 from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.data.datasets import held_out_batches, micro_batch_loader
 from megatron_lns.data.tokenizer import build_tokenizer
+from megatron_lns.disk import DiskFullError, write_text_atomically
 from megatron_lns.errors import UserError
 from megatron_lns.layout import micro_batches_per_step
 from megatron_lns.runtime import init_distributed
@@ -49,7 +50,7 @@ from megatron_lns.training.batch_size import init_batch_size_calculator
 from megatron_lns.training.checkpoint import CHECKPOINT_DIR_RE, latest_complete_checkpoint
 from megatron_lns.training.checkpoint_writer import CheckpointWriter
 from megatron_lns.training.manual_gc import ManualGarbageCollection
-from megatron_lns.training.metrics import MetricsLogger
+from megatron_lns.training.metrics import MetricsLogger, say
 from megatron_lns.training.moe_metrics import MoEMetrics
 from megatron_lns.training.profiling import StepProfiler, profile_window
 from megatron_lns.training.resume import (
@@ -211,8 +212,11 @@ class Trainer:
         if self.is_rank0:
             try:
                 lock = claim_run_dir(self.run_dir, self.cfg.exp_manager.resume_if_exists)
-                (self.run_dir / RUN_CONFIG).write_text(self.config_yaml)
-            except RunDirError as err:
+                write_text_atomically(self.run_dir / RUN_CONFIG, self.config_yaml)
+            except (RunDirError, DiskFullError) as err:  # on every rank, not rank 0 alone
+                if lock is not None:
+                    lock.release()
+                    lock = None
                 error = str(err)
         if lock is not None:
             # Before any rank lists the checkpoints: finish a move a killed run began.
@@ -349,7 +353,7 @@ class Trainer:
                 note = set_aside_newer_checkpoints(
                     self.checkpoint_dir, self.resumed_path.name, self.state.iteration, record
                 )
-            except RewindRecordError as err:
+            except (RewindRecordError, DiskFullError) as err:
                 error = str(err)
             except OSError as err:
                 error = f"cannot move the checkpoints newer than {self.resumed_path} aside: {err}"
@@ -391,7 +395,7 @@ class Trainer:
 
     def _print(self, message: str) -> None:
         if self.is_rank0:
-            print(f"[{self.log_label}] {message}", flush=True)
+            say(f"[{self.log_label}] {message}")
 
     def validation_microbatches(self) -> Iterator[list[Batch]]:
         """The first ``limit_val_batches`` global batches of the validation split, one

@@ -505,6 +505,10 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path):
     flat.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match=r"list.yaml must be a mapping"):
         load_config(flat)
+    text = tmp_path / "notes.txt"  # one plain scalar: OmegaConf made it a key
+    text.write_text("root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1:daemon:/usr/sbin\n")
+    with pytest.raises(ConfigError, match=r"notes.txt must be a mapping"):
+        load_config(text)
 
 
 def test_interpolations_on_the_command_line():

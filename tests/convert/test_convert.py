@@ -670,3 +670,32 @@ def test_export_of_a_run_whose_newest_checkpoint_lost_a_file_names_it(seeded, tm
         ConversionError, match=r"iter_0000001 is not a complete checkpoint: it is damaged: "
     ):
         export_hf(tmp_path / "run", tmp_path / "hf", progress=silent)
+
+
+def test_export_and_import_onto_a_full_disk_are_one_line_and_write_nothing(seeded, tmp_path):
+    """Each conversion writes half of what it needs, then stops with one line naming its
+    OUT_DIR; the staging directory is gone (its space given back), OUT_DIR as it was."""
+    from helpers import directory_bytes, small_filesystem
+
+    from megatron_lns.disk import DiskFullError
+
+    save_run(tmp_path / "run", run_config())
+    exported = export_hf(tmp_path / "run", tmp_path / "hf", progress=silent)
+    imported = import_hf(exported, tmp_path / "imported", progress=silent).parent
+    for convert, needed in (
+        (lambda out, **kw: export_hf(tmp_path / "run", out, progress=silent, **kw), exported),
+        (lambda out, **kw: import_hf(exported, out, progress=silent, **kw), imported),
+    ):
+        size_kib = directory_bytes(needed) // 2048
+        with small_filesystem(tmp_path / "disk", size_kib) as disk:
+            with pytest.raises(DiskFullError) as info:
+                convert(disk / "out")
+            assert str(info.value).startswith(f"cannot write {disk / 'out'}: no space left on")
+            assert str(info.value).endswith(f"; no {disk / 'out'} written")
+            assert_nothing_written(disk / "out")
+            (disk / "out").mkdir()
+            (disk / "out" / "kept").write_text("an earlier export\n")
+            with pytest.raises(DiskFullError, match="left as it was"):
+                convert(disk / "out", overwrite=True)
+            assert [p.name for p in disk.iterdir()] == ["out"]
+            assert (disk / "out" / "kept").read_text() == "an earlier export\n"

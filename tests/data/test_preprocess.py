@@ -214,3 +214,30 @@ def test_batch_sampler_layout_and_resume():
         [8, 9],
         [0, 1],
     ]  # wraps, never stops
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["fresh", "over-an-old-dataset"])
+def test_a_full_disk_is_one_line_and_leaves_no_dataset_that_looks_complete(
+    tmp_path, capsys, existing
+):
+    """The tokens outgrow the disk: one line naming the output; neither a new ``.bin``/
+    ``.idx`` pair nor temporary files remain, and an older dataset stays as it was."""
+    from helpers import small_filesystem
+
+    from megatron_lns.cli import main
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(DOCS * 4) + "\n")  # ~200 KiB of tokens as uint16
+    with small_filesystem(tmp_path / "disk", 64) as disk:
+        prefix = disk / "data" / "corpus"
+        if existing:
+            preprocess(DOCS[:5], prefix)
+            before = {p.name: p.read_bytes() for p in prefix.parent.iterdir()}
+        status = main(["preprocess", "--input", str(corpus), "--output-prefix", str(prefix),
+                       "--workers", "1", "--quiet"])  # fmt: skip
+        err = capsys.readouterr().err.strip()
+        assert status == 2
+        assert err.startswith(f"error: cannot write {prefix}.bin: no space left on device (")
+        assert "\n" not in err
+        left = {p.name: p.read_bytes() for p in prefix.parent.iterdir()}
+        assert left == (before if existing else {})

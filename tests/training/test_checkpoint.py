@@ -6,6 +6,7 @@ import pytest
 from helpers import fixed_microbatches, tiny_config
 
 from megatron_lns.build import wrap_with_ddp
+from megatron_lns.disk import DiskFullError
 from megatron_lns.model import build_model
 from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
 from megatron_lns.training.checkpoint import (
@@ -110,3 +111,142 @@ def test_only_extra_state_may_differ_and_only_when_the_backend_changed():
     assert _extra_state_may_differ(record, model)
     assert not _extra_state_may_differ({"provenance": {"backend": "local"}}, model)
     assert _extra_state_may_differ({}, model)  # written before the backend was recorded
+
+
+def test_a_save_onto_a_full_disk_is_one_line_and_leaves_the_last_checkpoint(
+    seeded, tmp_path, capfd
+):
+    """A synchronous save that the disk cannot hold: one line naming the checkpoint and
+    the space, its partial files removed, the previous checkpoint still the newest."""
+    from helpers import directory_bytes, fill_leaving, small_filesystem
+
+    from megatron_lns.training.checkpoint_writer import CheckpointWriter
+
+    cfg, model, optimizer, scheduler = _setup()
+    train_step(model, optimizer, fixed_microbatches(cfg.vocab_size, cfg.seq_length))
+    with small_filesystem(tmp_path / "disk", 4096) as disk:
+        writer = CheckpointWriter(disk / "checkpoints")
+        first = writer.save(model, optimizer, scheduler, TrainingState(1, 4), "a: 1\n")
+        fill_leaving(disk, directory_bytes(first) // 2)
+        with pytest.raises(DiskFullError) as info:
+            writer.save(model, optimizer, scheduler, TrainingState(2, 8), "a: 1\n")
+        message = str(info.value)
+        assert message.startswith(
+            f"cannot write {disk / 'checkpoints' / 'iter_0000002'}: no space left on device ("
+        )
+        assert message.endswith(
+            "needed); iter_0000002.partial removed, a rerun resumes from iter_0000001 once "
+            "space is freed"
+        )
+        assert "\n" not in message and "Errno" not in capfd.readouterr().err
+        assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["iter_0000001"]
+        assert latest_complete_checkpoint(disk / "checkpoints") == first
+        assert load_checkpoint(first, model, optimizer, scheduler).iteration == 1
+
+
+def _start_a_save_at_step_5(root: str, out_dir: str) -> None:
+    """On each rank of a world of two: start a save whose directory only rank 0 makes;
+    record what each rank raised."""
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from megatron_lns.training.checkpoint import _prepare_partial
+
+    dist.init_process_group("gloo")
+    try:
+        _prepare_partial(root, 5)
+        outcome = "saved"
+    except DiskFullError as err:
+        outcome = str(err)
+    (Path(out_dir) / f"rank{os.environ['RANK']}").write_text(outcome)
+
+
+@pytest.mark.slow  # two fresh ranks: about 20 s on a loaded 2-core machine
+def test_a_write_only_rank_0_makes_fails_on_every_rank_not_in_a_collective(tmp_path):
+    """Rank 0 alone creates ``iter_N.partial`` (and commits): when the disk refuses it,
+    every rank raises the same error instead of waiting for rank 0 in a barrier."""
+    from helpers import small_filesystem
+
+    from megatron_lns.runtime import spawn_local
+
+    with small_filesystem(tmp_path / "disk", 64, inodes=3) as disk:
+        (disk / "checkpoints").mkdir()
+        (disk / "filler").touch()  # the last inode
+        spawn_local(_start_a_save_at_step_5, 2, str(disk / "checkpoints"), str(tmp_path),
+                    timeout_s=300)  # fmt: skip
+        outcomes = {(tmp_path / f"rank{rank}").read_text() for rank in (0, 1)}
+        partial = disk / "checkpoints" / "iter_0000005.partial"
+        [outcome] = outcomes  # the same on both ranks
+        assert outcome.startswith(f"cannot write {partial}: no space left on device (")
+
+
+def _save_with_rank_0s_file_on_a_full_disk(
+    disk: str, file: str, asynchronous: bool, out_dir: str
+) -> None:
+    """On each rank of a world of two: a save whose ``file``, which megatron's rank 0
+    writes alone between two collectives, finds the disk full (filled just before)."""
+    import os
+    from pathlib import Path
+
+    from helpers import fill_leaving
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync,
+    )
+
+    from megatron_lns.runtime import ParallelLayout, init_distributed
+    from megatron_lns.training.checkpoint_writer import CheckpointWriter
+
+    init_distributed(ParallelLayout(), device="cpu")
+    cfg, model, optimizer, scheduler = _setup()
+    train_step(model, optimizer, fixed_microbatches(cfg.vocab_size, cfg.seq_length))
+    if os.environ["RANK"] == "0":
+        owner, name = {
+            ".metadata": (FileSystemWriterAsync, "finish"),
+            "metadata.json": (serialization, "save_config"),
+        }[file]
+        write = getattr(owner, name)
+
+        def onto_a_full_disk(*args, **kwargs):
+            fill_leaving(Path(disk), 0)
+            return write(*args, **kwargs)
+
+        setattr(owner, name, onto_a_full_disk)
+    writer = CheckpointWriter(Path(disk) / "checkpoints", asynchronous)
+    try:
+        writer.save(model, optimizer, scheduler, TrainingState(1, 4), "")
+        writer.wait()  # an asynchronous save is committed here
+        outcome = "saved"
+    except DiskFullError as err:
+        outcome = str(err)
+    finally:
+        writer.close()
+    (Path(out_dir) / f"rank{os.environ['RANK']}").write_text(outcome)
+
+
+@pytest.mark.slow  # two fresh ranks with a model: about 30 s on a loaded 2-core machine
+@pytest.mark.parametrize(
+    "file, asynchronous", [(".metadata", False), ("metadata.json", False), (".metadata", True)]
+)
+def test_a_file_only_rank_0_writes_of_a_save_fails_it_on_every_rank(tmp_path, file, asynchronous):
+    """torch's ``.metadata`` and megatron's ``metadata.json`` are written by rank 0 alone
+    between two collectives: when the disk refuses one, every rank ends the save with the
+    same line instead of the others waiting for rank 0; nothing of it is left."""
+    from helpers import small_filesystem
+
+    from megatron_lns.runtime import spawn_local
+
+    with small_filesystem(tmp_path / "disk", 8192) as disk:
+        spawn_local(_save_with_rank_0s_file_on_a_full_disk, 2, str(disk), file, asynchronous,
+                    str(tmp_path), timeout_s=240)  # fmt: skip
+        outcomes = {(tmp_path / f"rank{rank}").read_text() for rank in (0, 1)}
+        [outcome] = outcomes  # the same on both ranks
+        assert outcome.startswith(
+            f"cannot write {disk / 'checkpoints' / 'iter_0000001'}: no space left on device ("
+        )
+        assert outcome.endswith(
+            "; iter_0000001.partial removed, a rerun starts afresh once space is freed"
+        )
+        assert list((disk / "checkpoints").iterdir()) == []

@@ -244,3 +244,34 @@ def test_job_killed_during_an_async_save_leaves_nothing_to_resume_from_or_runnin
     assert [step for step, _ in resumed["losses"]] == [3, 4, 5, 6]
     assert latest_complete_checkpoint(checkpoints).name == "iter_0000006"
     assert not (checkpoints / "iter_0000004.partial").exists()  # replaced by step 4's save
+
+
+def test_a_background_save_onto_a_full_disk_is_one_line_and_gives_the_space_back(seeded, tmp_path):
+    from helpers import directory_bytes, fill_leaving, small_filesystem, tiny_config
+
+    from megatron_lns.build import wrap_with_ddp
+    from megatron_lns.disk import DiskFullError
+    from megatron_lns.model import build_model
+    from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
+    from megatron_lns.training.checkpoint import TrainingState
+    from megatron_lns.training.checkpoint_writer import CheckpointWriter
+
+    model = wrap_with_ddp(build_model(tiny_config()))
+    optimizer, scheduler = build_optimizer_and_scheduler(model, OptimSettings(), 10)
+    with small_filesystem(tmp_path / "disk", 4096) as disk:
+        writer = CheckpointWriter(disk, asynchronous=True)
+        try:
+            first = writer.save(model, optimizer, scheduler, TrainingState(1, 4), "")
+            writer.wait()
+            fill_leaving(disk, directory_bytes(first) // 2)
+            writer.save(model, optimizer, scheduler, TrainingState(2, 8), "")
+            with pytest.raises(DiskFullError) as info:
+                writer.wait()
+        finally:
+            writer.close()
+        assert str(info.value).startswith(f"cannot write {disk / 'iter_0000002'}: no space left")
+        assert str(info.value).endswith(
+            "; iter_0000002.partial removed, a rerun resumes from iter_0000001 once space is freed"
+        )
+        assert sorted(p.name for p in disk.iterdir()) == ["filler", "iter_0000001"]
+        assert latest_complete_checkpoint(disk) == first

@@ -3,6 +3,7 @@ named in one line."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -304,3 +305,74 @@ def test_a_rewind_sets_the_abandoned_branch_aside_where_no_resume_picks_it(tmp_p
     assert again["resumed_from"] == 4 and again["losses"] == straight["losses"][4:]
     assert [p.name for p in checkpoints.glob("abandoned-*")] == [aside.name]
     assert "the rewind to iter_0000003 was already done at " in capfd.readouterr().out
+
+
+def test_a_rewind_the_full_disk_refuses_ends_every_rank_and_the_run_stays_as_it_was(
+    straight_tiny_run, tmp_path
+):
+    """Setting the abandoned branch aside on a full disk: both ranks end with one line
+    (no rank left waiting for rank 0), nothing has moved; once space is freed the same
+    command rewinds."""
+    from helpers import directory_bytes, fill_leaving, small_filesystem
+
+    straight = straight_tiny_run["run_dir"]
+    run_dir = tmp_path / "lns"
+    shutil.copytree(straight, run_dir, ignore=shutil.ignore_patterns("checkpoints"))
+    size_kib = directory_bytes(straight / "checkpoints") * 3 // 2 // 1024 + 256  # 2 + the branch's
+    with small_filesystem(run_dir / "checkpoints", size_kib) as checkpoints:
+        for name in ("iter_0000003", "iter_0000006"):
+            shutil.copytree(straight / "checkpoints" / name, checkpoints / name)
+        fill_leaving(checkpoints, 0)
+        rewind = f"exp_manager.resume_from_checkpoint={checkpoints / 'iter_0000003'}"
+        cfg = tiny_run_config(tmp_path, rewind, "trainer.devices=2")
+        [error] = {r["error"] for r in run_distributed(_fit, 2, tmp_path / "full", cfg, None)}
+        assert re.fullmatch(
+            rf"cannot write {re.escape(str(checkpoints))}/abandoned-[-0-9]+-from-iter_0000003/"
+            r"moving.json: no space left on device \(.*\); nothing was moved, a rerun sets the "
+            "newer checkpoints aside once space is freed",
+            error,
+        )
+        listing = sorted(p.name for p in checkpoints.iterdir())
+        assert listing == ["filler", "iter_0000003", "iter_0000006"]
+
+        (checkpoints / "filler").unlink()
+        branch = _run(tmp_path, tiny_run_config(tmp_path, rewind, "trainer.exit_interval=4"))
+        assert branch["resumed_from"] == 3 and branch["steps"] == 4
+        [aside] = checkpoints.glob("abandoned-*-from-iter_0000003")
+        assert [p.name for p in aside.iterdir()] == ["iter_0000006"]
+
+
+def test_a_full_disk_ends_every_rank_with_one_line_and_the_run_resumes(straight_tiny_run, tmp_path):
+    """Two ranks on a disk that holds the step-3 checkpoint and not the step-6 one: both
+    end, one line names the checkpoint (no traceback, no rank left in a collective), only
+    iter_0000003 remains; on a larger disk the same command resumes from it and ends."""
+    from helpers import directory_bytes, small_filesystem
+
+    checkpoint_bytes = directory_bytes(straight_tiny_run["run_dir"] / "checkpoints/iter_0000003")
+    size_kib = checkpoint_bytes * 3 // 2 // 1024 + 256
+    with small_filesystem(tmp_path / "disk", size_kib) as disk:
+        command = [sys.executable, "-m", "megatron_lns.cli", "train", str(DEMO),
+                   *TINY_RUN_OVERRIDES, "trainer.devices=2", f"exp_manager.exp_dir={disk}"]  # fmt: skip
+        full = subprocess.run(
+            command, cwd=ROOT, env=fresh_launch_env(), capture_output=True, text=True, timeout=600
+        )
+        checkpoints = disk / "lns" / "checkpoints"
+        errors = [line for line in full.stderr.splitlines() if line.startswith("error:")]
+        assert full.returncode == 2, full.stderr[-3000:]
+        assert len(errors) == 1 and "Traceback" not in full.stderr, full.stderr[-3000:]
+        assert errors[0].startswith(
+            f"error: cannot write {checkpoints / 'iter_0000006'}: no space left on device ("
+        )
+        assert errors[0].endswith(
+            "; iter_0000006.partial removed, a rerun resumes from iter_0000003 once space is freed"
+        )
+        assert "Local worker" not in full.stderr  # megatron's log of it, said in the line
+        assert [p.name for p in checkpoints.iterdir()] == ["iter_0000003"]
+
+        subprocess.run(["mount", "-o", f"remount,size={size_kib * 3}k", str(disk)], check=True)
+        resumed = subprocess.run(
+            command, cwd=ROOT, env=fresh_launch_env(), capture_output=True, text=True, timeout=600
+        )
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert f"resumed from {checkpoints / 'iter_0000003'} (step 3)" in resumed.stdout
+        assert latest_complete_checkpoint(checkpoints).name == "iter_0000006"

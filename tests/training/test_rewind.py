@@ -3,6 +3,8 @@ a rerun of a rewind continues its branch."""
 
 import json
 import os
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -188,3 +190,44 @@ def test_an_unreadable_record_is_named(tmp_path):
     RewindRecord.path(checkpoints).write_text("{")
     with pytest.raises(RewindRecordError, match=r"cannot read the rewind record .*rewind\.json"):
         branch_to_continue(checkpoints, checkpoints / "iter_0000002", _complete(checkpoints))
+
+
+@pytest.mark.parametrize("full", ["space", "inodes"])
+def test_a_rewind_the_full_disk_refuses_is_one_line_and_leaves_nothing_of_it(tmp_path, full):
+    """No abandoned directory half made, no journal a later run would finish, no record
+    of a rewind that did not happen; once space is freed the same rewind is done."""
+    from helpers import fill_leaving, small_filesystem
+
+    from megatron_lns.disk import DiskFullError
+
+    with small_filesystem(tmp_path / "disk", 128, inodes=64) as disk:
+        checkpoints = _run_dir(disk, "iter_0000002", "iter_0000004", "iter_0000006")
+        earlier = RewindRecord((checkpoints / "iter_0000004").resolve(), None, "then")
+        earlier.write(checkpoints)
+        before = sorted(p.relative_to(disk) for p in disk.rglob("*"))
+        (disk / "fillers").mkdir()
+        if full == "space":
+            fill_leaving(disk / "fillers", 0)
+        else:  # every inode taken: not even the abandoned directory can be made
+            with pytest.raises(OSError, match="No space left"):
+                for i in range(64):
+                    (disk / "fillers" / str(i)).touch()
+        record = RewindRecord((checkpoints / "iter_0000002").resolve(), None, "now")
+        with pytest.raises(DiskFullError) as info:
+            set_aside_newer_checkpoints(checkpoints, "iter_0000002", 2, record)
+        written = "/moving.json" if full == "space" else ""
+        assert re.fullmatch(
+            rf"cannot write {re.escape(str(checkpoints))}/abandoned-[-0-9]+-from-iter_0000002"
+            rf"{written}: no space left on device \(.*\); nothing was moved, a rerun sets the "
+            "newer checkpoints aside once space is freed",
+            str(info.value),
+        )
+        after = sorted(p.relative_to(disk) for p in disk.rglob("*") if p.parent.name != "fillers")
+        assert after == [*before, Path("fillers")]
+        assert RewindRecord.read(checkpoints) == earlier
+
+        shutil.rmtree(disk / "fillers")
+        assert set_aside_newer_checkpoints(checkpoints, "iter_0000002", 2, record) is not None
+        [aside] = checkpoints.glob("abandoned-*")
+        assert _listing(aside) == ["iter_0000004", "iter_0000006"]
+        assert RewindRecord.read(checkpoints).abandoned == aside

@@ -185,3 +185,19 @@ def test_a_resumed_run_drops_the_metrics_logged_after_its_checkpoint(tmp_path, m
 def test_a_checkpoint_save_leaves_no_helper_process(seeded, tmp_path):
     save_model_weights(build_model(tiny_config()), tmp_path / "weights")
     assert multiprocessing.active_children() == []
+
+
+def test_a_lock_the_full_disk_cannot_hold_is_one_line_and_not_left_behind(tmp_path):
+    """An empty lock would refuse every later run ("in use by another process")."""
+    from helpers import fill_leaving, small_filesystem
+
+    from megatron_lns.disk import DiskFullError
+
+    with small_filesystem(tmp_path / "disk", 64) as disk:
+        (disk / "run" / "checkpoints").mkdir(parents=True)
+        fill_leaving(disk, 0)
+        with pytest.raises(DiskFullError, match=f"^cannot write {disk / 'run' / LOCK_NAME}: no"):
+            claim_run_dir(disk / "run", resume_if_exists=True)
+        assert not (disk / "run" / LOCK_NAME).exists()
+        (disk / "filler").unlink()
+        claim_run_dir(disk / "run", resume_if_exists=True).release()  # once there is space

@@ -1,0 +1,119 @@
+"""Writes that the disk refuses: one line naming what could not be written.
+
+A full disk, an exhausted quota or a read-only filesystem is the user's to fix, not a
+bug; every writer of the package (checkpoints, conversions, ``preprocess``, the run's
+records) reports it as a :class:`DiskFullError` naming its output, the space free and,
+where known, the space needed, and leaves nothing that a later command would take as
+complete. :func:`as_user_error` is the last resort of the entry points, for a write
+that no writer reported itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from megatron_lns.errors import UserError
+
+
+class DiskFullError(UserError):
+    """A write that failed because its filesystem is full, over quota or read-only;
+    ``needed``: the bytes it needed, where known."""
+
+    def __init__(self, message: str, needed: int | None = None) -> None:
+        super().__init__(message)
+        self.needed = needed
+
+    def __reduce__(self):  # pickled between ranks with what it needed
+        return type(self), (str(self), self.needed)
+
+
+# What a write fails with when the disk, not the program, is the problem.
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+
+
+def is_disk_full(err: BaseException) -> bool:
+    return isinstance(err, OSError) and err.errno in DISK_FULL_ERRNOS
+
+
+def free_bytes(path: str | Path) -> int | None:
+    """Bytes an unprivileged writer may still use on the filesystem of ``path`` (or of
+    its nearest existing parent); None when that cannot be told."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
+def byte_size(count: int) -> str:
+    size, unit = float(count), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):  # the unit reached is kept
+        if size < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    return f"{count} B" if unit == "B" else f"{size:.1f} {unit}"
+
+
+def disk_full_error(
+    path: str | Path,
+    err: OSError | None = None,
+    needed: int | None = None,
+    then: str = "",
+    free: int | None = None,
+) -> DiskFullError:
+    """The one line for a write to ``path`` that the disk refused: why (``err``'s reason,
+    or a full disk when the writer lost it), what is free (``free``, measured when the
+    write failed, else now) and, where known, ``needed``; ``then``: what became of the
+    output."""
+    reason = os.strerror(err.errno) if err is not None else os.strerror(errno.ENOSPC)
+    free = free_bytes(path) if free is None else free
+    space = [] if free is None else [f"{byte_size(free)} free there"]
+    if needed is not None:
+        space.append(f"about {byte_size(needed)} needed")
+    detail = f" ({', '.join(space)})" if space and (err is None or err.errno != errno.EROFS) else ""
+    return DiskFullError(f"cannot write {path}: {reason.lower()}{detail}{then}", needed)
+
+
+@contextlib.contextmanager
+def disk_full_reported(
+    path: str | Path, needed: int | None = None, then: str = ""
+) -> Iterator[None]:
+    """Turn a write's full-disk ``OSError`` (:data:`DISK_FULL_ERRNOS`) in the block into a
+    :class:`DiskFullError` naming ``path``; any other error passes unchanged."""
+    try:
+        yield
+    except OSError as err:
+        if not is_disk_full(err):
+            raise
+        raise disk_full_error(path, err, needed, then) from err
+
+
+def as_user_error(err: BaseException) -> UserError | None:
+    """``err`` as the user's to fix, or None for a bug: the last resort of every entry
+    point, for a full disk no writer turned into a :class:`DiskFullError` itself."""
+    if isinstance(err, UserError):
+        return err
+    if is_disk_full(err):
+        return disk_full_error(err.filename or "a file", err)
+    return None
+
+
+def write_text_atomically(path: str | Path, text: str, then: str = "") -> None:
+    """Replace ``path`` with ``text`` whole or not at all: a full disk leaves the old
+    file (no truncated one) and no temporary file, and raises :class:`DiskFullError`
+    (``then``: what that means for the reader of ``path``)."""
+    path = Path(path)
+    temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        with disk_full_reported(path, then=then):
+            temporary.write_text(text)
+            os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)

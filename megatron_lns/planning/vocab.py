@@ -1,0 +1,86 @@
+"""What ``plan`` reads besides the config: the config itself with its unset inputs
+filled, and the tokenizer's vocabulary size, without loading a tokenizer library."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatron_lns.config.schema import ExperimentConfig
+from megatron_lns.errors import UserError
+
+BYTE_VOCAB = 257  # megatron_lns.data.tokenizer's byte tokenizer: 256 bytes + EOD
+# When the tokenizer cannot be read here (not given, or a SentencePiece model): the
+# GPT-NeoX / OLMo tokenizer's size, which the bundled 7B configs use. Stated in the
+# output as an assumption; --vocab-size replaces it.
+ASSUMED_VOCAB = 50280
+
+
+class UnreadableTokenizerError(UserError):
+    pass
+
+
+# The run's inputs cost no GPU memory: where a config leaves them unset (``???``), plan
+# fills them with these placeholders so that it can be planned before the data exists.
+PLACEHOLDERS = {
+    "model.data.data_prefix": "[unused]",
+    "model.tokenizer.type": "unused",
+    "model.tokenizer.model": "unused",
+}
+
+
+def load_for_plan(
+    source: str | Path, overrides: list[str] | None = None, nodes: int | None = None
+) -> ExperimentConfig:
+    """The config as ``train`` loads it, with ``--nodes`` and the placeholders for the
+    inputs it leaves unset (the user's overrides win over both)."""
+    from omegaconf import OmegaConf
+
+    from megatron_lns.config.sources import config_file, load_run_config
+
+    raw = OmegaConf.load(config_file(source))
+    filled = [f"{key}={value}" for key, value in PLACEHOLDERS.items() if _missing(raw, key)]
+    nodes_override = [f"trainer.num_nodes={nodes}"] if nodes is not None else []
+    return load_run_config(source, [*filled, *nodes_override, *(overrides or [])])
+
+
+def _missing(raw, key: str) -> bool:
+    from omegaconf import OmegaConf
+
+    parent_key, _, name = key.rpartition(".")
+    parent = OmegaConf.select(raw, parent_key, default=None)
+    return parent is not None and OmegaConf.is_missing(parent, name)
+
+
+def vocab_size_of(cfg: ExperimentConfig, given: int | None = None) -> tuple[int, str]:
+    """The tokenizer's vocabulary size and where it came from."""
+    if given is not None:
+        return given, "--vocab-size"
+    tokenizer = cfg.model.tokenizer
+    if tokenizer.library == "byte":
+        return BYTE_VOCAB, "the byte tokenizer"
+    if tokenizer.library == "huggingface" and tokenizer.type:
+        size = _huggingface_vocab(Path(tokenizer.type))
+        if size:
+            return size, f"{tokenizer.type}/tokenizer.json"
+    return ASSUMED_VOCAB, "ASSUMED: the tokenizer is not readable here; pass --vocab-size"
+
+
+def _huggingface_vocab(directory: Path) -> int | None:
+    """The token ids a Hugging Face tokenizer.json defines (its vocabulary and added
+    tokens), read as JSON."""
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        vocab = (data.get("model") or {}).get("vocab") or {}
+        # BPE / WordPiece: token -> id; Unigram: a list of [token, score], ids by position.
+        ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+        ids += [token["id"] for token in data.get("added_tokens", [])]
+        return max(ids) + 1 if ids else None
+    except (ValueError, AttributeError, TypeError, KeyError) as error:
+        raise UnreadableTokenizerError(
+            f"{path}: not a Hugging Face tokenizer.json ({type(error).__name__}: {error}); "
+            "pass --vocab-size N to plan without reading it"
+        ) from None

@@ -1,0 +1,62 @@
+"""Writes that the disk refuses: one line naming what could not be written."""
+
+import errno
+
+import pytest
+
+from megatron_lns.disk import (
+    DiskFullError,
+    as_user_error,
+    byte_size,
+    disk_full_error,
+    disk_full_reported,
+)
+from megatron_lns.exit_status import exit_status
+
+
+def test_a_full_disk_in_a_writer_becomes_one_line_naming_what_it_wrote(tmp_path):
+    with pytest.raises(DiskFullError) as info, disk_full_reported(tmp_path / "out.bin", 2048):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    message = str(info.value)
+    assert message.startswith(f"cannot write {tmp_path / 'out.bin'}: no space left on device (")
+    assert message.endswith("free there, about 2.0 KiB needed)")
+    with pytest.raises(DiskFullError, match="disk quota exceeded"), disk_full_reported(tmp_path):
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+    with pytest.raises(PermissionError), disk_full_reported(tmp_path):  # not the disk's
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+
+def test_read_only_names_no_space_and_sizes_read_plainly(tmp_path):
+    err = OSError(errno.EROFS, "Read-only file system")
+    assert str(disk_full_error(tmp_path, err)) == f"cannot write {tmp_path}: read-only file system"
+    assert [byte_size(n) for n in (5, 2048, 3 << 30)] == ["5 B", "2.0 KiB", "3.0 GiB"]
+
+
+def test_a_full_disk_no_writer_reported_still_ends_in_one_line(capsys):
+    """The last resort of every entry point: an ``OSError`` of a full disk is a user
+    error, naming the file where the error does; any other stays a bug (traceback)."""
+
+    def body():
+        raise OSError(errno.ENOSPC, "No space left on device", "/data/run/metrics.jsonl")
+
+    assert exit_status(body) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write /data/run/metrics.jsonl: no space left on device")
+    assert err.count("\n") == 1
+    assert as_user_error(OSError(errno.EIO, "I/O error")) is None
+    with pytest.raises(OSError):
+        exit_status(lambda: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+
+
+def test_an_atomic_write_onto_a_full_disk_keeps_the_old_file_and_no_temporary(tmp_path):
+    from helpers import fill_leaving, small_filesystem
+
+    from megatron_lns.disk import write_text_atomically
+
+    with small_filesystem(tmp_path / "disk", 64) as disk:
+        write_text_atomically(disk / "config.yaml", "a: 1\n")
+        fill_leaving(disk, 0)
+        with pytest.raises(DiskFullError, match=r"; it stays as it was$"):
+            write_text_atomically(disk / "config.yaml", "b: 2\n" * 4096, "; it stays as it was")
+        assert (disk / "config.yaml").read_text() == "a: 1\n"
+        assert sorted(p.name for p in disk.iterdir()) == ["config.yaml", "filler"]
