@@ -45,7 +45,7 @@ def staged_output_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[
     then = f"; {out_dir} left as it was" if out_dir.exists() else f"; no {out_dir} written"
     staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
     try:
-        with _unwritable(out_dir):
+        with _unwritable(out_dir, then):
             out_dir.parent.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir()
@@ -58,7 +58,7 @@ def staged_output_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[
             raise disk_full_error(out_dir, reason, needed, then) from err
         raise
     previous = out_dir.with_name(f".{out_dir.name}.replaced-{os.getpid()}")
-    with _unwritable(out_dir, cleanup=staging):
+    with _unwritable(out_dir, then, cleanup=staging):
         if out_dir.exists():
             out_dir.rename(previous)
         staging.rename(out_dir)
@@ -66,10 +66,10 @@ def staged_output_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[
 
 
 @contextlib.contextmanager
-def _unwritable(out_dir: Path, cleanup: Path | None = None) -> Iterator[None]:
-    """An OSError (a read-only or foreign directory) as one line naming OUT_DIR; the
-    staging directory ``cleanup`` is removed first. A full disk is left to the caller,
-    which says so."""
+def _unwritable(out_dir: Path, then: str, cleanup: Path | None = None) -> Iterator[None]:
+    """An OSError (a foreign directory) as one line naming OUT_DIR, worded as a full or
+    read-only disk is (``disk.disk_full_error``), which is left to the caller; the staging
+    directory ``cleanup`` is removed first."""
     try:
         yield
     except OSError as err:
@@ -77,4 +77,5 @@ def _unwritable(out_dir: Path, cleanup: Path | None = None) -> Iterator[None]:
             raise
         if cleanup is not None:
             shutil.rmtree(cleanup, ignore_errors=True)
-        raise ConversionError(f"cannot write output directory {out_dir}: {err.strerror}") from None
+        reason = (err.strerror or str(err)).lower()
+        raise ConversionError(f"cannot write {out_dir}: {reason}{then}") from None

@@ -656,8 +656,9 @@ def test_an_unwritable_output_directory_is_one_line_for_export_and_import(seeded
         assert main(["import-hf", str(hf), str(locked / "run")]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert [line for line in lines if line.startswith("error")] == [
-        f"error: cannot write output directory {locked / name}: "
-        + ("Read-only file system" if os.geteuid() == 0 else "Permission denied")
+        f"error: cannot write {locked / name}: "
+        + ("read-only file system" if os.geteuid() == 0 else "permission denied")
+        + f"; no {locked / name} written"
         for name in ("hf", "run")
     ], lines
     assert list(locked.iterdir()) == []
