@@ -43,6 +43,7 @@ import torch.distributed as dist
 from megatron_lns.analysis.depth import LayerStats, layer_statistics, variance_growth
 from megatron_lns.analysis.plots import plot_depth_profiles, plot_seed_bands, read_metrics
 from megatron_lns.config import ConfigError, ExperimentConfig, to_yaml, validate
+from megatron_lns.config.rules import rng_seed
 from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.errors import UserError
 from megatron_lns.training.provenance import changed_config_keys
@@ -202,7 +203,15 @@ def seeds_for(cfg: ExperimentConfig, num_seeds: int) -> list[int]:
     """``num_seeds`` consecutive seeds starting at the config's ``model.seed``."""
     if num_seeds < 1:
         raise CompareError(f"--seeds must be at least 1, got {num_seeds}")
-    return [cfg.model.seed + k for k in range(num_seeds)]
+    seeds = [cfg.model.seed + k for k in range(num_seeds)]
+    if not rng_seed.holds(seeds[-1]):
+        # Only the first seed is the config's (validated); a later one out of range failed
+        # in megatron's data shuffling, after the arms before it had trained.
+        raise CompareError(
+            f"--seeds {num_seeds} from model.seed={cfg.model.seed} reaches seed {seeds[-1]}: "
+            f"seeds must be {rng_seed.expected}; lower model.seed or --seeds"
+        )
+    return seeds
 
 
 def run_config(cfg: ExperimentConfig, variant: Variant, seed: int, out: Path) -> ExperimentConfig:
@@ -284,7 +293,7 @@ def train_and_measure(cfg: ExperimentConfig, variant: str, seed: int) -> RunResu
 
     On rank 0 the result also holds what ``metrics.jsonl`` says (losses, tokens/s) and is
     written to the run directory."""
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, log_label=f"{variant} seed{seed}")
     run_dir = trainer.run_dir
     try:
         summary = trainer.fit()

@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from yaml import YAMLError
 
 from megatron_lns.errors import UserError
+from megatron_lns.path_kind import not_a_file
 
 if TYPE_CHECKING:
     import torch
@@ -61,8 +62,8 @@ def read_userbuffer_settings(source: str | Path | Mapping | None, key: str) -> d
         return None
     if isinstance(source, str | Path):
         path = Path(source)
-        if not path.is_file():
-            raise UserbufferSettingsError(f"{key}: {path} does not exist")
+        if problem := not_a_file(path):
+            raise UserbufferSettingsError(f"{key}: {path} {problem}")
         try:
             settings = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
         except (YAMLError, OmegaConfBaseException) as err:

@@ -1,4 +1,5 @@
-"""The command line as a Unix tool: output into a pipe whose reader has gone."""
+"""The command line as a Unix tool: output into a pipe whose reader has gone; bad paths
+and flags named in one line."""
 
 from __future__ import annotations
 
@@ -34,3 +35,82 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
         os.close(write_end)
     assert result.stderr == ""
     assert result.returncode == 141  # 128 + SIGPIPE, as a shell reports `cat big | head`
+
+
+def _error_of(capsys, *args: str) -> str:
+    """The one line a command prints for a user error (exit 2)."""
+    from megatron_lns.cli import main
+
+    assert main(list(args)) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def test_a_path_of_the_wrong_kind_is_not_said_not_to_exist(tmp_path, capsys):
+    """Every command that takes a file or a directory: one that exists but is the other
+    kind was reported as "does not exist"."""
+    folder, plain = tmp_path / "folder", tmp_path / "plain.txt"
+    folder.mkdir()
+    plain.write_text("x\n")
+    (tmp_path / "prefix.bin").mkdir()
+    (tmp_path / "prefix.idx").write_text("")
+    out = str(tmp_path / "out")
+    cases = {
+        ("train", str(DEMO), "model.tokenizer.library=sentencepiece",
+         f"model.tokenizer.model={folder}", "--dry-run"):
+            f"model.tokenizer.model: {folder} is a directory, not a file",
+        ("train", str(DEMO), f"model.data.data_prefix=[{tmp_path / 'prefix'}]", "--dry-run"):
+            f"model.data.data_prefix: {tmp_path / 'prefix.bin'} is a directory, not a file",
+        ("train", str(DEMO), f"model.data.data_prefix=[{folder}]", "--dry-run"):
+            f"model.data.data_prefix: {folder}.bin does not exist ({folder} is a directory",
+        ("preprocess", "--input", str(plain), "--output-prefix", out,
+         "--tokenizer-library", "sentencepiece", "--tokenizer-model", str(folder)):
+            f"SentencePiece model {folder} is a directory, not a file",
+        ("preprocess", "--input", str(plain), "--output-prefix", out,
+         "--tokenizer-library", "huggingface", "--tokenizer-type", str(plain)):
+            f"Hugging Face tokenizer directory {plain} is a file, not a directory",
+        ("import-hf", str(plain), out): f"Hugging Face directory {plain} is a file, not a directory",
+    }  # fmt: skip
+    for args, expected in cases.items():
+        assert _error_of(capsys, *args).startswith(f"error: {expected}"), args
+
+
+def test_userbuffer_settings_and_config_files_that_are_directories(tmp_path):
+    import pytest
+
+    from megatron_lns.config import ConfigError, load_config
+    from megatron_lns.userbuffers import UserbufferSettingsError, read_userbuffer_settings
+
+    with pytest.raises(UserbufferSettingsError, match="is a directory, not a file"):
+        read_userbuffer_settings(tmp_path, "model.ub_tp_comm_overlap_cfg")
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is a directory, not a file"):
+        load_config(tmp_path)
+
+
+def test_preprocess_refuses_outputs_it_could_not_write_as_named(tmp_path, capsys):
+    """``--output-prefix data/newdir/`` wrote data/newdir.bin and reported
+    data/newdir/.bin; a PREFIX.bin that is a directory ended in IsADirectoryError after
+    tokenizing, with PREFIX.bin of other suffixes already renamed into place; a missing
+    --tokenizer-type was named as model.tokenizer.type."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("one document\nanother\n")
+    (tmp_path / "taken.idx").mkdir()
+    prep = ("preprocess", "--input", str(corpus), "--quiet", "--workers", "1", "--output-prefix")
+    newdir = f"{tmp_path / 'newdir'}/"
+    assert _error_of(capsys, *prep, newdir) == (
+        f"error: output prefix {newdir} ends in '/': it names the files, not a directory "
+        f"(e.g. {newdir}corpus writes {newdir}corpus.bin)"
+    )
+    assert _error_of(capsys, *prep, str(tmp_path / "taken")) == (
+        f"error: cannot write {tmp_path / 'taken.idx'}: it is a directory"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "taken.idx"]
+    assert _error_of(capsys, *prep, str(tmp_path / "x"), "--tokenizer-library", "huggingface") == (
+        "error: --tokenizer-library huggingface needs --tokenizer-type (a local tokenizer "
+        "directory)"
+    )
+    assert (
+        _error_of(capsys, *prep, str(tmp_path / "x"), "--tokenizer-library", "sentencepiece")
+        == "error: --tokenizer-library sentencepiece needs --tokenizer-model (a .model file)"
+    )

@@ -71,6 +71,19 @@ def test_bad_arguments_end_the_command_with_one_line(capsys):
     assert err[1] == "error: --seeds must be at least 1, got 0"
 
 
+def test_seeds_past_numpys_range_are_refused_before_any_arm_trains(capsys):
+    """The second arm's seed 2**32 failed in megatron's data shuffling after the first arm
+    had trained, blamed on a cached index mapping."""
+    top = ["compare", str(DEMO_CONFIG), f"model.seed={2**32 - 1}", "--dry-run"]
+    assert main([*top, "--seeds", "1"]) == 0
+    capsys.readouterr()
+    assert main([*top, "--seeds", "2"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --seeds 2 from model.seed={2**32 - 1} reaches seed {2**32}: seeds must be "
+        "an integer in [0, 2**32); lower model.seed or --seeds\n"
+    )
+
+
 def test_hybrid_comparisons_keep_the_architecture_in_every_arm_and_refuse_gpt_only_ones(capsys):
     hybrid = [*TINY_RUN_OVERRIDES, "model.architecture=hybrid"]
     cfg = load_config(
@@ -322,6 +335,24 @@ def test_rerunning_a_finished_comparison_prints_its_table_without_training(tmp_p
     assert "Traceback" not in done.stderr
     assert "| LNS | 1 | 0 |" in done.stdout and "4.5000" in done.stdout
     assert not (run_dir / "checkpoints").exists()  # nothing was trained
+
+
+@pytest.mark.slow
+def test_each_runs_lines_say_its_variant_and_seed(tmp_path):
+    """Every run's lines were prefixed ``[seed1234]``: LNS and Pre-LN lines could not be
+    told apart."""
+    short = ["trainer.max_steps=2", "trainer.val_check_interval=2",
+             "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
+             "model.optim.sched.warmup_steps=1"]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_lns.cli", "compare", str(DEMO_CONFIG),
+         *TINY_RUN_OVERRIDES, *short, "--variants", "lns", "pre_ln", "--out", str(tmp_path)],
+        cwd=ROOT, env=fresh_launch_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    prefixes = [line.split("]")[0] + "]" for line in done.stdout.splitlines() if line[:1] == "["]
+    assert set(prefixes) == {"[lns seed1234]", "[pre_ln seed1234]"}
+    assert prefixes.count("[lns seed1234]") == prefixes.count("[pre_ln seed1234]") >= 3
 
 
 def test_a_comparison_into_an_out_of_other_settings_is_refused_naming_the_keys(tmp_path, capsys):

@@ -295,6 +295,8 @@ def analyze(
         for index, item in enumerate(items):
             cfg = item.cfg
             num_batches = batches or cfg.trainer.limit_val_batches
+            if batches is not None:
+                num_batches = _capped_to_the_split(item, batches)
             result_path = work / f"result-{index}.json"
             _say(
                 f"analyze: {item.label}: {item.checkpoint} ({num_blocks(cfg.model)} layers, "
@@ -322,6 +324,28 @@ def analyze(
         )
     _say(f"analyze: wrote {out_dir / REPORT_NAME} and {', '.join(p.name for p in plots)}")
     return out_dir / REPORT_NAME
+
+
+def _capped_to_the_split(item: Input, batches: int) -> int:
+    """``--batches``, or the global batches the validation split holds where it holds
+    fewer (said): megatron repeats a split to fill what is asked, so more batches measured
+    the same sequences again, for minutes or hours."""
+    from megatron_lns.data.blend import DataBlend
+    from megatron_lns.data.splits import samples_in_split
+
+    m = item.cfg.model
+    tok = m.tokenizer
+    blend = DataBlend.parse(m.data.data_prefix).resolved(tok.library, tok.type, tok.model)
+    samples = samples_in_split(blend.prefixes, m.data.splits_string, "valid", m.data.seq_length)
+    held = max(1, samples // m.global_batch_size)
+    if batches <= held:
+        return batches
+    _say(
+        f"analyze: {item.label}: --batches {batches} is more than the validation split holds "
+        f"({samples} sequences: {held} global batches of {m.global_batch_size}); measuring on "
+        f"{held}"
+    )
+    return held
 
 
 def _say(message: str) -> None:

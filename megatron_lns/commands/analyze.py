@@ -24,7 +24,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--batches",
         type=int,
         default=None,
-        help="held-out global batches (default: each run's trainer.limit_val_batches)",
+        help="held-out global batches (default: each run's trainer.limit_val_batches; at "
+        "most what the validation split holds)",
     )
     analyze.add_argument("--labels", nargs="+", default=None, help="one name per input")
     analyze.add_argument(

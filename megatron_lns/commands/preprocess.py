@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from megatron_lns.data.tokenizer import TOKENIZER_LIBRARIES
 
@@ -25,9 +26,35 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     prep.set_defaults(func=run)
 
 
+# The flag each tokenizer library needs, and what it names.
+TOKENIZER_FLAGS = {
+    "huggingface": ("tokenizer_type", "--tokenizer-type (a local tokenizer directory)"),
+    "sentencepiece": ("tokenizer_model", "--tokenizer-model (a .model file)"),
+}
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse, naming the flag, what the library would refuse in the words of the config
+    keys, or mis-name: a tokenizer without its file, an output prefix that ends in '/'
+    (``Path`` drops the '/', so ``data/new/`` wrote ``data/new.bin``)."""
+    from megatron_lns.data.preprocess import PreprocessError
+
+    needed = TOKENIZER_FLAGS.get(args.tokenizer_library)
+    if needed and not getattr(args, needed[0]):
+        raise PreprocessError(f"--tokenizer-library {args.tokenizer_library} needs {needed[1]}")
+    prefix = args.output_prefix
+    if prefix.endswith(("/", os.sep)):
+        example = f"{prefix}{Path(args.input[0]).stem}"
+        raise PreprocessError(
+            f"output prefix {prefix} ends in '/': it names the files, not a directory "
+            f"(e.g. {example} writes {example}.bin)"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from megatron_lns.data.preprocess import preprocess, read_documents
 
+    check_arguments(args)
     metadata = preprocess(
         read_documents(args.input, args.json_key),
         args.output_prefix,

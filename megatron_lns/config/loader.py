@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import types
+import typing
 import warnings
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,7 @@ from megatron_lns.config.nemo_compat import (
 from megatron_lns.config.schema import ExperimentConfig
 from megatron_lns.config.settings import declaration
 from megatron_lns.errors import UserError
+from megatron_lns.path_kind import not_a_file
 
 
 class ConfigError(UserError, ValueError):
@@ -113,6 +116,30 @@ def _delete(cfg: DictConfig, path: str) -> None:
     del parent[leaf]
 
 
+def _named_inside_a_list(cfg: DictConfig, defaults: DictConfig, key: str) -> str | None:
+    """Why a dotted ``key`` cannot be set when a part of it names, not numbers, an element
+    of a list (``model.data.data_prefix.train``); None when none does. OmegaConf raised
+    'Index ... is not an int' with its traceback."""
+    parts = key.split(".")
+    for i in range(1, len(parts)):
+        above, name = ".".join(parts[:i]), parts[i]
+        if name.isdigit():
+            continue
+        for source in (cfg, defaults):
+            try:
+                node = OmegaConf.select(source, above, default=None, throw_on_missing=False)
+            except OmegaConfBaseException:
+                node = None
+            if isinstance(node, ListConfig):
+                if (above, _MAPPING) in _UNSUPPORTED_FORMS:
+                    return _UNSUPPORTED_FORMS[above, _MAPPING]
+                return (
+                    f"{above} is a list: '{name}' is no element of it (number one, "
+                    f"{above}.0=..., or give the whole list, {above}=[...])"
+                )
+    return None
+
+
 def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
     """Hydra-style overrides, in order, onto a raw (unvalidated) config."""
     defaults = OmegaConf.structured(ExperimentConfig)
@@ -125,6 +152,8 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
         if "=" not in text:
             raise ConfigError(f"override '{override}' is not key=value")
         key = text.split("=", 1)[0].strip()
+        if problem := _named_inside_a_list(cfg, defaults, key):
+            raise ConfigError(f"override '{override}': {problem}")
         exists = OmegaConf.select(cfg, key, default="__missing__") != "__missing__" or (
             OmegaConf.select(defaults, key, default="__missing__") != "__missing__"
         )
@@ -286,6 +315,82 @@ def _resolve_references_to(cfg: DictConfig, removed: list[str]) -> None:
             parent[leaf] = _resolved(cfg, path)
 
 
+# What a schema key holds, as a user reads it.
+_SECTION, _MAPPING, _LIST, _VALUE = (
+    "a section of keys",
+    "a mapping (key: value)",
+    "a list",
+    "a single value",
+)
+_GOT = {_MAPPING: "a mapping", _LIST: "a list", _VALUE: "a single value"}
+# Forms of a key that other tools accept and megatron-lns does not: said by name.
+_UNSUPPORTED_FORMS = {
+    ("model.data.data_prefix", _MAPPING): (
+        "NeMo's per-split form of model.data.data_prefix (train/validation/test) is not "
+        "supported: give one list of prefixes (with weights if blended) and split it with "
+        "model.data.splits_string"
+    ),
+}
+
+
+def _kind_of_hint(hint: Any) -> tuple[str | None, Any]:
+    """What a field of type ``hint`` must hold (None: anything) and the type of its
+    elements (for a mapping or list)."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _kind_of_hint(options[0]) if len(options) == 1 else (None, None)
+    if dataclasses.is_dataclass(hint):
+        return _SECTION, hint
+    origin = typing.get_origin(hint) or hint
+    if origin is dict:
+        return _MAPPING, (typing.get_args(hint) or (None, Any))[1]
+    if origin is list:
+        return _LIST, (typing.get_args(hint) or (Any,))[0]
+    if hint in (str, int, float, bool):
+        return _VALUE, None
+    return None, None
+
+
+def _kind_of_node(node: Any) -> str:
+    if isinstance(node, DictConfig):
+        return _MAPPING
+    return _LIST if isinstance(node, ListConfig) else _VALUE
+
+
+def _check_kinds(node: Any, hint: Any, path: str) -> None:
+    """Refuse, naming the key, a list or a single value where the schema has a mapping,
+    or any other such mix (OmegaConf's merge ends in a TypeError, or names no key)."""
+    if node is None or node._is_none() or node._is_interpolation() or node._is_missing():
+        return
+    want, element = _kind_of_hint(hint)
+    if want is None:
+        return
+    got = _kind_of_node(node)
+    if got != (_MAPPING if want == _SECTION else want):
+        if (path, got) in _UNSUPPORTED_FORMS:
+            raise ConfigError(_UNSUPPORTED_FORMS[path, got])
+        shown = OmegaConf.to_container(node) if got != _VALUE else node._value()
+        raise ConfigError(f"'{path}' must be {want}, not {_GOT[got]} ({shown})")
+    if want == _SECTION:
+        fields = typing.get_type_hints(element)
+        for key in node:
+            if key in fields:
+                _check_kinds(node._get_node(key), fields[key], f"{path}.{key}")
+    elif want == _MAPPING:
+        for key in node:
+            _check_kinds(node._get_node(key), element, f"{path}.{key}")
+    elif want == _LIST:
+        for index in range(len(node)):
+            _check_kinds(node._get_node(index), element, f"{path}[{index}]")
+
+
+def _check_sections(raw: DictConfig) -> None:
+    fields = typing.get_type_hints(ExperimentConfig)
+    for key in raw:
+        if key in fields:
+            _check_kinds(raw._get_node(key), fields[key], str(key))
+
+
 def load_config(
     source: str | Path | DictConfig | dict, overrides: list[str] | None = None
 ) -> ExperimentConfig:
@@ -294,8 +399,8 @@ def load_config(
     overrides = overrides or []
     if isinstance(source, (str, Path)):
         path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+        if problem := not_a_file(path):
+            raise ConfigError(f"config file {path} {problem}")
         raw = _read_yaml(path)
     else:
         raw = OmegaConf.create(source) if isinstance(source, dict) else source.copy()
@@ -306,6 +411,7 @@ def load_config(
     apply_overrides(raw, overrides)
     try:
         normalize_nemo_spellings(raw)
+        _check_sections(raw)
         to_judge, inert = _take_nemo_keys(raw)
         cfg = _typed(raw, _interpolation_overrides(overrides))
         apply_nemo_settings(cfg, to_judge)

@@ -8,8 +8,6 @@ message names the key.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from megatron_lns import layout
 from megatron_lns.choices import PRE_NORM_VARIANTS, lns_combines_with, warmup_fits
 from megatron_lns.config.cluster import validate_cluster
@@ -26,7 +24,9 @@ from megatron_lns.config.performance import (
 from megatron_lns.config.schema import PRECISIONS, SCHEDULES, ExperimentConfig
 from megatron_lns.config.settings import value_errors
 from megatron_lns.data.blend import DataBlend, DataBlendError
+from megatron_lns.data.tokenizer import HUGGING_FACE_DIRECTORY_HINT
 from megatron_lns.layout import ParallelLayout, micro_batches_per_step
+from megatron_lns.path_kind import not_a_directory, not_a_file
 
 # Minimum CUDA compute capability per FP8 recipe (Ada/Hopper for FP8, Blackwell for MXFP8).
 FP8_MIN_CAPABILITY = {
@@ -183,15 +183,15 @@ def validate(
         raise ConfigError("model.tokenizer.model must be the path of a SentencePiece .model file")
     blend = data_blend(m.data.data_prefix)
     if check_files:
-        if tok.library == "huggingface" and not Path(tok.type).exists():
+        if tok.library == "huggingface" and (problem := not_a_directory(tok.type)):
             raise ConfigError(
-                f"model.tokenizer.type: {tok.type} does not exist (give a local path)"
+                f"model.tokenizer.type: {tok.type} {problem}: {HUGGING_FACE_DIRECTORY_HINT}"
             )
-        if tok.library == "sentencepiece" and not Path(tok.model).is_file():
-            raise ConfigError(f"model.tokenizer.model: {tok.model} does not exist")
+        if tok.library == "sentencepiece" and (problem := not_a_file(tok.model)):
+            raise ConfigError(f"model.tokenizer.model: {tok.model} {problem}")
         vocab_size = check_tokenizer(cfg)
-        for missing in blend.missing_files():
-            raise ConfigError(f"model.data.data_prefix: {missing} does not exist")
+        for problem in blend.file_problems():
+            raise ConfigError(f"model.data.data_prefix: {problem}")
         check_datasets(cfg, blend, vocab_size)
         check_writable_paths(cfg, blend)
     validate_cluster(cfg)

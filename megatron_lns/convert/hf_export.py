@@ -40,7 +40,7 @@ from megatron_lns.convert.safetensors_io import Group, write_sharded
 from megatron_lns.training.checkpoint import (
     CHECKPOINT_DIR_RE,
     COMPLETE_MARKER,
-    is_complete,
+    checkpoint_problem,
     latest_complete_checkpoint,
 )
 
@@ -55,20 +55,21 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not path.is_dir():
         raise ConversionError(f"checkpoint {path} is not a directory")
     if CHECKPOINT_DIR_RE.match(path.name) or path.name.endswith(".partial"):
-        if not is_complete(path):
-            raise ConversionError(
-                f"{path} is not a complete checkpoint (no {COMPLETE_MARKER}: the save did not "
-                "finish, or it is not a megatron-lns checkpoint)"
-            )
-        return path
+        return _loadable(path)
     for root in (path / "checkpoints", path):
         latest = latest_complete_checkpoint(root)
         if latest is not None:
-            return latest
+            return _loadable(latest)
     raise ConversionError(
         f"no complete checkpoint (iter_NNNNNNN with {COMPLETE_MARKER}) in {path} or "
         f"{path / 'checkpoints'}"
     )
+
+
+def _loadable(checkpoint: Path) -> Path:
+    if problem := checkpoint_problem(checkpoint):
+        raise ConversionError(f"{checkpoint} is not a complete checkpoint: it {problem}")
+    return checkpoint
 
 
 def run_config(checkpoint: Path) -> ExperimentConfig:

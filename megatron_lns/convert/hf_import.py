@@ -57,6 +57,7 @@ from megatron_lns.convert.output import check_apart, check_output_dir, staged_ou
 from megatron_lns.convert.safetensors_io import SafetensorsCheckpoint
 from megatron_lns.convert.streaming_save import GroupedParameters, StreamingSaveStrategy
 from megatron_lns.launcher_env import launcher_environment
+from megatron_lns.path_kind import not_a_directory, not_a_file
 from megatron_lns.specs import LOCAL_TO_FUSED_NORM_NAMES
 from megatron_lns.training.checkpoint import save_weights_only_checkpoint
 
@@ -152,8 +153,8 @@ def import_hf(
 
 
 def _read_hf_config(hf_dir: Path):
-    if not hf_dir.is_dir():
-        raise ConversionError(f"Hugging Face directory {hf_dir} does not exist")
+    if problem := not_a_directory(hf_dir):
+        raise ConversionError(f"Hugging Face directory {hf_dir} {problem}")
     if not (hf_dir / "config.json").is_file():
         raise ConversionError(f"{hf_dir} has no config.json")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -173,8 +174,8 @@ def _read_base_config(path: str | Path | DictConfig | None) -> DictConfig:
         return path.copy()
     if Path(path).is_dir():  # a run directory or checkpoint: the config it keeps
         path = config_file(path)
-    if not Path(path).is_file():
-        raise ConversionError(f"--config {path} does not exist")
+    if problem := not_a_file(path):
+        raise ConversionError(f"--config {path} {problem}")
     try:
         raw = OmegaConf.load(path)
     except Exception as err:  # YAML syntax errors come in several types

@@ -45,9 +45,10 @@ def staged_output_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[
     then = f"; {out_dir} left as it was" if out_dir.exists() else f"; no {out_dir} written"
     staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
     try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
+        with _unwritable(out_dir, then):
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir()
         yield staging
     except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
@@ -57,7 +58,24 @@ def staged_output_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[
             raise disk_full_error(out_dir, reason, needed, then) from err
         raise
     previous = out_dir.with_name(f".{out_dir.name}.replaced-{os.getpid()}")
-    if out_dir.exists():
-        out_dir.rename(previous)
-    staging.rename(out_dir)
+    with _unwritable(out_dir, then, cleanup=staging):
+        if out_dir.exists():
+            out_dir.rename(previous)
+        staging.rename(out_dir)
     shutil.rmtree(previous, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _unwritable(out_dir: Path, then: str, cleanup: Path | None = None) -> Iterator[None]:
+    """An OSError (a foreign directory) as one line naming OUT_DIR, worded as a full or
+    read-only disk is (``disk.disk_full_error``), which is left to the caller; the staging
+    directory ``cleanup`` is removed first."""
+    try:
+        yield
+    except OSError as err:
+        if is_disk_full(err):
+            raise
+        if cleanup is not None:
+            shutil.rmtree(cleanup, ignore_errors=True)
+        reason = (err.strerror or str(err)).lower()
+        raise ConversionError(f"cannot write {out_dir}: {reason}{then}") from None

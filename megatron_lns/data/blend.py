@@ -16,6 +16,7 @@ from pathlib import Path
 
 from megatron_lns.data.demo_corpus import demo_documents
 from megatron_lns.data.errors import DataError
+from megatron_lns.path_kind import not_a_file
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_CORPORA: dict[str, Callable[[], list[str]]] = {"pydoc": demo_documents}
@@ -90,15 +91,25 @@ class DataBlend:
             if prefix.startswith(BUILTIN_PREFIX) and name not in BUILTIN_CORPORA:
                 raise DataBlendError(f"data_prefix: {_unknown_builtin(name)}")
 
-    def missing_files(self) -> list[str]:
-        """The ``.bin``/``.idx`` files of non-built-in prefixes that do not exist."""
-        return [
-            prefix + suffix
-            for prefix in self.prefixes
-            if not prefix.startswith(BUILTIN_PREFIX)
-            for suffix in (".bin", ".idx")
-            if not Path(prefix + suffix).is_file()
-        ]
+    def file_problems(self) -> list[str]:
+        """What is wrong with each ``.bin``/``.idx`` file of the non-built-in prefixes
+        that is not a regular file: ``"PATH does not exist"``, ``"PATH is a directory,
+        not a file"``. A prefix that names a directory gets a hint: the prefix is the
+        files' path without its suffix, not the directory that holds them."""
+        problems = []
+        for prefix in self.prefixes:
+            if prefix.startswith(BUILTIN_PREFIX):
+                continue
+            for suffix in (".bin", ".idx"):
+                if problem := not_a_file(prefix + suffix):
+                    hint = (
+                        f" ({prefix} is a directory: give the path of its files without "
+                        f".bin/.idx, e.g. {Path(prefix) / 'NAME'})"
+                        if Path(prefix).is_dir()
+                        else ""
+                    )
+                    problems.append(f"{prefix}{suffix} {problem}{hint}")
+        return problems
 
     def resolved(
         self, library: str, tokenizer_type: str | None, tokenizer_model: str | None

@@ -8,6 +8,7 @@ run sees exactly the samples the uninterrupted run would have seen.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 from collections.abc import Iterator
@@ -86,15 +87,18 @@ class ContentKeyedGPTDataset(GPTDataset):
 
     def _build_document_sample_shuffle_indices(self):
         """megatron's, with a cache file cut short (a run killed while writing it) named."""
+        cache = self.config.path_to_cache or os.path.join(
+            self.dataset.path_prefix, "cache", f"{type(self).__name__}_indices"
+        )
+        files = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}-*"
+        # Only a mapping read from the cache can be blamed on it; building one fails for
+        # other reasons (megatron's ValueError for a seed numpy refuses, once blamed here).
+        cached = bool(glob.glob(os.path.join(glob.escape(cache), files)))
         try:
             return super()._build_document_sample_shuffle_indices()
         except (ValueError, EOFError, OSError) as err:
-            cache = self.config.path_to_cache or os.path.join(
-                self.dataset.path_prefix, "cache", f"{type(self).__name__}_indices"
-            )
-            files = (
-                f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}-*"
-            )
+            if not cached:
+                raise
             raise DataError(
                 f"cannot read the cached index mapping {os.path.join(cache, files)} of "
                 f"{self.dataset_path} ({err}); a run stopped while writing it leaves it cut "

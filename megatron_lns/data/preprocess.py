@@ -184,6 +184,9 @@ def preprocess(
     """
     tokenizer = build_tokenizer(library, tokenizer_type, tokenizer_model)
     output_prefix = Path(output_prefix)
+    for suffix in (".bin", ".idx", ".json"):
+        if Path(f"{output_prefix}{suffix}").is_dir():  # found before tokenizing, not after
+            raise PreprocessError(f"cannot write {output_prefix}{suffix}: it is a directory")
     try:
         output_prefix.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:

@@ -105,6 +105,25 @@ def split_shares(
     return shares
 
 
+def samples_in_split(
+    prefixes: Sequence[str],
+    split_string: str,
+    split: str,
+    seq_length: int,
+    add_extra_token: bool = True,
+) -> int:
+    """The distinct samples one pass over ``split`` of ``prefixes`` holds: what megatron's
+    ``GPTDataset`` makes of each prefix's share per epoch, summed over the blend (more
+    samples than that repeat the split)."""
+    matrix = split_bookends(split_string, [1] * len(SPLITS))
+    total = 0
+    for prefix in prefixes:
+        share = split_shares(sequence_lengths(prefix), matrix)[SPLITS.index(split)]
+        if share is not None:
+            total += max(0, (share.tokens - int(add_extra_token)) // seq_length)
+    return total
+
+
 def _documents_needed(num_documents: int, bookends: tuple[float, float]) -> int | None:
     """The smallest corpus (above ``num_documents``) in which the split gets a document."""
     for n in range(num_documents + 1, num_documents + 100_000):

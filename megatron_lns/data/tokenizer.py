@@ -16,6 +16,7 @@ from typing import Protocol
 
 from megatron_lns.choices import TOKENIZER_LIBRARIES
 from megatron_lns.data.errors import DataError
+from megatron_lns.path_kind import not_a_directory, not_a_file
 
 
 class TokenizerError(DataError):
@@ -61,8 +62,8 @@ class ByteTokenizer(_Identified):
 
 class HuggingFaceTokenizer(_Identified):
     def __init__(self, path: str) -> None:
-        if not Path(path).exists():
-            raise FileNotFoundError(f"Hugging Face tokenizer directory {path} does not exist")
+        if problem := not_a_directory(path):
+            raise FileNotFoundError(f"Hugging Face tokenizer directory {path} {problem}")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoTokenizer
 
@@ -88,8 +89,8 @@ class SentencePieceTokenizer(_Identified):
     def __init__(self, model_path: str) -> None:
         import sentencepiece
 
-        if not Path(model_path).is_file():
-            raise FileNotFoundError(f"SentencePiece model {model_path} does not exist")
+        if problem := not_a_file(model_path):
+            raise FileNotFoundError(f"SentencePiece model {model_path} {problem}")
         try:
             self._sp = sentencepiece.SentencePieceProcessor(model_file=model_path)
         except (OSError, RuntimeError) as err:
@@ -132,14 +133,17 @@ HUGGING_FACE_TOKENIZER_FILES = (
 )
 
 
+HUGGING_FACE_DIRECTORY_HINT = "give the directory save_pretrained wrote"
+
+
 def check_hugging_face_directory(path: str) -> None:
     """What can be known of a Hugging Face tokenizer directory without transformers (which
     imports torch: seconds on a login node): that it is one, that its JSON parses and that
     the ``tokenizers`` library loads its ``tokenizer.json``. Loading it fully is left to
     the ranks."""
     directory = Path(path)
-    if not directory.is_dir():
-        raise TokenizerError(f"{path} is not a directory: give the directory save_pretrained wrote")
+    if problem := not_a_directory(directory):
+        raise TokenizerError(f"{path} {problem}: {HUGGING_FACE_DIRECTORY_HINT}")
     if not any((directory / name).is_file() for name in HUGGING_FACE_TOKENIZER_FILES):
         raise TokenizerError(
             f"{path} holds no tokenizer files ({', '.join(HUGGING_FACE_TOKENIZER_FILES)})"

@@ -773,16 +773,37 @@ def save_weights_only_checkpoint(
     return directory
 
 
+# What megatron's torch_dist format reads before any shard: its own record of the
+# format (metadata.json) and torch's index of the shards (.metadata).
+DIST_CHECKPOINT_FILES = ("metadata.json", ".metadata")
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` is not a checkpoint that can be loaded, in a few words; None if it is."""
+    if not path.is_dir():
+        return "does not exist" if not path.exists() else "is a file, not a directory"
+    if not (path / COMPLETE_MARKER).is_file():
+        return f"has no {COMPLETE_MARKER}: its save never finished"
+    if CHECKPOINT_DIR_RE.match(path.name) is None:
+        return "is not an iter_NNNNNNN directory"
+    missing = [name for name in DIST_CHECKPOINT_FILES if not (path / name).is_file()]
+    if missing:
+        return f"is damaged: {' and '.join(missing)} missing"
+    return None
+
+
 def is_complete(path: Path) -> bool:
-    return (
-        CHECKPOINT_DIR_RE.match(path.name) is not None
-        and (path / COMPLETE_MARKER).is_file()
-        and dist_checkpointing.check_is_distributed_checkpoint(str(path))
-    )
+    return checkpoint_problem(path) is None
 
 
 def complete_checkpoints(root: str | Path) -> list[Path]:
-    """The complete checkpoints under ``root``, newest first; partial ones never appear."""
+    """The committed checkpoints under ``root`` (with ``complete.json``), newest first;
+    partial ones never appear.
+
+    A committed checkpoint that was damaged afterwards (a file deleted) is listed too:
+    passing over it would resume from an older one without a word, and the run's next
+    save of that step would delete it. Loading it names what it lacks.
+    """
     root = Path(root)
     if not root.is_dir():
         return []
@@ -791,7 +812,7 @@ def complete_checkpoints(root: str | Path) -> list[Path]:
         key=lambda p: int(CHECKPOINT_DIR_RE.match(p.name).group(1)),
         reverse=True,
     )
-    return [p for p in candidates if is_complete(p)]
+    return [p for p in candidates if (p / COMPLETE_MARKER).is_file()]
 
 
 def latest_complete_checkpoint(root: str | Path) -> Path | None:
@@ -809,10 +830,8 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, strategy=None
     needs itself.
     """
     path = Path(path)
-    if not is_complete(path):
-        raise CheckpointError(
-            f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} or missing shards)"
-        )
+    if problem := checkpoint_problem(path):
+        raise CheckpointError(f"{path} is not a complete checkpoint: it {problem}")
     try:
         marker = json.loads((path / COMPLETE_MARKER).read_text() or "{}")
     except ValueError as err:

@@ -96,9 +96,11 @@ class MetricsLogger:
         wandb_kwargs: dict[str, Any] | None = None,
         run_name: str = "",
         resume_step: int = 0,
+        console_label: str | None = None,
     ) -> None:
         self.active = dist.get_rank() == 0
         self.run_name = run_name
+        self.console_label = console_label or run_name
         self.writer = None
         self.wandb_run = None
         self.jsonl: MetricRows | None = None
@@ -147,7 +149,7 @@ class MetricsLogger:
             self.wandb_run.log(metrics, step=step)
         if console:
             parts = [f"{k} {_fmt(v)}" for k, v in metrics.items()]
-            say(f"[{self.run_name}] step {step:6d}  " + "  ".join(parts))
+            say(f"[{self.console_label}] step {step:6d}  " + "  ".join(parts))
 
     def _append_row(self, step: int, row: str) -> None:
         """Append a row; warn at the first the disk refuses, and when rows go in again,

@@ -105,6 +105,16 @@ def _flatten(value, prefix: str = "") -> dict[str, object]:
     return {prefix: value}
 
 
+def changed_values(saved_yaml: str, current_yaml: str, keys: Sequence[str]) -> list[str]:
+    """``key: saved -> current`` for each of the dotted ``keys`` whose values differ."""
+    saved, current = _flatten(_hashed_part(saved_yaml)), _flatten(_hashed_part(current_yaml))
+    return [
+        f"{key}: {saved.get(key)} -> {current.get(key)}"
+        for key in keys
+        if saved.get(key) != current.get(key)
+    ]
+
+
 def changed_config_keys(saved_yaml: str, current_yaml: str) -> list[str]:
     """The dotted keys of the hashed sections whose values differ, sorted."""
     saved, current = _flatten(_hashed_part(saved_yaml)), _flatten(_hashed_part(current_yaml))

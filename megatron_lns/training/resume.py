@@ -27,7 +27,7 @@
   model and trainer sections, the parallel layout) is reported in one line, not refused
   (:func:`changes_since_checkpoint`, ``provenance.py``). A checkpoint whose tensors do not
   fit the model is refused, and not skipped for an older one: it is readable, the model
-  differs.
+  differs; the refusal names the model keys that changed (:data:`MODEL_STRUCTURE_KEYS`).
 """
 
 from __future__ import annotations
@@ -40,14 +40,15 @@ from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_lns.config import ExperimentConfig
+from megatron_lns.config import ExperimentConfig, to_yaml
+from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.training import provenance
 from megatron_lns.training.checkpoint import (
     CheckpointError,
     CheckpointMismatchError,
     TrainingState,
+    checkpoint_problem,
     complete_checkpoints,
-    is_complete,
     layout_record,
     load_checkpoint,
     load_strategy,
@@ -65,6 +66,40 @@ SCHEDULE_KEYS = {
     "end_wd": "model.optim.weight_decay",
     "wd_incr_steps": "trainer.max_steps - model.optim.sched.constant_steps",
 }
+
+
+# Model keys that decide which parameters the model has and their shapes. A checkpoint
+# written under other values does not load, and megatron's error names its tensors (a
+# kilobyte of them for a changed layer_variant), not the key: these name it.
+MODEL_STRUCTURE_KEYS = tuple(
+    f"model.{key}"
+    for key in (
+        "layer_variant",
+        "mix_ln_post_fraction",
+        "num_layers",
+        "hybrid_layer_pattern",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "kv_channels",
+        "num_query_groups",
+        "position_embedding_type",
+        "normalization",
+        "norm_affine",
+        "bias",
+        "qk_layernorm",
+        "activation",
+        "share_embeddings_and_output_weights",
+        "make_vocab_size_divisible_by",
+        "num_moe_experts",
+        "moe_layer_freq",
+        "moe_ffn_hidden_size",
+        "moe_router_enable_expert_bias",
+        "tokenizer.library",
+        "tokenizer.type",
+        "tokenizer.model",
+    )
+)
 
 
 _PARTIAL_DIR = re.compile(r"^iter_(\d{7})\.partial$")
@@ -106,10 +141,10 @@ def checkpoints_to_try(cfg: ExperimentConfig, checkpoint_dir: Path) -> list[Path
     em = cfg.exp_manager
     if em.resume_from_checkpoint:
         path = Path(em.resume_from_checkpoint)
-        if not is_complete(path):
+        if problem := checkpoint_problem(path):
             raise CheckpointError(
                 f"exp_manager.resume_from_checkpoint: {path} is not a complete checkpoint "
-                "(an iter_NNNNNNN directory with complete.json)"
+                f"(an iter_NNNNNNN directory with complete.json): it {problem}"
             )
         branch = branch_to_continue(checkpoint_dir, path, complete_checkpoints(checkpoint_dir))
         if branch:
@@ -123,6 +158,11 @@ def checkpoints_to_try(cfg: ExperimentConfig, checkpoint_dir: Path) -> list[Path
 
 def _saved_schedule(path: Path) -> dict | None:
     """The checkpoint's scheduler state; None for a weights-only checkpoint (import-hf)."""
+    if problem := checkpoint_problem(path):  # before torch logs its own tracebacks
+        raise CheckpointError(
+            f"checkpoint {path} {problem}; set exp_manager.resume_past_unreadable=true to "
+            "resume from the newest one before it (this one is then moved aside, kept)"
+        )
     try:
         return dist_checkpointing.load_common_state_dict(str(path)).get("scheduler")
     except (Exception, CheckpointException) as err:
@@ -169,9 +209,16 @@ def resume(
             # template must carry the checkpoint's until the state is in.
             if saved is not None:
                 _set_param_group_lr_bounds(optimizer, saved["max_lr"], saved["min_lr"])
-            state = load_checkpoint(
-                path, model, optimizer, scheduler, load_strategy(cfg.model.dist_ckpt_parallel_load)
-            )
+            try:
+                state = load_checkpoint(
+                    path,
+                    model,
+                    optimizer,
+                    scheduler,
+                    load_strategy(cfg.model.dist_ckpt_parallel_load),
+                )
+            except CheckpointError as err:
+                raise _named_by_config_keys(err, path, cfg) from err
         except CheckpointError as err:
             if index + 1 == len(candidates) or isinstance(
                 err, (ScheduleChangedError, CheckpointMismatchError)
@@ -183,6 +230,24 @@ def resume(
         scheduler.step(increment=0)  # the LR of the resumed step under this schedule
         return state, path
     return TrainingState(), None
+
+
+def _named_by_config_keys(
+    err: CheckpointError, path: Path, cfg: ExperimentConfig
+) -> CheckpointError:
+    """A checkpoint that did not load, named by the model keys that changed since it was
+    written (:data:`MODEL_STRUCTURE_KEYS`) when any did; ``err`` as it is otherwise."""
+    stored = path / RUN_CONFIG
+    if not stored.is_file():
+        return err
+    changes = provenance.changed_values(stored.read_text(), to_yaml(cfg), MODEL_STRUCTURE_KEYS)
+    if not changes:
+        return err
+    return CheckpointMismatchError(
+        f"checkpoint {path} was written by another model ({'; '.join(changes)}): a run "
+        "resumes with the model it trained; restore those values, or start a new run "
+        "(another exp_manager.name)"
+    )
 
 
 def _set_param_group_lr_bounds(optimizer: MegatronOptimizer, max_lr: float, min_lr: float) -> None:

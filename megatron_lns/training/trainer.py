@@ -173,10 +173,13 @@ class Trainer:
     the run directory when it returns; so does :meth:`close`.
     """
 
-    def __init__(self, cfg: ExperimentConfig) -> None:
+    def __init__(self, cfg: ExperimentConfig, log_label: str | None = None) -> None:
+        """``log_label`` prefixes the run's console lines (default: ``exp_manager.name``);
+        a comparison's runs share their names (``seed1234``) and say their variant too."""
         # First, so that a stop signal arriving while the checkpoint loads is kept.
         self.stop_request = _StopRequest()
         self.cfg = cfg
+        self.log_label = log_label or cfg.exp_manager.name
         self.run_lock = None
         self.run_dir = run_directory(cfg)
         self.checkpoint_dir = self.run_dir / "checkpoints"
@@ -326,6 +329,7 @@ class Trainer:
             wandb=cfg.exp_manager.create_wandb_logger,
             wandb_kwargs=cfg.exp_manager.wandb_logger_kwargs,
             run_name=cfg.exp_manager.name,
+            console_label=self.log_label,
             resume_step=self.state.iteration,
         )
 
@@ -391,7 +395,7 @@ class Trainer:
 
     def _print(self, message: str) -> None:
         if self.is_rank0:
-            say(f"[{self.cfg.exp_manager.name}] {message}")
+            say(f"[{self.log_label}] {message}")
 
     def validation_microbatches(self) -> Iterator[list[Batch]]:
         """The first ``limit_val_batches`` global batches of the validation split, one
@@ -435,22 +439,35 @@ class Trainer:
             return result
         grad_norm = result.grad_norm if result.grad_norm is not None else 0.0
         if not (math.isfinite(result.loss) and math.isfinite(grad_norm)):
-            self.wait_for_checkpoints()  # every rank stops here (loss and norm are global)
-            raise TrainingStopped(
+            # every rank stops here (loss and norm are global)
+            raise self._diverged(
                 f"step {self.state.iteration + 1}: loss {result.loss}, gradient norm "
-                f"{result.grad_norm}: the run diverged and stops before its next checkpoint "
-                f"(newest complete one: {latest_complete_checkpoint(self.checkpoint_dir)}); "
-                "lower the learning rate or resume from an earlier checkpoint "
-                "(exp_manager.resume_from_checkpoint; the checkpoints after it are then moved "
-                "aside to checkpoints/abandoned-*, kept)"
+                f"{result.grad_norm}"
             )
         self.consecutive_skips = 0
         self.scheduler.step(increment=1)
         self.state.iteration += 1
         return result
 
+    def _diverged(self, what: str) -> TrainingStopped:
+        """The error that ends a diverged run (``what``: the non-finite values), raised
+        before the step's checkpoint, so that the newest checkpoint a rerun resumes from
+        is one taken before the divergence. Call it on every rank: it waits for the
+        background saves."""
+        self.wait_for_checkpoints()
+        return TrainingStopped(
+            f"{what}: the run diverged and stops before its next checkpoint "
+            f"(newest complete one: {latest_complete_checkpoint(self.checkpoint_dir)}); "
+            "lower the learning rate or resume from an earlier checkpoint "
+            "(exp_manager.resume_from_checkpoint; the checkpoints after it are then moved "
+            "aside to checkpoints/abandoned-*, kept)"
+        )
+
     def evaluate(self) -> float:
-        """Token-mean loss over the validation batches; logged at the current step."""
+        """Token-mean loss over the validation batches; logged at the current step.
+
+        A non-finite loss ends the run as a non-finite training loss does: the weights
+        just updated are what it measured, and they must not be checkpointed."""
         for chunk in self.model:
             chunk.eval()
         loss_sum = tokens = 0.0
@@ -465,6 +482,8 @@ class Trainer:
         self.logger.log(
             self.state.iteration, {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
         )
+        if not math.isfinite(loss):  # the same on every rank: the loss is reduced
+            raise self._diverged(f"step {self.state.iteration}: validation loss {loss}")
         return loss
 
     def save(self) -> Path:

@@ -194,6 +194,31 @@ def _error_line(capsys, *argv: str) -> str:
     return lines[0]
 
 
+def test_more_batches_than_the_split_holds_are_capped_and_said(run, tmp_path, capfd):
+    """``--batches 100000`` on a split of a few batches measured the same sequences over
+    and over, for minutes."""
+    from megatron_lns.data.blend import DataBlend
+    from megatron_lns.data.splits import samples_in_split
+
+    run_dir, _ = run
+    options = {
+        "batches": 100_000,
+        "prune": False,
+        "overrides": ["model.data.splits_string=999,1,0"],
+    }
+    report = run_distributed(_analyze, 1, tmp_path, [run_dir], tmp_path / "out", options)[0]
+    (prefix,) = DataBlend.parse(["builtin:pydoc"]).resolved("byte", None, None).prefixes
+    sequences = samples_in_split([prefix], "999,1,0", "valid", seq_length=32)
+    held = sequences // 4  # global batches of 4
+    assert 1 <= held < 100
+    (entry,) = report["inputs"]
+    assert entry["held_out"]["batches"] == held and entry["num_tokens"] == held * 4 * 32
+    assert (
+        f"analyze: lns: --batches 100000 is more than the validation split holds ({sequences} "
+        f"sequences: {held} global batches of 4); measuring on {held}\n"
+    ) in capfd.readouterr().out
+
+
 def test_bad_inputs_are_refused_in_one_line(run, tmp_path, capsys):
     run_dir, _ = run
     out = str(tmp_path / "out")

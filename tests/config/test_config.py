@@ -848,3 +848,102 @@ def test_nemo_table_and_schema_do_not_overlap_and_are_documented():
     doc = (ROOT / "docs" / "configuration.md").read_text()
     missing = [key for key in NEMO_KEYS if f"`{key.removesuffix('.*')}`" not in doc]
     assert not missing, missing
+
+
+def _container_keys(cls=ExperimentConfig, prefix=""):
+    """(key, what it holds) for every section, mapping and list key of the schema."""
+    import typing
+
+    for name, hint in typing.get_type_hints(cls).items():
+        key = f"{prefix}{name}"
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = options[0] if typing.get_origin(hint) is not list and len(options) == 1 else hint
+        if dataclasses.is_dataclass(hint):
+            yield key, "a section of keys"
+            yield from _container_keys(hint, key + ".")
+        elif typing.get_origin(hint) is dict:
+            yield key, "a mapping"
+        elif typing.get_origin(hint) is list:
+            yield key, "a list"
+
+
+# One value of another kind for each: a list for a mapping or section, a mapping for a list.
+_OTHER_KIND = {"a section of keys": "[1, 2]", "a mapping": "[A, B]", "a list": "{a: 1}"}
+
+
+@pytest.mark.parametrize(("key", "holds"), list(_container_keys()), ids=lambda x: str(x))
+def test_a_value_of_another_kind_than_a_section_mapping_or_list_names_the_key(key, holds):
+    """OmegaConf's merge ended in 'TypeError: Cannot merge incompatible container types' for
+    a list onto a mapping, named '?' for a section, and read a mapping onto a list as
+    unknown keys below it."""
+    with pytest.raises(ConfigError) as info:
+        _load(f"{key}={_OTHER_KIND[holds]}")
+    assert str(info.value).startswith(f"'{key}' must be {holds}") or (
+        key == "model.data.data_prefix" and "per-split form" in str(info.value)
+    ), info.value
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("cluster.env_vars={A: [1]}", "'cluster.env_vars.A' must be a single value, not a list"),
+        ("model.optim.betas=[[0.9], 0.95]", "'model.optim.betas[0]' must be a single value"),
+        ("model.num_layers={a: 1}", "'model.num_layers' must be a single value, not a mapping"),
+        (
+            "model.data.data_prefix={train: [a], validation: [b], test: [c]}",
+            "NeMo's per-split form of model.data.data_prefix (train/validation/test) is not "
+            "supported",
+        ),
+    ],
+)
+def test_elements_of_another_kind_name_the_key(override, expected):
+    with pytest.raises(ConfigError) as info:
+        _load(override)
+    assert str(info.value).startswith(expected), info.value
+
+
+_PER_SPLIT = (
+    "NeMo's per-split form of model.data.data_prefix (train/validation/test) is not supported: "
+    "give one list of prefixes (with weights if blended) and split it with "
+    "model.data.splits_string"
+)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("model.data.data_prefix.train=[a]", _PER_SPLIT),
+        ("+model.data.data_prefix.validation=[a]", _PER_SPLIT),
+        (
+            "model.optim.betas.beta1=0.8",
+            "model.optim.betas is a list: 'beta1' is no element of it (number one, "
+            "model.optim.betas.0=..., or give the whole list, model.optim.betas=[...])",
+        ),
+    ],
+)
+def test_a_dotted_key_that_names_an_element_of_a_list_is_one_line(override, expected):
+    """NeMo's ``data_prefix.train=...`` form ended in OmegaConf's ConfigTypeError and its
+    traceback ('Index 'train' (str) is not an int')."""
+    with pytest.raises(ConfigError) as info:
+        _load(override)
+    assert str(info.value) == f"override '{override}': {expected}"
+
+
+def test_a_dotted_key_that_numbers_an_element_of_a_list_sets_it():
+    assert _load("model.optim.betas.0=0.8").model.optim.betas == [0.8, 0.95]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["train", str(DEMO), "exp_manager.wandb_logger_kwargs=[1,2]", "--dry-run"],
+        ["submit", str(DEMO), "cluster.env_vars=[A,B]", "--dry-run"],
+    ],
+    ids=["train", "submit"],
+)
+def test_a_list_where_a_mapping_belongs_is_one_line_on_the_command_line(args):
+    out = _cli(*args)
+    key = args[2].split("=")[0]
+    assert out.returncode == 2, out.stderr
+    (line,) = out.stderr.splitlines()
+    assert line.startswith(f"error: '{key}' must be a mapping (key: value), not a list"), line

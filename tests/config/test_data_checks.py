@@ -103,7 +103,7 @@ def test_a_hugging_face_file_instead_of_a_directory(tmp_path, monkeypatch, capsy
         tmp_path, monkeypatch, capsys,
         "model.tokenizer.library=huggingface", f"model.tokenizer.type={directory}/tokenizer.json",
     )  # fmt: skip
-    assert "is not a directory: give the directory save_pretrained wrote" in message
+    assert "is a file, not a directory: give the directory save_pretrained wrote" in message
 
 
 def test_data_from_another_tokenizer(tmp_path, monkeypatch, capsys, corpora):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import types
 from pathlib import Path
 
@@ -636,6 +637,40 @@ def test_import_base_config_may_be_a_run_directory(tmp_path):
     (tmp_path / "config.yaml").write_text("trainer:\n  max_steps: 7\n")
     assert _read_base_config(tmp_path).trainer.max_steps == 7
     assert _read_base_config(tmp_path / "config.yaml").trainer.max_steps == 7
+
+
+def test_an_unwritable_output_directory_is_one_line_for_export_and_import(seeded, tmp_path, capsys):
+    """Both ended in a PermissionError / read-only file system traceback."""
+    from helpers import read_only
+
+    from megatron_lns.cli import main
+
+    save_run(tmp_path / "run", run_config())
+    hf = tmp_path / "hf"
+    assert main(["export-hf", str(tmp_path / "run"), str(hf)]) == 0
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    capsys.readouterr()
+    with read_only(locked):
+        assert main(["export-hf", str(tmp_path / "run"), str(locked / "hf")]) == 2
+        assert main(["import-hf", str(hf), str(locked / "run")]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert [line for line in lines if line.startswith("error")] == [
+        f"error: cannot write {locked / name}: "
+        + ("read-only file system" if os.geteuid() == 0 else "permission denied")
+        + f"; no {locked / name} written"
+        for name in ("hf", "run")
+    ], lines
+    assert list(locked.iterdir()) == []
+
+
+def test_export_of_a_run_whose_newest_checkpoint_lost_a_file_names_it(seeded, tmp_path):
+    checkpoint = save_run(tmp_path / "run", run_config())
+    (checkpoint / ".metadata").unlink()
+    with pytest.raises(
+        ConversionError, match=r"iter_0000001 is not a complete checkpoint: it is damaged: "
+    ):
+        export_hf(tmp_path / "run", tmp_path / "hf", progress=silent)
 
 
 def test_export_and_import_onto_a_full_disk_are_one_line_and_write_nothing(seeded, tmp_path):

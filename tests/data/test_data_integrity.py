@@ -147,7 +147,7 @@ def test_the_cli_prints_preprocess_errors_as_one_line(tmp_path, capsys):
          "huggingface", "--quiet"]
     )  # fmt: skip
     assert code == 2
-    assert capsys.readouterr().err.startswith("error: a Hugging Face tokenizer needs")
+    assert capsys.readouterr().err.startswith("error: --tokenizer-library huggingface needs")
 
 
 class Boom(RuntimeError):

@@ -15,7 +15,7 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from megatron_lns.data.datasets import build_gpt_datasets
 from megatron_lns.data.demo_corpus import demo_documents
 from megatron_lns.data.preprocess import preprocess
-from megatron_lns.data.splits import DatasetSplitError
+from megatron_lns.data.splits import DatasetSplitError, samples_in_split
 from megatron_lns.data.tokenizer import ByteTokenizer
 
 
@@ -116,6 +116,19 @@ def test_an_unweighted_blend_needs_one_sample_from_each_prefix(tmp_path):
     with deadline(120):
         splits = _build([big, str(short)], "90,10,0", weights=[0.5, 0.5])
     assert len(splits.valid) >= 8
+
+
+def test_the_samples_one_pass_over_a_split_holds_are_megatrons(tmp_path):
+    """``analyze --batches`` is capped at this count: what megatron's datasets hold when
+    asked for one sample (one epoch), for a prefix and an unweighted blend of two."""
+    big, other = _corpus(tmp_path, 200, "big"), _corpus(tmp_path, 120, "other")
+    for prefixes in ([big], [big, other]):
+        with deadline(120):
+            splits = _build(prefixes, "90,10,0", (1, 1, 0))
+        counted = samples_in_split(prefixes, "90,10,0", "valid", seq_length=32)
+        parts = getattr(splits.valid, "datasets", [splits.valid])  # a blend's, one pass each
+        assert counted > 10 and counted == sum(map(len, parts)), prefixes
+    assert samples_in_split([big], "90,10,0", "test", seq_length=32) == 0
 
 
 def test_documents_without_tokens_fail_fast(tmp_path):

@@ -61,6 +61,22 @@ def test_nan_loss_stops_the_run_before_its_next_checkpoint(tmp_path):
     assert latest_complete_checkpoint(tmp_path / "lns" / "checkpoints") is None
 
 
+def test_a_nan_validation_loss_stops_the_run_before_the_checkpoint_of_its_step(tmp_path):
+    # The update of step 2 (lr 5e29, no clipping) makes the weights non-finite: step 2's
+    # training loss was taken before it, its validation loss after.
+    cfg = tiny_run_config(
+        tmp_path,
+        "model.optim.lr=1e30",
+        "trainer.gradient_clip_val=0",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=2",
+        "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
+    )
+    result = _run(tmp_path, cfg)
+    assert result["error"].startswith("step 2: validation loss nan: the run diverged")
+    assert latest_complete_checkpoint(tmp_path / "lns" / "checkpoints") is None
+
+
 def test_an_fp16_run_whose_updates_are_all_skipped_stops(tmp_path):
     cfg = tiny_run_config(tmp_path, "trainer.precision=16-mixed", "trainer.max_steps=200")
     result = _run(tmp_path, cfg, poison=float("inf"))
@@ -127,6 +143,24 @@ def test_a_changed_schedule_is_refused_on_resume_unless_overridden(tmp_path):
     assert overridden["lrs"][-5:] == pytest.approx(fresh["lrs"][-5:], rel=1e-12)
 
 
+def test_a_resume_with_another_layer_variant_names_the_key(tmp_path):
+    """It was a kilobyte of megatron's internal tensor names (a raw KeyError of
+    ``apply_factory_merges`` from Mix-LN's per-layer keys), or the first tensor that did
+    not fit; the config key that changed is what the user can act on."""
+    variant = ("model.norm_scaling=none", "trainer.exit_interval=3")
+    _run(tmp_path, tiny_run_config(tmp_path, *variant, "model.layer_variant=mix_ln"))
+    for other in ("pre_ln", "layerscale"):
+        refused = _run(
+            tmp_path, tiny_run_config(tmp_path, *variant, f"model.layer_variant={other}")
+        )
+        assert refused["error"] == (
+            f"checkpoint {tmp_path / 'lns' / 'checkpoints' / 'iter_0000003'} was written by "
+            f"another model (model.layer_variant: mix_ln -> {other}): a run resumes with the "
+            "model it trained; restore those values, or start a new run (another "
+            "exp_manager.name)"
+        )
+
+
 def test_a_resume_with_nothing_left_to_do_says_so_and_writes_nothing(tmp_path, capfd):
     _run(tmp_path, tiny_run_config(tmp_path))
     final = tmp_path / "lns" / "checkpoints" / "iter_0000006"
@@ -149,6 +183,25 @@ def _cli(*args, **popen):
         text=True,
         **popen,
     )
+
+
+@pytest.mark.parametrize("lost", ["metadata.json", ".metadata"])
+def test_a_committed_checkpoint_that_lost_a_file_is_named_not_passed_over(
+    tmp_path, straight_tiny_run, lost
+):
+    """Passed over, the run would resume from iter_3 and its save of step 6 would delete
+    the damaged iter_6; read, torch printed its tracebacks before the one line."""
+    shutil.copytree(straight_tiny_run["run_dir"], tmp_path / "lns")
+    damaged = tmp_path / "lns" / "checkpoints" / "iter_0000006"
+    (damaged / lost).unlink()
+    train = ["train", str(DEMO), *TINY_RUN_OVERRIDES, f"exp_manager.exp_dir={tmp_path}"]
+    out, err = _cli(*train, "trainer.max_steps=9").communicate(timeout=600)
+    assert err.splitlines() == [
+        f"error: checkpoint {damaged} is damaged: {lost} missing; set "
+        "exp_manager.resume_past_unreadable=true to resume from the newest one before it "
+        "(this one is then moved aside, kept)"
+    ], err
+    assert (damaged / "complete.json").is_file() and "resumed from" not in out
 
 
 def test_sigterm_stops_both_ranks_of_a_local_run_which_then_resumes_bitwise(tmp_path):
