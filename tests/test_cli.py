@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from helpers import ROOT
 
@@ -114,3 +115,45 @@ def test_preprocess_refuses_outputs_it_could_not_write_as_named(tmp_path, capsys
         _error_of(capsys, *prep, str(tmp_path / "x"), "--tokenizer-library", "sentencepiece")
         == "error: --tokenizer-library sentencepiece needs --tokenizer-model (a .model file)"
     )
+
+
+def _command_names() -> set[str]:
+    from megatron_lns.cli import COMMANDS
+
+    return {module.__name__.rsplit(".", 1)[1].replace("_", "-") for module in COMMANDS}
+
+
+def _bad_input_of_every_command(tmp: Path) -> dict[str, tuple[list[str], str]]:
+    """For each command: arguments a user gets wrong, and what its one line must name."""
+    missing, out = str(tmp / "missing"), str(tmp / "out")
+    return {
+        "train": (
+            ["train", "tiny_cpu_demo", "model.no_such_key=1", "--dry-run"],
+            "model.no_such_key",
+        ),
+        "plan": (["plan", "tiny_cpu_demo", "--gpu", "X100"], "--gpu X100"),
+        "submit": (
+            ["submit", "tiny_cpu_demo", "model.tensor_model_parallel_size=3", "--dry-run"],
+            "model.tensor_model_parallel_size",
+        ),
+        "compare": (
+            ["compare", "tiny_cpu_demo", "model.hidden_size=abc", "--dry-run"],
+            "model.hidden_size",
+        ),
+        "demo": (["demo", "model.hidden_size=abc", "--dry-run"], "model.hidden_size"),
+        "preprocess": (["preprocess", "--input", missing, "--output-prefix", out], missing),
+        "export-hf": (["export-hf", missing, out], missing),
+        "import-hf": (["import-hf", missing, out], missing),
+        "analyze": (["analyze", missing], missing),
+    }
+
+
+def test_every_command_answers_bad_input_in_one_line(tmp_path, capsys):
+    """Each command of ``megatron-lns``, a new one included (the case list must name it),
+    answers a user's mistake with one ``error:`` line naming it, exit 2, and no output."""
+    cases = _bad_input_of_every_command(tmp_path)
+    assert set(cases) == _command_names()
+    for command, (args, named) in cases.items():
+        line = _error_of(capsys, *args)
+        assert named in line, (command, line)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -36,9 +36,15 @@ TOKENIZER_FLAGS = {
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse, naming the flag, what the library would refuse in the words of the config
     keys, or mis-name: a tokenizer without its file, an output prefix that ends in '/'
-    (``Path`` drops the '/', so ``data/new/`` wrote ``data/new.bin``)."""
+    (``Path`` drops the '/', so ``data/new/`` wrote ``data/new.bin``); an input that is
+    not a file, before the progress bar starts."""
     from megatron_lns.data.preprocess import PreprocessError
+    from megatron_lns.path_kind import not_a_file
 
+    for path in args.input:
+        why = not_a_file(path)
+        if why:
+            raise PreprocessError(f"input file {path} {why}")
     needed = TOKENIZER_FLAGS.get(args.tokenizer_library)
     if needed and not getattr(args, needed[0]):
         raise PreprocessError(f"--tokenizer-library {args.tokenizer_library} needs {needed[1]}")

@@ -32,6 +32,7 @@ from megatron_lns.data.errors import DataError
 from megatron_lns.data.metadata import DatasetMetadata
 from megatron_lns.data.tokenizer import Tokenizer, build_tokenizer
 from megatron_lns.disk import disk_full_reported
+from megatron_lns.path_kind import not_a_file
 
 
 class PreprocessError(DataError):
@@ -87,10 +88,9 @@ def read_documents(paths: Iterable[str | Path], json_key: str = "text") -> Itera
     paths = [Path(p) for p in paths]
     count = 0
     for path in paths:
-        if not path.exists():
-            raise FileNotFoundError(f"input file {path} does not exist")
-        if not path.is_file():
-            raise PreprocessError(f"input {path} is not a file")
+        why = not_a_file(path)
+        if why:
+            raise PreprocessError(f"input file {path} {why}")
         is_json = path.suffix in (".jsonl", ".json")
         for line_number, line in _records(path):
             count += 1

@@ -129,7 +129,7 @@ def test_the_cli_prints_preprocess_errors_as_one_line(tmp_path, capsys):
     out = str(tmp_path / "out")
     for inputs, expected in [
         ([str(bad)], f"error: {bad}:2: 'text' is float, not a string"),
-        ([str(directory)], f"error: input {directory} is not a file"),
+        ([str(directory)], f"error: input file {directory} is a directory, not a file"),
     ]:
         code = main(["preprocess", "--input", *inputs, "--output-prefix", out, "--quiet"])
         assert (code, capsys.readouterr().err.strip()) == (2, expected)

@@ -14,7 +14,12 @@ from megatron_lns.data.datasets import (
     check_dataset_fits,
 )
 from megatron_lns.data.demo_corpus import demo_documents
-from megatron_lns.data.preprocess import DatasetMetadata, preprocess, read_documents
+from megatron_lns.data.preprocess import (
+    DatasetMetadata,
+    PreprocessError,
+    preprocess,
+    read_documents,
+)
 from megatron_lns.data.tokenizer import ByteTokenizer, build_tokenizer
 
 DOCS = demo_documents()[:200]
@@ -116,7 +121,7 @@ def test_jsonl_and_text_inputs(tmp_path):
     bad.write_text('{"text": "ok"}\n{"txt": "no key"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: no 'text' key"):
         list(read_documents([bad]))
-    with pytest.raises(FileNotFoundError, match=r"missing\.jsonl does not exist"):
+    with pytest.raises(PreprocessError, match=r"missing\.jsonl does not exist"):
         list(read_documents([tmp_path / "missing.jsonl"]))
 
 
