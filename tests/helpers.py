@@ -242,11 +242,10 @@ def megatron_memory_args(cfg, vocab_size: int) -> SimpleNamespace:
 def small_filesystem(directory: Path, size_kib: int, inodes: int | None = None):
     """``directory`` as a fresh tmpfs of ``size_kib`` KiB (and ``inodes`` files), for
     tests of a full disk; unmounted afterwards. Skips the test where mounting is not
-    permitted (not root, or a container without CAP_SYS_ADMIN); CI runs as root."""
-    import pytest
+    permitted (not root, or a container without CAP_SYS_ADMIN), except under CI=true."""
 
     if os.geteuid() != 0:
-        pytest.skip("a full-disk test mounts a small tmpfs, which needs root")
+        _skip_unless_ci("a full-disk test mounts a small tmpfs, which needs root")
     directory.mkdir(parents=True, exist_ok=True)
     options = f"size={size_kib}k" + (f",nr_inodes={inodes}" if inodes else "")
     mounted = subprocess.run(
@@ -255,11 +254,20 @@ def small_filesystem(directory: Path, size_kib: int, inodes: int | None = None):
         text=True,
     )
     if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs for a full-disk test: {mounted.stderr.strip()}")
+        _skip_unless_ci(f"cannot mount a tmpfs for a full-disk test: {mounted.stderr.strip()}")
     try:
         yield directory
     finally:
         subprocess.run(["umount", "--lazy", str(directory)], check=True)
+
+
+def _skip_unless_ci(reason: str) -> None:
+    """Skip where the machine cannot do it; fail under CI=true, which runs as root."""
+    import pytest
+
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"CI=true but {reason}")
+    pytest.skip(reason)
 
 
 def fill_leaving(directory: Path, free_bytes: int) -> None:
@@ -273,3 +281,18 @@ def fill_leaving(directory: Path, free_bytes: int) -> None:
 
 def directory_bytes(directory: Path) -> int:
     return sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())
+
+
+def parameters_per_rank(configs: list, vocab_size: int) -> list[int]:
+    """On this rank, the parameters of each config's model as megatron-core builds it
+    (a rank of ``run_distributed``)."""
+    from megatron_lns.build import build_model_chunks, model_config, parallel_layout
+    from megatron_lns.runtime import init_distributed
+
+    counts = []
+    for cfg in configs:
+        layout = parallel_layout(cfg)
+        device = init_distributed(layout, device="cpu", seed=1)
+        chunks = build_model_chunks(model_config(cfg, vocab_size), layout, device)
+        counts.append(sum(p.numel() for chunk in chunks for p in chunk.parameters()))
+    return counts

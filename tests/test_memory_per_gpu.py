@@ -5,7 +5,7 @@ arithmetic, and the OLMoE config quoting its current numbers."""
 import sys
 
 import pytest
-from helpers import ROOT, megatron_memory_args, run_distributed
+from helpers import ROOT, megatron_memory_args, parameters_per_rank, run_distributed
 
 from megatron_lns.config import validate
 
@@ -47,20 +47,6 @@ def _olmoe(nodes):
     return cfg
 
 
-def _parameters_per_rank(configs):
-    """Each layout's parameters on this rank, counted from the model built there."""
-    from megatron_lns.build import build_model_chunks, model_config, parallel_layout
-    from megatron_lns.runtime import init_distributed
-
-    counts = []
-    for cfg in configs:
-        layout = parallel_layout(cfg)
-        device = init_distributed(layout, device="cpu", seed=1)
-        chunks = build_model_chunks(model_config(cfg, TINY_VOCAB), layout, device)
-        counts.append(sum(p.numel() for chunk in chunks for p in chunk.parameters()))
-    return counts
-
-
 @pytest.mark.slow
 def test_parameters_per_gpu_are_those_of_the_built_model(tmp_path):
     configs = []
@@ -68,7 +54,7 @@ def test_parameters_per_gpu_are_those_of_the_built_model(tmp_path):
         cfg = memory.load_for_estimate(DEMO, [*TINY_MOE, *overrides])
         validate(cfg, check_files=False)
         configs.append(cfg)
-    per_rank = run_distributed(_parameters_per_rank, 2, tmp_path, configs)
+    per_rank = run_distributed(parameters_per_rank, 2, tmp_path, configs, TINY_VOCAB)
     for i, cfg in enumerate(configs):
         expected = memory.estimate(cfg, TINY_VOCAB).parameters
         assert [counts[i] for counts in per_rank] == [expected, expected], list(LAYOUTS)[i]

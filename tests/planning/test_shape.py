@@ -3,7 +3,7 @@ model (dense with GQA, biases and LayerNorm, tied embeddings, MoE, hybrid), each
 pipeline stage's and tensor-parallel rank's share, and the active parameters of MoE."""
 
 import pytest
-from helpers import DEMO_CONFIG, ROOT, TINY_MODEL_OVERRIDES, run_distributed
+from helpers import DEMO_CONFIG, ROOT, TINY_MODEL_OVERRIDES, parameters_per_rank, run_distributed
 
 from megatron_lns.config import validate
 from megatron_lns.planning import load_for_plan
@@ -104,23 +104,10 @@ LAYOUTS = {
 }
 
 
-def _parameters_per_rank(configs):
-    from megatron_lns.build import build_model_chunks, model_config, parallel_layout
-    from megatron_lns.runtime import init_distributed
-
-    counts = []
-    for cfg in configs:
-        layout = parallel_layout(cfg)
-        device = init_distributed(layout, device="cpu", seed=1)
-        chunks = build_model_chunks(model_config(cfg, VOCAB), layout, device)
-        counts.append(sum(p.numel() for chunk in chunks for p in chunk.parameters()))
-    return counts
-
-
 @pytest.mark.slow
 def test_each_rank_holds_the_parameters_planned_for_its_stage(tmp_path):
     configs = [_cfg("trainer.devices=2", *overrides) for overrides in LAYOUTS.values()]
-    per_rank = run_distributed(_parameters_per_rank, 2, tmp_path, configs)
+    per_rank = run_distributed(parameters_per_rank, 2, tmp_path, configs, VOCAB)
     for i, (name, cfg) in enumerate(zip(LAYOUTS, configs, strict=True)):
         counts = parameter_counts(model_shape(cfg, VOCAB), cfg.model.tensor_model_parallel_size)
         built = [rank[i] for rank in per_rank]
