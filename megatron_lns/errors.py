@@ -29,23 +29,49 @@ def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0", "false")
 
 
+MARKER_PREFIX = "megatron-lns-error-"
+
+
 def _report_marker() -> Path | None:
     """The file that the first reporting rank of this run creates, or None for a run of
     one process. Ranks of one launch on one node share a parent (the local launcher,
-    torchrun's agent, slurmstepd) and a rendezvous port."""
+    torchrun's agent, slurmstepd) and a rendezvous port; the parent's start time tells
+    it from a later process given the same pid."""
     if explicit := os.environ.get(REPORT_MARKER_ENV):
         return Path(explicit)
     world = os.environ.get("WORLD_SIZE", "1")
     if not world.isdigit() or int(world) <= 1:  # not a number: launcher_env refuses it
         return None
-    key = f"{os.getppid()}-{os.environ.get('MASTER_PORT', '')}"
-    return Path(tempfile.gettempdir()) / f"megatron-lns-error-{key}"
+    parent = os.getppid()
+    key = f"{parent}-{_start_time(parent)}-{os.environ.get('MASTER_PORT', '')}"
+    return Path(tempfile.gettempdir()) / f"{MARKER_PREFIX}{key}"
+
+
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks after boot), or None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22; the name in () may hold spaces
+
+
+def _remove_markers_of_ended_launches() -> None:
+    """An external launcher's ranks cannot tell when the last of them has reported, so
+    their marker stays; it is removed here, by a later launch, once its parent is gone."""
+    for marker in Path(tempfile.gettempdir()).glob(f"{MARKER_PREFIX}*"):
+        pid, _, rest = marker.name[len(MARKER_PREFIX) :].partition("-")
+        start = rest.partition("-")[0]
+        if pid.isdigit() and _start_time(int(pid)) != start:
+            marker.unlink(missing_ok=True)
 
 
 def report_user_error_once(err: UserError) -> None:
     """Print ``error: ...`` to stderr unless another rank of this run already did."""
     marker = _report_marker()
     if marker is not None:
+        if os.environ.get(REPORT_MARKER_ENV) is None:
+            _remove_markers_of_ended_launches()
         try:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
