@@ -98,6 +98,13 @@ def validate(
         raise ConfigError("model.sequence_parallel needs model.tensor_model_parallel_size > 1")
     _check_recompute(m)
     check_performance_keys(cfg, check_files)
+    if float(str(m.data.splits_string).split(",")[1]) == 0 and t.limit_val_batches > 0:
+        raise ConfigError(
+            f"model.data.splits_string={m.data.splits_string} leaves validation no data but "
+            f"trainer.limit_val_batches={t.limit_val_batches} asks for it: give the second "
+            "(valid) weight a share, or set trainer.limit_val_batches=0 to train without "
+            "validation"
+        )
     if m.data.seq_length != m.encoder_seq_length:
         raise ConfigError(
             f"model.data.seq_length ({m.data.seq_length}) differs from "

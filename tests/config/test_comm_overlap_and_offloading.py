@@ -257,7 +257,7 @@ def test_memory_arithmetic_keeps_only_the_layers_not_offloaded():
     estimate = _memory_module().estimate
     base = _cfg("model.transformer_engine=true", "model.num_layers=8", world_size=1)
     offloaded = _cfg(*OFFLOADING, "model.num_layers=8", "+model.cpu_offloading_num_layers=6")
-    kept, held = estimate(offloaded, 256, 1), estimate(base, 256, 1)
+    kept, held = estimate(offloaded, 256), estimate(base, 256)
     assert (held.layer_microbatches, kept.layer_microbatches) == (8, 2)
     assert kept.activations_gb == pytest.approx(held.activations_gb * 2 / 8)
 

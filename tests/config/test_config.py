@@ -446,7 +446,20 @@ def test_bad_values_are_refused_naming_the_key(override, expected):
 
 @pytest.mark.parametrize("split", ["949,50,1", "900, 50, 50", "1,0,0", "0.98,0.02,0"])
 def test_split_strings_megatron_reads_are_accepted(split):
-    validate(_load(f"model.data.splits_string='{split}'"), check_files=False)
+    validate(
+        _load(f"model.data.splits_string='{split}'", "trainer.limit_val_batches=0"),
+        check_files=False,
+    )
+
+
+def test_a_split_without_validation_data_is_refused_where_validation_is_asked_for():
+    """megatron builds no validation split from a zero weight, and the run skipped its
+    validation without a word."""
+    assert _invalid("model.data.splits_string='1,0,0'", "trainer.limit_val_batches=8") == (
+        "model.data.splits_string=1,0,0 leaves validation no data but "
+        "trainer.limit_val_batches=8 asks for it: give the second (valid) weight a share, or "
+        "set trainer.limit_val_batches=0 to train without validation"
+    )
 
 
 @pytest.mark.parametrize(
