@@ -156,8 +156,9 @@ def test_nodes_in_namespaces_have_their_own_names_and_addresses_and_are_removed_
     base = Path(tempfile.mkdtemp(prefix="megatron-lns-cluster-test."))
     base.chmod(0o755)
     cluster = base / "cluster"
-    # Another's namespace, of the same form as the cluster's: stop leaves it alone.
-    other = "lnsothern1"
+    # Another's namespace, of the same form as the cluster's: stop leaves it alone. Named
+    # for this process: one left by a test killed before its cleanup must not fail this.
+    other = f"lnsot{os.getpid()}n1"
     subprocess.run(["ip", "netns", "add", other], check=True)
     pids: list[int] = []
     try:
