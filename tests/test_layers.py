@@ -12,6 +12,7 @@ PACKAGE = ROOT / "megatron_lns"
 LAYERS = [
     "errors",
     "disk",
+    "path_kind",
     "exit_status",
     "third_party_noise",
     "choices",

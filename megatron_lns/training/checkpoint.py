@@ -92,6 +92,11 @@ class CheckpointMismatchError(CheckpointError):
     """A readable checkpoint whose tensors are not this model's (one more or one less)."""
 
 
+class ArchitectureMismatchError(CheckpointMismatchError):
+    """A checkpoint of another architecture (GPT, hybrid, another hybrid pattern); the
+    message says which setting to change."""
+
+
 # Transformer Engine's per-module FP8 metadata: present with one backend only.
 EXTRA_STATE = "_extra_state"
 
@@ -493,7 +498,7 @@ def _translate_architecture(template: dict, model, path: str | Path, common: dic
     current = architecture.model_architecture(model)
     problem = architecture.architecture_mismatch(saved, current)
     if problem:
-        raise CheckpointError(f"checkpoint {path}: {problem}")
+        raise ArchitectureMismatchError(f"checkpoint {path}: {problem}")
     if architecture.needs_gpt_translation(saved, current):
         parts = [f"model{i}" for i in range(len(model))] + ["optimizer"]
         per_layer = architecture.has_per_layer_keys(path)

@@ -44,6 +44,7 @@ from megatron_lns.config import ExperimentConfig, to_yaml
 from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.training import provenance
 from megatron_lns.training.checkpoint import (
+    ArchitectureMismatchError,
     CheckpointError,
     CheckpointMismatchError,
     TrainingState,
@@ -236,9 +237,10 @@ def _named_by_config_keys(
     err: CheckpointError, path: Path, cfg: ExperimentConfig
 ) -> CheckpointError:
     """A checkpoint that did not load, named by the model keys that changed since it was
-    written (:data:`MODEL_STRUCTURE_KEYS`) when any did; ``err`` as it is otherwise."""
+    written (:data:`MODEL_STRUCTURE_KEYS`) when any did; ``err`` as it is otherwise, and
+    when it names the setting to change already (another architecture)."""
     stored = path / RUN_CONFIG
-    if not stored.is_file():
+    if isinstance(err, ArchitectureMismatchError) or not stored.is_file():
         return err
     changes = provenance.changed_values(stored.read_text(), to_yaml(cfg), MODEL_STRUCTURE_KEYS)
     if not changes:

@@ -244,7 +244,8 @@ def test_a_user_error_in_every_rank_is_reported_once(tmp_path):
     err = cli.stderr.read()
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert lines == ["error: exp_manager.resume_from_checkpoint: /no/such/iter_0000003 is not a "
-                     "complete checkpoint (an iter_NNNNNNN directory with complete.json)"]  # fmt: skip
+                     "complete checkpoint (an iter_NNNNNNN directory with complete.json): it "
+                     "does not exist"]  # fmt: skip
     assert "Traceback" not in err
 
 
