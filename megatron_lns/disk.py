@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from megatron_lns.errors import UserError
@@ -83,16 +83,28 @@ def disk_full_error(
 
 @contextlib.contextmanager
 def disk_full_reported(
-    path: str | Path, needed: int | None = None, then: str = ""
+    path: str | Path,
+    needed: int | None = None,
+    then: str = "",
+    cleanup: Callable[[], None] | None = None,
 ) -> Iterator[None]:
     """Turn a write's full-disk ``OSError`` (:data:`DISK_FULL_ERRNOS`) in the block into a
-    :class:`DiskFullError` naming ``path``; any other error passes unchanged."""
+    :class:`DiskFullError` naming ``path``; any other error passes unchanged.
+
+    ``cleanup`` (removing what the failed write left) runs on any error, before the space
+    free is measured: the line says what ``df`` shows once the command has ended."""
     try:
         yield
     except OSError as err:
+        if cleanup is not None:
+            cleanup()
         if not is_disk_full(err):
             raise
         raise disk_full_error(path, err, needed, then) from err
+    except BaseException:
+        if cleanup is not None:
+            cleanup()
+        raise
 
 
 def as_user_error(err: BaseException) -> UserError | None:
@@ -111,9 +123,6 @@ def write_text_atomically(path: str | Path, text: str, then: str = "") -> None:
     (``then``: what that means for the reader of ``path``)."""
     path = Path(path)
     temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        with disk_full_reported(path, then=then):
-            temporary.write_text(text)
-            os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+    with disk_full_reported(path, then=then, cleanup=lambda: temporary.unlink(missing_ok=True)):
+        temporary.write_text(text)
+        os.replace(temporary, path)

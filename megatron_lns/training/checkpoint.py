@@ -229,8 +229,10 @@ def write_failure(
     A full disk (``err`` or the log says so, or, where megatron's writer lost the reason,
     fewer bytes are free than the newest checkpoint beside it takes, and at least
     :data:`NEARLY_FULL_BYTES`) names ``final``, the space free and needed, and removes
-    ``partial`` to give its space back; resume never picks it either way. Every rank that
-    failed calls this; rank 0 removes.
+    ``partial`` to give its space back; resume never picks it either way. The space free
+    is measured once ``partial`` is gone, as ``df`` shows it afterwards. Every rank that
+    failed calls this and removes what it still finds of ``partial`` (the files of a rank
+    on another node's disk included) before measuring.
     """
     if isinstance(err, (CheckpointError, DiskFullError)):  # already said (``_commit``)
         return err
@@ -246,12 +248,11 @@ def write_failure(
         )
     if oserror is None:
         oserror = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)
+    shutil.rmtree(partial, ignore_errors=True)  # ranks racing here skip what is gone
     previous = latest_complete_checkpoint(final.parent)
     rerun = f"resumes from {previous.name}" if previous is not None else "starts afresh"
     then = f"; {partial.name} removed, a rerun {rerun} once space is freed"
-    return disk_full_error(final, oserror, needed, then, free)
+    return disk_full_error(final, oserror, needed, then)
 
 
 def saved_bytes(root: str | Path) -> int | None:
