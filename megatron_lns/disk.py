@@ -52,6 +52,29 @@ def free_bytes(path: str | Path) -> int | None:
     return stat.f_bavail * stat.f_frsize
 
 
+def plain_file_mode() -> int:
+    """The mode ``open()`` gives a new file in this process: 0o666 less the umask."""
+    try:  # Linux says it without changing it (os.umask would, for a moment, every thread)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def give_plain_modes(directory: str | Path) -> None:
+    """Give every file under ``directory`` the mode :func:`plain_file_mode`: some writers
+    (safetensors' ``save_file``) create theirs 0600, readable by their owner alone,
+    which a published model or dataset must not be."""
+    mode = plain_file_mode()
+    for path in Path(directory).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
+
+
 def byte_size(count: int) -> str:
     size, unit = float(count), "B"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):  # the unit reached is kept
