@@ -76,6 +76,7 @@ from megatron_lns.errors import UserError
 from megatron_lns.model import unwrap
 from megatron_lns.training import architecture_checkpoint as architecture
 from megatron_lns.training import provenance
+from megatron_lns.training.rewind import CHECKPOINT_ID, new_checkpoint_id
 
 CHECKPOINT_DIR_RE = re.compile(r"^iter_(\d{7})$")
 COMPLETE_MARKER = "complete.json"
@@ -701,7 +702,11 @@ def _commit(partial: Path, final: Path, state: TrainingState, config_yaml: str) 
             if _metadata_write_failures:  # megatron's metadata (``metadata_write_failures_kept``)
                 raise _metadata_write_failures[0]
             (partial / RUN_CONFIG).write_text(config_yaml)
-            marker = {"iteration": state.iteration, "consumed_samples": state.consumed_samples}
+            marker = {
+                "iteration": state.iteration,
+                "consumed_samples": state.consumed_samples,
+                CHECKPOINT_ID: new_checkpoint_id(),
+            }
             (partial / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
         except OSError as err:
             raise write_failure(final, partial, err) from err
@@ -774,6 +779,7 @@ def save_weights_only_checkpoint(
         "iteration": state.iteration,
         "consumed_samples": state.consumed_samples,
         WEIGHTS_ONLY: True,
+        CHECKPOINT_ID: new_checkpoint_id(),
     }
     (directory / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
     return directory

@@ -344,7 +344,7 @@ class Trainer:
         record = None
         if requested and Path(requested).resolve() == self.resumed_path.resolve():
             now = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-            record = RewindRecord(self.resumed_path.resolve(), None, now)
+            record = RewindRecord.new(self.resumed_path, self.checkpoint_dir, now)
         error = None
         if self.is_rank0:
             try:
