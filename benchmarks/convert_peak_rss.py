@@ -128,8 +128,8 @@ def write_synthetic_llama(
 def _child_env(tree: Path) -> dict[str, str]:
     """The environment of a new top-level launch importing the package from ``tree``.
 
-    A caller that initialised a world in-process (a test) left its launcher variables
-    behind; a child inheriting them would try to join that world."""
+    A caller started by a launcher (torchrun, a test's rank) has its variables; a child
+    inheriting them would try to join that world. (``init_distributed`` writes none.)"""
     from megatron_lns.launcher_env import ADDRESS_VARIABLES, RANK_VARIABLES
 
     env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES + ADDRESS_VARIABLES}

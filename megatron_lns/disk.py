@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from megatron_lns.errors import UserError
@@ -52,6 +52,29 @@ def free_bytes(path: str | Path) -> int | None:
     return stat.f_bavail * stat.f_frsize
 
 
+def plain_file_mode() -> int:
+    """The mode ``open()`` gives a new file in this process: 0o666 less the umask."""
+    try:  # Linux says it without changing it (os.umask would, for a moment, every thread)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def give_plain_modes(directory: str | Path) -> None:
+    """Give every file under ``directory`` the mode :func:`plain_file_mode`: some writers
+    (safetensors' ``save_file``) create theirs 0600, readable by their owner alone,
+    which a published model or dataset must not be."""
+    mode = plain_file_mode()
+    for path in Path(directory).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
+
+
 def byte_size(count: int) -> str:
     size, unit = float(count), "B"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):  # the unit reached is kept
@@ -83,16 +106,28 @@ def disk_full_error(
 
 @contextlib.contextmanager
 def disk_full_reported(
-    path: str | Path, needed: int | None = None, then: str = ""
+    path: str | Path,
+    needed: int | None = None,
+    then: str = "",
+    cleanup: Callable[[], None] | None = None,
 ) -> Iterator[None]:
     """Turn a write's full-disk ``OSError`` (:data:`DISK_FULL_ERRNOS`) in the block into a
-    :class:`DiskFullError` naming ``path``; any other error passes unchanged."""
+    :class:`DiskFullError` naming ``path``; any other error passes unchanged.
+
+    ``cleanup`` (removing what the failed write left) runs on any error, before the space
+    free is measured: the line says what ``df`` shows once the command has ended."""
     try:
         yield
     except OSError as err:
+        if cleanup is not None:
+            cleanup()
         if not is_disk_full(err):
             raise
         raise disk_full_error(path, err, needed, then) from err
+    except BaseException:
+        if cleanup is not None:
+            cleanup()
+        raise
 
 
 def as_user_error(err: BaseException) -> UserError | None:
@@ -111,9 +146,6 @@ def write_text_atomically(path: str | Path, text: str, then: str = "") -> None:
     (``then``: what that means for the reader of ``path``)."""
     path = Path(path)
     temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        with disk_full_reported(path, then=then):
-            temporary.write_text(text)
-            os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+    with disk_full_reported(path, then=then, cleanup=lambda: temporary.unlink(missing_ok=True)):
+        temporary.write_text(text)
+        os.replace(temporary, path)

@@ -102,8 +102,9 @@ def hugging_face_tokenizer_dir(directory: Path) -> Path:
 def fresh_launch_env(**extra: str) -> dict[str, str]:
     """The environment of a new top-level launch: no torchrun variables.
 
-    In-process tests initialise a world of one and leave RANK, MASTER_PORT etc. in
-    ``os.environ``; a subprocess inheriting them would try to join that world.
+    ``init_distributed`` writes none of them (a world of one in-process is made without
+    them), but a test running inside a rank (``run_distributed``) or under torchrun has
+    its launcher's, and a subprocess inheriting them would try to join that world.
     """
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
     env.update(extra)

@@ -60,3 +60,51 @@ def test_an_atomic_write_onto_a_full_disk_keeps_the_old_file_and_no_temporary(tm
             write_text_atomically(disk / "config.yaml", "b: 2\n" * 4096, "; it stays as it was")
         assert (disk / "config.yaml").read_text() == "a: 1\n"
         assert sorted(p.name for p in disk.iterdir()) == ["config.yaml", "filler"]
+
+
+def _df_free(directory) -> str:
+    """What ``df`` shows as available on the filesystem of ``directory``, as the lines do."""
+    import subprocess
+
+    out = subprocess.run(
+        ["df", "-B1", "--output=avail", str(directory)], capture_output=True, text=True, check=True
+    ).stdout
+    return f"{byte_size(int(out.split()[-1]))} free there"
+
+
+def test_the_space_free_is_measured_once_the_failed_write_is_removed(tmp_path):
+    """A write cut short by the disk leaves nothing; the line says the space free after
+    that, as ``df`` shows it, not the 0 B of the moment it failed."""
+    from helpers import fill_leaving, small_filesystem
+
+    from megatron_lns.disk import write_text_atomically
+
+    with small_filesystem(tmp_path / "disk", 64) as disk:
+        fill_leaving(disk, 16 << 10)
+        with pytest.raises(DiskFullError) as info:
+            write_text_atomically(disk / "config.yaml", "b: 2\n" * 8192)
+        assert sorted(p.name for p in disk.iterdir()) == ["filler"]
+        assert f"({_df_free(disk)})" in str(info.value)
+        assert "(0 B free there)" not in str(info.value)
+
+
+def test_a_checkpoint_save_the_disk_refused_reports_the_space_its_removal_gave_back(tmp_path):
+    from helpers import fill_leaving, small_filesystem
+
+    from megatron_lns.training.checkpoint import write_failure
+
+    with small_filesystem(tmp_path / "disk", 256) as disk:
+        final = disk / "checkpoints" / "iter_0000002"
+        partial = final.with_name("iter_0000002.partial")
+        partial.mkdir(parents=True)
+        (partial / "__0_0.distcp").write_bytes(b"\0" * (128 << 10))
+        fill_leaving(disk, 0)
+        err = write_failure(final, partial, OSError(errno.ENOSPC, "No space left on device"))
+        message = str(err)
+        assert not partial.exists()
+        assert message.startswith(
+            f"cannot write {final}: no space left on device ({_df_free(disk)})"
+        )
+        assert message.endswith(
+            "; iter_0000002.partial removed, a rerun starts afresh once space is freed"
+        )

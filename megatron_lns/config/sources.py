@@ -25,6 +25,53 @@ from megatron_lns.config.schema import ExperimentConfig
 RUN_CONFIG = "config.yaml"
 
 
+# What runs_inside looks through: a run directory's own parts, never runs themselves.
+_NOT_RUNS = ("checkpoints", "tensorboard")
+_RUNS_NAMED = 3
+
+
+def _is_run_dir(path: Path) -> bool:
+    """A run directory (or import-hf's output): its ``checkpoints/`` or its config."""
+    if path.name.startswith("iter_"):  # a checkpoint holds a config.yaml too
+        return False
+    return (path / "checkpoints").is_dir() or (path / RUN_CONFIG).is_file()
+
+
+def runs_inside(directory: str | Path, depth: int = 2) -> list[Path]:
+    """The run directories under ``directory`` (an experiment directory: ``exp_dir``
+    holding ``<name>/``, or ``<name>/<time>/`` ones), up to ``depth`` levels down, sorted;
+    nothing below a run is looked at."""
+    found: list[Path] = []
+    level = [Path(directory)]
+    for _ in range(depth):
+        below = []
+        for parent in level:
+            try:
+                children = sorted(p for p in parent.iterdir() if p.is_dir())
+            except OSError:
+                continue
+            for child in children:
+                if child.name.startswith(".") or child.name in _NOT_RUNS:
+                    continue
+                (found if _is_run_dir(child) else below).append(child)
+        level = below
+    return sorted(found)
+
+
+def runs_inside_hint(directory: str | Path) -> str:
+    """``; DIR is no run directory but holds the run RUN: give that one`` (or the runs)
+    when ``directory``, given where a run directory is expected, holds runs; else ''."""
+    runs = runs_inside(directory)
+    if not runs:
+        return ""
+    if len(runs) == 1:
+        return f"; {directory} is no run directory but holds the run {runs[0]}: give that one"
+    named = ", ".join(map(str, runs[:_RUNS_NAMED]))
+    if len(runs) > _RUNS_NAMED:
+        named += f" and {len(runs) - _RUNS_NAMED} more"
+    return f"; {directory} is no run directory but holds the runs {named}: give one of them"
+
+
 def config_file(source: str | Path) -> Path:
     """The YAML file ``source`` names: an existing file as given, a directory's
     ``config.yaml``, else a bundled config by name (also when a directory without a
@@ -40,7 +87,7 @@ def config_file(source: str | Path) -> Path:
     except ConfigError:
         raise ConfigError(
             f"{stored} is missing: the directory does not say its run config (a run "
-            "directory and each of its checkpoints hold one)"
+            f"directory and each of its checkpoints hold one){runs_inside_hint(path)}"
         ) from None
 
 

@@ -21,7 +21,7 @@ import torch
 from megatron_lns.build import embedding_rows
 from megatron_lns.config import ConfigError
 from megatron_lns.config.schema import ExperimentConfig
-from megatron_lns.config.sources import load_run_config
+from megatron_lns.config.sources import load_run_config, runs_inside_hint
 from megatron_lns.convert.architectures import Architecture, architecture_for_model_config
 from megatron_lns.convert.checkpoint_reader import CheckpointReader
 from megatron_lns.convert.errors import ConversionError
@@ -62,7 +62,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
             return _loadable(latest)
     raise ConversionError(
         f"no complete checkpoint (iter_NNNNNNN with {COMPLETE_MARKER}) in {path} or "
-        f"{path / 'checkpoints'}"
+        f"{path / 'checkpoints'}{runs_inside_hint(path)}"
     )
 
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from megatron_lns.convert.errors import ConversionError
-from megatron_lns.disk import DiskFullError, disk_full_error, is_disk_full
+from megatron_lns.disk import DiskFullError, disk_full_error, give_plain_modes, is_disk_full
 
 
 def check_output_dir(out_dir: Path, overwrite: bool) -> None:
@@ -35,7 +35,8 @@ def check_apart(out_dir: Path, source: Path) -> None:
 
 @contextlib.contextmanager
 def staged_output_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a fresh staging directory that becomes ``out_dir`` if the block succeeds.
+    """Yield a fresh staging directory that becomes ``out_dir`` if the block succeeds,
+    every file in it with the mode a plain ``open()`` gives (``disk.give_plain_modes``).
 
     A full disk (anything written in the block, or the staging directory itself) is one
     :class:`~megatron_lns.errors.DiskFullError` naming ``out_dir``, after the staging
@@ -59,6 +60,7 @@ def staged_output_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[
         raise
     previous = out_dir.with_name(f".{out_dir.name}.replaced-{os.getpid()}")
     with _unwritable(out_dir, then, cleanup=staging):
+        give_plain_modes(staging)  # the umask's, not a writer's 0600 (safetensors)
         if out_dir.exists():
             out_dir.rename(previous)
         staging.rename(out_dir)

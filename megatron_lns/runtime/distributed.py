@@ -3,7 +3,8 @@
 Works the same for every process that finds the torchrun variables (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) in its environment:
 started by ``torchrun``, by ``local_ranks.spawn_local`` for tests and the CPU demo, or by any
-launcher that sets them.
+launcher that sets them. A process without them is a world of one, made in-process
+without writing them: only launchers set them.
 """
 
 from __future__ import annotations
@@ -53,17 +54,19 @@ def init_distributed(
     launcher_environment()  # refuses a partial or inconsistent one before LOCAL_RANK is used
     dev = resolve_device(device)
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
         launch = launcher_environment()
-        assert launch is not None
+        if launch is None:  # a world of one in this process: nobody to meet, no address
+            # Given to torch, not written into os.environ: every subprocess started later
+            # would inherit RANK and MASTER_PORT and try to join this world.
+            store, rank, world_size = dist.HashStore(), 0, 1
+        else:
+            store = rendezvous_store(launch, rendezvous_timeout_s)
+            rank, world_size = launch.rank, launch.world_size
         dist.init_process_group(
             backend="nccl" if dev.type == "cuda" else "gloo",
-            store=dist.PrefixStore("default_pg", rendezvous_store(launch, rendezvous_timeout_s)),
-            rank=launch.rank,
-            world_size=launch.world_size,
+            store=dist.PrefixStore("default_pg", store),
+            rank=rank,
+            world_size=world_size,
         )
     layout.data_parallel(dist.get_world_size())
     if layout.sharp and dev.type != "cuda":

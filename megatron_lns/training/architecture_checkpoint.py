@@ -77,8 +77,13 @@ def architecture_mismatch(saved: dict, current: dict) -> str | None:
     """Why a checkpoint of ``saved`` cannot load into ``current``; None when it can."""
     if saved["name"] == current["name"] == "hybrid":
         if saved.get("sublayers") != current["sublayers"]:
+            held = (
+                f"the hybrid pattern {saved['sublayers']!r}"
+                if saved.get("sublayers") is not None
+                else "a hybrid pattern it does not record"
+            )
             return (
-                f"it holds the hybrid pattern {saved.get('sublayers')!r} (pipeline '|' aside), "
+                f"it holds {held} (pipeline '|' aside), "
                 f"this model {current['sublayers']!r}: resume with that "
                 "model.hybrid_layer_pattern ('|' placed for the new pipeline layout)"
             )

@@ -76,6 +76,7 @@ from megatron_lns.errors import UserError
 from megatron_lns.model import unwrap
 from megatron_lns.training import architecture_checkpoint as architecture
 from megatron_lns.training import provenance
+from megatron_lns.training.rewind import CHECKPOINT_ID, new_checkpoint_id
 
 CHECKPOINT_DIR_RE = re.compile(r"^iter_(\d{7})$")
 COMPLETE_MARKER = "complete.json"
@@ -229,8 +230,10 @@ def write_failure(
     A full disk (``err`` or the log says so, or, where megatron's writer lost the reason,
     fewer bytes are free than the newest checkpoint beside it takes, and at least
     :data:`NEARLY_FULL_BYTES`) names ``final``, the space free and needed, and removes
-    ``partial`` to give its space back; resume never picks it either way. Every rank that
-    failed calls this; rank 0 removes.
+    ``partial`` to give its space back; resume never picks it either way. The space free
+    is measured once ``partial`` is gone, as ``df`` shows it afterwards. Every rank that
+    failed calls this and removes what it still finds of ``partial`` (the files of a rank
+    on another node's disk included) before measuring.
     """
     if isinstance(err, (CheckpointError, DiskFullError)):  # already said (``_commit``)
         return err
@@ -246,12 +249,11 @@ def write_failure(
         )
     if oserror is None:
         oserror = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)
+    shutil.rmtree(partial, ignore_errors=True)  # ranks racing here skip what is gone
     previous = latest_complete_checkpoint(final.parent)
     rerun = f"resumes from {previous.name}" if previous is not None else "starts afresh"
     then = f"; {partial.name} removed, a rerun {rerun} once space is freed"
-    return disk_full_error(final, oserror, needed, then, free)
+    return disk_full_error(final, oserror, needed, then)
 
 
 def saved_bytes(root: str | Path) -> int | None:
@@ -700,7 +702,11 @@ def _commit(partial: Path, final: Path, state: TrainingState, config_yaml: str) 
             if _metadata_write_failures:  # megatron's metadata (``metadata_write_failures_kept``)
                 raise _metadata_write_failures[0]
             (partial / RUN_CONFIG).write_text(config_yaml)
-            marker = {"iteration": state.iteration, "consumed_samples": state.consumed_samples}
+            marker = {
+                "iteration": state.iteration,
+                "consumed_samples": state.consumed_samples,
+                CHECKPOINT_ID: new_checkpoint_id(),
+            }
             (partial / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
         except OSError as err:
             raise write_failure(final, partial, err) from err
@@ -773,6 +779,7 @@ def save_weights_only_checkpoint(
         "iteration": state.iteration,
         "consumed_samples": state.consumed_samples,
         WEIGHTS_ONLY: True,
+        CHECKPOINT_ID: new_checkpoint_id(),
     }
     (directory / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
     return directory

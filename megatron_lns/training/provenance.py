@@ -109,10 +109,18 @@ def changed_values(saved_yaml: str, current_yaml: str, keys: Sequence[str]) -> l
     """``key: saved -> current`` for each of the dotted ``keys`` whose values differ."""
     saved, current = _flatten(_hashed_part(saved_yaml)), _flatten(_hashed_part(current_yaml))
     return [
-        f"{key}: {saved.get(key)} -> {current.get(key)}"
+        f"{key}: {_shown(saved, key)} -> {_shown(current, key)}"
         for key in keys
         if saved.get(key) != current.get(key)
     ]
+
+
+def _shown(flat: dict[str, object], key: str) -> str:
+    """A config value as the YAML says it: ``null``, or ``unset`` where the key is absent
+    (a config of an older version)."""
+    if key not in flat:
+        return "unset"
+    return "null" if flat[key] is None else str(flat[key])
 
 
 def changed_config_keys(saved_yaml: str, current_yaml: str) -> list[str]:

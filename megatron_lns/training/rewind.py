@@ -18,15 +18,21 @@ rename already done is skipped, so finishing twice is harmless. A disk too full 
 journal or the record undoes the rewind whole before anything moves (one line, a
 ``DiskFullError``): the same command sets the checkpoints aside once space is freed.
 
+Checkpoints are told apart by content, never by path or modification time, which a copy
+of the run directory (``cp -r`` without ``-p``, to another place) changes: each one's
+``complete.json`` holds an ``id`` drawn when it was committed (:data:`CHECKPOINT_ID`).
+
 A rewind asked for with ``exp_manager.resume_from_checkpoint`` starts its branch once.
 The setting stays in the command, so a SLURM requeue or a rerun after a crash asks for
 the same rewind again; done again, it would set the branch's own progress aside and
 restart from the same step every time. So rank 0 records each run started from
 ``resume_from_checkpoint`` in ``checkpoints/rewind.json`` (:class:`RewindRecord`: the
-checkpoint, resolved, the abandoned directory, the time), written atomically before
-anything moves. A later run asked for the same checkpoint, in a run directory that has
-complete checkpoints newer than it and saved after the record (the branch's: the rewind
-moved all the older newer ones aside), continues from the newest of them as a plain resume does
+checkpoint, resolved, and its id, the abandoned directory, the time, and the complete
+checkpoints newer than it that were there, which the rewind moves aside), written
+atomically before anything moves. A later run asked for the same checkpoint (the same id;
+the same path for one without), in a run directory that has complete checkpoints newer
+than it that the record does not list (the branch's), continues from the newest of them
+as a plain resume does
 (:func:`branch_to_continue`), and says so in one line naming the record; to rewind to the
 same checkpoint again, remove the record. Only the latest explicit start is recorded, so
 a rewind to another checkpoint is never taken for a requeue, and a checkpoint of another
@@ -41,10 +47,12 @@ checkpoint. Nothing here needs torch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +63,22 @@ ABANDONED_PREFIX = "abandoned-"
 JOURNAL = "moving.json"
 RECORD = "rewind.json"
 _CHECKPOINT_ENTRY = re.compile(r"^iter_(\d{7})(\.partial)?$")
+# The key of a checkpoint's id in its complete.json: drawn at its commit, kept by copies.
+CHECKPOINT_ID = "id"
+
+
+def new_checkpoint_id() -> str:
+    return uuid.uuid4().hex
+
+
+def checkpoint_id(checkpoint: Path) -> str | None:
+    """The id in ``checkpoint``'s complete.json; None for one written before ids were."""
+    try:
+        marker = json.loads((checkpoint / "complete.json").read_text() or "{}")
+    except (OSError, ValueError):
+        return None
+    found = marker.get(CHECKPOINT_ID) if isinstance(marker, dict) else None
+    return found if isinstance(found, str) else None
 
 
 def newer_checkpoints(checkpoint_dir: Path, resumed_step: int) -> list[str]:
@@ -114,7 +138,35 @@ class RewindRecord:
 
     checkpoint: Path  # resolved
     abandoned: Path | None  # where the newer checkpoints went; None when none moved
-    time: str  # UTC, for people; the file's mtime is what checkpoints are compared with
+    time: str  # UTC, for people
+    checkpoint_id: str | None = None  # ``checkpoint``'s (None: one without, matched by path)
+    # (name, id) of the complete checkpoints newer than ``checkpoint`` there when recorded;
+    # None in a record of an older version, whose mtime then says what came after it.
+    predating: tuple[tuple[str, str | None], ...] | None = None
+
+    @classmethod
+    def new(cls, checkpoint: Path, checkpoint_dir: Path, when: str) -> RewindRecord:
+        """The record of a start from ``checkpoint`` in ``checkpoint_dir``, now."""
+        step = _step(checkpoint) or 0
+        newer = [
+            entry
+            for entry in (sorted(checkpoint_dir.iterdir()) if checkpoint_dir.is_dir() else [])
+            if (_step(entry) or -1) > step and (entry / "complete.json").is_file()
+        ]
+        return cls(
+            checkpoint.resolve(),
+            None,
+            when,
+            checkpoint_id(checkpoint),
+            tuple((entry.name, checkpoint_id(entry)) for entry in newer),
+        )
+
+    def names(self, requested: Path) -> bool:
+        """Whether ``requested`` is the recorded checkpoint: the same id, wherever it
+        lies now; the same path for a checkpoint without one."""
+        if self.checkpoint_id is not None:
+            return checkpoint_id(requested) == self.checkpoint_id
+        return self.checkpoint == requested.resolve()
 
     @staticmethod
     def path(checkpoint_dir: Path) -> Path:
@@ -127,9 +179,13 @@ class RewindRecord:
             return None
         try:
             fields = json.loads(path.read_text())
-            abandoned = fields["abandoned"]
+            abandoned, predating = fields["abandoned"], fields.get("predating")
             return cls(
-                Path(fields["checkpoint"]), Path(abandoned) if abandoned else None, fields["time"]
+                Path(fields["checkpoint"]),
+                Path(abandoned) if abandoned else None,
+                fields["time"],
+                fields.get("checkpoint_id"),
+                None if predating is None else tuple((name, id_) for name, id_ in predating),
             )
         except (ValueError, KeyError, TypeError) as err:
             raise RewindRecordError(
@@ -144,6 +200,8 @@ class RewindRecord:
             "checkpoint": str(self.checkpoint),
             "abandoned": str(self.abandoned) if self.abandoned else None,
             "time": self.time,
+            "checkpoint_id": self.checkpoint_id,
+            "predating": None if self.predating is None else [list(p) for p in self.predating],
         }
         write_text_atomically(self.path(checkpoint_dir), json.dumps(fields) + "\n", then)
 
@@ -160,14 +218,14 @@ def branch_to_continue(checkpoint_dir: Path, requested: Path, complete: list[Pat
     branch saved nothing yet)."""
     record = RewindRecord.read(checkpoint_dir)
     step = _step(requested)
-    if record is None or step is None or record.checkpoint != requested.resolve():
+    if record is None or step is None or not record.names(requested):
         return []
-    recorded_ns = RewindRecord.path(checkpoint_dir).stat().st_mtime_ns
-    return [
-        path
-        for path in complete
-        if (_step(path) or -1) > step and (path / "complete.json").stat().st_mtime_ns >= recorded_ns
-    ]
+    newer = [path for path in complete if (_step(path) or -1) > step]
+    if record.predating is None:  # a record of an older version: its time tells
+        recorded_ns = RewindRecord.path(checkpoint_dir).stat().st_mtime_ns
+        return [p for p in newer if (p / "complete.json").stat().st_mtime_ns >= recorded_ns]
+    predating = set(record.predating)
+    return [p for p in newer if (p.name, checkpoint_id(p)) not in predating]
 
 
 def continuing_note(checkpoint_dir: Path, resumed: Path) -> str:
@@ -194,16 +252,14 @@ def set_aside_newer_checkpoints(
     names = newer_checkpoints(checkpoint_dir, resumed_step)
     if not names:
         previous = RewindRecord.read(checkpoint_dir) if record is not None else None
-        if record is not None and (previous is None or previous.checkpoint != record.checkpoint):
+        if record is not None and (previous is None or not previous.names(record.checkpoint)):
             record.write(checkpoint_dir)
         return None
     abandoned = _new_abandoned_dir(checkpoint_dir, resumed_name)
     try:  # the record last: none may name a directory that a failure here removes
         _write_journal(abandoned, names)
         if record is not None:
-            RewindRecord(record.checkpoint, abandoned, record.time).write(
-                checkpoint_dir, _NOTHING_MOVED
-            )
+            dataclasses.replace(record, abandoned=abandoned).write(checkpoint_dir, _NOTHING_MOVED)
     except DiskFullError:
         shutil.rmtree(abandoned)  # its journal at most: the rewind is undone whole
         raise

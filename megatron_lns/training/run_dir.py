@@ -14,6 +14,7 @@ another name, or resume it.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -80,12 +81,10 @@ class RunDirLock:
             except FileExistsError:
                 self._take_over_if_stale()
                 continue
-            try:  # a lock without its owner would refuse every later run: none or whole
-                with disk_full_reported(self.path), os.fdopen(fd, "w") as f:
-                    json.dump(self.owner, f)
-            except BaseException:
-                self.path.unlink(missing_ok=True)
-                raise
+            # A lock without its owner would refuse every later run: none or whole.
+            unlink = functools.partial(self.path.unlink, missing_ok=True)
+            with disk_full_reported(self.path, cleanup=unlink), os.fdopen(fd, "w") as f:
+                json.dump(self.owner, f)
             self.held = True
             return
         raise RunDirError(f"could not lock {self.path.parent}: another run took it meanwhile")

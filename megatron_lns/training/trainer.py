@@ -164,6 +164,22 @@ class _Throughput:
         return self.total_tokens / self.total_time if self.total_time else 0.0
 
 
+def diverged_message(what: str, newest: Path | None) -> str:
+    """The line that ends a diverged run: ``what`` (the non-finite values) and where a
+    rerun can start (``newest``: the newest complete checkpoint, None before the first)."""
+    newest_said = (
+        f"newest complete one: {newest}"
+        if newest is not None
+        else "no complete checkpoint yet: a rerun starts afresh"
+    )
+    return (
+        f"{what}: the run diverged and stops before its next checkpoint ({newest_said}); "
+        "lower the learning rate or resume from an earlier checkpoint "
+        "(exp_manager.resume_from_checkpoint; the checkpoints after it are then moved "
+        "aside to checkpoints/abandoned-*, kept)"
+    )
+
+
 class Trainer:
     """One pretraining run, built from a validated :class:`ExperimentConfig`.
 
@@ -344,7 +360,7 @@ class Trainer:
         record = None
         if requested and Path(requested).resolve() == self.resumed_path.resolve():
             now = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-            record = RewindRecord(self.resumed_path.resolve(), None, now)
+            record = RewindRecord.new(self.resumed_path, self.checkpoint_dir, now)
         error = None
         if self.is_rank0:
             try:
@@ -442,7 +458,7 @@ class Trainer:
             # every rank stops here (loss and norm are global)
             raise self._diverged(
                 f"step {self.state.iteration + 1}: loss {result.loss}, gradient norm "
-                f"{result.grad_norm}"
+                f"{'not computed' if result.grad_norm is None else result.grad_norm}"
             )
         self.consecutive_skips = 0
         self.scheduler.step(increment=1)
@@ -456,11 +472,7 @@ class Trainer:
         background saves."""
         self.wait_for_checkpoints()
         return TrainingStopped(
-            f"{what}: the run diverged and stops before its next checkpoint "
-            f"(newest complete one: {latest_complete_checkpoint(self.checkpoint_dir)}); "
-            "lower the learning rate or resume from an earlier checkpoint "
-            "(exp_manager.resume_from_checkpoint; the checkpoints after it are then moved "
-            "aside to checkpoints/abandoned-*, kept)"
+            diverged_message(what, latest_complete_checkpoint(self.checkpoint_dir))
         )
 
     def evaluate(self) -> float:

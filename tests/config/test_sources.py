@@ -56,3 +56,39 @@ def test_train_dry_run_takes_a_run_directory(tmp_path, capsys):
     assert main(["train", str(run_dir), "model.hidden_size=64", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "num_layers: 6" in out and "hidden_size: 64" in out
+
+
+def _experiment(exp_dir: Path, *names: str) -> list[Path]:
+    """``exp_dir`` holding runs ``names`` (``name`` or ``name/time``), each with a
+    complete checkpoint, as ``exp_manager.exp_dir`` does."""
+    runs = []
+    for name in names:
+        checkpoint = _stored_run(exp_dir / name / "checkpoints" / "iter_0000003")
+        (checkpoint / "complete.json").write_text("{}\n")
+        (exp_dir / name / RUN_CONFIG).write_text((checkpoint / RUN_CONFIG).read_text())
+        runs.append(exp_dir / name)
+    return runs
+
+
+def test_an_experiment_directory_given_for_a_run_names_the_runs_inside(tmp_path, capsys):
+    [run] = _experiment(tmp_path / "exp", "lns")
+    hint = f"; {tmp_path / 'exp'} is no run directory but holds the run {run}: give that one"
+    assert main(["export-hf", str(tmp_path / "exp"), str(tmp_path / "hf")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: no complete checkpoint") and line.endswith(hint)
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(ConfigError) as info:
+        load_run_config(tmp_path / "exp")
+    assert str(info.value).endswith(hint)
+
+
+def test_an_experiment_directory_of_several_runs_names_them(tmp_path):
+    runs = _experiment(tmp_path / "exp", "a/t1", "a/t2", "b", "c", "d")
+    with pytest.raises(ConfigError) as info:
+        load_run_config(tmp_path / "exp")
+    assert str(info.value).endswith(
+        f"holds the runs {runs[0]}, {runs[1]}, {runs[2]} and 2 more: give one of them"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_run_config(tmp_path / "empty")  # not even a directory: a bundled name
+    assert "holds the run" not in str(info.value)

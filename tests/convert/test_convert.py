@@ -225,6 +225,27 @@ def test_export_import_export_is_bitwise_identical(seeded, tmp_path, model):
     assert_same_files(first, second)
 
 
+def test_exported_and_imported_files_are_readable_as_the_umask_allows(seeded, tmp_path):
+    """safetensors writes its files 0600; a published model gets what ``open()`` would give."""
+    import stat
+
+    save_run(tmp_path / "run", run_config())
+    umask = os.umask(0o022)
+    try:
+        exported = export_hf(tmp_path / "run", tmp_path / "hf", progress=silent)
+        imported = import_hf(exported, tmp_path / "imported", lns=True, progress=silent).parent
+    finally:
+        os.umask(umask)
+    modes = {
+        str(path.relative_to(tmp_path)): oct(stat.S_IMODE(path.stat().st_mode))
+        for out in (exported, imported)
+        for path in out.rglob("*")
+        if path.is_file()
+    }
+    assert "hf/model.safetensors" in modes
+    assert {path: mode for path, mode in modes.items() if mode != "0o644"} == {}
+
+
 def test_export_shards_with_an_index_of_exactly_the_written_tensors(seeded, tmp_path):
     from safetensors import safe_open
 

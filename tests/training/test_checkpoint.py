@@ -52,6 +52,24 @@ def test_save_commits_atomically_and_latest_skips_partial(seeded, tmp_path):
     assert (state.iteration, state.consumed_samples) == (1, 4)
 
 
+def test_a_resume_on_cpu_warns_nothing_of_torchs_sharded_tensor(seeded, tmp_path):
+    """torch deprecates the ShardedTensor megatron's checkpoints load through; on CPU the
+    warning names the CUDA-to-CPU redirect as its caller, which every process quiets."""
+    import warnings
+
+    from megatron_lns.third_party_noise import quiet_third_party_noise
+
+    cfg, model, optimizer, scheduler = _setup()
+    train_step(model, optimizer, fixed_microbatches(cfg.vocab_size, cfg.seq_length))
+    path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainingState(1, 4), "")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # what pytest's own filters would hide
+        quiet_third_party_noise()
+        load_checkpoint(path, model, optimizer, scheduler)
+    shown = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught]
+    assert [w for w in shown if "ShardedTensor" in w or "FutureWarning" in w] == []
+
+
 def test_corrupt_checkpoint_is_a_clear_error(seeded, tmp_path):
     _, model, optimizer, scheduler = _setup()
     path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainingState(1, 4), "")

@@ -231,3 +231,40 @@ def test_a_rewind_the_full_disk_refuses_is_one_line_and_leaves_nothing_of_it(tmp
         [aside] = checkpoints.glob("abandoned-*")
         assert _listing(aside) == ["iter_0000004", "iter_0000006"]
         assert RewindRecord.read(checkpoints).abandoned == aside
+
+
+def _committed(checkpoints: Path, name: str) -> Path:
+    """A complete checkpoint as a save commits it: its marker carries a fresh id."""
+    (checkpoints / name).mkdir(parents=True)
+    marker = {"iteration": int(name[5:]), rewind.CHECKPOINT_ID: rewind.new_checkpoint_id()}
+    (checkpoints / name / "complete.json").write_text(json.dumps(marker) + "\n")
+    return checkpoints / name
+
+
+def test_a_copy_without_its_times_still_continues_the_branch(tmp_path):
+    """``cp -r`` without ``-p``, to another place: new paths, the record's mtime newer
+    than every checkpoint's. The record names its checkpoint and what predated the
+    rewind by content, so the copy continues the branch and skips an old checkpoint."""
+    checkpoints = tmp_path / "run" / "checkpoints"
+    for name in ("iter_0000002", "iter_0000004", "iter_0000006"):
+        _committed(checkpoints, name)
+    record = RewindRecord.new(checkpoints / "iter_0000002", checkpoints, "then")
+    set_aside_newer_checkpoints(checkpoints, "iter_0000002", 2, record)
+    _committed(checkpoints, "iter_0000003")  # the branch's first save
+    # A checkpoint that predates the record but was not moved (killed before the move).
+    kept = RewindRecord.new(checkpoints / "iter_0000002", checkpoints, "then")
+    _committed(checkpoints, "iter_0000005")
+    copy = tmp_path / "copy" / "checkpoints"
+    shutil.copytree(checkpoints, copy, copy_function=shutil.copy)  # no times kept
+    os.utime(RewindRecord.path(copy), (4e9, 4e9))  # copied last: the newest file
+    assert branch_to_continue(copy, copy / "iter_0000002", _complete(copy)) == [
+        copy / "iter_0000005",
+        copy / "iter_0000003",
+    ]
+    kept.write(copy)
+    assert branch_to_continue(copy, copy / "iter_0000002", _complete(copy)) == [
+        copy / "iter_0000005"
+    ]
+    # Another checkpoint of the same step (another run's) is another rewind.
+    other = _committed(tmp_path / "other" / "checkpoints", "iter_0000002")
+    assert branch_to_continue(copy, other, _complete(copy)) == []
