@@ -139,6 +139,10 @@ class MoEArchitecture(Architecture):
     # The shared expert's MLP and its gate, under the MoE block (None: no shared expert).
     hf_shared_expert: ClassVar[str | None] = None
     hf_shared_expert_gate: ClassVar[str | None] = None
+    # Whether every MoE block of the Hugging Face class has the shared expert (Qwen2-MoE):
+    # a model without one then writes it zero wide (``shared_expert_intermediate_size``
+    # 0), whose output is exactly zero whatever its sigmoid gate, written as zeros.
+    hf_shared_expert_always: ClassVar[bool] = False
 
     num_experts: int = 0
     topk: int = 0
@@ -283,7 +287,7 @@ class MoEArchitecture(Architecture):
         for expert in range(self.num_experts):
             gate, up, down = self.hf_expert_names(index, expert)
             shapes |= {gate: (f, h), up: (f, h), down: (h, f)}
-        if self.shared_expert_ffn_hidden_size:
+        if self.shared_expert_ffn_hidden_size or self.hf_shared_expert_always:
             s = self.shared_expert_ffn_hidden_size
             gate, up, down, sigmoid_gate = self.hf_shared_names(index)
             shapes |= {gate: (s, h), up: (s, h), down: (h, s), sigmoid_gate: (1, h)}
@@ -303,6 +307,12 @@ class MoEArchitecture(Architecture):
             out[gate], out[up] = tensors[SHARED_FC1_WEIGHT].chunk(2, dim=0)
             out[down] = tensors[SHARED_FC2_WEIGHT]
             out[sigmoid_gate] = tensors[SHARED_GATE_WEIGHT]
+        elif self.hf_shared_expert_always:
+            h, dtype = self.hidden_size, tensors[ROUTER_WEIGHT].dtype
+            gate, up, down, sigmoid_gate = self.hf_shared_names(index)
+            out[gate] = out[up] = torch.zeros((0, h), dtype=dtype)
+            out[down] = torch.zeros((h, 0), dtype=dtype)
+            out[sigmoid_gate] = torch.zeros((1, h), dtype=dtype)
         return out
 
     def mlp_from_hf(self, hf: dict[str, Tensor], index: int) -> dict[str, Tensor]:
