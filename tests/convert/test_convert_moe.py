@@ -315,6 +315,42 @@ def test_each_moe_architecture_reads_back_the_config_json_it_writes(tmp_path, ar
         assert architecture_for_hf_config(config, lns) == dataclasses.replace(exported, lns=lns)
 
 
+# Training values config.json records, set away from transformers' defaults.
+TRAINED_WITH = dict(attention_dropout=0.1, hidden_dropout=0.05, init_method_std=0.013)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda arch: arch.hf_class)
+@pytest.mark.parametrize("aux", [0.0, 0.02])
+def test_every_exported_config_value_is_the_runs(tmp_path, arch, aux):
+    """config.json's dropouts, initializer_range and MoE load-balancing weight are the
+    run's, not transformers' defaults (router_aux_loss_coef was 0.001 for a run
+    without the loss), and import makes them the imported run's defaults."""
+    from transformers import AutoConfig
+
+    moe = (QWEN2_MOE if arch.hf_shared_expert else MIXTRAL) if arch.moe else {}
+    cfg = run_config(**moe, **TRAINED_WITH, normalization=arch.norm, moe_aux_loss_coeff=aux)
+    exported = arch.from_model_config(cfg.model)
+    exported.hf_config(VOCAB, torch.float32, None, ByteTokenizer().eod).save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["attention_dropout"] == 0.1
+    assert written["initializer_range"] == 0.013
+    if arch.hf_hidden_dropout:
+        assert written["hidden_dropout"] == 0.05
+    if arch.moe:
+        assert written["router_aux_loss_coef"] == aux
+    imported = architecture_for_hf_config(AutoConfig.from_pretrained(tmp_path), lns=True)
+    settings = imported.training_settings()
+    assert settings["attention_dropout"] == 0.1 and settings["init_method_std"] == 0.013
+    assert settings.get("hidden_dropout", 0.05) == 0.05
+    assert settings.get("moe_aux_loss_coeff", aux) == aux
+
+
+def test_no_load_balancing_loss_exports_a_zero_weight():
+    cfg = run_config(**MIXTRAL, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.01)
+    config = architecture_for_model_config(cfg.model).hf_config(VOCAB, torch.float32, None, 0)
+    assert config.router_aux_loss_coef == 0.0
+
+
 # Every MoE key of the model section: what it means for export.
 ARCHITECTURE_KEYS = {
     "num_moe_experts",

@@ -93,5 +93,7 @@ class Mixtral(MoEArchitecture):
             num_local_experts=self.num_experts,
             num_experts_per_tok=self.topk,
             sliding_window=None,
+            # megatron-lns has no router input jitter (megatron's moe_input_jitter_eps is
+            # not a setting here), so every run trained without it.
             router_jitter_noise=0.0,
         )

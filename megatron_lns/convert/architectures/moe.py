@@ -153,6 +153,9 @@ class MoEArchitecture(Architecture):
     shared_expert_gate: bool = False
     # megatron's moe_router_pre_softmax=false: the top-k weights sum to one.
     topk_renormalized: bool = True
+    # The load-balancing loss's weight the run trained with (0 when it had none):
+    # config.json's router_aux_loss_coef.
+    aux_loss_coeff: float = 0.0
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -173,6 +176,9 @@ class MoEArchitecture(Architecture):
             shared_expert_ffn_hidden_size=shared,
             shared_expert_gate=bool(shared and m.moe_shared_expert_gate),
             topk_renormalized=not m.moe_router_pre_softmax,
+            aux_loss_coeff=(
+                m.moe_aux_loss_coeff if m.moe_router_load_balancing_type != "none" else 0.0
+            ),
         )
 
     @classmethod
@@ -196,6 +202,7 @@ class MoEArchitecture(Architecture):
                 "chosen expert by 1; megatron's top-1 router weighs it by its softmax "
                 "probability (it requires moe_router_pre_softmax)"
             )
+        moe["aux_loss_coeff"] = float(config.router_aux_loss_coef)
         return dataclasses.replace(arch, **moe)
 
     @classmethod
@@ -206,6 +213,14 @@ class MoEArchitecture(Architecture):
     @classmethod
     def check_model_config(cls, m: ModelConfig, head_dim: int) -> None:
         refuse_megatron_only_routing(m, cls.name)
+
+    def training_settings(self) -> dict:
+        return super().training_settings() | {"moe_aux_loss_coeff": self.aux_loss_coeff}
+
+    def hf_config(self, vocab_size: int, dtype: torch.dtype, bos: int | None, eos: int):
+        config = super().hf_config(vocab_size, dtype, bos, eos)
+        config.router_aux_loss_coef = self.aux_loss_coeff
+        return config
 
     def model_settings(self) -> dict:
         pattern = list(self.moe_pattern)
