@@ -7,32 +7,43 @@ MoE layer's constructor), so a bad YAML fails before any process starts, naming 
 
 from __future__ import annotations
 
+from omegaconf import ListConfig
+
 from megatron_lns.config.loader import ConfigError
+from megatron_lns.config.settings import declared_settings
 from megatron_lns.layout import ParallelLayout
 from megatron_lns.moe import MoELayerFreqError, moe_layer_pattern
 
-# Keys that mean something only with experts, and the value that says "not used".
-MOE_ONLY_KEYS = {
-    "expert_model_parallel_size": 1,
-    "expert_tensor_parallel_size": None,
-    "moe_ffn_hidden_size": None,
-    "moe_shared_expert_intermediate_size": None,
-    "moe_expert_capacity_factor": None,
-    "moe_router_enable_expert_bias": False,
-}
+
+def moe_only_keys() -> dict[str, object]:
+    """Every key of the schema's ``moe`` group but ``num_moe_experts``, with its default:
+    each means something only where a layer has experts."""
+    from megatron_lns.config.schema import ModelConfig
+
+    return {
+        d.key: d.default
+        for d in declared_settings(ModelConfig)
+        if d.setting.group == "moe" and d.key != "num_moe_experts"
+    }
+
+
+def _refuse_moe_keys_set(m, why: str) -> None:
+    """Refuse, by name, the first MoE key set away from its default; ``why`` says why no
+    layer has experts."""
+    for name, unused in moe_only_keys().items():
+        value = getattr(m, name)
+        if value != unused:
+            shown = list(value) if isinstance(value, ListConfig) else value
+            raise ConfigError(f"model.{name}={shown!r} has no effect: {why}")
 
 
 def check_moe(m, world: int) -> None:
     """Every cross-key MoE rule; ``m`` is the ``model:`` section, ``world`` the ranks."""
     experts = m.num_moe_experts
     if experts is None:
-        for name, unused in MOE_ONLY_KEYS.items():
-            value = getattr(m, name)
-            if value != unused:
-                raise ConfigError(
-                    f"model.{name}={value!r} needs a mixture-of-experts model "
-                    "(model.num_moe_experts)"
-                )
+        _refuse_moe_keys_set(
+            m, "it needs a mixture-of-experts model (model.num_moe_experts is not set)"
+        )
         if m.recompute_modules and {"moe", "moe_act", "shared_experts"} & set(m.recompute_modules):
             raise ConfigError(
                 f"model.recompute_modules={list(m.recompute_modules)} names MoE modules but the "
@@ -40,9 +51,18 @@ def check_moe(m, world: int) -> None:
             )
         return
     try:
-        moe_layer_pattern(m.moe_layer_freq, m.num_layers)
+        pattern = moe_layer_pattern(m.moe_layer_freq, m.num_layers)
     except MoELayerFreqError as err:
         raise ConfigError(f"model.{err}") from None
+    if not any(pattern):  # (a hybrid pattern keeps moe_layer_freq 1: check_hybrid)
+        freq = (
+            list(m.moe_layer_freq) if isinstance(m.moe_layer_freq, ListConfig) else m.moe_layer_freq
+        )
+        raise ConfigError(
+            f"model.moe_layer_freq={freq!r} places no MoE layer, so "
+            f"model.num_moe_experts={experts} would build no expert: mark at least one layer "
+            "1, or drop model.num_moe_experts for a dense model"
+        )
     if m.moe_router_topk > experts:
         raise ConfigError(
             f"model.moe_router_topk ({m.moe_router_topk}) exceeds model.num_moe_experts ({experts})"

@@ -228,6 +228,7 @@ def _run_config(
         "model.data.seq_length": "${model.encoder_seq_length}",
         "trainer.precision": PRECISION_OF_DTYPE.get(dtype, "32"),
     }
+    defaults |= {f"model.{key}": value for key, value in arch.training_settings().items()}
     for key, value in defaults.items():
         if OmegaConf.select(raw, key, default=None) is None:
             OmegaConf.update(raw, key, value, force_add=True)

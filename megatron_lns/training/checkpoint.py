@@ -658,20 +658,35 @@ def _set_states_but_step(part, set_states, model_param, tensors: dict) -> None:
 
 
 def _check_optimizer_parts(path: Path, saved, optimizer) -> None:
-    """Refuse a checkpoint whose optimizer state is split into another number of parts.
+    """Refuse a checkpoint whose optimizer state is split into another number of parts,
+    naming the layouts it does load at.
 
-    megatron-core gives expert parameters an optimizer of their own only with expert
-    parallelism; a chained optimizer saves one state per part and loads only into as
-    many parts (EP=2 -> EP=1 fails deep in megatron otherwise). Weights alone load at
-    any layout (``load_model_weights``)."""
+    megatron-core 0.19 gives expert parameters an optimizer of their own exactly when
+    their gradients are reduced over the expert groups (``use_expert_pgs``: EP > 1, or
+    expert TP other than TP), and a ``ChainedOptimizer`` loads only a state of as many
+    parts (``Expected 2 entries``, deep in megatron otherwise). The parts' tensors are
+    saved ``fully_reshardable`` (model space, one tensor per parameter, no ``chained_``
+    prefix), so within one part count any TP / PP / DP / EP / expert TP loads; only the
+    non-tensor state (each part's param groups, step) has the layout of the parts.
+    Weights alone load at any layout (``load_model_weights``)."""
     saved_parts = len(saved) if isinstance(saved, dict) and 0 in saved else 1
     parts = len(getattr(optimizer, "chained_optimizers", [optimizer]))
     if saved_parts != parts:
+        expert_parallel = (
+            "model.expert_model_parallel_size > 1 or model.expert_tensor_parallel_size other "
+            "than model.tensor_model_parallel_size"
+        )
+        written = (
+            f"with expert parallelism ({expert_parallel})"
+            if saved_parts > parts
+            else f"without expert parallelism (neither {expert_parallel})"
+        )
         raise CheckpointError(
             f"checkpoint {path}: its optimizer state has {saved_parts} part(s), this run's "
-            f"optimizer {parts} (megatron-core keeps expert parameters apart only with "
-            "expert parallelism): resume with model.expert_model_parallel_size "
-            f"{'> 1' if saved_parts > parts else '= 1'} as the checkpoint was written"
+            f"optimizer {parts}: megatron-core keeps the experts' optimizer state apart only "
+            "with expert parallelism, and loads a state only into as many parts. It was "
+            f"written {written}: resume so (any TP, PP, DP, EP and expert TP that also "
+            f"{'has' if saved_parts > parts else 'lacks'} it load, resharded)"
         )
 
 

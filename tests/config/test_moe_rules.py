@@ -171,6 +171,64 @@ def test_moe_keys_without_experts_are_refused(override):
         validate(cfg, check_files=False)
 
 
+# A valid value other than the default for every MoE key (moe_only_keys).
+NON_DEFAULT = {
+    "moe_layer_freq": "2",
+    "moe_ffn_hidden_size": "32",
+    "moe_router_topk": "3",
+    "moe_router_score_function": "sigmoid",
+    "moe_router_pre_softmax": "true",
+    "moe_router_topk_scaling_factor": "2.0",
+    "moe_router_enable_expert_bias": "true",
+    "moe_router_bias_update_rate": "0.01",
+    "moe_router_dtype": "fp32",
+    "moe_router_load_balancing_type": "none",
+    "moe_aux_loss_coeff": "0.01",
+    "moe_z_loss_coeff": "0.001",
+    "moe_per_layer_logging": "true",
+    "moe_token_dispatcher_type": "alltoall",
+    "moe_grouped_gemm": "false",
+    "moe_permute_fusion": "false",
+    "moe_shared_expert_intermediate_size": "32",
+    "moe_shared_expert_gate": "true",
+    "moe_shared_expert_overlap": "true",
+    "moe_expert_capacity_factor": "1.0",
+    "moe_token_drop_policy": "position",
+    "moe_pad_expert_input_to_capacity": "true",
+    "expert_model_parallel_size": "2",
+    "expert_tensor_parallel_size": "1",
+}
+
+
+def test_every_moe_key_has_a_non_default_value_to_refuse():
+    from megatron_lns.config.moe_rules import moe_only_keys
+
+    assert set(NON_DEFAULT) == set(moe_only_keys())
+
+
+@pytest.mark.parametrize("key", list(NON_DEFAULT))
+def test_every_moe_key_set_without_experts_is_refused_by_name(key):
+    """A dense model (no num_moe_experts) with an MoE key set trains as if it were not
+    set: refused, naming the key, as model.hybrid_layer_pattern is without hybrid."""
+    overrides = [*TINY_MODEL_OVERRIDES, "trainer.devices=2", f"model.{key}={NON_DEFAULT[key]}"]
+    cfg = load_config(DEMO_CONFIG, overrides)
+    with pytest.raises(
+        ConfigError, match=rf"^model\.{key}=.* has no effect: it needs a mixture"
+    ) as info:
+        validate(cfg, check_files=False)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("freq", ["[0,0,0,0]", "'[0]*4'"])
+def test_a_layer_pattern_with_no_moe_layer_is_refused(freq):
+    with pytest.raises(
+        ConfigError,
+        match=r"^model\.moe_layer_freq=.* places no MoE layer, so "
+        r"model\.num_moe_experts=4 would build no expert",
+    ):
+        _config(f"model.moe_layer_freq={freq}")
+
+
 def test_grouped_gemm_needs_transformer_engine_on_cuda():
     message = r"model\.moe_grouped_gemm=true needs model\.transformer_engine=true on CUDA"
     with pytest.raises(ConfigError, match=message):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import perturb_norm_weights
+from helpers import ROOT, perturb_norm_weights
 from hf_parity import (
     MIXTRAL,
     QWEN2_MOE,
@@ -33,6 +33,7 @@ from megatron_lns.convert.architectures import (
     architecture_for_hf_config,
     architecture_for_model_config,
 )
+from megatron_lns.convert.architectures.mixtral import Mixtral
 from megatron_lns.convert.architectures.moe import MEGATRON_ONLY_ROUTING, ROUTING_BALANCERS
 from megatron_lns.data.tokenizer import ByteTokenizer
 from megatron_lns.model import build_model
@@ -64,6 +65,12 @@ PARITY_CASES = {
         dict(QWEN2_MOE, moe_router_topk=1, moe_router_pre_softmax=True, moe_layer_freq=2),
         "Qwen2Moe",
     ),
+    # No shared expert (tiny_cpu_moe's layout): a Qwen2-MoE whose shared expert is zero wide.
+    "qwen2moe-unshared-dense-first": (dict(MIXTRAL, moe_layer_freq=[0, 1, 1, 1]), "Qwen2Moe"),
+    "qwen2moe-unshared-pre-softmax-every-other": (
+        dict(MIXTRAL, moe_router_pre_softmax=True, moe_layer_freq=[1, 0, 1, 0]),
+        "Qwen2Moe",
+    ),
 }
 
 
@@ -77,8 +84,12 @@ def test_moe_export_matches_megatron_logits(seeded, tmp_path, case):
     assert config["architectures"][0].startswith(expected)
     if expected == "Qwen2Moe":
         assert config["norm_topk_prob"] == (not cfg.model.moe_router_pre_softmax)
-        pattern = [1, 0, 1, 0] if cfg.model.moe_layer_freq == 2 else [0, 1, 1, 1]
+        pattern = moe_layer_pattern(cfg.model.moe_layer_freq, 4)
         assert config["mlp_only_layers"] == [i for i, moe in enumerate(pattern) if not moe]
+        assert config["decoder_sparse_step"] == 1
+        assert config["intermediate_size"] == cfg.model.ffn_hidden_size
+        shared = cfg.model.moe_shared_expert_intermediate_size or 0
+        assert config["shared_expert_intermediate_size"] == shared
     assert_parity(checkpoint, cfg, out)
 
 
@@ -142,8 +153,12 @@ def test_export_reads_one_layer_at_a_time(seeded, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(
     "model",
-    [MIXTRAL, dict(QWEN2_MOE, moe_layer_freq=[0, 1, 1, 1], moe_router_pre_softmax=True)],
-    ids=["mixtral", "qwen2moe-dense-first-pre-softmax"],
+    [
+        MIXTRAL,
+        dict(QWEN2_MOE, moe_layer_freq=[0, 1, 1, 1], moe_router_pre_softmax=True),
+        dict(MIXTRAL, moe_layer_freq=[0, 1, 1, 1]),
+    ],
+    ids=["mixtral", "qwen2moe-dense-first-pre-softmax", "qwen2moe-unshared-dense-first"],
 )
 def test_moe_export_import_export_is_bitwise_identical(seeded, tmp_path, model):
     cfg = run_config(**model)
@@ -183,7 +198,7 @@ def _tiny_hf_mixtral(path: Path) -> Path:
     return _save_hf(MixtralForCausalLM(config), path)
 
 
-def _tiny_hf_qwen2_moe(path: Path) -> Path:
+def _tiny_hf_qwen2_moe(path: Path, shared: int = 80) -> Path:
     """Layers 1 and 3 MoE by decoder_sparse_step=2, layer 3 dense by mlp_only_layers."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
@@ -192,7 +207,7 @@ def _tiny_hf_qwen2_moe(path: Path) -> Path:
         hidden_size=64,
         intermediate_size=96,
         moe_intermediate_size=48,
-        shared_expert_intermediate_size=80,
+        shared_expert_intermediate_size=shared,
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -243,15 +258,46 @@ def test_hf_moe_import_export_is_bitwise_identical(seeded, tmp_path, make):
         assert torch.equal(exported[name], tensor), name
 
 
+def test_hf_qwen2_moe_with_a_zero_wide_shared_expert_imports_without_one(seeded, tmp_path):
+    """shared_expert_intermediate_size 0 is a Qwen2-MoE without a shared expert: import
+    gives the same logits, export writes it back zero wide with a zero gate (the gate of
+    an empty expert multiplies zeros, whatever it holds)."""
+    source = _tiny_hf_qwen2_moe(tmp_path / "source", shared=0)
+    cfg = load_config(import_hf(source, tmp_path / "imported", progress=silent))
+    m = cfg.model
+    assert m.moe_shared_expert_intermediate_size is None and not m.moe_shared_expert_gate
+    checkpoint = tmp_path / "imported" / "checkpoints" / "iter_0000000"
+    assert_parity(checkpoint, cfg, source)
+    out = export_hf(tmp_path / "imported", tmp_path / "hf", progress=silent)
+    original, exported = safetensors_tensors(source), safetensors_tensors(out)
+    assert original.keys() == exported.keys()
+    for name, tensor in original.items():
+        if name.endswith("shared_expert_gate.weight"):
+            tensor = torch.zeros_like(tensor)
+        assert torch.equal(exported[name], tensor), name
+
+
 # ----------------------------------------------------------------------------- the registry
 def test_dense_models_never_export_as_moe_and_moe_models_pick_by_shared_expert():
     assert type(architecture_for_model_config(run_config().model)).hf_class == "LlamaForCausalLM"
-    chosen = {
-        "MixtralForCausalLM": run_config(**MIXTRAL).model,
-        "Qwen2MoeForCausalLM": run_config(**QWEN2_MOE).model,
-    }
-    for hf_class, model in chosen.items():
+    chosen = [
+        ("MixtralForCausalLM", run_config(**MIXTRAL).model),
+        ("Qwen2MoeForCausalLM", run_config(**QWEN2_MOE).model),
+        # What Mixtral cannot hold goes to Qwen2-MoE, with a zero-wide shared expert.
+        ("Qwen2MoeForCausalLM", run_config(**MIXTRAL, moe_layer_freq=[0, 1, 1, 1]).model),
+        ("Qwen2MoeForCausalLM", run_config(**MIXTRAL, moe_router_pre_softmax=True).model),
+    ]
+    for hf_class, model in chosen:
         assert type(architecture_for_model_config(model)).hf_class == hf_class
+
+
+def test_tiny_cpu_moe_exports_as_qwen2_moe():
+    """The bundled MoE comparison (a dense first layer, no shared expert) has an export."""
+    cfg = load_config(ROOT / "nemo_configs" / "tiny_cpu_moe.yaml")
+    arch = architecture_for_model_config(cfg.model)
+    assert type(arch).hf_class == "Qwen2MoeForCausalLM"
+    config = arch.hf_config(VOCAB, torch.float32, None, 0)
+    assert config.mlp_only_layers == [0] and config.shared_expert_intermediate_size == 0
 
 
 @pytest.mark.parametrize(
@@ -267,6 +313,42 @@ def test_each_moe_architecture_reads_back_the_config_json_it_writes(tmp_path, ar
     assert config.architectures == [arch.hf_class]
     for lns in (False, True):
         assert architecture_for_hf_config(config, lns) == dataclasses.replace(exported, lns=lns)
+
+
+# Training values config.json records, set away from transformers' defaults.
+TRAINED_WITH = dict(attention_dropout=0.1, hidden_dropout=0.05, init_method_std=0.013)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda arch: arch.hf_class)
+@pytest.mark.parametrize("aux", [0.0, 0.02])
+def test_every_exported_config_value_is_the_runs(tmp_path, arch, aux):
+    """config.json's dropouts, initializer_range and MoE load-balancing weight are the
+    run's, not transformers' defaults (router_aux_loss_coef was 0.001 for a run
+    without the loss), and import makes them the imported run's defaults."""
+    from transformers import AutoConfig
+
+    moe = (QWEN2_MOE if arch.hf_shared_expert else MIXTRAL) if arch.moe else {}
+    cfg = run_config(**moe, **TRAINED_WITH, normalization=arch.norm, moe_aux_loss_coeff=aux)
+    exported = arch.from_model_config(cfg.model)
+    exported.hf_config(VOCAB, torch.float32, None, ByteTokenizer().eod).save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["attention_dropout"] == 0.1
+    assert written["initializer_range"] == 0.013
+    if arch.hf_hidden_dropout:
+        assert written["hidden_dropout"] == 0.05
+    if arch.moe:
+        assert written["router_aux_loss_coef"] == aux
+    imported = architecture_for_hf_config(AutoConfig.from_pretrained(tmp_path), lns=True)
+    settings = imported.training_settings()
+    assert settings["attention_dropout"] == 0.1 and settings["init_method_std"] == 0.013
+    assert settings.get("hidden_dropout", 0.05) == 0.05
+    assert settings.get("moe_aux_loss_coeff", aux) == aux
+
+
+def test_no_load_balancing_loss_exports_a_zero_weight():
+    cfg = run_config(**MIXTRAL, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.01)
+    config = architecture_for_model_config(cfg.model).hf_config(VOCAB, torch.float32, None, 0)
+    assert config.router_aux_loss_coef == 0.0
 
 
 # Every MoE key of the model section: what it means for export.
@@ -338,14 +420,6 @@ REFUSALS = {
         r"model.normalization=layernorm cannot be exported: the supported mixture-of-experts "
         r"architectures \(Mixtral and Qwen2-MoE\) have rmsnorm",
     ),
-    "mixtral-pre-softmax": (
-        dict(moe_router_pre_softmax=True),
-        r"model.moe_router_pre_softmax=true cannot be exported: Mixtral divides",
-    ),
-    "mixtral-dense-layers": (
-        dict(moe_layer_freq=[0, 1, 1, 1]),
-        r"model.moe_layer_freq=\[0, 1, 1, 1\] cannot be exported without a shared expert",
-    ),
     "qwen2moe-ungated": (
         dict(moe_shared_expert_intermediate_size=80, moe_shared_expert_gate=False),
         r"model.moe_shared_expert_gate=false cannot be exported: Qwen2-MoE's shared expert",
@@ -365,6 +439,32 @@ def test_unexportable_moe_settings_are_refused_in_one_line_naming_the_key(case):
     model = dataclasses.replace(run_config(**MIXTRAL).model, **changes)
     with pytest.raises(ConversionError, match="^" + message) as refused:
         architecture_for_model_config(model)
+    assert "\n" not in str(refused.value)
+
+
+# What Mixtral itself refuses (export takes these models as Qwen2-MoE instead).
+MIXTRAL_REFUSALS = {
+    "pre-softmax": (
+        dict(moe_router_pre_softmax=True),
+        r"model.moe_router_pre_softmax=true cannot be exported: Mixtral divides",
+    ),
+    "dense-layers": (
+        dict(moe_layer_freq=[0, 1, 1, 1]),
+        r"model.moe_layer_freq=\[0, 1, 1, 1\] cannot be exported as Mixtral, which has experts",
+    ),
+    "shared-expert": (
+        dict(moe_shared_expert_intermediate_size=80, moe_shared_expert_gate=True),
+        r"model.moe_shared_expert_intermediate_size=80 cannot be exported as Mixtral",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MIXTRAL_REFUSALS))
+def test_mixtral_refuses_what_it_cannot_hold_in_one_line(case):
+    changes, message = MIXTRAL_REFUSALS[case]
+    model = dataclasses.replace(run_config(**MIXTRAL).model, **changes)
+    with pytest.raises(ConversionError, match="^" + message) as refused:
+        Mixtral.from_model_config(model)
     assert "\n" not in str(refused.value)
 
 

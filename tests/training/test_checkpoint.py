@@ -268,3 +268,25 @@ def test_a_file_only_rank_0_writes_of_a_save_fails_it_on_every_rank(tmp_path, fi
             "; iter_0000001.partial removed, a rerun starts afresh once space is freed"
         )
         assert list((disk / "checkpoints").iterdir()) == []
+
+
+@pytest.mark.parametrize(("saved", "parts"), [(2, 1), (1, 2)])
+def test_an_optimizer_state_of_other_parts_names_the_layouts_that_load_it(saved, parts):
+    """megatron-core chains the experts' optimizer apart with expert parallelism only (EP
+    > 1, or expert TP other than TP); the refusal says which layouts do load the state."""
+    from types import SimpleNamespace
+
+    from megatron_lns.training.checkpoint import CheckpointError, _check_optimizer_parts
+
+    state = {i: {} for i in range(saved)} if saved > 1 else {"optimizer": {}}
+    optimizer = SimpleNamespace(chained_optimizers=[object()] * parts)
+    with pytest.raises(CheckpointError) as refused:
+        _check_optimizer_parts("ckpt", state, optimizer)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert f"its optimizer state has {saved} part(s), this run's optimizer {parts}" in message
+    written = "with expert parallelism (" if saved > 1 else "without expert parallelism ("
+    assert written in message
+    assert "model.expert_model_parallel_size > 1 or model.expert_tensor_parallel_size" in message
+    assert message.endswith(f"that also {'has' if saved > 1 else 'lacks'} it load, resharded)")
+    _check_optimizer_parts("ckpt", state, SimpleNamespace(chained_optimizers=[0] * saved))

@@ -118,7 +118,10 @@ def test_an_ep2_checkpoint_resumes_at_another_layout(runs, layout):
 def test_an_ep2_checkpoint_does_not_resume_at_ep1_and_says_why(runs):
     for rank in runs:
         assert rank["ep1_error"].endswith(
-            "its optimizer state has 2 part(s), this run's optimizer 1 (megatron-core keeps "
-            "expert parameters apart only with expert parallelism): resume with "
-            "model.expert_model_parallel_size > 1 as the checkpoint was written"
+            "its optimizer state has 2 part(s), this run's optimizer 1: megatron-core keeps "
+            "the experts' optimizer state apart only with expert parallelism, and loads a "
+            "state only into as many parts. It was written with expert parallelism "
+            "(model.expert_model_parallel_size > 1 or model.expert_tensor_parallel_size "
+            "other than model.tensor_model_parallel_size): resume so (any TP, PP, DP, EP "
+            "and expert TP that also has it load, resharded)"
         )

@@ -8,8 +8,10 @@ them; every lookup goes through this registry:
 * export: a dense model (no ``model.num_moe_experts``) goes to a dense architecture, an
   MoE model to an MoE one; among those, ``model.normalization`` picks the ones with that
   norm (``layernorm1p`` is a LayerNorm once the fold removes its zero-centring), and the
-  first whose ``exports_model`` takes the model is chosen (an MoE model with a shared
-  expert is a Qwen2-MoE, one without a Mixtral). A later dense architecture with the
+  first whose ``exports_model`` takes the model is chosen (an MoE model with experts in
+  every layer, no shared expert and megatron's default routing is a Mixtral; any other
+  is a Qwen2-MoE, whose dense layers are its ``mlp_only_layers`` and whose shared expert
+  may be zero wide). A later dense architecture with the
   same norm is read by import and exported as the earlier one, which computes the same
   function.
 

@@ -144,6 +144,8 @@ class Architecture:
     # Whether its layers are mixture-of-experts layers (a model with model.num_moe_experts
     # exports only to one that is, a dense model only to one that is not).
     moe: ClassVar[bool] = False
+    # Whether its config.json holds a hidden (residual) dropout (model.hidden_dropout).
+    hf_hidden_dropout: ClassVar[bool] = False
 
     num_layers: int
     hidden_size: int
@@ -165,6 +167,12 @@ class Architecture:
     # The run's branch gains ("layerscale" or "skipinit", keys of BRANCH_GAINS), which
     # export folds away; None for Pre-LN and for every imported model.
     branch_gain: str | None = None
+    # How the run trained, which config.json records (attention_dropout, initializer_range,
+    # hidden_dropout where the class has it): taken from the run on export, and the
+    # imported run's defaults (training_settings) on import.
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    hidden_dropout: float | None = None
 
     @property
     def rmsnorm(self) -> bool:
@@ -226,6 +234,9 @@ class Architecture:
             rotary_base=float(m.rotary_base),
             max_position_embeddings=m.max_position_embeddings or m.encoder_seq_length,
             branch_gain=m.layer_variant if m.layer_variant in BRANCH_GAINS else None,
+            attention_dropout=m.attention_dropout,
+            init_method_std=m.init_method_std,
+            hidden_dropout=m.hidden_dropout if cls.hf_hidden_dropout else None,
         )
 
     @classmethod
@@ -275,7 +286,22 @@ class Architecture:
             eps=float(getattr(config, cls.hf_eps_key)),
             rotary_base=float(rope["rope_theta"]),
             max_position_embeddings=config.max_position_embeddings,
+            attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
+            init_method_std=float(config.initializer_range),
+            hidden_dropout=float(config.hidden_dropout) if cls.hf_hidden_dropout else None,
         )
+
+    def training_settings(self) -> dict:
+        """The ``model.*`` keys of how the model was trained that ``config.json`` records:
+        an imported run's defaults (the user's base config and overrides win), not fixed
+        like :meth:`model_settings`."""
+        settings = {
+            "attention_dropout": self.attention_dropout,
+            "init_method_std": self.init_method_std,
+        }
+        if self.hidden_dropout is not None:
+            settings["hidden_dropout"] = self.hidden_dropout
+        return settings
 
     def model_settings(self) -> dict:
         """The ``model.*`` keys of the YAML that describe this architecture."""
@@ -318,7 +344,8 @@ class Architecture:
             bos_token_id=bos,
             eos_token_id=eos,
             pad_token_id=None,
-            attention_dropout=0.0,
+            attention_dropout=self.attention_dropout,
+            initializer_range=self.init_method_std,
         )
         dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
         fields[dtype_key] = str(dtype).removeprefix("torch.")

@@ -3,7 +3,9 @@
 Mixtral's router takes the softmax over all experts, its top-k, and divides them by
 their sum: megatron's softmax router with ``moe_router_pre_softmax: false`` (its default;
 see :mod:`.moe` for why the two are equal). It has no shared expert and no dense layers,
-so a model with either is not a Mixtral (one with a gated shared expert is a Qwen2-MoE).
+so a model with either, or with pre-softmax routing, is not a Mixtral: export takes it as
+a Qwen2-MoE (:mod:`.qwen2_moe`), which has dense layers, both routings and a gated
+shared expert that may be zero wide.
 ``head_dim`` carries ``model.kv_channels`` as for Llama; ``intermediate_size`` is the
 experts' width. The weights are written in the per-expert layout ``save_pretrained``
 writes (``block_sparse_moe.experts.e.w1/w2/w3``), which transformers 4 and 5 and vLLM read.
@@ -37,7 +39,11 @@ class Mixtral(MoEArchitecture):
 
     @classmethod
     def exports_model(cls, m: ModelConfig) -> bool:
-        return not m.moe_shared_expert_intermediate_size
+        return (
+            not m.moe_shared_expert_intermediate_size
+            and not m.moe_router_pre_softmax
+            and all(model_moe_pattern(m))
+        )
 
     @classmethod
     def check_model_config(cls, m: ModelConfig, head_dim: int) -> None:
@@ -53,14 +59,13 @@ class Mixtral(MoEArchitecture):
                 "model.moe_router_pre_softmax=true cannot be exported: Mixtral divides the "
                 "top-k routing probabilities by their sum (megatron's "
                 "moe_router_pre_softmax=false, which megatron allows for top-k > 1 only); "
-                "Qwen2-MoE, which need not, always has a shared expert"
+                "export takes such a model as a Qwen2-MoE"
             )
         if not all(model_moe_pattern(m)):
             raise ConversionError(
-                f"model.moe_layer_freq={m.moe_layer_freq} cannot be exported without a shared "
-                "expert: Mixtral has experts in every layer, and Qwen2-MoE (which has dense "
-                "layers) always has a gated shared expert (model.moe_shared_expert_intermediate_"
-                "size with model.moe_shared_expert_gate=true)"
+                f"model.moe_layer_freq={m.moe_layer_freq} cannot be exported as Mixtral, which "
+                "has experts in every layer; export takes a model with dense layers as a "
+                "Qwen2-MoE (mlp_only_layers)"
             )
 
     @classmethod
@@ -88,5 +93,7 @@ class Mixtral(MoEArchitecture):
             num_local_experts=self.num_experts,
             num_experts_per_tok=self.topk,
             sliding_window=None,
+            # megatron-lns has no router input jitter (megatron's moe_input_jitter_eps is
+            # not a setting here), so every run trained without it.
             router_jitter_noise=0.0,
         )

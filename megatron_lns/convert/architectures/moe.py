@@ -139,6 +139,10 @@ class MoEArchitecture(Architecture):
     # The shared expert's MLP and its gate, under the MoE block (None: no shared expert).
     hf_shared_expert: ClassVar[str | None] = None
     hf_shared_expert_gate: ClassVar[str | None] = None
+    # Whether every MoE block of the Hugging Face class has the shared expert (Qwen2-MoE):
+    # a model without one then writes it zero wide (``shared_expert_intermediate_size``
+    # 0), whose output is exactly zero whatever its sigmoid gate, written as zeros.
+    hf_shared_expert_always: ClassVar[bool] = False
 
     num_experts: int = 0
     topk: int = 0
@@ -149,6 +153,9 @@ class MoEArchitecture(Architecture):
     shared_expert_gate: bool = False
     # megatron's moe_router_pre_softmax=false: the top-k weights sum to one.
     topk_renormalized: bool = True
+    # The load-balancing loss's weight the run trained with (0 when it had none):
+    # config.json's router_aux_loss_coef.
+    aux_loss_coeff: float = 0.0
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -169,6 +176,9 @@ class MoEArchitecture(Architecture):
             shared_expert_ffn_hidden_size=shared,
             shared_expert_gate=bool(shared and m.moe_shared_expert_gate),
             topk_renormalized=not m.moe_router_pre_softmax,
+            aux_loss_coeff=(
+                m.moe_aux_loss_coeff if m.moe_router_load_balancing_type != "none" else 0.0
+            ),
         )
 
     @classmethod
@@ -192,6 +202,7 @@ class MoEArchitecture(Architecture):
                 "chosen expert by 1; megatron's top-1 router weighs it by its softmax "
                 "probability (it requires moe_router_pre_softmax)"
             )
+        moe["aux_loss_coeff"] = float(config.router_aux_loss_coef)
         return dataclasses.replace(arch, **moe)
 
     @classmethod
@@ -202,6 +213,14 @@ class MoEArchitecture(Architecture):
     @classmethod
     def check_model_config(cls, m: ModelConfig, head_dim: int) -> None:
         refuse_megatron_only_routing(m, cls.name)
+
+    def training_settings(self) -> dict:
+        return super().training_settings() | {"moe_aux_loss_coeff": self.aux_loss_coeff}
+
+    def hf_config(self, vocab_size: int, dtype: torch.dtype, bos: int | None, eos: int):
+        config = super().hf_config(vocab_size, dtype, bos, eos)
+        config.router_aux_loss_coef = self.aux_loss_coeff
+        return config
 
     def model_settings(self) -> dict:
         pattern = list(self.moe_pattern)
@@ -283,7 +302,7 @@ class MoEArchitecture(Architecture):
         for expert in range(self.num_experts):
             gate, up, down = self.hf_expert_names(index, expert)
             shapes |= {gate: (f, h), up: (f, h), down: (h, f)}
-        if self.shared_expert_ffn_hidden_size:
+        if self.shared_expert_ffn_hidden_size or self.hf_shared_expert_always:
             s = self.shared_expert_ffn_hidden_size
             gate, up, down, sigmoid_gate = self.hf_shared_names(index)
             shapes |= {gate: (s, h), up: (s, h), down: (h, s), sigmoid_gate: (1, h)}
@@ -303,6 +322,12 @@ class MoEArchitecture(Architecture):
             out[gate], out[up] = tensors[SHARED_FC1_WEIGHT].chunk(2, dim=0)
             out[down] = tensors[SHARED_FC2_WEIGHT]
             out[sigmoid_gate] = tensors[SHARED_GATE_WEIGHT]
+        elif self.hf_shared_expert_always:
+            h, dtype = self.hidden_size, tensors[ROUTER_WEIGHT].dtype
+            gate, up, down, sigmoid_gate = self.hf_shared_names(index)
+            out[gate] = out[up] = torch.zeros((0, h), dtype=dtype)
+            out[down] = torch.zeros((h, 0), dtype=dtype)
+            out[sigmoid_gate] = torch.zeros((1, h), dtype=dtype)
         return out
 
     def mlp_from_hf(self, hf: dict[str, Tensor], index: int) -> dict[str, Tensor]:

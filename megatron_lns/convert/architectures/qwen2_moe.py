@@ -2,14 +2,19 @@
 
 Qwen2-MoE's MoE block is a routed mixture plus one shared SwiGLU expert scaled by
 ``sigmoid(x @ shared_expert_gate)``: megatron's ``moe_shared_expert_intermediate_size``
-with ``moe_shared_expert_gate: true`` (SharedExpertMLP's ``gate_weight``). Its router
-divides the top-k probabilities by their sum when ``norm_topk_prob`` (megatron's
+with ``moe_shared_expert_gate: true`` (SharedExpertMLP's ``gate_weight``). A model
+without a shared expert is a Qwen2-MoE whose shared expert is zero wide
+(``shared_expert_intermediate_size: 0``): its down projection sums nothing, so its output
+is exactly zero, and the block is the routed mixture alone. Its router divides the top-k
+probabilities by their sum when ``norm_topk_prob`` (megatron's
 ``moe_router_pre_softmax: false``) and keeps them as they are otherwise
 (``moe_router_pre_softmax: true``); see :mod:`.moe`. Dense layers mixed in by
-``moe_layer_freq`` are its ``mlp_only_layers`` (with ``decoder_sparse_step`` 1), of
-width ``intermediate_size``; the experts' width is ``moe_intermediate_size``. Its
-attention has no output bias and, here, no QKV bias (``qkv_bias: false``); its heads are
-hidden_size / num_attention_heads wide.
+``moe_layer_freq`` (any pattern) are its ``mlp_only_layers`` (with
+``decoder_sparse_step`` 1), each a ``Qwen2MoeMLP`` of width ``intermediate_size``, which
+is megatron's ``ffn_hidden_size``, the width of every dense layer of a megatron model;
+the experts' width is ``moe_intermediate_size``. Its attention has no output bias and,
+here, no QKV bias (``qkv_bias: false``); its heads are hidden_size / num_attention_heads
+wide.
 """
 
 from __future__ import annotations
@@ -33,20 +38,12 @@ class Qwen2Moe(MoEArchitecture):
     hf_expert_projections: ClassVar[tuple[str, str, str]] = ("gate_proj", "up_proj", "down_proj")
     hf_shared_expert = "shared_expert"
     hf_shared_expert_gate = "shared_expert_gate"
-
-    @classmethod
-    def exports_model(cls, m: ModelConfig) -> bool:
-        return bool(m.moe_shared_expert_intermediate_size)
+    hf_shared_expert_always = True
 
     @classmethod
     def check_model_config(cls, m: ModelConfig, head_dim: int) -> None:
         super().check_model_config(m, head_dim)
-        if not m.moe_shared_expert_intermediate_size:
-            raise ConversionError(
-                "model.moe_shared_expert_intermediate_size is not set: Qwen2-MoE always has "
-                "a shared expert"
-            )
-        if not m.moe_shared_expert_gate:
+        if m.moe_shared_expert_intermediate_size and not m.moe_shared_expert_gate:
             raise ConversionError(
                 "model.moe_shared_expert_gate=false cannot be exported: Qwen2-MoE's shared "
                 "expert is always scaled by a sigmoid gate, and no stock class here has an "
@@ -65,11 +62,6 @@ class Qwen2Moe(MoEArchitecture):
         refuse_head_size_other_than_hidden_over_heads(
             config, head_dim, "Qwen2-MoE's heads are hidden_size / num_attention_heads wide"
         )
-        if not config.shared_expert_intermediate_size:
-            raise ConversionError(
-                "config.json: shared_expert_intermediate_size=0: megatron-lns's shared "
-                "expert cannot be empty"
-            )
         layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
         if layer_types != {"full_attention"}:
             raise ConversionError(
@@ -90,8 +82,9 @@ class Qwen2Moe(MoEArchitecture):
             topk=config.num_experts_per_tok,
             expert_ffn_hidden_size=config.moe_intermediate_size,
             moe_pattern=pattern,
+            # Zero wide: no shared expert (its gate multiplies zeros).
             shared_expert_ffn_hidden_size=config.shared_expert_intermediate_size,
-            shared_expert_gate=True,
+            shared_expert_gate=bool(config.shared_expert_intermediate_size),
             topk_renormalized=bool(config.norm_topk_prob),
         )
 

@@ -31,6 +31,7 @@ class StableLm(Architecture):
         "qk_layernorm": False,
         "use_qkv_bias": False,
     }
+    hf_hidden_dropout = True
 
     @classmethod
     def check_model_config(cls, m: ModelConfig, head_dim: int) -> None:
@@ -60,4 +61,4 @@ class StableLm(Architecture):
         )
 
     def hf_config_fields(self) -> dict:
-        return dict(partial_rotary_factor=1.0, hidden_dropout=0.0)
+        return dict(partial_rotary_factor=1.0, hidden_dropout=self.hidden_dropout)
