@@ -152,6 +152,43 @@ def test_analyze_an_moe_run_and_its_hugging_face_export(tmp_path, cache):
         assert theirs["pruning_drop"] == pytest.approx(ours["pruning_drop"], abs=1e-5)
 
 
+def test_an_expert_parallel_run_and_its_export_with_the_runs_config(tmp_path, cache):
+    """An MoE run trained at EP=2 (two ranks) and its Hugging Face export, analysed with the
+    run's own config.yaml from the command line: the run at its layout (EP=2 on two
+    processes), the export at EP=1 in one process (an export has no layout), the same
+    losses. The vocabulary is padded (257 -> 384): the export's padding rows are restored
+    (issue 32)."""
+    from megatron_lns.convert import export_hf
+
+    cfg = tiny_run_config(
+        tmp_path,
+        "trainer.devices=2",
+        "trainer.max_steps=3",
+        "trainer.limit_val_batches=2",
+        "model.expert_model_parallel_size=2",
+        "model.num_moe_experts=2",
+        "model.moe_ffn_hidden_size=32",
+        "model.moe_layer_freq=1",
+        "model.moe_aux_loss_coeff=0.01",
+    )
+    valid_loss = run_distributed(_train, 2, tmp_path / "train", cfg)[0]
+    run_dir = tmp_path / "lns"
+    hf = export_hf(run_dir, tmp_path / "hf", progress=None)
+    out = tmp_path / "out"
+    command = [
+        sys.executable, "-m", "megatron_lns.cli", "analyze", str(run_dir), str(hf),
+        "--config", str(run_dir / "config.yaml"), "--no-prune", "--out", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, env=fresh_launch_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    entries = _by_label(json.loads((out / "analysis.json").read_text()))
+    megatron, exported = entries["lns"], entries["hf"]
+    assert megatron["loss"] == pytest.approx(valid_loss, rel=1e-6)
+    assert exported["num_tokens"] == megatron["num_tokens"]
+    assert abs(exported["loss"] - megatron["loss"]) < 1e-3
+    assert abs(exported["document_loss"] - megatron["document_loss"]) < 1e-3
+
+
 @pytest.fixture(scope="module")
 def one_process(run, tmp_path_factory):
     """The run analysed in one process, without layer removal."""
