@@ -107,6 +107,8 @@ def test_a_hugging_face_export_gives_the_checkpoint_numbers(run, tmp_path):
     assert exported["kind"] == "huggingface" and exported["checkpoint"] is None
     assert exported["num_tokens"] == megatron["num_tokens"]
     assert exported["loss"] == pytest.approx(megatron["loss"], rel=1e-5)
+    assert exported["document_loss"] == pytest.approx(megatron["document_loss"], rel=1e-5)
+    assert exported["documents"] == megatron["documents"] > 0
     for ours, theirs in zip(megatron["layers"], exported["layers"], strict=True):
         for key in ("angular_distance", "angular_distance_last_token", "output_variance"):
             assert theirs[key] == pytest.approx(ours[key], rel=1e-4)
@@ -207,11 +209,13 @@ def test_cli_on_two_processes_matches_one_process(run, one_process, tmp_path, la
     out = tmp_path / "out"
     command = [
         sys.executable, "-m", "megatron_lns.cli", "analyze", str(run_dir), "--out", str(out),
-        "--labels", "two", "--no-prune", "trainer.devices=2", *layout,
+        "--no-prune", "--labels", "two", "trainer.devices=2", *layout,
     ]  # fmt: skip
     done = subprocess.run(command, env=fresh_launch_env(), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"wrote {out / 'analysis.json'}" in done.stdout
+    # Settings after --labels are settings; nothing unmeasured is printed as nan.
+    assert "pruning drop not computed" in done.stdout and "nan" not in done.stdout
 
     ours = _by_label(json.loads((out / "analysis.json").read_text()))["two"]
     reference = one_process["inputs"][0]
@@ -254,6 +258,17 @@ def test_more_batches_than_the_split_holds_are_capped_and_said(run, tmp_path, ca
         f"analyze: lns: --batches 100000 is more than the validation split holds ({sequences} "
         f"sequences: {held} global batches of 4); measuring on {held}\n"
     ) in capfd.readouterr().out
+
+
+def test_a_split_with_no_training_share_is_analysed(run, tmp_path):
+    """analyze reads only held-out data: a split that is all validation (``0,100,0``) was
+    refused as if it were to train on."""
+    run_dir, _ = run
+    options = {"batches": 1, "prune": False, "overrides": ["model.data.splits_string=0,100,0"]}
+    report = run_distributed(_analyze, 1, tmp_path, [run_dir], tmp_path / "out", options)[0]
+    (entry,) = report["inputs"]
+    assert entry["held_out"]["splits_string"] == "0,100,0" and entry["num_tokens"] == 4 * 32
+    assert entry["documents"] >= 1 and math.isfinite(entry["document_loss"])
 
 
 def test_bad_inputs_are_refused_in_one_line(run, tmp_path, capsys):
