@@ -12,18 +12,25 @@ checkpoint (``convert.hf_import``) which is then analysed like any other.
 
 Every input is measured by :func:`~megatron_lns.analysis.depth.depth_diagnostics` at
 the parallel layout of its config (overridable), on ``trainer.devices`` local
-processes or under an external launcher (torchrun, srun). The output directory gets
+processes or under an external launcher (torchrun, srun). A Hugging Face model has no
+layout: it is measured at TP=PP=EP=1 on one device unless ``key=value`` settings say
+otherwise, whatever its ``--config`` says. Besides the validation-style loss, each input
+gets the once-per-document loss of :mod:`~megatron_lns.analysis.documents` (what an
+outside evaluator such as lm-eval computes). The output directory gets
 ``analysis.json`` and PNG plots overlaying all inputs; it is written all at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
+import os
 import re
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,11 +42,12 @@ from megatron_lns.analysis.plots import plot_depth_reports
 from megatron_lns.config import ConfigError, ExperimentConfig, validate
 from megatron_lns.config.sources import RUN_CONFIG, config_file, load_run_config
 from megatron_lns.config.validate import check_environment
+from megatron_lns.convert.errors import ConversionError
 from megatron_lns.convert.hf_export import resolve_checkpoint
 from megatron_lns.convert.hf_import import import_hf
 from megatron_lns.convert.output import check_apart, check_output_dir, staged_output_dir
 from megatron_lns.errors import UserError
-from megatron_lns.launcher_env import launcher_environment
+from megatron_lns.launcher_env import ADDRESS_VARIABLES, RANK_VARIABLES, launcher_environment
 from megatron_lns.layout import micro_batches_per_step
 
 REPORT_NAME = "analysis.json"
@@ -57,12 +65,27 @@ OVERRIDABLE = (
     "model.pipeline_model_parallel_size",
     "model.virtual_pipeline_model_parallel_size",
     "model.sequence_parallel",
+    "model.expert_model_parallel_size",
+    "model.expert_tensor_parallel_size",
     "model.transformer_engine",
     "model.fp8",
 )
+# How a model is laid out on devices: a run's config says the layout it was trained at;
+# a Hugging Face model has none, so these keys of a --config base are not used for it.
+LAYOUT = (
+    "trainer.devices",
+    "trainer.num_nodes",
+    "model.tensor_model_parallel_size",
+    "model.pipeline_model_parallel_size",
+    "model.virtual_pipeline_model_parallel_size",
+    "model.sequence_parallel",
+    "model.expert_model_parallel_size",
+    "model.expert_tensor_parallel_size",
+)
 # Keys of a --config base that describe a training run rather than the imported model:
-# its directory, and the LNS/variant choice, which a Hugging Face export has folded in.
-_NOT_FROM_BASE = ("exp_manager", "model.norm_scaling", "model.layer_variant")
+# its directory, its layout, and the LNS/variant choice, which a Hugging Face export has
+# folded in. (The architecture keys config.json gives are dropped too: _hf_base.)
+_NOT_FROM_BASE = ("exp_manager", "model.norm_scaling", "model.layer_variant", *LAYOUT)
 _OVERRIDE = re.compile(r"^\+?[A-Za-z_][\w.]*=")
 
 
@@ -144,9 +167,18 @@ def resolve_inputs(paths: Sequence[str | Path], labels: Sequence[str] | None) ->
     return inputs
 
 
-def _hf_base(config: str | Path | None):
+def _is_layout(override: str) -> bool:
+    return override.lstrip("+~").split("=", 1)[0] in LAYOUT
+
+
+def _hf_base(config: str | Path | None, hf_dir: Path):
     """The --config YAML (a file, bundled name or run directory) without the keys an
-    imported model sets itself."""
+    imported model sets itself: its layout, and the architecture config.json gives (a run
+    config may say what the export cannot: the dense ``ffn_hidden_size`` of a run whose
+    every layer is MoE, which its model never uses)."""
+    from megatron_lns.convert.architectures import architecture_for_hf_config
+    from megatron_lns.convert.hf_import import read_hf_config
+
     if config is None:
         return OmegaConf.create({})
     path = config_file(config)
@@ -154,7 +186,11 @@ def _hf_base(config: str | Path | None):
         base = OmegaConf.load(path)
     except Exception as err:  # YAML syntax errors come in several types
         raise AnalysisError(f"--config {path}: {str(err).splitlines()[0]}") from err
-    for key in _NOT_FROM_BASE:
+    try:
+        settings = architecture_for_hf_config(read_hf_config(hf_dir), False).model_settings()
+    except ConversionError as err:
+        raise AnalysisError(str(err)) from err
+    for key in (*_NOT_FROM_BASE, *(f"model.{key}" for key in settings)):
         parent, _, leaf = key.rpartition(".")
         node = OmegaConf.select(base, parent) if parent else base
         if node is not None and leaf in node:
@@ -168,7 +204,7 @@ def _import_hf(item: Input, work: Path, overrides: list[str], config: str | Path
     It is imported as plain Pre-LN: an exported model has any LNS factors folded into
     its norm weights, so that model computes exactly what the trained one did.
     """
-    base = _hf_base(config)
+    base = _hf_base(config, item.source)
     has_data = OmegaConf.select(base, "model.data.data_prefix", default=None) or any(
         o.lstrip("+").startswith("model.data.data_prefix=") for o in overrides
     )
@@ -179,8 +215,29 @@ def _import_hf(item: Input, work: Path, overrides: list[str], config: str | Path
             "model.data.data_prefix=..."
         )
     run_dir = work / f"hf-import-{len(list(work.iterdir()))}"
-    import_hf(item.source, run_dir, overrides, lns=False, base_config=base, progress=None)
+    # Imported in one process at TP=PP=EP=1 (a checkpoint loads at any layout): the layout
+    # settings apply when it is analysed (input_config).
+    imported = [o for o in overrides if not _is_layout(o)]
+    import_hf(item.source, run_dir, imported, lns=False, base_config=base, progress=None)
     item.checkpoint = resolve_checkpoint(run_dir)
+
+
+@contextlib.contextmanager
+def _launch_environment_kept() -> Iterator[None]:
+    """The launcher variables as they were before: a process group of one started in this
+    process (an import, an input measured in-process) sets RANK, WORLD_SIZE, ..., which
+    would make the next input of ``trainer.devices > 1`` look launched by torchrun and run
+    in this one process."""
+    names = (*RANK_VARIABLES, *ADDRESS_VARIABLES)
+    before = {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def input_config(item: Input, overrides: list[str], work: Path, world: int | None):
@@ -197,7 +254,7 @@ def input_config(item: Input, overrides: list[str], work: Path, world: int | Non
     exp = dataclasses.replace(cfg.exp_manager, exp_dir=str(work), name="analysis")
     cfg = dataclasses.replace(cfg, exp_manager=exp)
     try:
-        validate(cfg, world)
+        validate(cfg, world, held_out_only=True)
         check_environment(cfg)
     except ConfigError as err:
         raise AnalysisError(f"{item.label} ({path}): {err}") from err
@@ -284,7 +341,8 @@ def analyze(
                         "analyze without torchrun/srun (it starts trainer.devices processes "
                         "itself), or import-hf it first and analyze that run directory"
                     )
-                _import_hf(item, work, overrides, config)
+                with _launch_environment_kept():
+                    _import_hf(item, work, overrides, config)
             item.cfg = input_config(item, overrides, work, world)
             if batches is None and item.cfg.trainer.limit_val_batches < 1:
                 raise AnalysisError(
@@ -302,7 +360,8 @@ def analyze(
                 f"analyze: {item.label}: {item.checkpoint} ({num_blocks(cfg.model)} layers, "
                 f"{num_batches} held-out batches of {cfg.model.global_batch_size} sequences)"
             )
-            _run(cfg, item.checkpoint, num_batches, prune, str(result_path))
+            with _launch_environment_kept():
+                _run(cfg, item.checkpoint, num_batches, prune, str(result_path))
             if result_path.is_file():  # under an external launcher, on rank 0 only
                 results.append((item, num_batches, json.loads(result_path.read_text())))
         if not results:
@@ -314,16 +373,35 @@ def analyze(
             }
             (stage / REPORT_NAME).write_text(json.dumps(report, indent=1) + "\n")
             plots = plot_depth_reports(reports, stage)
-    for label, rep in reports.items():
-        deepest = rep.layers[-1]
-        _say(
-            f"analyze: {label}: held-out loss {rep.loss:.4f} (ppl {rep.perplexity:.3f}, "
-            f"{rep.num_tokens} tokens); variance growth L/1 {rep.variance_growth():.3g}; "
-            f"last layer: angular distance {deepest.angular_distance:.4f}, pruning drop "
-            f"{deepest.pruning_drop:.4f}"
-        )
+    for item, _, result in results:
+        _say(summary_line(item.label, reports[item.label], result))
     _say(f"analyze: wrote {out_dir / REPORT_NAME} and {', '.join(p.name for p in plots)}")
     return out_dir / REPORT_NAME
+
+
+def _number(value: float | None, form: str = ".4f") -> str:
+    """``value`` formatted, or "not computed" for a value not measured (None, NaN)."""
+    if value is None or math.isnan(value):
+        return "not computed"
+    return format(value, form)
+
+
+def summary_line(label: str, report: DepthReport, result: dict) -> str:
+    """The line ``analyze`` prints per input: both held-out losses and the last layer."""
+    deepest = report.layers[-1]
+    documents = _number(result.get("document_loss"))
+    if result.get("document_loss") is not None:
+        documents += (
+            f" ({result['documents']} documents, {result['document_tokens']} tokens, "
+            f"context {result['context_length']})"
+        )
+    return (
+        f"analyze: {label}: held-out loss {_number(report.loss)} (validation-style: packed "
+        f"samples, ppl {_number(report.perplexity, '.3f')}, {report.num_tokens} tokens); "
+        f"once per document {documents}; variance growth L/1 "
+        f"{_number(report.variance_growth(), '.3g')}; last layer: angular distance "
+        f"{_number(deepest.angular_distance)}, pruning drop {_number(deepest.pruning_drop)}"
+    )
 
 
 def _capped_to_the_split(item: Input, batches: int) -> int:
@@ -411,6 +489,7 @@ def analysis_job(
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from megatron_lns.analysis.documents import document_batches, document_loss, held_out_documents
     from megatron_lns.build import (
         build_model_chunks,
         dataset_settings,
@@ -433,10 +512,15 @@ def analysis_job(
         rendezvous_timeout_s=cfg.trainer.rendezvous_timeout_s,
     )
     m = cfg.model
-    gpt = model_config(cfg, build_tokenizer(*tokenizer_spec(cfg)).vocab_size)
-    train, valid, test = dataset_num_samples(cfg)
+    tokenizer = build_tokenizer(*tokenizer_spec(cfg))
+    gpt = model_config(cfg, tokenizer.vocab_size)
+    _, valid, test = dataset_num_samples(cfg)
     valid = max(valid, num_batches * m.global_batch_size)
-    splits = dataset_settings(cfg).build(tokenizer_spec(cfg), gpt.vocab_size, (train, valid, test))
+    # No training split: analyze reads only held-out data (the validation split's samples
+    # do not depend on how many training samples the run drew).
+    splits = dataset_settings(cfg).build(
+        tokenizer_spec(cfg), gpt.vocab_size, (0, valid, test), held_out_only=True
+    )
     if splits.valid is None:
         raise AnalysisError(
             f"model.data.splits_string={m.data.splits_string} gives the validation split no "
@@ -471,5 +555,26 @@ def analysis_job(
     finally:
         if bar is not None:
             bar.close()
+    from megatron_lns.data.blend import DataBlend
+
+    prefixes = DataBlend.parse(m.data.data_prefix).resolved(*tokenizer_spec(cfg)).prefixes
+    scored = document_batches(
+        held_out_documents(prefixes, m.data.splits_string, tokenizer.eod),
+        tokenizer.eod,
+        m.data.seq_length,
+        num_batches * m.global_batch_size,
+        m.micro_batch_size,
+        num_microbatches,
+        dp_size,
+        parallel_state.get_data_parallel_rank(),
+    )
+    doc_loss, doc_tokens = document_loss(chunks, scored.batches, tokenizer.vocab_size)
     if rank0:
-        Path(result_path).write_text(json.dumps(report.to_dict()))
+        result = report.to_dict() | {
+            "document_loss": doc_loss,
+            "document_perplexity": math.exp(min(doc_loss, 50.0)),
+            "document_tokens": doc_tokens,
+            "documents": scored.documents,
+            "context_length": m.data.seq_length,
+        }
+        Path(result_path).write_text(json.dumps(result))

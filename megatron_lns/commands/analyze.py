@@ -17,7 +17,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         nargs="+",
         metavar="RUN_OR_CHECKPOINT",
         help="run directories, iter_NNNNNNN checkpoints or Hugging Face exports; key=value "
-        "settings (held-out data, batch sizes, layout, devices) apply to all of them",
+        "settings (held-out data, batch sizes, layout incl. expert parallelism, devices), "
+        "wherever they stand on the line, apply to all of them; a Hugging Face export is "
+        "analysed at TP=PP=EP=1 on one device unless they say otherwise",
     )
     analyze.add_argument("--out", default=None, help="output directory (default: analysis-TIME)")
     analyze.add_argument(
@@ -25,7 +27,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="held-out global batches (default: each run's trainer.limit_val_batches; at "
-        "most what the validation split holds)",
+        "most what the validation split holds); the once-per-document loss scores whole "
+        "validation documents in order, in at most as many sequences",
     )
     analyze.add_argument("--labels", nargs="+", default=None, help="one name per input")
     analyze.add_argument(
@@ -41,11 +44,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from megatron_lns.analysis.trained_models import analyze, is_override
 
-    arguments = [*args.inputs, *args.overrides]
+    # key=value settings count wherever they stand: argparse's nargs="+" gives those after
+    # --labels to the labels.
+    labels = None if args.labels is None else [a for a in args.labels if not is_override(a)]
+    arguments = [*args.inputs, *(args.labels or []), *args.overrides]
     analyze(
-        [arg for arg in arguments if not is_override(arg)],
+        [arg for arg in [*args.inputs, *args.overrides] if not is_override(arg)],
         args.out or f"analysis-{time.strftime('%Y%m%d-%H%M%S')}",
-        labels=args.labels,
+        labels=labels,
         batches=args.batches,
         overrides=[arg for arg in arguments if is_override(arg)],
         config=args.config,

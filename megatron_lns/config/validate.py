@@ -45,6 +45,15 @@ def _divisible(key: str, value: int, by_key: str, by: int, shown: str | None = N
         raise ConfigError(f"{key} ({value}) is not divisible by {by_key} ({shown or by})")
 
 
+def _held_out_split_problem(problem: str, split: str) -> bool:
+    """Whether ``problem`` is only that ``split`` gives training no share (three
+    non-negative weights, the validation one positive)."""
+    from megatron_lns.data.splits import split_weights
+
+    weights = split_weights(split) if len(str(split).split(",")) == 3 else None
+    return problem.startswith("model.data.splits_string ") and bool(weights) and weights[1] > 0
+
+
 def data_blend(data_prefix) -> DataBlend:
     """``model.data.data_prefix`` as a blend; a malformed list names the key."""
     try:
@@ -56,11 +65,24 @@ def data_blend(data_prefix) -> DataBlend:
 
 
 def validate(
-    cfg: ExperimentConfig, world_size: int | None = None, check_files: bool = True
+    cfg: ExperimentConfig,
+    world_size: int | None = None,
+    check_files: bool = True,
+    held_out_only: bool = False,
 ) -> None:
     """Every declared value rule (``schema.py``), then the rules that relate keys; with
-    ``check_files`` also the files the run reads and the directories it writes."""
-    problem = next(value_errors(cfg), None)
+    ``check_files`` also the files the run reads and the directories it writes.
+
+    ``held_out_only`` validates for a command that reads only the held-out data
+    (``analyze``): a split string that gives training no share is then accepted."""
+    problem = next(
+        (
+            p
+            for p in value_errors(cfg)
+            if not (held_out_only and _held_out_split_problem(p, cfg.model.data.splits_string))
+        ),
+        None,
+    )
     if problem:
         raise ConfigError(problem)
     t, m = cfg.trainer, cfg.model

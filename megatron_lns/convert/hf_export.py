@@ -9,6 +9,14 @@ Tensors are read one transformer layer at a time straight from the ``torch_dist`
 TP/PP/VP layout exports the same, on a CPU, without a process group, and peak memory
 is one layer's tensors plus one output shard. The output is written into a hidden
 sibling directory and renamed into place once complete and checked.
+
+megatron pads the vocabulary (``model.make_vocab_size_divisible_by``, tensor
+parallelism) and trains the padding rows like any other: the output layer's padded
+logits are never targets, so training pushes them down, but they stay in the softmax of
+the run's loss. A Hugging Face model has only the tokenizer's rows, so the padding rows
+are written apart, in :data:`PADDING_FILE` (safetensors format under a name no Hugging
+Face loader reads), for ``import-hf`` (and ``analyze``) to put back: the imported model
+then computes the run's loss over the padded vocabulary.
 """
 
 from __future__ import annotations
@@ -45,6 +53,10 @@ from megatron_lns.training.checkpoint import (
 )
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 10**9
+# The trained vocabulary padding rows (embedding, and output layer when untied), beside
+# the model; safetensors format, named so that no "*.safetensors" glob takes it for a
+# shard of the model (vLLM loads every one it finds when there is no index).
+PADDING_FILE = "vocab_padding.megatron_lns"
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -160,8 +172,22 @@ def export_hf(
         arch.hf_config(vocab, dtype, ids.bos, ids.eos).save_pretrained(stage)
         _generation_config(ids.bos, ids.eos).save_pretrained(stage)
         write_sharded(stage, _groups(reader, arch, vocab, dtype, say), dtype, max_shard_bytes, say)
+        if padded > vocab:
+            _write_padding_rows(reader, arch, vocab, padded, stage / PADDING_FILE)
     say(f"export-hf: done: {out_dir}")
     return Path(out_dir)
+
+
+def _write_padding_rows(
+    reader: CheckpointReader, arch: Architecture, vocab: int, padded: int, path: Path
+) -> None:
+    """Rows ``[vocab, padded)`` of the embedding (and of the untied output layer)."""
+    from safetensors.torch import save_file
+
+    shape = ((vocab, 0), (padded - vocab, arch.hidden_size))
+    keys = [EMBEDDING] if arch.tied_embeddings else [EMBEDDING, OUTPUT_LAYER]
+    rows = reader.read(dict.fromkeys(keys, shape))
+    save_file({key: tensor.contiguous() for key, tensor in rows.items()}, str(path))
 
 
 def _generation_config(bos: int | None, eos: int):

@@ -88,7 +88,7 @@ def import_hf(
     overrides = list(overrides or [])
     check_output_dir(out_dir, overwrite)
     check_apart(out_dir, hf_dir)
-    hf_config = _read_hf_config(hf_dir)
+    hf_config = read_hf_config(hf_dir)
     arch = architecture_for_hf_config(hf_config, lns)
     base = _read_base_config(base_config)
     copy_tokenizer = not _user_sets(base, overrides, "model.tokenizer")
@@ -136,7 +136,8 @@ def import_hf(
                 f"import-hf: {hf_dir} ({arch.hf_class}, {arch.num_layers} layers) -> "
                 f"{out_dir} ({'LNS factors divided out' if lns else 'Pre-LN'})"
             )
-            source = HfParameters(weights, arch, hf_vocab, padded, say)
+            padding = padding_rows(hf_dir, hf_vocab, padded, arch.hidden_size, say)
+            source = HfParameters(weights, arch, hf_vocab, padded, say, padding)
             parameters = GroupedParameters(model, source.group_of, source.produce)
             strategy = StreamingSaveStrategy(parameters)
             save_weights_only_checkpoint([model], checkpoint, to_yaml(cfg), strategy=strategy)
@@ -152,7 +153,7 @@ def import_hf(
     return out_dir / RUN_CONFIG
 
 
-def _read_hf_config(hf_dir: Path):
+def read_hf_config(hf_dir: Path):
     if problem := not_a_directory(hf_dir):
         raise ConversionError(f"Hugging Face directory {hf_dir} {problem}")
     if not (hf_dir / "config.json").is_file():
@@ -375,6 +376,7 @@ class HfParameters:
         vocab: int,
         padded: int,
         say: Callable[[str], None],
+        padding: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.weights, self.arch, self.vocab, self.padded, self.say = (
             weights,
@@ -383,6 +385,7 @@ class HfParameters:
             padded,
             say,
         )
+        self.padding = padding or {}  # the export's trained padding rows, by megatron key
         self.inexact = 0  # norm elements without an exact preimage (--lns)
 
     def group_of(self, name: str) -> int:
@@ -398,7 +401,7 @@ class HfParameters:
         arch, h = self.arch, self.arch.hidden_size
         if group == 0:
             embedding = self.weights.get(HF_EMBEDDING, (self.vocab, h))
-            return {EMBEDDING: _pad_rows(embedding, self.padded)}
+            return {EMBEDDING: _pad_rows(embedding, self.padded, self.padding.get(EMBEDDING))}
         if group <= arch.num_layers:
             index = group - 1
             self.say(f"import-hf: layer {group}/{arch.num_layers}")
@@ -415,7 +418,9 @@ class HfParameters:
         if not arch.rmsnorm:
             out[arch.checkpoint_key(FINAL_NORM_BIAS)] = hf[HF_FINAL_NORM + "bias"]
         if not arch.tied_embeddings:
-            out[OUTPUT_LAYER] = _pad_rows(hf[HF_LM_HEAD], self.padded)
+            out[OUTPUT_LAYER] = _pad_rows(
+                hf[HF_LM_HEAD], self.padded, self.padding.get(OUTPUT_LAYER)
+            )
         elif HF_LM_HEAD in hf and not torch.equal(hf[HF_LM_HEAD], self.weights.get(HF_EMBEDDING)):
             raise ConversionError(
                 f"{self.weights.directory}: tie_word_embeddings is true but '{HF_LM_HEAD}' "
@@ -424,7 +429,37 @@ class HfParameters:
         return out
 
 
-def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    """Vocabulary rows padded with zeros up to megatron's padded vocabulary size."""
+def _pad_rows(tensor: torch.Tensor, rows: int, trained: torch.Tensor | None = None) -> torch.Tensor:
+    """Vocabulary rows padded up to megatron's padded vocabulary size: with the trained
+    padding rows an export kept (``trained``), else with zeros."""
+    if trained is not None:
+        return torch.cat([tensor, trained.to(tensor.dtype)])
     padding = torch.zeros(rows - tensor.shape[0], *tensor.shape[1:], dtype=tensor.dtype)
     return torch.cat([tensor, padding])
+
+
+def padding_rows(
+    hf_dir: Path, vocab: int, padded: int, hidden: int, say: Callable[[str], None]
+) -> dict[str, torch.Tensor]:
+    """The trained vocabulary padding rows ``export-hf`` wrote beside the model
+    (``hf_export.PADDING_FILE``), by megatron key, where they fill exactly the rows this
+    import pads; none (zero rows) otherwise, said when the file is there but does not fit."""
+    from megatron_lns.convert.hf_export import PADDING_FILE
+
+    path = hf_dir / PADDING_FILE
+    if not path.is_file() or padded == vocab:
+        return {}
+    from safetensors.torch import load_file
+
+    try:
+        rows = load_file(str(path))
+    except Exception as err:  # safetensors raises its own error types
+        raise ConversionError(f"{path}: {str(err).splitlines()[0]}") from err
+    if any(tuple(t.shape) != (padded - vocab, hidden) for t in rows.values()):
+        shapes = sorted({tuple(t.shape) for t in rows.values()})
+        say(
+            f"import-hf: note: {path} holds padding rows of shape {shapes}, this import pads "
+            f"{vocab} rows to {padded}: its padding rows are zeros"
+        )
+        return {}
+    return {key: rows[key] for key in (EMBEDDING, OUTPUT_LAYER) if key in rows}

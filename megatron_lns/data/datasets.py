@@ -23,7 +23,12 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron_lns.data.blend import DataBlend
 from megatron_lns.data.errors import DataError
 from megatron_lns.data.metadata import DatasetMetadata
-from megatron_lns.data.splits import DatasetSplitError, check_split_shares, check_split_string
+from megatron_lns.data.splits import (
+    DatasetSplitError,
+    check_split_shares,
+    check_split_string,
+    split_weights,
+)
 from megatron_lns.data.tokenizer import Tokenizer, build_tokenizer
 
 
@@ -108,7 +113,7 @@ class ContentKeyedGPTDataset(GPTDataset):
 
 @dataclass
 class DataSplits:
-    train: GPTDataset
+    train: GPTDataset | None  # None only when built held_out_only
     valid: GPTDataset | None
     test: GPTDataset | None = None
 
@@ -127,14 +132,25 @@ def build_gpt_datasets(
     reset_attention_mask: bool = False,
     eod_mask_loss: bool = False,
     num_test_samples: int = 0,
+    held_out_only: bool = False,
 ) -> DataSplits:
     """Train/valid/test ``GPTDataset``s (blended with ``weights``, split by ``split``).
 
     A split the run draws no samples from is not built (``None``): megatron would index
     it anyway, and loop forever on one that has no documents. Every built split is
-    checked to get tokens from every prefix before megatron starts.
+    checked to get tokens from every prefix before megatron starts. ``held_out_only``
+    (with no training samples) builds no training split and accepts a split string that
+    gives training no share, as ``analyze`` reads only held-out data.
     """
-    check_split_string(split)
+    if held_out_only:
+        if num_train_samples:
+            raise ValueError("held_out_only builds no training split: ask for 0 training samples")
+        if split_weights(split) is None:
+            raise DatasetSplitError(
+                f"split '{split}' must be up to three non-negative weights 'train,valid,test'"
+            )
+    else:
+        check_split_string(split)
     config = ContentKeyedGPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
@@ -164,7 +180,7 @@ def build_gpt_datasets(
     train, valid, test = BlendedMegatronDatasetBuilder(
         ContentKeyedGPTDataset, sizes, lambda: True, config
     ).build()
-    if train is None:
+    if train is None and not held_out_only:
         raise DatasetSplitError(
             f"no training data: the split '{split}' gives the train split no share, or the "
             f"run asks for {num_train_samples} training samples"
@@ -190,6 +206,7 @@ class DatasetSettings:
         tokenizer_spec: tuple[str, str | None, str | None],
         model_vocab_size: int,
         num_samples: tuple[int, int, int],
+        held_out_only: bool = False,
     ) -> DataSplits:
         """The train/valid/test datasets: built-in corpora prepared, every file checked
         against the tokenizer and the model's vocabulary, then megatron's ``GPTDataset``s.
@@ -215,6 +232,7 @@ class DatasetSettings:
             reset_position_ids=self.reset_position_ids,
             reset_attention_mask=self.reset_attention_mask,
             eod_mask_loss=self.eod_mask_loss,
+            held_out_only=held_out_only,
         )
 
 

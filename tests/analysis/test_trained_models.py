@@ -107,6 +107,8 @@ def test_a_hugging_face_export_gives_the_checkpoint_numbers(run, tmp_path):
     assert exported["kind"] == "huggingface" and exported["checkpoint"] is None
     assert exported["num_tokens"] == megatron["num_tokens"]
     assert exported["loss"] == pytest.approx(megatron["loss"], rel=1e-5)
+    assert exported["document_loss"] == pytest.approx(megatron["document_loss"], rel=1e-5)
+    assert exported["documents"] == megatron["documents"] > 0
     for ours, theirs in zip(megatron["layers"], exported["layers"], strict=True):
         for key in ("angular_distance", "angular_distance_last_token", "output_variance"):
             assert theirs[key] == pytest.approx(ours[key], rel=1e-4)
@@ -152,6 +154,43 @@ def test_analyze_an_moe_run_and_its_hugging_face_export(tmp_path, cache):
         assert theirs["pruning_drop"] == pytest.approx(ours["pruning_drop"], abs=1e-5)
 
 
+def test_an_expert_parallel_run_and_its_export_with_the_runs_config(tmp_path, cache):
+    """An MoE run trained at EP=2 (two ranks) and its Hugging Face export, analysed with the
+    run's own config.yaml from the command line: the run at its layout (EP=2 on two
+    processes), the export at EP=1 in one process (an export has no layout), the same
+    losses. The vocabulary is padded (257 -> 384): the export's padding rows are restored
+    (issue 32)."""
+    from megatron_lns.convert import export_hf
+
+    cfg = tiny_run_config(
+        tmp_path,
+        "trainer.devices=2",
+        "trainer.max_steps=3",
+        "trainer.limit_val_batches=2",
+        "model.expert_model_parallel_size=2",
+        "model.num_moe_experts=2",
+        "model.moe_ffn_hidden_size=32",
+        "model.moe_layer_freq=1",
+        "model.moe_aux_loss_coeff=0.01",
+    )
+    valid_loss = run_distributed(_train, 2, tmp_path / "train", cfg)[0]
+    run_dir = tmp_path / "lns"
+    hf = export_hf(run_dir, tmp_path / "hf", progress=None)
+    out = tmp_path / "out"
+    command = [
+        sys.executable, "-m", "megatron_lns.cli", "analyze", str(run_dir), str(hf),
+        "--config", str(run_dir / "config.yaml"), "--no-prune", "--out", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, env=fresh_launch_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    entries = _by_label(json.loads((out / "analysis.json").read_text()))
+    megatron, exported = entries["lns"], entries["hf"]
+    assert megatron["loss"] == pytest.approx(valid_loss, rel=1e-6)
+    assert exported["num_tokens"] == megatron["num_tokens"]
+    assert abs(exported["loss"] - megatron["loss"]) < 1e-3
+    assert abs(exported["document_loss"] - megatron["document_loss"]) < 1e-3
+
+
 @pytest.fixture(scope="module")
 def one_process(run, tmp_path_factory):
     """The run analysed in one process, without layer removal."""
@@ -170,11 +209,13 @@ def test_cli_on_two_processes_matches_one_process(run, one_process, tmp_path, la
     out = tmp_path / "out"
     command = [
         sys.executable, "-m", "megatron_lns.cli", "analyze", str(run_dir), "--out", str(out),
-        "--labels", "two", "--no-prune", "trainer.devices=2", *layout,
+        "--no-prune", "--labels", "two", "trainer.devices=2", *layout,
     ]  # fmt: skip
     done = subprocess.run(command, env=fresh_launch_env(), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"wrote {out / 'analysis.json'}" in done.stdout
+    # Settings after --labels are settings; nothing unmeasured is printed as nan.
+    assert "pruning drop not computed" in done.stdout and "nan" not in done.stdout
 
     ours = _by_label(json.loads((out / "analysis.json").read_text()))["two"]
     reference = one_process["inputs"][0]
@@ -217,6 +258,17 @@ def test_more_batches_than_the_split_holds_are_capped_and_said(run, tmp_path, ca
         f"analyze: lns: --batches 100000 is more than the validation split holds ({sequences} "
         f"sequences: {held} global batches of 4); measuring on {held}\n"
     ) in capfd.readouterr().out
+
+
+def test_a_split_with_no_training_share_is_analysed(run, tmp_path):
+    """analyze reads only held-out data: a split that is all validation (``0,100,0``) was
+    refused as if it were to train on."""
+    run_dir, _ = run
+    options = {"batches": 1, "prune": False, "overrides": ["model.data.splits_string=0,100,0"]}
+    report = run_distributed(_analyze, 1, tmp_path, [run_dir], tmp_path / "out", options)[0]
+    (entry,) = report["inputs"]
+    assert entry["held_out"]["splits_string"] == "0,100,0" and entry["num_tokens"] == 4 * 32
+    assert entry["documents"] >= 1 and math.isfinite(entry["document_loss"])
 
 
 def test_bad_inputs_are_refused_in_one_line(run, tmp_path, capsys):

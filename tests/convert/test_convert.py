@@ -246,6 +246,29 @@ def test_exported_and_imported_files_are_readable_as_the_umask_allows(seeded, tm
     assert {path: mode for path, mode in modes.items() if mode != "0o644"} == {}
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_import_of_an_export_restores_the_trained_vocabulary_padding_rows(seeded, tmp_path, tied):
+    """The export keeps megatron's padding rows (257 -> 384) apart; imported back, they are
+    the run's, not zeros, so the imported model's softmax over the padded vocabulary (the
+    run's loss) is the run's (issue 32: the loss of an analysed export was 0.03 off)."""
+    from megatron_lns.convert.checkpoint_reader import CheckpointReader
+    from megatron_lns.convert.hf_export import PADDING_FILE
+    from megatron_lns.convert.mapping import EMBEDDING, OUTPUT_LAYER
+
+    cfg = run_config(share_embeddings_and_output_weights=tied)
+    original = save_run(tmp_path / "run", cfg)
+    hf = export_hf(tmp_path / "run", tmp_path / "hf", progress=silent)
+    assert (hf / PADDING_FILE).is_file() and not list(hf.glob("vocab_padding*.safetensors"))
+    import_hf(hf, tmp_path / "imported", lns=True, progress=silent)
+    imported = tmp_path / "imported" / "checkpoints" / "iter_0000000"
+    keys = [EMBEDDING] if tied else [EMBEDDING, OUTPUT_LAYER]
+    for key in keys:
+        want = CheckpointReader(original).read_rows(key, 384)
+        got = CheckpointReader(imported).read_rows(key, 384)
+        assert want[VOCAB:].abs().sum() > 0
+        assert torch.equal(got, want), key
+
+
 def test_export_shards_with_an_index_of_exactly_the_written_tensors(seeded, tmp_path):
     from safetensors import safe_open
 

@@ -44,10 +44,13 @@ from __future__ import annotations
 import json
 import math
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import fresh_launch_env
 from hf_parity import SEQ, run_config, save_checkpoint, silent
 
 from megatron_lns.analysis.depth import held_out_loss
@@ -100,6 +103,27 @@ def held_out_documents(cfg) -> list[str]:
     end = sum(weights[:2]) / sum(weights)
     first, last = document_range(len(documents), (begin, end))
     return [doc for doc in documents[first:last] if len(doc.encode()) <= 200][:8]
+
+
+def validation_document_range(cfg) -> tuple[int, int]:
+    """The demo corpus's documents ``[first, last)`` in the validation split."""
+    weights = [float(w) for w in cfg.model.data.splits_string.split(",")]
+    begin = sum(weights[:1]) / sum(weights)
+    end = sum(weights[:2]) / sum(weights)
+    return document_range(len(demo_documents()), (begin, end))
+
+
+def analyze_export(hf_dir: Path, config: Path, out: Path) -> dict:
+    """``megatron-lns analyze`` of the export with the run's config (a process of its own:
+    this one holds a world of one); its report entry."""
+    command = [
+        sys.executable, "-m", "megatron_lns.cli", "analyze", str(hf_dir), "--config",
+        str(config), "--no-prune", "--batches", "2", "--out", str(out),
+        "model.global_batch_size=32", "model.micro_batch_size=32",
+    ]  # fmt: skip
+    done = subprocess.run(command, env=fresh_launch_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((out / "analysis.json").read_text())["inputs"][0]
 
 
 def train_tiny_run(root: Path, cfg, tokenizer: Tokenizer) -> Path:
@@ -168,23 +192,25 @@ def vocabulary_padding_term(model, batch: dict[str, torch.Tensor], vocab: int) -
     return float((extra * batch["loss_mask"]).sum() / batch["loss_mask"].sum())
 
 
-def write_tasks(directory: Path, documents: list[str]) -> None:
-    """The two tasks as lm-eval reads them from ``--include_path``: local JSON files."""
+def write_tasks(directory: Path, documents: list[str], analyzed: list[str]) -> None:
+    """The tasks as lm-eval reads them from ``--include_path``: local JSON files
+    (``analyzed``: the documents ``analyze`` scored once each)."""
     directory.mkdir()
-    with (directory / "heldout.jsonl").open("w") as f:
-        for doc in documents:
-            f.write(json.dumps({"text": doc}) + "\n")
-    (directory / "choices.json").write_text(json.dumps(CHOICE_ITEMS))
     perplexity = ["word_perplexity", "byte_perplexity", "bits_per_byte"]
-    write_task(
-        directory,
-        "lns_heldout",
-        "heldout.jsonl",
-        output_type="loglikelihood_rolling",
-        doc_to_text="",
-        doc_to_target="{{text}}",
-        metric_list=[{"metric": metric} for metric in perplexity],
-    )
+    for name, texts in (("heldout", documents), ("analyzed", analyzed)):
+        with (directory / f"{name}.jsonl").open("w") as f:
+            for doc in texts:
+                f.write(json.dumps({"text": doc}) + "\n")
+        write_task(
+            directory,
+            f"lns_{name}",
+            f"{name}.jsonl",
+            output_type="loglikelihood_rolling",
+            doc_to_text="",
+            doc_to_target="{{text}}",
+            metric_list=[{"metric": metric} for metric in perplexity],
+        )
+    (directory / "choices.json").write_text(json.dumps(CHOICE_ITEMS))
     write_task(
         directory,
         "lns_choices",
@@ -212,16 +238,22 @@ def write_task(directory: Path, name: str, data_file: str, **fields) -> None:
     (directory / f"{name}.yaml").write_text(json.dumps(task, indent=2) + "\n")
 
 
-def run_lm_eval(hf_dir: Path, tasks_dir: Path, prefix_token_id: int) -> dict:
+def run_lm_eval(
+    hf_dir: Path,
+    tasks_dir: Path,
+    prefix_token_id: int | None,
+    tasks: tuple[str, ...] = ("lns_heldout", "lns_choices", "lns_analyzed"),
+) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    # The prefix is the end-of-document id, as in training's stream (lm-eval would take a
+    # tokenizer's BOS first, which training never saw); None: lm-eval's default.
+    prefix = "" if prefix_token_id is None else f",prefix_token_id={prefix_token_id}"
     return lm_eval.simple_evaluate(
         model="hf",
-        # The prefix is the end-of-document id, as in training's stream (lm-eval would
-        # take a tokenizer's BOS first, which training never saw).
-        model_args=f"pretrained={hf_dir},dtype=float32,prefix_token_id={prefix_token_id}",
-        tasks=["lns_heldout", "lns_choices"],
+        model_args=f"pretrained={hf_dir},dtype=float32{prefix}",
+        tasks=list(tasks),
         task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False),
         device="cpu",
         batch_size=4,
@@ -259,7 +291,7 @@ def paper_recipe_tokenizer(directory: Path) -> SentencePieceTokenizer:
 @pytest.mark.slow
 @pytest.mark.parametrize("library", ["byte", "sentencepiece"])
 def test_lm_eval_loss_on_an_export_is_the_projects_held_out_loss(
-    seeded, tmp_path, no_network, library
+    seeded, tmp_path, no_network, private_corpus_cache, library
 ):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -285,8 +317,35 @@ def test_lm_eval_loss_on_an_export_is_the_projects_held_out_loss(
     lengths = [len(i) for i in ids]
     # Cover a document within one window and a right-aligned last window.
     assert min(lengths) < SEQ and any(n > SEQ and n % SEQ for n in lengths), lengths
-    write_tasks(tmp_path / "tasks", documents)
+    analyzed = analyze_export(hf_dir, checkpoint / "config.yaml", tmp_path / "analysis")
+    first, _ = validation_document_range(cfg)
+    analyzed_documents = demo_documents()[first : first + analyzed["documents"]]
+    write_tasks(tmp_path / "tasks", documents, analyzed_documents)
     results = run_lm_eval(hf_dir, tmp_path / "tasks", prefix_token_id=eod)
+
+    # (c) analyze's once-per-document loss of the export is lm-eval's on the documents it
+    # scored (the first ones of the validation split), with the EOD as lm-eval's prefix.
+    scored = [-s["resps"][0][0] for s in results["samples"]["lns_analyzed"]]
+    analyzed_ids = [trained.encode(doc) for doc in analyzed_documents]
+    assert sum(map(len, analyzed_ids)) == analyzed["document_tokens"]
+    lm_eval_analyzed = sum(scored) / analyzed["document_tokens"]
+    print(
+        f"analyze once-per-document loss {analyzed['document_loss']:.7f} "
+        f"({analyzed['documents']} documents), lm-eval {lm_eval_analyzed:.7f}, difference "
+        f"{analyzed['document_loss'] - lm_eval_analyzed:.2e}; validation-style loss "
+        f"{analyzed['loss']:.7f}"
+    )
+    assert abs(analyzed["document_loss"] - lm_eval_analyzed) < 1e-3
+    assert analyzed["document_loss"] == pytest.approx(lm_eval_analyzed, rel=1e-5)
+    if tokenizer.bos_token_id is not None:
+        # lm-eval's default prefix is the tokenizer's BOS, which training never put
+        # before a document: a different (here higher) loss, hence prefix_token_id.
+        default = run_lm_eval(hf_dir, tmp_path / "tasks", None, tasks=("lns_analyzed",))
+        with_bos = -sum(s["resps"][0][0] for s in default["samples"]["lns_analyzed"])
+        with_bos /= analyzed["document_tokens"]
+        print(f"lm-eval with its default BOS prefix {with_bos:.7f}, "
+              f"difference {with_bos - lm_eval_analyzed:+.5f} nats")  # fmt: skip
+        assert abs(with_bos - lm_eval_analyzed) > 1e-5
 
     # (a) Perplexity: lm-eval's token loss is its summed log-likelihood over the tokens;
     # with byte tokens its byte perplexity is exp(token loss) as well.
