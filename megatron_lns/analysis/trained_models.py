@@ -22,15 +22,13 @@ outside evaluator such as lm-eval computes). The output directory gets
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
-import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +45,7 @@ from megatron_lns.convert.hf_export import resolve_checkpoint
 from megatron_lns.convert.hf_import import import_hf
 from megatron_lns.convert.output import check_apart, check_output_dir, staged_output_dir
 from megatron_lns.errors import UserError
-from megatron_lns.launcher_env import ADDRESS_VARIABLES, RANK_VARIABLES, launcher_environment
+from megatron_lns.launcher_env import launcher_environment
 from megatron_lns.layout import micro_batches_per_step
 
 REPORT_NAME = "analysis.json"
@@ -222,24 +220,6 @@ def _import_hf(item: Input, work: Path, overrides: list[str], config: str | Path
     item.checkpoint = resolve_checkpoint(run_dir)
 
 
-@contextlib.contextmanager
-def _launch_environment_kept() -> Iterator[None]:
-    """The launcher variables as they were before: a process group of one started in this
-    process (an import, an input measured in-process) sets RANK, WORLD_SIZE, ..., which
-    would make the next input of ``trainer.devices > 1`` look launched by torchrun and run
-    in this one process."""
-    names = (*RANK_VARIABLES, *ADDRESS_VARIABLES)
-    before = {name: os.environ.get(name) for name in names}
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def input_config(item: Input, overrides: list[str], work: Path, world: int | None):
     """The checkpoint's run config with the analysis overrides, validated for this world.
 
@@ -341,8 +321,7 @@ def analyze(
                         "analyze without torchrun/srun (it starts trainer.devices processes "
                         "itself), or import-hf it first and analyze that run directory"
                     )
-                with _launch_environment_kept():
-                    _import_hf(item, work, overrides, config)
+                _import_hf(item, work, overrides, config)
             item.cfg = input_config(item, overrides, work, world)
             if batches is None and item.cfg.trainer.limit_val_batches < 1:
                 raise AnalysisError(
@@ -360,8 +339,7 @@ def analyze(
                 f"analyze: {item.label}: {item.checkpoint} ({num_blocks(cfg.model)} layers, "
                 f"{num_batches} held-out batches of {cfg.model.global_batch_size} sequences)"
             )
-            with _launch_environment_kept():
-                _run(cfg, item.checkpoint, num_batches, prune, str(result_path))
+            _run(cfg, item.checkpoint, num_batches, prune, str(result_path))
             if result_path.is_file():  # under an external launcher, on rank 0 only
                 results.append((item, num_batches, json.loads(result_path.read_text())))
         if not results:
