@@ -40,7 +40,13 @@ def seeded(megatron_world1):
     yield
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        # Under `--dist loadgroup` (make test), a module's tests run on one worker, so
+        # its module-scoped fixtures (trained runs, multi-rank results) are built once.
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")

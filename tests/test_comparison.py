@@ -194,6 +194,7 @@ def _compare_twice(cfg, out):
     _compare(cfg, Path(out) / "again")
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_two_variants_two_seeds_reproducible_distinct_and_tabulated(tmp_path):
     cfg = load_config(DEMO_CONFIG, TINY_RUN_OVERRIDES)

@@ -23,6 +23,7 @@ def _demo(cfg, out):
     return [(variant.label, comparison.results[variant.name][0]) for variant in comparison.variants]
 
 
+@pytest.mark.long
 def test_demo_trains_both_arms_and_writes_its_outputs(
     tmp_path, tmp_path_factory, monkeypatch, capfd
 ):

@@ -22,7 +22,7 @@ from megatron_lns.runtime import ParallelLayout, init_distributed
 from megatron_lns.training.checkpoint import load_model_weights, save_model_weights
 from megatron_lns.training.step import forward_backward, train_step
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 WORLD_SIZE = 4
 # The baselines' moe_layer_freq: every layer MoE, or a dense first layer (OLMoE-style).

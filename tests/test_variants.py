@@ -245,6 +245,7 @@ def parallel_results(tmp_path_factory):
     return run_distributed(parallel_variants_worker, 2, tmp, str(tmp))
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", [case[0] for case in PARALLEL_CASES])
 def test_tensor_and_sequence_parallel_match_tp1(parallel_results, variant):
@@ -262,6 +263,7 @@ def test_tensor_and_sequence_parallel_match_tp1(parallel_results, variant):
                 )
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["pp2", "pp2_vp2"])
 @pytest.mark.parametrize("variant", [case[0] for case in PARALLEL_CASES])
@@ -281,6 +283,7 @@ def test_pipeline_parallel_matches_pp1(parallel_results, variant, layout):
     assert post_norm == {number: number <= post_layers for number in range(1, 5)}
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", [case[0] for case in PARALLEL_CASES])
 def test_variant_parameters_reload_at_every_layout(parallel_results, variant):
@@ -340,6 +343,7 @@ def _straight_and_resumed(tmp: str) -> dict:
     return curves
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_each_variant_resumes_bitwise_through_the_trainer(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGATRON_LNS_CACHE", str(tmp_path / "corpus_cache"))

@@ -154,6 +154,7 @@ def test_analyze_an_moe_run_and_its_hugging_face_export(tmp_path, cache):
         assert theirs["pruning_drop"] == pytest.approx(ours["pruning_drop"], abs=1e-5)
 
 
+@pytest.mark.long
 def test_an_expert_parallel_run_and_its_export_with_the_runs_config(tmp_path, cache):
     """An MoE run trained at EP=2 (two ranks) and its Hugging Face export, analysed with the
     run's own config.yaml from the command line: the run at its layout (EP=2 on two
@@ -199,6 +200,7 @@ def one_process(run, tmp_path_factory):
     return run_distributed(_analyze, 1, root, [run_dir], root / "out", {"prune": False})[0]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(
     "layout",
     [["model.pipeline_model_parallel_size=2"], ["model.data.num_workers=0"]],

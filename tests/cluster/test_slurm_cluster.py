@@ -30,7 +30,8 @@ from slurm_jobs import (
 from megatron_lns.data.preprocess import preprocess, read_documents
 from megatron_lns.training.checkpoint import latest_complete_checkpoint
 
-pytestmark = pytest.mark.slow
+# One SLURM test at a time (pytest-xdist): the jobs share the test cluster's nodes.
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.xdist_group("slurm")]
 
 
 @pytest.fixture(scope="module")

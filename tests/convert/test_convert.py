@@ -428,6 +428,7 @@ def test_imported_weights_only_checkpoint_resumes_with_a_fresh_optimizer(seeded,
     assert torch.isfinite(torch.tensor(result.loss))
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_cli_import_then_train_resumes_from_the_import(tmp_path):
     import subprocess

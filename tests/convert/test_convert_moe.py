@@ -492,6 +492,7 @@ def test_unimportable_moe_configs_are_refused(seeded, tmp_path, make, key, value
     assert not (tmp_path / "imported").exists()
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_cli_trains_a_moe_run_and_exports_it_for_auto_model(seeded, tmp_path):
     """megatron-lns train (2 steps) -> export-hf -> AutoModelForCausalLM: the trained

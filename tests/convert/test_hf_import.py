@@ -77,6 +77,7 @@ def test_import_reads_each_layer_once_in_order(seeded, tmp_path, monkeypatch):
     assert all(len({name.split(".")[2] for name in r}) == 1 for r in layers)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_import_fits_an_address_space_smaller_than_the_model(tmp_path):
     """A model larger than the memory the import may use beyond what an import of a tiny

@@ -288,6 +288,7 @@ def paper_recipe_tokenizer(directory: Path) -> SentencePieceTokenizer:
     return SentencePieceTokenizer(str(directory / "t5.model"))
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("library", ["byte", "sentencepiece"])
 def test_lm_eval_loss_on_an_export_is_the_projects_held_out_loss(

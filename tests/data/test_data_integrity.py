@@ -233,6 +233,7 @@ def _children(pid: int) -> list[int]:
     ]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_midway_leaves_no_files_and_no_workers(tmp_path, signum):

@@ -203,6 +203,7 @@ KILLED_DURING_ASYNC_SAVE = textwrap.dedent(
 )
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_job_killed_during_an_async_save_leaves_nothing_to_resume_from_or_running(tmp_path):
     every_2 = "exp_manager.checkpoint_callback_params.every_n_train_steps=2"

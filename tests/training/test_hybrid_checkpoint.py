@@ -23,7 +23,7 @@ from helpers import run_distributed, tiny_run_config
 
 from megatron_lns.config.loader import ConfigError
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("private_corpus_cache")]
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.usefixtures("private_corpus_cache")]
 
 HYBRID = ["model.architecture=hybrid"]
 DP2 = ["trainer.devices=2"]

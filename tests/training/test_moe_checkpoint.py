@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import run_distributed
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("private_corpus_cache")]
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.usefixtures("private_corpus_cache")]
 
 MOE_RUN = [
     "trainer.devices=2",

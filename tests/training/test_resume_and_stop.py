@@ -77,6 +77,7 @@ def test_a_nan_validation_loss_stops_the_run_before_the_checkpoint_of_its_step(t
     assert latest_complete_checkpoint(tmp_path / "lns" / "checkpoints") is None
 
 
+@pytest.mark.long
 def test_an_fp16_run_whose_updates_are_all_skipped_stops(tmp_path):
     cfg = tiny_run_config(tmp_path, "trainer.precision=16-mixed", "trainer.max_steps=200")
     result = _run(tmp_path, cfg, poison=float("inf"))
@@ -204,6 +205,7 @@ def test_a_committed_checkpoint_that_lost_a_file_is_named_not_passed_over(
     assert (damaged / "complete.json").is_file() and "resumed from" not in out
 
 
+@pytest.mark.long
 def test_sigterm_stops_both_ranks_of_a_local_run_which_then_resumes_bitwise(tmp_path):
     two_ranks = ["trainer.devices=2", "model.tensor_model_parallel_size=2", "trainer.max_steps=40",
                  "exp_manager.checkpoint_callback_params.every_n_train_steps=100"]  # fmt: skip
@@ -237,6 +239,7 @@ def test_sigterm_stops_both_ranks_of_a_local_run_which_then_resumes_bitwise(tmp_
     assert losses == expected  # bitwise, and no step logged twice
 
 
+@pytest.mark.long
 def test_a_user_error_in_every_rank_is_reported_once(tmp_path):
     cli = _cli("train", str(DEMO), *TINY_RUN_OVERRIDES, "trainer.devices=2", f"exp_manager.exp_dir={tmp_path}",
                "exp_manager.resume_from_checkpoint=/no/such/iter_0000003")  # fmt: skip
@@ -255,6 +258,7 @@ def _record_pid_and_wait_forever(directory):
         time.sleep(1)
 
 
+@pytest.mark.long
 def test_ranks_that_outlive_the_timeout_are_killed_and_reported(tmp_path):
     from megatron_lns.runtime import RanksTimedOut, spawn_local
 
@@ -343,6 +347,7 @@ def test_a_rewind_the_full_disk_refuses_ends_every_rank_and_the_run_stays_as_it_
         assert [p.name for p in aside.iterdir()] == ["iter_0000006"]
 
 
+@pytest.mark.long
 def test_a_full_disk_ends_every_rank_with_one_line_and_the_run_resumes(straight_tiny_run, tmp_path):
     """Two ranks on a disk that holds the step-3 checkpoint and not the step-6 one: both
     end, one line names the checkpoint (no traceback, no rank left in a collective), only

@@ -111,6 +111,7 @@ KILL_DURING_SAVE = textwrap.dedent(
 )
 
 
+@pytest.mark.long
 def test_job_killed_during_checkpoint_save_resumes_from_previous_complete(tmp_path):
     overrides = [
         *TINY_RUN_OVERRIDES,
