@@ -238,10 +238,17 @@ def layer_removed(model: Sequence[torch.nn.Module], layer_number: int) -> Iterat
     """Global layer (block) ``layer_number`` acts as the identity (its output is its
     input: each of its sublayers does) on whichever rank holds it; the model is left
     unchanged afterwards."""
-    handles = [
-        layer.register_forward_hook(_replace_output_by_input, with_kwargs=True)
-        for layer in _local_blocks(model).get(layer_number, [])
-    ]
+    blocks = _local_blocks(model).get(layer_number, [])
+    with forward_hooks(blocks, _replace_output_by_input, with_kwargs=True):
+        yield
+
+
+@contextlib.contextmanager
+def forward_hooks(
+    modules: Sequence[torch.nn.Module], hook: Callable, with_kwargs: bool = False
+) -> Iterator[None]:
+    """``hook`` on the forward of each of ``modules`` while inside."""
+    handles = [m.register_forward_hook(hook, with_kwargs=with_kwargs) for m in modules]
     try:
         yield
     finally:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from megatron.core import parallel_state
 
-from megatron_lns.analysis.depth import held_out_loss
+from megatron_lns.analysis.depth import forward_hooks, held_out_loss
 from megatron_lns.model import unwrap
 from megatron_lns.training.step import Batch
 
@@ -150,16 +150,9 @@ def padding_masked(model: Sequence[torch.nn.Module], vocab_size: int) -> Iterato
         logits[..., cut:] = torch.finfo(logits.dtype).min
         return (logits, bias) if isinstance(output, tuple) else logits
 
-    handles = []
-    for chunk in model:
-        layer = getattr(unwrap(chunk), "output_layer", None)
-        if layer is not None:
-            handles.append(layer.register_forward_hook(mask))
-    try:
+    layers = [getattr(unwrap(chunk), "output_layer", None) for chunk in model]
+    with forward_hooks([layer for layer in layers if layer is not None], mask):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @torch.no_grad()

@@ -52,22 +52,6 @@ REPORT_NAME = "analysis.json"
 # What an analysis may change in a run's config: where the held-out data comes from and
 # how much of it, how the model is laid out on devices, and the backend. Anything else
 # would describe another model than the one the checkpoint holds.
-OVERRIDABLE = (
-    "trainer.",
-    "model.data.",
-    "model.tokenizer.",
-    "model.seed",
-    "model.micro_batch_size",
-    "model.global_batch_size",
-    "model.tensor_model_parallel_size",
-    "model.pipeline_model_parallel_size",
-    "model.virtual_pipeline_model_parallel_size",
-    "model.sequence_parallel",
-    "model.expert_model_parallel_size",
-    "model.expert_tensor_parallel_size",
-    "model.transformer_engine",
-    "model.fp8",
-)
 # How a model is laid out on devices: a run's config says the layout it was trained at;
 # a Hugging Face model has none, so these keys of a --config base are not used for it.
 LAYOUT = (
@@ -79,6 +63,17 @@ LAYOUT = (
     "model.sequence_parallel",
     "model.expert_model_parallel_size",
     "model.expert_tensor_parallel_size",
+)
+OVERRIDABLE = (
+    "trainer.",
+    "model.data.",
+    "model.tokenizer.",
+    "model.seed",
+    "model.micro_batch_size",
+    "model.global_batch_size",
+    *LAYOUT,
+    "model.transformer_engine",
+    "model.fp8",
 )
 # Keys of a --config base that describe a training run rather than the imported model:
 # its directory, its layout, and the LNS/variant choice, which a Hugging Face export has
