@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 # pytest-xdist: one worker per core; a module's tests stay on one worker (tests/conftest.py).
-PYTEST_PARALLEL ?= -n auto --dist loadgroup
+PYTEST_PARALLEL ?= -n auto --dist loadscope
 
 .PHONY: setup demo test test-long test-fast lint
 

@@ -40,13 +40,28 @@ def seeded(megatron_world1):
     yield
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+# Modules whose tests pytest-xdist must run one at a time, on one worker: the SLURM jobs
+# share the test cluster's nodes (a multi-node test waits for all of them idle).
+ONE_AT_A_TIME = ("tests/cluster/test_slurm_",)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadscope`` (make test) by module: a module's tests run on one worker, so
+    its module-scoped fixtures (trained runs, multi-rank results) are built once; the
+    modules of :data:`ONE_AT_A_TIME` count as one."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "one-at-a-time" if module.startswith(ONE_AT_A_TIME) else module
+
+    return ModuleScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        # Under `--dist loadgroup` (make test), a module's tests run on one worker, so
-        # its module-scoped fixtures (trained runs, multi-rank results) are built once.
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")

@@ -30,8 +30,7 @@ from slurm_jobs import (
 from megatron_lns.data.preprocess import preprocess, read_documents
 from megatron_lns.training.checkpoint import latest_complete_checkpoint
 
-# One SLURM test at a time (pytest-xdist): the jobs share the test cluster's nodes.
-pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.xdist_group("slurm")]
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # one at a time: tests/conftest.py
 
 
 @pytest.fixture(scope="module")

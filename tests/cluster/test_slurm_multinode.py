@@ -42,8 +42,7 @@ from slurm_jobs import (
 
 from megatron_lns.cluster.slurm.rank_env import expand_nodelist
 
-# One SLURM test at a time (pytest-xdist): the jobs share the test cluster's nodes.
-pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.xdist_group("slurm")]
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # one at a time: tests/conftest.py
 
 TWO_NODES = ["trainer.num_nodes=2"]
 CLUSTER_SH = ROOT / "slurm" / "test-cluster" / "cluster.sh"
