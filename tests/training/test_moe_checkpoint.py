@@ -1,6 +1,7 @@
 """Checkpoints of mixture-of-experts runs through the trainer: a run stopped and resumed at
 EP=2 repeats the uninterrupted run bit for bit, and its checkpoint resumes at TP=2
-(weights and the distributed optimizer's state resharded).
+(weights and the distributed optimizer's state resharded) and at EP=1 and back (the
+optimizer state regrouped between one part and two).
 
 One spawn of two ranks runs every training: the tiny model with a dense first layer and
 three MoE layers (megatron files mixed layers under per-layer checkpoint keys), the
