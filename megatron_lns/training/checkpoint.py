@@ -62,6 +62,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 )
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import param_group_identifier_keys
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lns.config.sources import RUN_CONFIG
@@ -657,21 +658,44 @@ def _set_states_but_step(part, set_states, model_param, tensors: dict) -> None:
             state["step"] = step.clone()
 
 
+def _parts_of(state) -> list:
+    """The per-part states of a (chained) optimizer state: ``{0: ..., 1: ...}`` or one."""
+    if isinstance(state, dict) and 0 in state:
+        return [state[i] for i in sorted(k for k in state if isinstance(k, int))]
+    return [state]
+
+
+def _regroupable(saved_parts: list, optimizer) -> bool:
+    """Whether a state of other parts can be regrouped into ``optimizer``: every part on
+    both sides a distributed optimizer, saved ``fully_reshardable`` (no ``chained_``
+    prefix, tensors under the parameters' model keys)."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return len(_distributed_parts(optimizer)) == len(parts) and all(
+        isinstance(part, dict)
+        and part.get("param_state_sharding_type") == "fully_reshardable"
+        and isinstance(part.get("optimizer"), dict)
+        for part in saved_parts
+    )
+
+
 def _check_optimizer_parts(path: Path, saved, optimizer) -> None:
     """Refuse a checkpoint whose optimizer state is split into another number of parts,
-    naming the layouts it does load at.
+    unless it can be regrouped (:func:`_regroup_optimizer_state`), naming the layouts it
+    does load at.
 
     megatron-core 0.19 gives expert parameters an optimizer of their own exactly when
     their gradients are reduced over the expert groups (``use_expert_pgs``: EP > 1, or
     expert TP other than TP), and a ``ChainedOptimizer`` loads only a state of as many
-    parts (``Expected 2 entries``, deep in megatron otherwise). The parts' tensors are
-    saved ``fully_reshardable`` (model space, one tensor per parameter, no ``chained_``
-    prefix), so within one part count any TP / PP / DP / EP / expert TP loads; only the
-    non-tensor state (each part's param groups, step) has the layout of the parts.
-    Weights alone load at any layout (``load_model_weights``)."""
-    saved_parts = len(saved) if isinstance(saved, dict) and 0 in saved else 1
+    parts (``Expected 2 entries``, deep in megatron otherwise). The distributed
+    optimizer's parts are saved ``fully_reshardable`` (model space, one tensor per
+    parameter, no ``chained_`` prefix), so their tensors load at any part count and only
+    the non-tensor state (each part's param groups, step) is regrouped. Any other
+    optimizer's state loads only into as many parts. Weights alone load at any layout
+    (``load_model_weights``)."""
+    saved_list = _parts_of(saved)
+    saved_parts = len(saved_list)
     parts = len(getattr(optimizer, "chained_optimizers", [optimizer]))
-    if saved_parts != parts:
+    if saved_parts != parts and not _regroupable(saved_list, optimizer):
         expert_parallel = (
             "model.expert_model_parallel_size > 1 or model.expert_tensor_parallel_size other "
             "than model.tensor_model_parallel_size"
@@ -684,10 +708,63 @@ def _check_optimizer_parts(path: Path, saved, optimizer) -> None:
         raise CheckpointError(
             f"checkpoint {path}: its optimizer state has {saved_parts} part(s), this run's "
             f"optimizer {parts}: megatron-core keeps the experts' optimizer state apart only "
-            "with expert parallelism, and loads a state only into as many parts. It was "
-            f"written {written}: resume so (any TP, PP, DP, EP and expert TP that also "
-            f"{'has' if saved_parts > parts else 'lacks'} it load, resharded)"
+            "with expert parallelism, and loads a state only into as many parts (only the "
+            "distributed optimizer's, model.optim.name=distributed_fused_adam on both runs, "
+            f"is regrouped). It was written {written}: resume so (any TP, PP, DP, EP and "
+            f"expert TP that also {'has' if saved_parts > parts else 'lacks'} it load, "
+            "resharded)"
         )
+
+
+def _group_identity(group: dict) -> tuple:
+    """What megatron's ``DistributedOptimizer.load_state_dict`` pairs a saved param group
+    with a current one by (``param_group_identifier_keys``, ``pre_`` aliases included),
+    less ``is_expert_parallel``, which is the part a group is in, not its settings."""
+    return tuple(
+        group.get(key, group.get(f"pre_{key}"))
+        for key in param_group_identifier_keys
+        if key != "is_expert_parallel"
+    )
+
+
+def _regroup_optimizer_state(path: Path, loaded, saved, optimizer):
+    """A loaded optimizer state of other parts than ``optimizer``'s, as one of its parts.
+
+    ``loaded``: what ``dist_checkpointing.load`` returned under ``optimizer``: the
+    checkpoint's non-tensor state (its parts) merged with the tensors of this run's
+    template (its parts, each parameter's main weight and Adam moments read by model
+    key). ``saved``: the checkpoint's non-tensor optimizer state. Each part of this run
+    gets its own tensors and, for each of its param groups, the saved group of the same
+    settings (preferably from a part of the same kind: expert or not), marked as this
+    part's; the groups carry the step (every part steps together, megatron's
+    ``_synchronize_steps``) and the hyperparameters."""
+    saved_parts = _parts_of(saved)
+    current = getattr(optimizer, "chained_optimizers", [optimizer])
+    saved_groups = [
+        group for part in saved_parts for group in part["optimizer"].get("param_groups", [])
+    ]
+    regrouped = {}
+    for i, part in enumerate(current):
+        tensors = (loaded if len(current) == 1 else loaded[i])["param_state"]
+        groups = []
+        for group in part.optimizer.param_groups:
+            expert = group.get("is_expert_parallel")
+            same = [g for g in saved_groups if _group_identity(g) == _group_identity(group)]
+            if not same:
+                raise CheckpointError(
+                    f"checkpoint {path}: no optimizer param group of the checkpoint has the "
+                    f"settings of this run's {_group_identity(group)} (another optimizer "
+                    "setting than the run that wrote it)"
+                )
+            match = next((g for g in same if g.get("is_expert_parallel") == expert), same[0])
+            groups.append({**match, "is_expert_parallel": expert})
+        state = {
+            **saved_parts[0],
+            "optimizer": {**saved_parts[0]["optimizer"], "param_groups": groups},
+            "param_state": tensors,
+        }
+        regrouped[i] = state
+    return regrouped[0] if len(current) == 1 else regrouped
 
 
 def checkpoint_path(root: str | Path, iteration: int) -> Path:
@@ -882,7 +959,13 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, strategy=None
     unread_rng = () if same_layout else ("rng_state",)
     loaded = _load(template, path, strategy, _key_filter(extra_state, unread_rng))
     _load_chunks(model, loaded, path, extra_state)
-    _load_optimizer_state(optimizer, loaded["optimizer"])
+    optimizer_state = loaded["optimizer"]
+    saved_optimizer = common.get("optimizer")
+    if len(_parts_of(saved_optimizer)) != len(getattr(optimizer, "chained_optimizers", [0])):
+        optimizer_state = _regroup_optimizer_state(
+            path, optimizer_state, saved_optimizer, optimizer
+        )
+    _load_optimizer_state(optimizer, optimizer_state)
     scheduler.load_state_dict(loaded["scheduler"])
     if same_layout:
         _set_rng_state(loaded["rng_state"])

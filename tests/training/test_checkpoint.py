@@ -290,3 +290,45 @@ def test_an_optimizer_state_of_other_parts_names_the_layouts_that_load_it(saved,
     assert "model.expert_model_parallel_size > 1 or model.expert_tensor_parallel_size" in message
     assert message.endswith(f"that also {'has' if saved > 1 else 'lacks'} it load, resharded)")
     _check_optimizer_parts("ckpt", state, SimpleNamespace(chained_optimizers=[0] * saved))
+
+
+def test_a_distributed_optimizer_state_of_other_parts_is_regrouped_by_group_settings():
+    """Each param group of this run takes the saved group of its settings, preferably from
+    a part of its kind (expert or not), marked as its own; a group of settings the
+    checkpoint lacks is refused, naming them."""
+    from types import SimpleNamespace
+
+    from megatron_lns.training.checkpoint import CheckpointError, _regroup_optimizer_state
+
+    def group(expert, **settings):
+        return {"is_expert_parallel": expert, "lr_mult": 1.0, "max_lr": 1e-3, **settings}
+
+    def part(*groups):
+        return SimpleNamespace(optimizer=SimpleNamespace(param_groups=list(groups)))
+
+    saved = {
+        i: {
+            "optimizer": {"param_groups": [group(bool(i), step=3, lr=0.5 + i)]},
+            "param_state_sharding_type": "fully_reshardable",
+        }
+        for i in range(2)
+    }
+    into_one = {**saved, "param_state": {0: "tensors"}}
+    one = SimpleNamespace(chained_optimizers=[part(group(False, params=[0]))])
+    state = _regroup_optimizer_state("ckpt", into_one, saved, one)
+    assert state["param_state"] == {0: "tensors"}
+    assert state["param_state_sharding_type"] == "fully_reshardable"
+    assert state["optimizer"]["param_groups"] == [group(False, step=3, lr=0.5)]
+
+    two = SimpleNamespace(chained_optimizers=[part(group(False)), part(group(True))])
+    loaded = {**saved[0], 0: {"param_state": "dense"}, 1: {"param_state": "experts"}}
+    state = _regroup_optimizer_state("ckpt", loaded, saved[0], two)
+    assert [state[i]["param_state"] for i in range(2)] == ["dense", "experts"]
+    assert [state[i]["optimizer"]["param_groups"] for i in range(2)] == [
+        [group(False, step=3, lr=0.5)],
+        [group(True, step=3, lr=0.5)],
+    ]
+
+    other = SimpleNamespace(chained_optimizers=[part(group(False, max_lr=2e-3))])
+    with pytest.raises(CheckpointError, match="no optimizer param group of the checkpoint"):
+        _regroup_optimizer_state("ckpt", into_one, saved, other)

@@ -1,6 +1,7 @@
 """Checkpoints of mixture-of-experts runs through the trainer: a run stopped and resumed at
 EP=2 repeats the uninterrupted run bit for bit, and its checkpoint resumes at TP=2
-(weights and the distributed optimizer's state resharded).
+(weights and the distributed optimizer's state resharded) and at EP=1 and back (the
+optimizer state regrouped between one part and two).
 
 One spawn of two ranks runs every training: the tiny model with a dense first layer and
 three MoE layers (megatron files mixed layers under per-layer checkpoint keys), the
@@ -54,7 +55,6 @@ def _local_parameters(trainer) -> dict:
 def _train_stop_resume(tmp: str) -> dict:
     from helpers import tiny_run_config
 
-    from megatron_lns.errors import UserError
     from megatron_lns.training.trainer import Trainer
 
     root = Path(tmp)
@@ -76,14 +76,23 @@ def _train_stop_resume(tmp: str) -> dict:
         other = Trainer(tiny_run_config(root / name, *MOE_RUN, *layout, resume))
         out[f"{name}_resumed_from"] = other.fit().resumed_from
         out[name] = _losses(root / name / "lns")
-    try:  # EP=2 -> EP=1: megatron keeps expert optimizer state apart only at EP > 1
-        Trainer(
-            tiny_run_config(
-                root / "ep1", *MOE_RUN, f"exp_manager.resume_from_checkpoint={checkpoint}"
-            )
-        )
-    except UserError as err:
-        out["ep1_error"] = str(err)
+    # EP=2 -> EP=1 (DP=2, expert TP == TP: one optimizer) for step 4, then back to EP=2
+    # (two: dense and experts) for steps 5 and 6: the optimizer state regrouped each way.
+    resume = f"exp_manager.resume_from_checkpoint={checkpoint}"
+    ep1 = Trainer(tiny_run_config(root / "ep1", *MOE_RUN, resume, "trainer.exit_interval=4"))
+    out["ep1_parts"] = len(getattr(ep1.optimizer, "chained_optimizers", [0]))
+    out["ep1_resumed_from"] = ep1.fit().resumed_from
+    ep2 = Trainer(tiny_run_config(root / "ep1", *MOE_RUN, *EP2))
+    out["ep1_ep2_parts"] = len(ep2.optimizer.chained_optimizers)
+    out["ep1_ep2_resumed_from"] = ep2.fit().resumed_from
+    out["ep1_ep2"] = _losses(root / "ep1" / "lns")
+    out["ep1_ep2_adam_steps"] = sorted(
+        {
+            int(state["step"])
+            for part in ep2.optimizer.chained_optimizers
+            for state in part.optimizer.state.values()
+        }
+    )
     return out
 
 
@@ -115,13 +124,15 @@ def test_an_ep2_checkpoint_resumes_at_another_layout(runs, layout):
         assert list(losses) == pytest.approx(expected, rel=1e-4)
 
 
-def test_an_ep2_checkpoint_does_not_resume_at_ep1_and_says_why(runs):
+def test_an_ep2_checkpoint_resumes_at_ep1_and_back_with_its_optimizer_state(runs):
+    """The two-part optimizer state (dense, experts) of EP=2 loads into EP=1's one part
+    and back: every Adam moment by its parameter's key, the step and the param groups, so
+    the losses after each switch are the uninterrupted run's."""
     for rank in runs:
-        assert rank["ep1_error"].endswith(
-            "its optimizer state has 2 part(s), this run's optimizer 1: megatron-core keeps "
-            "the experts' optimizer state apart only with expert parallelism, and loads a "
-            "state only into as many parts. It was written with expert parallelism "
-            "(model.expert_model_parallel_size > 1 or model.expert_tensor_parallel_size "
-            "other than model.tensor_model_parallel_size): resume so (any TP, PP, DP, EP "
-            "and expert TP that also has it load, resharded)"
-        )
+        assert (rank["ep1_parts"], rank["ep1_ep2_parts"]) == (1, 2)
+        assert (rank["ep1_resumed_from"], rank["ep1_ep2_resumed_from"]) == (3, 4)
+        steps, losses = zip(*rank["ep1_ep2"], strict=True)
+        expected = [loss for step, loss in rank["straight"] if step > 3]
+        assert list(steps) == [4, 5, 6]
+        assert list(losses) == pytest.approx(expected, rel=1e-4)
+        assert rank["ep1_ep2_adam_steps"] == [6]
