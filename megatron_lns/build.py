@@ -33,7 +33,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
-from megatron_lns.config.performance import fast_paths_here, userbuffer_settings
+from megatron_lns.config.performance import userbuffer_settings
 from megatron_lns.config.schema import (
     ACCELERATORS,
     PRECISIONS,
@@ -49,6 +49,7 @@ from megatron_lns.config.settings import (
 from megatron_lns.config.validate import data_blend
 from megatron_lns.data.datasets import DatasetSettings
 from megatron_lns.fast_paths import FastPaths
+from megatron_lns.machine import fast_paths_here
 from megatron_lns.model import PARAMS_DTYPES, GPTModelConfig, build_model, padded_vocab_size
 from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
 from megatron_lns.runtime import ParallelLayout

@@ -1,9 +1,9 @@
 """The vocabularies of the model's settings, and the rules that relate them.
 
-The components (``scaling.py``, ``variants.py``, ``model.py``, ``data/tokenizer.py``) type
-their arguments with these literals, and the config layer checks YAML values against the
-same tuples. This module imports nothing, so loading and validating a config does not
-import torch or megatron-core.
+The components (``scaling.py``, ``variants.py``, ``model.py``) type their arguments with
+these literals, and the config layer checks YAML values against the same tuples. This
+module imports nothing, so loading and validating a config does not import torch or
+megatron-core. (The tokenizer libraries are the data layer's: ``data/tokenizer.py``.)
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ PositionEmbedding = Literal["rope", "learned_absolute"]
 OutputLayerInit = Literal["normal", "scaled", "depth_scaled"]
 RecomputeGranularity = Literal["selective", "full"]
 RecomputeMethod = Literal["uniform", "block"]
-TokenizerLibrary = Literal["byte", "huggingface", "sentencepiece"]
 DecayStyle = Literal["cosine", "linear", "constant", "WSD", "inverse-square-root"]
 # megatron-core 0.19's MoE vocabularies (TransformerConfig's docs and checks).
 MoELoadBalancing = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"]
@@ -38,7 +37,6 @@ POSITION_EMBEDDINGS: tuple[str, ...] = get_args(PositionEmbedding)
 OUTPUT_LAYER_INITS: tuple[str, ...] = get_args(OutputLayerInit)
 RECOMPUTE_GRANULARITIES: tuple[str, ...] = get_args(RecomputeGranularity)
 RECOMPUTE_METHODS: tuple[str, ...] = get_args(RecomputeMethod)
-TOKENIZER_LIBRARIES: tuple[str, ...] = get_args(TokenizerLibrary)
 MOE_LOAD_BALANCING: tuple[str, ...] = get_args(MoELoadBalancing)
 MOE_SCORE_FUNCTIONS: tuple[str, ...] = get_args(MoEScoreFunction)
 MOE_DISPATCHERS: tuple[str, ...] = get_args(MoEDispatcher)

@@ -36,7 +36,6 @@ What each switch needs is read from megatron-core 0.19:
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Literal
 
@@ -64,25 +63,6 @@ class MachineFacts:
     transformer_engine: bool = False
     softmax_kernels: bool = False
     wgrad_accumulation_kernel: bool = False
-
-    @classmethod
-    def detect(cls, cuda: bool) -> MachineFacts:
-        """The facts of this machine, for a run on CUDA (``cuda``) or on CPU."""
-
-        def importable(name: str) -> bool:
-            return importlib.util.find_spec(name) is not None
-
-        te = False
-        if cuda:
-            from megatron_lns.te import te_available
-
-            te = te_available()
-        return cls(
-            cuda=cuda,
-            transformer_engine=te,
-            softmax_kernels=cuda and all(importable(name) for name in SOFTMAX_EXTENSIONS),
-            wgrad_accumulation_kernel=cuda and importable(WGRAD_EXTENSION),
-        )
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,6 @@ from megatron_lns.analysis.depth import DepthReport, LayerDiagnostics, depth_dia
 from megatron_lns.analysis.plots import plot_depth_reports
 from megatron_lns.config import ConfigError, ExperimentConfig, validate
 from megatron_lns.config.sources import RUN_CONFIG, config_file, load_run_config
-from megatron_lns.config.validate import check_environment
 from megatron_lns.convert.errors import ConversionError
 from megatron_lns.convert.hf_export import resolve_checkpoint
 from megatron_lns.convert.hf_import import import_hf
@@ -47,6 +46,7 @@ from megatron_lns.convert.output import check_apart, check_output_dir, staged_ou
 from megatron_lns.errors import UserError
 from megatron_lns.launcher_env import launcher_environment
 from megatron_lns.layout import micro_batches_per_step
+from megatron_lns.machine import check_environment
 
 REPORT_NAME = "analysis.json"
 # What an analysis may change in a run's config: where the held-out data comes from and

@@ -67,12 +67,6 @@ def resolved_fast_paths(cfg: ExperimentConfig, facts: MachineFacts) -> FastPaths
         raise ConfigError(str(err)) from None
 
 
-def fast_paths_here(cfg: ExperimentConfig, cuda: bool) -> FastPaths:
-    """The fast paths of this config on this machine, running on CUDA or not: what the
-    launcher checks before any rank starts and what every rank builds its model with."""
-    return resolved_fast_paths(cfg, MachineFacts.detect(cuda=cuda))
-
-
 def userbuffer_settings(cfg: ExperimentConfig) -> dict | None:
     """``model.ub_tp_comm_overlap_cfg`` read and checked (a YAML path or a mapping)."""
     source = cfg.model.ub_tp_comm_overlap_cfg

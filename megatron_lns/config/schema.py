@@ -33,7 +33,6 @@ from megatron_lns.choices import (
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
     RECOMPUTE_MODULES,
-    TOKENIZER_LIBRARIES,
 )
 from megatron_lns.config.rules import (
     adam_betas,
@@ -51,6 +50,7 @@ from megatron_lns.config.rules import (
     split_weights,
 )
 from megatron_lns.config.settings import setting
+from megatron_lns.data.tokenizer import TOKENIZER_LIBRARIES
 from megatron_lns.moe import parse_moe_layer_freq
 
 # The NeMo spellings a value may take, and what each means in megatron-core terms. The

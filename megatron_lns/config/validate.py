@@ -17,9 +17,7 @@ from megatron_lns.config.loader import ConfigError
 from megatron_lns.config.moe_rules import check_moe
 from megatron_lns.config.paths import check_writable_paths
 from megatron_lns.config.performance import (
-    check_performance_environment,
     check_performance_keys,
-    fast_paths_here,
 )
 from megatron_lns.config.schema import PRECISIONS, SCHEDULES, ExperimentConfig
 from megatron_lns.config.settings import value_errors
@@ -27,17 +25,6 @@ from megatron_lns.data.blend import DataBlend, DataBlendError
 from megatron_lns.data.tokenizer import HUGGING_FACE_DIRECTORY_HINT
 from megatron_lns.layout import ParallelLayout, micro_batches_per_step
 from megatron_lns.path_kind import not_a_directory, not_a_file
-
-# Minimum CUDA compute capability per FP8 recipe (Ada/Hopper for FP8, Blackwell for MXFP8).
-FP8_MIN_CAPABILITY = {
-    "delayed": (8, 9),
-    "tensorwise": (8, 9),
-    "blockwise": (9, 0),
-    "mxfp8": (10, 0),
-}
-# Minimum CUDA version PyTorch is built with, per FP8 recipe (Transformer Engine's
-# check_fp8_block_scaling_support: block-scaled GEMMs need cuBLAS from CUDA 12.9).
-FP8_MIN_CUDA = {"blockwise": (12, 9)}
 
 
 def _divisible(key: str, value: int, by_key: str, by: int, shown: str | None = None) -> None:
@@ -358,76 +345,3 @@ def _check_timers(m, t) -> None:
             f"model.enable_megatron_timers=true reports every {every} steps ({source}), "
             f"more than trainer.max_steps ({t.max_steps}): no report would be made"
         )
-
-
-def check_environment(cfg: ExperimentConfig) -> None:
-    """What the machine must offer for this config (CUDA, Transformer Engine, FP8 support,
-    megatron-core's ``GPTModel`` for ``model.architecture=gpt``).
-
-    Separate from :func:`validate` so a config can be checked on any machine; the
-    launcher runs both before any process starts.
-    """
-    import torch
-
-    m = cfg.model
-    if m.architecture == "gpt":
-        from megatron_lns.model import gpt_model_class
-
-        gpt_model_class()  # megatron-core without GPTModel: one line naming the fix
-    cuda = torch.cuda.is_available()
-    if cfg.trainer.accelerator == "gpu" and not cuda:
-        raise ConfigError("trainer.accelerator=gpu but CUDA is not available on this machine")
-    if m.transformer_engine:
-        from megatron_lns.te import INSTALL_HINT, TE_MIN_VERSION, te_available
-
-        if not cuda:
-            raise ConfigError("model.transformer_engine=true needs a CUDA GPU")
-        if not te_available():
-            raise ConfigError(f"model.transformer_engine=true: {INSTALL_HINT}")
-        from megatron.core.utils import get_te_version, is_te_min_version
-
-        if not is_te_min_version(TE_MIN_VERSION):
-            raise ConfigError(
-                f"model.transformer_engine=true needs Transformer Engine >= {TE_MIN_VERSION} "
-                f"(installed: {get_te_version()}): install megatron-lns[te]"
-            )
-    if m.optim.name == "distributed_fused_adam":
-        from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
-
-        if not HAVE_APEX_OR_TE:
-            # megatron-core's DistributedOptimizer cannot rebuild its state for a
-            # checkpoint load with plain torch optimizers (empty-state assertion).
-            raise ConfigError(
-                "model.optim.name=distributed_fused_adam needs Transformer Engine or Apex "
-                "(megatron's distributed optimizer cannot resume from a checkpoint without "
-                "them); use fused_adam, or install Transformer Engine on a CUDA machine"
-            )
-    if m.fp8 is not None:
-        needed = FP8_MIN_CAPABILITY[m.fp8]
-        capability = torch.cuda.get_device_capability() if cuda else None
-        if capability is None or tuple(capability) < needed:
-            if capability is None:
-                have = "no CUDA GPU"
-            else:
-                major, minor = capability
-                have = f"{torch.cuda.get_device_name()} (compute capability {major}.{minor})"
-            raise ConfigError(
-                f"model.fp8={m.fp8} needs compute capability >= {needed[0]}.{needed[1]}, "
-                f"this machine has {have}"
-            )
-        needed_cuda = FP8_MIN_CUDA.get(m.fp8)
-        built = torch.version.cuda
-        if needed_cuda and (built is None or _version_tuple(built) < needed_cuda):
-            have = f"built with CUDA {built}" if built else "not built with CUDA"
-            raise ConfigError(
-                f"model.fp8={m.fp8} needs CUDA >= {needed_cuda[0]}.{needed_cuda[1]}, "
-                f"this PyTorch is {have}"
-            )
-    check_performance_environment(cfg, cuda)
-    # Fusions and overlaps the user set must run on this machine.
-    fast_paths_here(cfg, cuda=cuda and cfg.trainer.accelerator != "cpu")
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    """``"12.8"`` -> ``(12, 8)`` (compared as numbers, so 12.10 > 12.9)."""
-    return tuple(int(part) for part in version.split(".") if part.isdigit())

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from megatron_lns.build import Trainable, build_trainable
-from megatron_lns.fast_paths import FastPathRequest, MachineFacts, resolve_fast_paths
+from megatron_lns.fast_paths import FastPathRequest, resolve_fast_paths
+from megatron_lns.machine import detect_machine
 from megatron_lns.model import GPTModelConfig
 from megatron_lns.optim import OptimSettings
 from megatron_lns.runtime import ParallelLayout
@@ -52,7 +53,7 @@ def with_default_fast_paths(cfg: GPTModelConfig, device: torch.device) -> GPTMod
         gelu_without_bias=cfg.activation == "gelu" and not cfg.bias,
         moe=cfg.num_moe_experts is not None,
     )
-    fast = resolve_fast_paths(request, MachineFacts.detect(cuda=device.type == "cuda"))
+    fast = resolve_fast_paths(request, detect_machine(cuda=device.type == "cuda"))
     return dataclasses.replace(cfg, **fast.model_fields())
 
 

@@ -55,9 +55,9 @@ def load_checked_config(
     against this machine."""
     from megatron_lns.config import ConfigError, validate
     from megatron_lns.config.sources import load_run_config
-    from megatron_lns.config.validate import check_environment
     from megatron_lns.launcher_env import UNSET_HINT, launcher_environment
     from megatron_lns.layout import world_size
+    from megatron_lns.machine import check_environment
 
     launch = launcher_environment()  # before loading: its refusal is the first thing to fix
     cfg = load_run_config(config, overrides)

@@ -23,8 +23,8 @@ from megatron_lns.build import (
 from megatron_lns.config import ConfigError, load_config, validate
 from megatron_lns.config.loader import NemoKeysIgnoredWarning
 from megatron_lns.config.performance import resolved_fast_paths
-from megatron_lns.config.validate import check_environment
 from megatron_lns.fast_paths import MachineFacts
+from megatron_lns.machine import check_environment
 from megatron_lns.runtime import ParallelLayout
 
 NEMO = FIXTURES / "nemo_megatron_gpt_config.yaml"

@@ -20,13 +20,13 @@ from megatron_lns.build import (
 from megatron_lns.config import ConfigError, load_config, validate
 from megatron_lns.config.loader import NemoKeysIgnoredWarning
 from megatron_lns.config.performance import resolved_fast_paths
-from megatron_lns.config.validate import check_environment
 from megatron_lns.fast_paths import (
     FastPathError,
     FastPathRequest,
     MachineFacts,
     resolve_fast_paths,
 )
+from megatron_lns.machine import check_environment
 
 NEMO = FIXTURES / "nemo_megatron_gpt_config.yaml"
 CPU = MachineFacts(cuda=False)
@@ -567,7 +567,7 @@ def test_timing_benchmarks_use_the_fast_paths_a_training_run_gets(monkeypatch):
     cfg = tiny_config()
     on_cpu = benchmark.with_default_fast_paths(cfg, torch.device("cpu"))
     assert not any(getattr(on_cpu, name) for name in FUSIONS)
-    monkeypatch.setattr(MachineFacts, "detect", classmethod(lambda cls, cuda: H100_TE_APEX))
+    monkeypatch.setattr(benchmark, "detect_machine", lambda cuda: H100_TE_APEX)
     on_gpu = benchmark.with_default_fast_paths(cfg, torch.device("cuda", 0))
     assert all(getattr(on_gpu, name) for name in FUSIONS if name != "apply_rope_fusion")
     assert not on_gpu.apply_rope_fusion  # TE's fused RoPE; tiny_config is the local backend

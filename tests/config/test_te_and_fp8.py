@@ -5,7 +5,7 @@ import torch
 from helpers import ROOT
 
 from megatron_lns.config import ConfigError, load_config, validate
-from megatron_lns.config.validate import check_environment
+from megatron_lns.machine import check_environment
 from megatron_lns.model import GPTModelConfig
 from megatron_lns.te import TransformerEngineUnavailable, te_available
 
