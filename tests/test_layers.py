@@ -37,6 +37,7 @@ LAYERS = [
     "data",
     "config",
     "planning",
+    "machine",
     "build",
     "training",
     "convert",
