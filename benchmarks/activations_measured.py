@@ -92,8 +92,13 @@ def peak_saved_bytes(cfg) -> tuple[int, int]:
     from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from megatron_lns.build import build_model_chunks, model_config, parallel_layout, wrap_with_ddp
     from megatron_lns.runtime import init_distributed
+    from megatron_lns.training.build import (
+        build_model_chunks,
+        model_config,
+        parallel_layout,
+        wrap_with_ddp,
+    )
     from megatron_lns.training.step import forward_backward, make_batch
 
     layout = parallel_layout(cfg)
@@ -163,9 +168,9 @@ def peak_saved_bytes(cfg) -> tuple[int, int]:
 
 def measure(names: list[str]) -> dict[str, tuple[int, int, int]]:
     """On this rank, each case's (stage, measured bytes, plan's bytes for that stage)."""
+    from megatron_lns.base.third_party_noise import quiet_third_party_noise
     from megatron_lns.planning.memory import stage_estimates
     from megatron_lns.planning.shape import model_shape
-    from megatron_lns.third_party_noise import quiet_third_party_noise
 
     quiet_third_party_noise()
     results = {}

@@ -49,10 +49,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from megatron_lns.layer import LNSTransformerLayer  # noqa: E402
-from megatron_lns.model import GPTModelConfig, build_model  # noqa: E402
+from megatron_lns.model.language_model import GPTModelConfig, build_model  # noqa: E402
+from megatron_lns.model.layer import LNSTransformerLayer  # noqa: E402
+from megatron_lns.model.scaling import fold_scale_into_gamma, lns_factor  # noqa: E402
 from megatron_lns.runtime import ParallelLayout, init_distributed  # noqa: E402
-from megatron_lns.scaling import fold_scale_into_gamma, lns_factor  # noqa: E402
 
 # bf16 keeps 8 significant bits: rounding to nearest is within 2^-8 relative.
 BF16_ROUNDING = 2.0**-8
@@ -106,7 +106,7 @@ SMOKE_SHAPE = dict(
 
 def te_status() -> tuple[bool, str]:
     """(available, reason when not)."""
-    from megatron_lns.te import te_available
+    from megatron_lns.model.te import te_available
 
     if not torch.cuda.is_available():
         return False, "no CUDA device"
@@ -153,8 +153,8 @@ def logits_and_grads(
     cfg: GPTModelConfig, state: dict, tokens: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Logits and parameter gradients (cross-entropy on ``targets``) of ``cfg`` with ``state``."""
-    from megatron_lns.build import build_model_chunks
-    from megatron_lns.model import unwrap
+    from megatron_lns.model.language_model import unwrap
+    from megatron_lns.training.build import build_model_chunks
 
     wrapped = build_model_chunks(cfg, device=tokens.device)[0]
     model = unwrap(wrapped)
@@ -198,7 +198,7 @@ def check_te_vs_local(device: torch.device, smoke: bool, small: bool | None = No
     In ``--cpu-smoke`` (no TE) the local backend stands in for TE, which exercises the
     harness only; the status then says ``smoke``.
     """
-    from megatron_lns.specs import local_to_fused_state_dict
+    from megatron_lns.model.specs import local_to_fused_state_dict
 
     has_te, reason = te_status()
     if not has_te and not smoke:
@@ -285,12 +285,12 @@ def _norm_module(backend: str, zero_centered: bool, hidden: int, device: torch.d
     )
     tf = cfg.transformer_config()
     if backend == "local":
-        from megatron_lns.norms import LocalNorm
+        from megatron_lns.model.norms import LocalNorm
 
         return LocalNorm(tf, hidden).to(device), "weight"
     from megatron.core.extensions.transformer_engine import TELayerNormColumnParallelLinear
 
-    from megatron_lns.fused_norm import with_norm_scaling
+    from megatron_lns.model.fused_norm import with_norm_scaling
 
     module = with_norm_scaling(TELayerNormColumnParallelLinear)(
         hidden,

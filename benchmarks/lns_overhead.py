@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-from megatron_lns.model import GPTModelConfig
-from megatron_lns.norms import MultiplyAfterNorm
+from megatron_lns.model.language_model import GPTModelConfig
+from megatron_lns.model.norms import MultiplyAfterNorm
 from megatron_lns.runtime import ParallelLayout, init_distributed
 from megatron_lns.training.benchmark import compare_step_times, trainable_for_timing
 

@@ -34,7 +34,7 @@ import sys
 
 import torch
 
-from megatron_lns.model import GPTModelConfig, build_model
+from megatron_lns.model.language_model import GPTModelConfig, build_model
 from megatron_lns.runtime import ParallelLayout, init_distributed
 
 

@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 
+from megatron_lns.base.third_party_noise import quiet_third_party_noise
 from megatron_lns.commands import (
     analyze,
     compare,
@@ -22,7 +23,6 @@ from megatron_lns.commands import (
     submit,
     train,
 )
-from megatron_lns.third_party_noise import quiet_third_party_noise
 
 # Every command, in the order ``--help`` lists them: a module of megatron_lns.commands.
 COMMANDS = [train, plan, submit, compare, demo, preprocess, export_hf, import_hf, analyze]
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_third_party_noise()
     try:
         args = _parse_args(argv)
-        from megatron_lns.exit_status import exit_status
+        from megatron_lns.base.exit_status import exit_status
 
         status = exit_status(lambda: args.func(args))
         sys.stdout.flush()  # here, not at exit, where a closed pipe could not be handled

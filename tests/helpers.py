@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from megatron_lns.launcher_env import ADDRESS_VARIABLES, RANK_VARIABLES
-from megatron_lns.model import GPTModelConfig
+from megatron_lns.model.language_model import GPTModelConfig
 from megatron_lns.runtime import spawn_local
+from megatron_lns.runtime.launcher_env import ADDRESS_VARIABLES, RANK_VARIABLES
 
 
 def _run_and_record(fn: Callable[..., Any], out_dir: str, args: tuple) -> None:
@@ -287,8 +287,8 @@ def directory_bytes(directory: Path) -> int:
 def parameters_per_rank(configs: list, vocab_size: int) -> list[int]:
     """On this rank, the parameters of each config's model as megatron-core builds it
     (a rank of ``run_distributed``)."""
-    from megatron_lns.build import build_model_chunks, model_config, parallel_layout
     from megatron_lns.runtime import init_distributed
+    from megatron_lns.training.build import build_model_chunks, model_config, parallel_layout
 
     counts = []
     for cfg in configs:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from megatron_lns.build import model_config
 from megatron_lns.config import to_yaml
 from megatron_lns.data.tokenizer import ByteTokenizer
-from megatron_lns.model import build_model
+from megatron_lns.model.language_model import build_model
+from megatron_lns.training.build import model_config
 from megatron_lns.training.checkpoint import load_model_weights, save_model_weights
 
 VOCAB = ByteTokenizer().vocab_size  # 257, padded to 384 in the checkpoints

@@ -81,7 +81,7 @@ def test_userbuffer_settings_and_config_files_that_are_directories(tmp_path):
     import pytest
 
     from megatron_lns.config import ConfigError, load_config
-    from megatron_lns.userbuffers import UserbufferSettingsError, read_userbuffer_settings
+    from megatron_lns.config.userbuffers import UserbufferSettingsError, read_userbuffer_settings
 
     with pytest.raises(UserbufferSettingsError, match="is a directory, not a file"):
         read_userbuffer_settings(tmp_path, "model.ub_tp_comm_overlap_cfg")

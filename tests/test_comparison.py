@@ -12,10 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import DEMO_CONFIG, ROOT, TINY_RUN_OVERRIDES, fresh_launch_env, run_distributed
 
-from megatron_lns.analysis.depth import LayerStats
-from megatron_lns.analysis.plots import trailing_mean
-from megatron_lns.cli import main
-from megatron_lns.comparison import (
+from megatron_lns.analysis.comparison import (
     CompareError,
     Comparison,
     RunResult,
@@ -27,6 +24,9 @@ from megatron_lns.comparison import (
     run_config,
     seeds_for,
 )
+from megatron_lns.analysis.depth import LayerStats
+from megatron_lns.analysis.plots import trailing_mean
+from megatron_lns.cli import main
 from megatron_lns.config import load_config, validate
 
 pytestmark = pytest.mark.usefixtures("private_corpus_cache")
@@ -183,7 +183,7 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
 
 
 def _compare(cfg, out, variants=("lns", "pre_ln"), seeds=2):
-    from megatron_lns.comparison import parse_variants, run_comparison
+    from megatron_lns.analysis.comparison import parse_variants, run_comparison
 
     comparison = run_comparison(cfg, parse_variants(variants), seeds, Path(out))
     return comparison.stopped
@@ -307,7 +307,7 @@ def test_compare_runs_lns_against_pre_ln_on_an_moe_config(tmp_path):
 def _finished_arm(out: Path, overrides=TINY_RUN_OVERRIDES) -> Path:
     """``out`` as a comparison of the lns arm alone (one seed) leaves it when it has
     finished: the run's config, its result and its metrics, without its checkpoints."""
-    from megatron_lns.comparison import RESULT_FILE, Variant, run_config
+    from megatron_lns.analysis.comparison import RESULT_FILE, Variant, run_config
     from megatron_lns.config import to_yaml
 
     cfg = load_config(DEMO_CONFIG, list(overrides))

@@ -17,7 +17,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _demo(cfg, out):
-    from megatron_lns.comparison import DEFAULT_VARIANTS, parse_variants, run_comparison
+    from megatron_lns.analysis.comparison import DEFAULT_VARIANTS, parse_variants, run_comparison
 
     comparison = run_comparison(cfg, parse_variants(DEFAULT_VARIANTS), 1, Path(out))
     return [(variant.label, comparison.results[variant.name][0]) for variant in comparison.variants]

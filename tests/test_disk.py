@@ -4,14 +4,14 @@ import errno
 
 import pytest
 
-from megatron_lns.disk import (
+from megatron_lns.base.disk import (
     DiskFullError,
     as_user_error,
     byte_size,
     disk_full_error,
     disk_full_reported,
 )
-from megatron_lns.exit_status import exit_status
+from megatron_lns.base.exit_status import exit_status
 
 
 def test_a_full_disk_in_a_writer_becomes_one_line_naming_what_it_wrote(tmp_path):
@@ -51,7 +51,7 @@ def test_a_full_disk_no_writer_reported_still_ends_in_one_line(capsys):
 def test_an_atomic_write_onto_a_full_disk_keeps_the_old_file_and_no_temporary(tmp_path):
     from helpers import fill_leaving, small_filesystem
 
-    from megatron_lns.disk import write_text_atomically
+    from megatron_lns.base.disk import write_text_atomically
 
     with small_filesystem(tmp_path / "disk", 64) as disk:
         write_text_atomically(disk / "config.yaml", "a: 1\n")
@@ -77,7 +77,7 @@ def test_the_space_free_is_measured_once_the_failed_write_is_removed(tmp_path):
     that, as ``df`` shows it, not the 0 B of the moment it failed."""
     from helpers import fill_leaving, small_filesystem
 
-    from megatron_lns.disk import write_text_atomically
+    from megatron_lns.base.disk import write_text_atomically
 
     with small_filesystem(tmp_path / "disk", 64) as disk:
         fill_leaving(disk, 16 << 10)

@@ -10,11 +10,11 @@ from pathlib import Path
 
 from helpers import ROOT, fresh_launch_env
 
-from megatron_lns.errors import MARKER_PREFIX
+from megatron_lns.base.errors import MARKER_PREFIX
 
 # A rank of an external launch (torchrun, srun) that reports a user error.
 REPORTING_RANK = """
-from megatron_lns.errors import UserError, report_user_error_once
+from megatron_lns.base.errors import UserError, report_user_error_once
 report_user_error_once(UserError("the same mistake on every rank"))
 """
 

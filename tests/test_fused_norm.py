@@ -18,18 +18,18 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from te_standin import StandInLayerNormColumnParallelLinear as StandIn
 
-from megatron_lns.fused_norm import (
+from megatron_lns.model.fused_norm import (
     FusedNormScaling,
     folded_norm_parameters,
     fused_norm_layer_spec,
     with_norm_scaling,
 )
-from megatron_lns.layer import bake_norm_scaling
-from megatron_lns.model import build_model
-from megatron_lns.norms import local_norm_builder
+from megatron_lns.model.language_model import build_model
+from megatron_lns.model.layer import bake_norm_scaling
+from megatron_lns.model.norms import local_norm_builder
+from megatron_lns.model.scaling import lns_factor
+from megatron_lns.model.specs import local_to_fused_state_dict
 from megatron_lns.runtime import ParallelLayout
-from megatron_lns.scaling import lns_factor
-from megatron_lns.specs import local_to_fused_state_dict
 
 
 def _fused_spec(norm_scaling="lns", norm_affine=True):
@@ -224,7 +224,7 @@ def test_op_fuser_mlp_is_refused():
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_baked_state_dict_loads_into_a_plain_pre_ln_model(seeded, fused):
-    from megatron_lns.layer import baked_state_dict
+    from megatron_lns.model.layer import baked_state_dict
 
     cfg = tiny_config(num_layers=4, normalization="LayerNorm", layernorm_zero_centered_gamma=True)
     plain_cfg = tiny_config(
@@ -247,7 +247,7 @@ def test_baked_state_dict_loads_into_a_plain_pre_ln_model(seeded, fused):
 
 
 def test_parameter_free_norms_cannot_be_baked(seeded):
-    from megatron_lns.layer import baked_state_dict
+    from megatron_lns.model.layer import baked_state_dict
 
     with pytest.raises(ValueError, match="parameter-free norm"):
         baked_state_dict(build_model(tiny_config(norm_affine=False))[0])
@@ -255,7 +255,7 @@ def test_parameter_free_norms_cannot_be_baked(seeded):
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_both_norm_owners_implement_the_scaled_norm_interface(seeded, fused):
-    from megatron_lns.scaling import ScaledNorm
+    from megatron_lns.model.scaling import ScaledNorm
 
     cfg = tiny_config(normalization="LayerNorm", layernorm_zero_centered_gamma=True)
     model = _fused_model(cfg) if fused else build_model(cfg)[0]

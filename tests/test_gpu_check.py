@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import ROOT, fresh_launch_env, tiny_config
 
-from megatron_lns.model import build_model
+from megatron_lns.model.language_model import build_model
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check

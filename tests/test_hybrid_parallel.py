@@ -24,10 +24,10 @@ from helpers import fixed_microbatches, perturb_norm_weights, run_distributed, t
 from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker, set_moe_metrics_tracker
 from test_moe_parallel import full_tensors
 
-from megatron_lns import hybrid_pattern
-from megatron_lns.build import wrap_with_ddp
-from megatron_lns.model import build_model, unwrap
+from megatron_lns.config import hybrid_pattern
+from megatron_lns.model.language_model import build_model, unwrap
 from megatron_lns.runtime import ParallelLayout, init_distributed
+from megatron_lns.training.build import wrap_with_ddp
 from megatron_lns.training.checkpoint import load_model_weights, save_model_weights
 from megatron_lns.training.moe_metrics import MoEMetrics
 from megatron_lns.training.step import forward_backward

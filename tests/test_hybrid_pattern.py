@@ -1,4 +1,4 @@
-"""The hybrid layer pattern's arithmetic (megatron_lns/hybrid_pattern.py, no torch): the
+"""The hybrid layer pattern's arithmetic (megatron_lns/config/hybrid_pattern.py, no torch): the
 paper's block index of each sublayer, the GPT twin's pattern, parameter names between the
 two architectures, and the one-line errors of a bad pattern.
 
@@ -9,7 +9,7 @@ before them; MLPs before any attention are block 1), not computed by the code un
 
 import pytest
 
-from megatron_lns.hybrid_pattern import (
+from megatron_lns.config.hybrid_pattern import (
     HybridPatternError,
     block_numbers,
     gpt_equivalent_pattern,

@@ -1,4 +1,4 @@
-"""The LNS hybrid stack (megatron_lns/hybrid_specs.py) on one CPU rank: the depth rule on
+"""The LNS hybrid stack (megatron_lns/model/hybrid_specs.py) on one CPU rank: the depth rule on
 constructed patterns, Pre-LN, the final norm, refused sublayers, the Transformer Engine
 layout (CPU stand-ins, tests/te_standin.py) and Megatron-LM's ``--spec`` route.
 
@@ -18,13 +18,13 @@ from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from te_standin import StandInTESpecProvider
 
-import megatron_lns.hybrid_specs
-import megatron_lns.te
-from megatron_lns.fused_norm import FusedNormScaling
-from megatron_lns.hybrid_specs import get_lns_hybrid_stack_spec, lns_hybrid_stack_spec
-from megatron_lns.model import build_model
-from megatron_lns.norms import LocalNorm, local_norm_builder
-from megatron_lns.specs import local_to_fused_state_dict
+import megatron_lns.model.hybrid_specs
+import megatron_lns.model.te
+from megatron_lns.model.fused_norm import FusedNormScaling
+from megatron_lns.model.hybrid_specs import get_lns_hybrid_stack_spec, lns_hybrid_stack_spec
+from megatron_lns.model.language_model import build_model
+from megatron_lns.model.norms import LocalNorm, local_norm_builder
+from megatron_lns.model.specs import local_to_fused_state_dict
 
 # pattern -> the paper's block of each sublayer (by hand).
 PATTERNS = {
@@ -147,8 +147,10 @@ def te_standins(monkeypatch):
     linear_qkv and linear_fc1, an MoE sublayer's pre-MLP norm whatever megatron-lns puts
     there (the stand-in TENorm fails if built), the final norm local (TENorm needs CUDA)."""
     monkeypatch.setattr(gpt_layer_specs, "TESpecProvider", StandInTESpecProvider)
-    monkeypatch.setattr(megatron_lns.te, "require_te", lambda: None)
-    monkeypatch.setattr(megatron_lns.hybrid_specs, "te_final_norm_builder", local_norm_builder)
+    monkeypatch.setattr(megatron_lns.model.te, "require_te", lambda: None)
+    monkeypatch.setattr(
+        megatron_lns.model.hybrid_specs, "te_final_norm_builder", local_norm_builder
+    )
 
 
 @pytest.mark.parametrize("pattern", ["-*--**E-", "**-*E"])
@@ -178,7 +180,7 @@ def test_te_backend_hybrid_stack_matches_the_local_backend(seeded, te_standins, 
         torch.testing.assert_close(param.grad, local_grads[name], **STANDIN_GRADS, msg=name)
 
 
-# -- Megatron-LM's --spec megatron_lns.hybrid_specs lns_hybrid_stack_spec -----------------
+# -- Megatron-LM's --spec megatron_lns.model.hybrid_specs lns_hybrid_stack_spec -----------------
 
 
 def megatron_lm_model(cfg, pattern: str) -> HybridModel:

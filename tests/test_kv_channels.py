@@ -17,7 +17,7 @@ HEAD_SIZE = ["model.num_attention_heads=6", "model.num_query_groups=2", "model.k
 def _train(cfg):
     from megatron.core import parallel_state
 
-    from megatron_lns.model import unwrap
+    from megatron_lns.model.language_model import unwrap
     from megatron_lns.training.trainer import Trainer
 
     trainer = Trainer(cfg)

@@ -8,7 +8,7 @@ import sys
 import pytest
 from helpers import DEMO_CONFIG, ROOT, TINY_RUN_OVERRIDES, fresh_launch_env
 
-from megatron_lns.launcher_env import LauncherEnvironmentError, launcher_environment
+from megatron_lns.runtime.launcher_env import LauncherEnvironmentError, launcher_environment
 
 FULL = {"LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 

@@ -8,41 +8,21 @@ from helpers import ROOT
 
 PACKAGE = ROOT / "megatron_lns"
 
-# Bottom to top. A module may import from its own entry or any entry before it.
+# Bottom to top, by package. A module may import from its own entry or any entry before it.
+# The folders read as the flow: config -> model -> training -> convert / analysis / cluster
+# -> commands. data sits below config because the config's checks read data formats.
 LAYERS = [
-    "errors",
-    "disk",
-    "path_kind",
-    "exit_status",
-    "third_party_noise",
-    "choices",
-    "hybrid_pattern",
-    "layout",
-    "launcher_env",
-    "moe",
-    "hybrid_pattern",
-    "scaling",
-    "runtime",
-    "norms",
-    "layer",
-    "variants",
-    "fused_norm",
-    "te",
-    "userbuffers",
-    "fast_paths",
-    "specs",
-    "hybrid_specs",
-    "model",
-    "optim",
+    "base",
     "data",
     "config",
+    "runtime",
     "planning",
-    "machine",
-    "build",
+    "model",
+    "specs",  # megatron_lns.specs and .hybrid_specs: the old paths of Megatron-LM's --spec
+    "hybrid_specs",
     "training",
     "convert",
     "analysis",
-    "comparison",
     "cluster",
     "launch",
     "commands",

@@ -10,8 +10,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from reference_llama import ReferenceLlama
 
-from megatron_lns.layer import LNSTransformerLayer
-from megatron_lns.model import build_model
+from megatron_lns.model.language_model import build_model
+from megatron_lns.model.layer import LNSTransformerLayer
 
 
 def _inputs(cfg, batch=2, seed=0):

@@ -13,9 +13,9 @@ import torch.distributed as dist
 from helpers import fixed_microbatches, run_distributed, tiny_config
 from megatron.core import parallel_state
 
-from megatron_lns.build import wrap_with_ddp
-from megatron_lns.model import build_model
+from megatron_lns.model.language_model import build_model
 from megatron_lns.runtime import ParallelLayout, init_distributed
+from megatron_lns.training.build import wrap_with_ddp
 from megatron_lns.training.checkpoint import load_model_weights, save_model_weights
 from megatron_lns.training.step import forward_backward
 
@@ -221,7 +221,7 @@ def fused_norm_sequence_parallel_worker(tmp: str):
     """The fused-norm (TE-style) path under TP=2 + SP equals TP=1: loss and gradients."""
     from test_fused_norm import _fused_model
 
-    from megatron_lns.fused_norm import FusedNormScaling
+    from megatron_lns.model.fused_norm import FusedNormScaling
 
     cfg = tiny_config(normalization="LayerNorm")
     batches = fixed_microbatches(cfg.vocab_size, cfg.seq_length)

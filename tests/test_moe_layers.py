@@ -24,13 +24,13 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from reference_moe import ReferenceMoELlama
 from te_standin import StandInTESpecProvider
 
-import megatron_lns.specs
-import megatron_lns.te
-from megatron_lns.layer import LNSTransformerLayer, bake_norm_scaling, baked_state_dict
-from megatron_lns.model import build_model
-from megatron_lns.norms import local_norm_builder
-from megatron_lns.specs import local_to_fused_state_dict
-from megatron_lns.variants import deepnorm_alpha, deepnorm_beta, feed_forward_networks
+import megatron_lns.model.specs
+import megatron_lns.model.te
+from megatron_lns.model.language_model import build_model
+from megatron_lns.model.layer import LNSTransformerLayer, bake_norm_scaling, baked_state_dict
+from megatron_lns.model.norms import local_norm_builder
+from megatron_lns.model.specs import local_to_fused_state_dict
+from megatron_lns.model.variants import deepnorm_alpha, deepnorm_beta, feed_forward_networks
 
 LOGITS = dict(rtol=1e-9, atol=1e-9)
 GRADS = dict(rtol=1e-8, atol=1e-10)
@@ -283,8 +283,8 @@ def te_standins(monkeypatch):
     norm fused into linear_qkv, the MoE pre-MLP norm whatever megatron-lns puts there (the
     stand-in TENorm fails if built), the final norm local (TE's TENorm needs CUDA)."""
     monkeypatch.setattr(gpt_layer_specs, "TESpecProvider", StandInTESpecProvider)
-    monkeypatch.setattr(megatron_lns.te, "require_te", lambda: None)
-    monkeypatch.setattr(megatron_lns.specs, "te_final_norm_builder", local_norm_builder)
+    monkeypatch.setattr(megatron_lns.model.te, "require_te", lambda: None)
+    monkeypatch.setattr(megatron_lns.model.specs, "te_final_norm_builder", local_norm_builder)
 
 
 def test_te_backend_moe_layers_match_the_local_backend(seeded, aux_loss_scale_one, te_standins):

@@ -15,11 +15,11 @@ import torch.distributed as dist
 from helpers import fixed_microbatches, run_distributed, tiny_config
 from megatron.core import parallel_state
 
-from megatron_lns.build import build_trainable, wrap_with_ddp
-from megatron_lns.model import build_model
-from megatron_lns.optim import OptimSettings
+from megatron_lns.model.language_model import build_model
 from megatron_lns.runtime import ParallelLayout, init_distributed
+from megatron_lns.training.build import build_trainable, wrap_with_ddp
 from megatron_lns.training.checkpoint import load_model_weights, save_model_weights
+from megatron_lns.training.optim import OptimSettings
 from megatron_lns.training.step import forward_backward, train_step
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]

@@ -4,8 +4,8 @@ import pytest
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_lns.norms import LocalNorm
-from megatron_lns.scaling import lns_factor
+from megatron_lns.model.norms import LocalNorm
+from megatron_lns.model.scaling import lns_factor
 
 
 def _config(**kw):
@@ -88,7 +88,7 @@ def test_output_scale_is_not_in_state_dict():
 
 @pytest.mark.parametrize("affine", [True, False])
 def test_folding_matches_the_multiply_after_norm_reference(affine):
-    from megatron_lns.norms import MultiplyAfterNorm
+    from megatron_lns.model.norms import MultiplyAfterNorm
 
     torch.manual_seed(0)
     cfg = _config(normalization="RMSNorm")

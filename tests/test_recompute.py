@@ -13,11 +13,11 @@ from helpers import FIXTURES, ROOT, fixed_microbatches, run_distributed, tiny_co
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import random as mcore_random
 
-from megatron_lns.build import model_config, wrap_with_ddp
 from megatron_lns.config import ConfigError, load_config, validate
-from megatron_lns.hybrid_pattern import gpt_key_to_hybrid
-from megatron_lns.model import build_model
+from megatron_lns.config.hybrid_pattern import gpt_key_to_hybrid
+from megatron_lns.model.language_model import build_model
 from megatron_lns.runtime import ParallelLayout, init_distributed
+from megatron_lns.training.build import model_config, wrap_with_ddp
 from megatron_lns.training.step import forward_backward
 
 RECOMPUTE_MODES = {

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from megatron_lns.scaling import (
+from megatron_lns.model.scaling import (
     fold_scale_into_beta,
     fold_scale_into_gamma,
     lns_factor,

@@ -14,8 +14,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec, import_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_lns.layer import LNSTransformerLayer
-from megatron_lns.model import build_model
+from megatron_lns.model.language_model import build_model
+from megatron_lns.model.layer import LNSTransformerLayer
 from megatron_lns.runtime import ParallelLayout
 
 DOC = ROOT / "docs" / "megatron_integration.md"
@@ -53,8 +53,8 @@ def _assert_lns_layers(model: GPTModel) -> None:
 
 
 def test_megatron_lm_spec_import_builds_an_lns_model(seeded):
-    # Megatron-LM: --spec megatron_lns.specs lns_layer_spec -> args.spec, a list of two.
-    spec = import_module(["megatron_lns.specs", "lns_layer_spec"])
+    # Megatron-LM: --spec megatron_lns.model.specs lns_layer_spec -> args.spec, a list of two.
+    spec = import_module(["megatron_lns.model.specs", "lns_layer_spec"])
     assert isinstance(spec, ModuleSpec)
     model = _gpt(spec, _tf_config())
     _assert_lns_layers(model)
@@ -70,7 +70,7 @@ def test_megatron_lm_spec_import_builds_an_lns_model(seeded):
 def test_block_spec_callable_follows_the_provider_contract(seeded):
     """Bridge and Megatron-LM's model builder call it with the config, and with
     ``vp_stage=`` because its signature has one."""
-    from megatron_lns.specs import lns_block_spec
+    from megatron_lns.model.specs import lns_block_spec
 
     assert "vp_stage" in inspect.signature(lns_block_spec).parameters
     config = _tf_config()
@@ -95,7 +95,7 @@ def test_block_spec_callable_builds_moe_layers_where_the_config_says(seeded):
     ``moe_layer_freq`` picks, every layer with its LNS factor."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from megatron_lns.specs import lns_block_spec
+    from megatron_lns.model.specs import lns_block_spec
 
     config = tiny_config(
         num_moe_experts=4, moe_layer_freq=[0, 1, 0, 1], moe_ffn_hidden_size=32
@@ -179,7 +179,7 @@ def test_megatron_lm_model_builder_builds_an_lns_model_from_the_spec(seeded, nam
     config.transformer_impl = "local"
     model_config = GPTModelConfig(
         transformer=config,
-        transformer_layer_spec=import_module(["megatron_lns.specs", name]),
+        transformer_layer_spec=import_module(["megatron_lns.model.specs", name]),
         vocab_size=VOCAB,
         seq_length=SEQ,
         position_embedding_type="rope",

@@ -9,15 +9,15 @@ import torch
 from helpers import fixed_microbatches, run_distributed, tiny_config
 from reference_llama import ReferenceLlama
 
-from megatron_lns.model import build_model
-from megatron_lns.runtime import ParallelLayout
-from megatron_lns.specs import get_lns_layer_spec
-from megatron_lns.variants import (
+from megatron_lns.model.language_model import build_model
+from megatron_lns.model.specs import get_lns_layer_spec
+from megatron_lns.model.variants import (
     VariantSettings,
     deepnorm_alpha,
     deepnorm_beta,
     num_post_norm_layers,
 )
+from megatron_lns.runtime import ParallelLayout
 
 # (layer_variant, norm_scaling): every variant, LNS on the pre-norm ones it combines with.
 CASES = [

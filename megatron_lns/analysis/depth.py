@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_lns import hybrid_pattern
-from megatron_lns.model import unwrap
+from megatron_lns.config import hybrid_pattern
+from megatron_lns.model.language_model import unwrap
 from megatron_lns.training.step import Batch, forward_backward
 
 # Columns of a layer's running totals.

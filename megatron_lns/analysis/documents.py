@@ -34,7 +34,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_lns.analysis.depth import forward_hooks, held_out_loss
-from megatron_lns.model import unwrap
+from megatron_lns.model.language_model import unwrap
 from megatron_lns.training.step import Batch
 
 Window = tuple[list[int], int]  # (tokens: inputs plus the last label, labels scored)

@@ -34,19 +34,18 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from megatron_lns import hybrid_pattern
 from megatron_lns.analysis.depth import DepthReport, LayerDiagnostics, depth_diagnostics
 from megatron_lns.analysis.plots import plot_depth_reports
-from megatron_lns.config import ConfigError, ExperimentConfig, validate
+from megatron_lns.base.errors import UserError
+from megatron_lns.config import ConfigError, ExperimentConfig, hybrid_pattern, validate
+from megatron_lns.config.layout import micro_batches_per_step
 from megatron_lns.config.sources import RUN_CONFIG, config_file, load_run_config
 from megatron_lns.convert.errors import ConversionError
 from megatron_lns.convert.hf_export import resolve_checkpoint
 from megatron_lns.convert.hf_import import import_hf
 from megatron_lns.convert.output import check_apart, check_output_dir, staged_output_dir
-from megatron_lns.errors import UserError
-from megatron_lns.launcher_env import launcher_environment
-from megatron_lns.layout import micro_batches_per_step
-from megatron_lns.machine import check_environment
+from megatron_lns.runtime.launcher_env import launcher_environment
+from megatron_lns.training.machine import check_environment
 
 REPORT_NAME = "analysis.json"
 # What an analysis may change in a run's config: where the held-out data comes from and
@@ -463,7 +462,11 @@ def analysis_job(
     from megatron.core import parallel_state
 
     from megatron_lns.analysis.documents import document_batches, document_loss, held_out_documents
-    from megatron_lns.build import (
+    from megatron_lns.config.data_checks import dataset_num_samples
+    from megatron_lns.data.datasets import held_out_batches
+    from megatron_lns.data.tokenizer import build_tokenizer
+    from megatron_lns.runtime import init_distributed
+    from megatron_lns.training.build import (
         build_model_chunks,
         dataset_settings,
         device_setting,
@@ -471,10 +474,6 @@ def analysis_job(
         parallel_layout,
         tokenizer_spec,
     )
-    from megatron_lns.config.data_checks import dataset_num_samples
-    from megatron_lns.data.datasets import held_out_batches
-    from megatron_lns.data.tokenizer import build_tokenizer
-    from megatron_lns.runtime import init_distributed
     from megatron_lns.training.checkpoint import load_model_weights
 
     layout = parallel_layout(cfg)

@@ -44,4 +44,4 @@ class Executor[Job](ABC):
     @abstractmethod
     def submit(self, job: Job) -> Submission:
         """Write the job's files and submit it. A missing scheduler tool or a refused job
-        is a :class:`~megatron_lns.errors.UserError` with a one-line message."""
+        is a :class:`~megatron_lns.base.errors.UserError` with a one-line message."""

@@ -1,6 +1,6 @@
 """``megatron-lns compare``: train several variants over several seeds; table and plots.
 
-The comparison itself is :mod:`megatron_lns.comparison`; ``demo`` runs this command's
+The comparison itself is :mod:`megatron_lns.analysis.comparison`; ``demo`` runs this command's
 :func:`run` with its defaults.
 """
 
@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megatron_lns.third_party_noise import quiet_third_party_noise
+from megatron_lns.base.third_party_noise import quiet_third_party_noise
 
 if TYPE_CHECKING:
     from megatron_lns.config import ExperimentConfig
@@ -50,13 +50,13 @@ def add_out_and_dry_run(parser: argparse.ArgumentParser) -> None:
 def compare_job(cfg: ExperimentConfig, variant_names: list[str], num_seeds: int, out: str) -> None:
     """What every rank runs: the comparison, written under ``out``."""
     quiet_third_party_noise()
-    from megatron_lns.comparison import parse_variants, run_comparison
+    from megatron_lns.analysis.comparison import parse_variants, run_comparison
 
     run_comparison(cfg, parse_variants(variant_names), num_seeds, Path(out))
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_lns.comparison import (
+    from megatron_lns.analysis.comparison import (
         DEFAULT_VARIANTS,
         check_arms,
         check_existing_runs,

@@ -38,8 +38,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     keys, or mis-name: a tokenizer without its file, an output prefix that ends in '/'
     (``Path`` drops the '/', so ``data/new/`` wrote ``data/new.bin``); an input that is
     not a file, before the progress bar starts."""
+    from megatron_lns.base.path_kind import not_a_file
     from megatron_lns.data.preprocess import PreprocessError
-    from megatron_lns.path_kind import not_a_file
 
     for path in args.input:
         why = not_a_file(path)

@@ -5,7 +5,7 @@ strict), and the settings that mean something only to one architecture."""
 
 from __future__ import annotations
 
-from megatron_lns import hybrid_pattern
+from megatron_lns.config import hybrid_pattern
 from megatron_lns.config.loader import ConfigError
 
 KEY = "model.hybrid_layer_pattern"

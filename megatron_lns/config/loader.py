@@ -24,6 +24,8 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from megatron_lns.base.errors import UserError
+from megatron_lns.base.path_kind import not_a_file
 from megatron_lns.config.nemo_compat import (
     NEMO_KEYS,
     Inert,
@@ -36,8 +38,6 @@ from megatron_lns.config.nemo_compat import (
 )
 from megatron_lns.config.schema import ExperimentConfig
 from megatron_lns.config.settings import declaration
-from megatron_lns.errors import UserError
-from megatron_lns.path_kind import not_a_file
 
 
 class ConfigError(UserError, ValueError):

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from omegaconf import ListConfig
 
+from megatron_lns.config.layout import ParallelLayout
 from megatron_lns.config.loader import ConfigError
+from megatron_lns.config.moe_layers import MoELayerFreqError, moe_layer_pattern
 from megatron_lns.config.settings import declared_settings
-from megatron_lns.layout import ParallelLayout
-from megatron_lns.moe import MoELayerFreqError, moe_layer_pattern
 
 
 def moe_only_keys() -> dict[str, object]:

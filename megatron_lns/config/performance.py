@@ -11,6 +11,13 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
+from megatron_lns.config.fast_paths import (
+    FastPathError,
+    FastPathRequest,
+    FastPaths,
+    MachineFacts,
+    resolve_fast_paths,
+)
 from megatron_lns.config.loader import ConfigError
 from megatron_lns.config.schema import (
     PRECISIONS,
@@ -20,14 +27,7 @@ from megatron_lns.config.schema import (
     uses_distributed_optimizer,
 )
 from megatron_lns.config.settings import declared_settings, section
-from megatron_lns.fast_paths import (
-    FastPathError,
-    FastPathRequest,
-    FastPaths,
-    MachineFacts,
-    resolve_fast_paths,
-)
-from megatron_lns.userbuffers import UserbufferSettingsError, read_userbuffer_settings
+from megatron_lns.config.userbuffers import UserbufferSettingsError, read_userbuffer_settings
 
 # fp16 loss-scaling keys and the values megatron-core uses when they are not set.
 LOSS_SCALE_DEFAULTS = {

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_lns.moe import MoELayerFreqError, parse_moe_layer_freq
+from megatron_lns.config.moe_layers import MoELayerFreqError, parse_moe_layer_freq
 
 
 @dataclass(frozen=True)

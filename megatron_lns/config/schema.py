@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_lns.choices import (
+from megatron_lns.config.choices import (
     ACTIVATIONS,
     ARCHITECTURES,
     LAYER_VARIANTS,
@@ -34,6 +34,7 @@ from megatron_lns.choices import (
     RECOMPUTE_METHODS,
     RECOMPUTE_MODULES,
 )
+from megatron_lns.config.moe_layers import parse_moe_layer_freq
 from megatron_lns.config.rules import (
     adam_betas,
     global_ranks,
@@ -51,7 +52,6 @@ from megatron_lns.config.rules import (
 )
 from megatron_lns.config.settings import setting
 from megatron_lns.data.tokenizer import TOKENIZER_LIBRARIES
-from megatron_lns.moe import parse_moe_layer_freq
 
 # The NeMo spellings a value may take, and what each means in megatron-core terms. The
 # build (build.py) translates through these maps; validation checks

@@ -8,11 +8,13 @@ message names the key.
 
 from __future__ import annotations
 
-from megatron_lns import layout
-from megatron_lns.choices import PRE_NORM_VARIANTS, lns_combines_with, warmup_fits
+from megatron_lns.base.path_kind import not_a_directory, not_a_file
+from megatron_lns.config import layout
+from megatron_lns.config.choices import PRE_NORM_VARIANTS, lns_combines_with, warmup_fits
 from megatron_lns.config.cluster import validate_cluster
 from megatron_lns.config.data_checks import check_datasets, check_tokenizer
 from megatron_lns.config.hybrid_rules import check_hybrid, hybrid_segments
+from megatron_lns.config.layout import ParallelLayout, micro_batches_per_step
 from megatron_lns.config.loader import ConfigError
 from megatron_lns.config.moe_rules import check_moe
 from megatron_lns.config.paths import check_writable_paths
@@ -23,8 +25,6 @@ from megatron_lns.config.schema import PRECISIONS, SCHEDULES, ExperimentConfig
 from megatron_lns.config.settings import value_errors
 from megatron_lns.data.blend import DataBlend, DataBlendError
 from megatron_lns.data.tokenizer import HUGGING_FACE_DIRECTORY_HINT
-from megatron_lns.layout import ParallelLayout, micro_batches_per_step
-from megatron_lns.path_kind import not_a_directory, not_a_file
 
 
 def _divisible(key: str, value: int, by_key: str, by: int, shown: str | None = None) -> None:

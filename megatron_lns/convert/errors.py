@@ -1,6 +1,6 @@
 """The one error type of the conversion package."""
 
-from megatron_lns.errors import UserError
+from megatron_lns.base.errors import UserError
 
 
 class ConversionError(UserError, ValueError):

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from megatron_lns.build import embedding_rows
 from megatron_lns.config import ConfigError
 from megatron_lns.config.schema import ExperimentConfig
 from megatron_lns.config.sources import load_run_config, runs_inside_hint
@@ -45,6 +44,7 @@ from megatron_lns.convert.mapping import (
 )
 from megatron_lns.convert.output import check_apart, staged_output_dir
 from megatron_lns.convert.safetensors_io import Group, write_sharded
+from megatron_lns.training.build import embedding_rows
 from megatron_lns.training.checkpoint import (
     CHECKPOINT_DIR_RE,
     COMPLETE_MARKER,

@@ -35,9 +35,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from megatron_lns import hybrid_pattern
-from megatron_lns.build import build_weights_model, embedding_rows
-from megatron_lns.config import ConfigError, to_yaml, validate
+from megatron_lns.base.path_kind import not_a_directory, not_a_file
+from megatron_lns.config import ConfigError, hybrid_pattern, to_yaml, validate
 from megatron_lns.config.schema import ExperimentConfig
 from megatron_lns.config.sources import RUN_CONFIG, config_file, load_run_config
 from megatron_lns.convert.architectures import Architecture, architecture_for_hf_config
@@ -56,9 +55,9 @@ from megatron_lns.convert.mapping import (
 from megatron_lns.convert.output import check_apart, check_output_dir, staged_output_dir
 from megatron_lns.convert.safetensors_io import SafetensorsCheckpoint
 from megatron_lns.convert.streaming_save import GroupedParameters, StreamingSaveStrategy
-from megatron_lns.launcher_env import launcher_environment
-from megatron_lns.path_kind import not_a_directory, not_a_file
-from megatron_lns.specs import LOCAL_TO_FUSED_NORM_NAMES
+from megatron_lns.model.specs import LOCAL_TO_FUSED_NORM_NAMES
+from megatron_lns.runtime.launcher_env import launcher_environment
+from megatron_lns.training.build import build_weights_model, embedding_rows
 from megatron_lns.training.checkpoint import save_weights_only_checkpoint
 
 PRECISION_OF_DTYPE = {torch.float32: "32", torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from megatron_lns.scaling import fold_scale_into_gamma
+from megatron_lns.model.scaling import fold_scale_into_gamma
 
 # Checkpoint keys (megatron's sharded keys). Per-layer tensors are stacked on a leading
 # layer axis under LAYERS + name; the local spec's separate norms are saved under the
@@ -38,7 +38,7 @@ FC1_BIAS = "mlp.linear_fc1.bias"
 FC2_WEIGHT = "mlp.linear_fc2.weight"
 FC2_BIAS = "mlp.linear_fc2.bias"
 # The branch gains of LayerScale ([h], per channel) and SkipInit ([1], a scalar), by
-# branch: megatron_lns.variants.ResidualBranch multiplies the branch output with them
+# branch: megatron_lns.model.variants.ResidualBranch multiplies the branch output with them
 # before the residual add.
 BRANCH_GAINS = {
     "layerscale": ("self_attn_bda.layerscale", "mlp_bda.layerscale"),

@@ -12,8 +12,8 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from megatron_lns.base.disk import DiskFullError, disk_full_error, give_plain_modes, is_disk_full
 from megatron_lns.convert.errors import ConversionError
-from megatron_lns.disk import DiskFullError, disk_full_error, give_plain_modes, is_disk_full
 
 
 def check_output_dir(out_dir: Path, overwrite: bool) -> None:
@@ -39,7 +39,7 @@ def staged_output_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[
     every file in it with the mode a plain ``open()`` gives (``disk.give_plain_modes``).
 
     A full disk (anything written in the block, or the staging directory itself) is one
-    :class:`~megatron_lns.errors.DiskFullError` naming ``out_dir``, after the staging
+    :class:`~megatron_lns.base.errors.DiskFullError` naming ``out_dir``, after the staging
     directory is removed (its space given back)."""
     out_dir = Path(out_dir)
     check_output_dir(out_dir, overwrite)

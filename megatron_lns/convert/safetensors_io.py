@@ -21,8 +21,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from megatron_lns.base.disk import disk_full_reported
 from megatron_lns.convert.errors import ConversionError
-from megatron_lns.disk import disk_full_reported
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_lns.base.path_kind import not_a_file
 from megatron_lns.data.demo_corpus import demo_documents
 from megatron_lns.data.errors import DataError
-from megatron_lns.path_kind import not_a_file
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_CORPORA: dict[str, Callable[[], list[str]]] = {"pydoc": demo_documents}

@@ -7,7 +7,7 @@ traceback: catching :class:`DataError` covers them all.
 
 from __future__ import annotations
 
-from megatron_lns.errors import UserError
+from megatron_lns.base.errors import UserError
 
 
 class DataError(UserError, ValueError):

@@ -28,11 +28,11 @@ import numpy as np
 import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
+from megatron_lns.base.disk import disk_full_reported
+from megatron_lns.base.path_kind import not_a_file
 from megatron_lns.data.errors import DataError
 from megatron_lns.data.metadata import DatasetMetadata
 from megatron_lns.data.tokenizer import Tokenizer, build_tokenizer
-from megatron_lns.disk import disk_full_reported
-from megatron_lns.path_kind import not_a_file
 
 
 class PreprocessError(DataError):

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, get_args
 
+from megatron_lns.base.path_kind import not_a_directory, not_a_file
 from megatron_lns.data.errors import DataError
-from megatron_lns.path_kind import not_a_directory, not_a_file
 
 TokenizerLibrary = Literal["byte", "huggingface", "sentencepiece"]
 TOKENIZER_LIBRARIES: tuple[str, ...] = get_args(TokenizerLibrary)

@@ -31,7 +31,7 @@ import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from megatron_lns import layout
+from megatron_lns.config import layout
 from megatron_lns.config.schema import ExperimentConfig
 
 MAX_COMBINED = 4
@@ -108,8 +108,8 @@ def _fix(chosen: list[_Candidate], result) -> Fix:
 
 def _try(cfg: ExperimentConfig, overrides: dict[str, object], replan: Callable):
     """The plan with ``overrides``, or None when the config refuses them."""
+    from megatron_lns.base.errors import UserError
     from megatron_lns.config import validate
-    from megatron_lns.errors import UserError
 
     changed = _apply(cfg, overrides)
     try:

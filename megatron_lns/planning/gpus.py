@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lns.errors import UserError
+from megatron_lns.base.errors import UserError
 
 
 class UnknownGPUError(UserError):

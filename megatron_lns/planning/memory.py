@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lns import layout
+from megatron_lns.config import layout
 from megatron_lns.config.schema import PRECISIONS, ExperimentConfig, cpu_offloading_num_layers
 from megatron_lns.planning.shape import ModelShape, parameter_counts, world_and_data_parallel
 

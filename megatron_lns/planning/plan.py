@@ -7,9 +7,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megatron_lns import layout
+from megatron_lns.base.errors import UserError
+from megatron_lns.config import layout
 from megatron_lns.config.schema import ExperimentConfig
-from megatron_lns.errors import UserError
 from megatron_lns.planning.fixes import ranked_fixes
 from megatron_lns.planning.gpus import GPU
 from megatron_lns.planning.memory import MemoryEstimate, heaviest, stage_estimates

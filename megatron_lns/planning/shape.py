@@ -22,15 +22,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lns import hybrid_pattern, layout
+from megatron_lns.config import hybrid_pattern, layout
+from megatron_lns.config.moe_layers import moe_layer_pattern
 from megatron_lns.config.schema import ExperimentConfig
-from megatron_lns.moe import moe_layer_pattern
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel: int, divisible_by: int = 128) -> int:
     """The embedding rows: ``vocab_size`` rounded up to a multiple of ``divisible_by`` and
-    of ``tensor_parallel`` (the rule of ``megatron_lns.model.padded_vocab_size``, which
-    imports torch; ``tests/planning/test_shape.py`` checks the two agree)."""
+    of ``tensor_parallel`` (the rule of
+    ``megatron_lns.model.language_model.padded_vocab_size``, which imports torch;
+    ``tests/planning/test_shape.py`` checks the two agree)."""
     import math
 
     multiple = math.lcm(divisible_by, tensor_parallel)

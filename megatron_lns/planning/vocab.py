@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from megatron_lns.base.errors import UserError
 from megatron_lns.config.schema import ExperimentConfig
-from megatron_lns.errors import UserError
 
 BYTE_VOCAB = 257  # megatron_lns.data.tokenizer's byte tokenizer: 256 bytes + EOD
 # When the tokenizer cannot be read here (not given, or a SentencePiece model): the

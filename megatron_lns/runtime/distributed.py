@@ -16,9 +16,9 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from megatron_lns.launcher_env import launcher_environment
-from megatron_lns.layout import ParallelLayout
+from megatron_lns.config.layout import ParallelLayout
 from megatron_lns.runtime.cpu import install_cpu_compat
+from megatron_lns.runtime.launcher_env import launcher_environment
 from megatron_lns.runtime.rendezvous import DEFAULT_TIMEOUT_S as DEFAULT_RENDEZVOUS_TIMEOUT_S
 from megatron_lns.runtime.rendezvous import rendezvous_store
 

@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from megatron_lns.disk import as_user_error
-from megatron_lns.errors import (
+from megatron_lns.base.disk import as_user_error
+from megatron_lns.base.errors import (
     REPORT_MARKER_ENV,
     USER_ERROR_EXIT_CODE,
     RankFailed,
@@ -35,9 +35,9 @@ from megatron_lns.errors import (
     debug_enabled,
     report_user_error_once,
 )
-from megatron_lns.launcher_env import launcher_environment
-from megatron_lns.layout import world_size
+from megatron_lns.config.layout import world_size
 from megatron_lns.runtime.distributed import destroy_distributed, free_port
+from megatron_lns.runtime.launcher_env import launcher_environment
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # Seconds the other ranks get to exit on their own after one failed, then again after

@@ -31,8 +31,8 @@ from typing import IO, Any
 
 import torch.distributed as dist
 
-from megatron_lns.errors import UserError, debug_enabled
-from megatron_lns.launcher_env import LauncherEnvironment
+from megatron_lns.base.errors import UserError, debug_enabled
+from megatron_lns.runtime.launcher_env import LauncherEnvironment
 
 DEFAULT_TIMEOUT_S = 600.0
 # A wait longer than this is announced on stderr.

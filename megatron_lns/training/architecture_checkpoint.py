@@ -41,8 +41,8 @@ from megatron.core.dist_checkpointing.gpt_checkpoint_interop import (
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-from megatron_lns import hybrid_pattern
-from megatron_lns.model import unwrap
+from megatron_lns.config import hybrid_pattern
+from megatron_lns.model.language_model import unwrap
 
 # The common-state entry that names the architecture which wrote a checkpoint.
 ARCHITECTURE = "architecture"

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_lns.build import Trainable, build_trainable
-from megatron_lns.fast_paths import FastPathRequest, resolve_fast_paths
-from megatron_lns.machine import detect_machine
-from megatron_lns.model import GPTModelConfig
-from megatron_lns.optim import OptimSettings
+from megatron_lns.config.fast_paths import FastPathRequest, resolve_fast_paths
+from megatron_lns.model.language_model import GPTModelConfig
 from megatron_lns.runtime import ParallelLayout
+from megatron_lns.training.build import Trainable, build_trainable
+from megatron_lns.training.machine import detect_machine
+from megatron_lns.training.optim import OptimSettings
 from megatron_lns.training.step import make_batch, train_step
 
 

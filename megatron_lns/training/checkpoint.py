@@ -65,16 +65,16 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import param_group_identifier_keys
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_lns.config.sources import RUN_CONFIG
-from megatron_lns.disk import (
+from megatron_lns.base.disk import (
     DiskFullError,
     disk_full_error,
     disk_full_reported,
     free_bytes,
     is_disk_full,
 )
-from megatron_lns.errors import UserError
-from megatron_lns.model import unwrap
+from megatron_lns.base.errors import UserError
+from megatron_lns.config.sources import RUN_CONFIG
+from megatron_lns.model.language_model import unwrap
 from megatron_lns.training import architecture_checkpoint as architecture
 from megatron_lns.training import provenance
 from megatron_lns.training.rewind import CHECKPOINT_ID, new_checkpoint_id

@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from megatron_lns.third_party_noise import quiet_third_party_noise
+from megatron_lns.base.third_party_noise import quiet_third_party_noise
 
 if TYPE_CHECKING:
     from megatron_lns.config import ExperimentConfig
@@ -54,10 +54,10 @@ def load_checked_config(
     the launcher's ``WORLD_SIZE`` where one set it and, unless ``dry_run``, checked
     against this machine."""
     from megatron_lns.config import ConfigError, validate
+    from megatron_lns.config.layout import world_size
     from megatron_lns.config.sources import load_run_config
-    from megatron_lns.launcher_env import UNSET_HINT, launcher_environment
-    from megatron_lns.layout import world_size
-    from megatron_lns.machine import check_environment
+    from megatron_lns.runtime.launcher_env import UNSET_HINT, launcher_environment
+    from megatron_lns.training.machine import check_environment
 
     launch = launcher_environment()  # before loading: its refusal is the first thing to fix
     cfg = load_run_config(config, overrides)

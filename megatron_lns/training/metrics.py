@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_lns.disk import DiskFullError, disk_full_error, write_text_atomically
+from megatron_lns.base.disk import DiskFullError, disk_full_error, write_text_atomically
 
 
 def warn(message: str) -> None:

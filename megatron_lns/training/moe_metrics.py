@@ -39,9 +39,9 @@ from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_lns import hybrid_pattern
-from megatron_lns.model import unwrap
-from megatron_lns.moe import moe_layer_pattern
+from megatron_lns.config import hybrid_pattern
+from megatron_lns.config.moe_layers import moe_layer_pattern
+from megatron_lns.model.language_model import unwrap
 
 # megatron's routers record each load-balancing type under its own name.
 _AUX_LOSS_NAMES = {

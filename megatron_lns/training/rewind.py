@@ -56,8 +56,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_lns.disk import DiskFullError, disk_full_reported, write_text_atomically
-from megatron_lns.errors import UserError
+from megatron_lns.base.disk import DiskFullError, disk_full_reported, write_text_atomically
+from megatron_lns.base.errors import UserError
 
 ABANDONED_PREFIX = "abandoned-"
 JOURNAL = "moving.json"

@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from megatron_lns.disk import disk_full_reported
-from megatron_lns.errors import UserError
+from megatron_lns.base.disk import disk_full_reported
+from megatron_lns.base.errors import UserError
 from megatron_lns.training import slurm_job
 from megatron_lns.training.slurm_job import GONE, LIVE_STATES, SlurmJob, SlurmQueryError
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_lns.disk import write_text_atomically
+from megatron_lns.base.disk import write_text_atomically
 
 RUN_STATUS_FILE = "run_status"
 

@@ -26,7 +26,19 @@ from megatron.core.num_microbatches_calculator import (
 )
 from megatron.core.utils import get_model_config
 
-from megatron_lns.build import (
+from megatron_lns.base.disk import DiskFullError, write_text_atomically
+from megatron_lns.base.errors import UserError
+from megatron_lns.config import ExperimentConfig, to_yaml
+from megatron_lns.config.cluster import time_limit_seconds
+from megatron_lns.config.data_checks import dataset_num_samples
+from megatron_lns.config.layout import micro_batches_per_step
+from megatron_lns.config.paths import run_directory
+from megatron_lns.config.sources import RUN_CONFIG
+from megatron_lns.data.datasets import held_out_batches, micro_batch_loader
+from megatron_lns.data.tokenizer import build_tokenizer
+from megatron_lns.runtime import init_distributed
+from megatron_lns.training.batch_size import init_batch_size_calculator
+from megatron_lns.training.build import (
     build_trainable_from_config,
     dataset_settings,
     device_setting,
@@ -35,18 +47,6 @@ from megatron_lns.build import (
     parallel_layout,
     tokenizer_spec,
 )
-from megatron_lns.config import ExperimentConfig, to_yaml
-from megatron_lns.config.cluster import time_limit_seconds
-from megatron_lns.config.data_checks import dataset_num_samples
-from megatron_lns.config.paths import run_directory
-from megatron_lns.config.sources import RUN_CONFIG
-from megatron_lns.data.datasets import held_out_batches, micro_batch_loader
-from megatron_lns.data.tokenizer import build_tokenizer
-from megatron_lns.disk import DiskFullError, write_text_atomically
-from megatron_lns.errors import UserError
-from megatron_lns.layout import micro_batches_per_step
-from megatron_lns.runtime import init_distributed
-from megatron_lns.training.batch_size import init_batch_size_calculator
 from megatron_lns.training.checkpoint import CHECKPOINT_DIR_RE, latest_complete_checkpoint
 from megatron_lns.training.checkpoint_writer import CheckpointWriter
 from megatron_lns.training.manual_gc import ManualGarbageCollection

@@ -15,8 +15,8 @@ from megatron_lns.analysis.depth import (
     layer_removed,
     layer_statistics,
 )
-from megatron_lns.hybrid_pattern import gpt_key_to_hybrid
-from megatron_lns.model import build_model
+from megatron_lns.config.hybrid_pattern import gpt_key_to_hybrid
+from megatron_lns.model.language_model import build_model
 
 NUM_LAYERS = 4
 

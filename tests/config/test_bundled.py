@@ -6,10 +6,9 @@ the same parameters under the twin's names."""
 import pytest
 from omegaconf import OmegaConf
 
-from megatron_lns import hybrid_pattern
-from megatron_lns.build import build_weights_model, model_config, parallel_layout
-from megatron_lns.config import load_config, validate
+from megatron_lns.config import hybrid_pattern, load_config, validate
 from megatron_lns.config.bundled import bundled_config_dir, bundled_config_names
+from megatron_lns.training.build import build_weights_model, model_config, parallel_layout
 
 VOCAB = 256
 # Narrow enough to build every config on a CPU in a second; the depth, the MoE layout,

@@ -15,17 +15,17 @@ import pytest
 import torch
 from helpers import DEMO_CONFIG, FIXTURES, run_distributed
 
-from megatron_lns.build import (
+from megatron_lns.config import ConfigError, load_config, validate
+from megatron_lns.config.fast_paths import MachineFacts
+from megatron_lns.config.loader import NemoKeysIgnoredWarning
+from megatron_lns.config.performance import resolved_fast_paths
+from megatron_lns.runtime import ParallelLayout
+from megatron_lns.training.build import (
     initialize_tp_comm_overlap,
     model_config,
     parallel_layout,
 )
-from megatron_lns.config import ConfigError, load_config, validate
-from megatron_lns.config.loader import NemoKeysIgnoredWarning
-from megatron_lns.config.performance import resolved_fast_paths
-from megatron_lns.fast_paths import MachineFacts
-from megatron_lns.machine import check_environment
-from megatron_lns.runtime import ParallelLayout
+from megatron_lns.training.machine import check_environment
 
 NEMO = FIXTURES / "nemo_megatron_gpt_config.yaml"
 TP_OVERLAP = [

@@ -249,7 +249,7 @@ def test_validation_errors_name_the_key(overrides, world_size, expected):
 def test_kv_channels_sets_the_head_size_apart_from_hidden_size():
     """A head size other than hidden / heads (Gemma-style) reaches the megatron config, and
     hidden_size then need not divide by the heads."""
-    from megatron_lns.build import model_config
+    from megatron_lns.training.build import model_config
 
     cfg = _load("model.hidden_size=130", "model.kv_channels=48")
     validate(cfg, check_files=False)

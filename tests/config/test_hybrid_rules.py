@@ -7,9 +7,9 @@ import re
 import pytest
 from helpers import DEMO_CONFIG, TINY_MODEL_OVERRIDES
 
-from megatron_lns.build import model_config
 from megatron_lns.cli import main
 from megatron_lns.config import ConfigError, load_config, validate
+from megatron_lns.training.build import model_config
 
 HYBRID = [*TINY_MODEL_OVERRIDES, "model.architecture=hybrid"]
 EXPERTS = ["model.num_moe_experts=4", "model.moe_ffn_hidden_size=32"]

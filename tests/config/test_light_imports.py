@@ -59,7 +59,7 @@ def test_loading_and_validating_a_config_imports_neither_torch_nor_megatron(conf
 
 def test_the_probe_sees_a_heavy_import():
     """The check above can fail: the same probe reports torch once something imports it."""
-    code = "import sys, megatron_lns.model\n" + LOAD_AND_VALIDATE.split("\n", 2)[2]
+    code = "import sys, megatron_lns.model.language_model\n" + LOAD_AND_VALIDATE.split("\n", 2)[2]
     code = code.format(heavy=HEAVY)
     assert "torch" in _heavy_modules_imported(code, str(OLMO), *OLMO_INPUTS)
 

@@ -4,10 +4,10 @@ or combination refused in one line naming its key before any process group exist
 import pytest
 from helpers import DEMO_CONFIG, TINY_MODEL_OVERRIDES
 
-from megatron_lns.build import model_config, parallel_layout
 from megatron_lns.config import ConfigError, load_config, validate
+from megatron_lns.config.fast_paths import MachineFacts
 from megatron_lns.config.performance import resolved_fast_paths
-from megatron_lns.fast_paths import MachineFacts
+from megatron_lns.training.build import model_config, parallel_layout
 
 MOE = [
     *TINY_MODEL_OVERRIDES,

@@ -11,22 +11,22 @@ import pytest
 import torch
 from helpers import DEMO_CONFIG, FIXTURES, ROOT, TINY_RUN_OVERRIDES, run_distributed
 
-from megatron_lns.build import (
-    ddp_config,
-    model_config,
-    optim_settings,
-    parallel_layout,
-)
 from megatron_lns.config import ConfigError, load_config, validate
-from megatron_lns.config.loader import NemoKeysIgnoredWarning
-from megatron_lns.config.performance import resolved_fast_paths
-from megatron_lns.fast_paths import (
+from megatron_lns.config.fast_paths import (
     FastPathError,
     FastPathRequest,
     MachineFacts,
     resolve_fast_paths,
 )
-from megatron_lns.machine import check_environment
+from megatron_lns.config.loader import NemoKeysIgnoredWarning
+from megatron_lns.config.performance import resolved_fast_paths
+from megatron_lns.training.build import (
+    ddp_config,
+    model_config,
+    optim_settings,
+    parallel_layout,
+)
+from megatron_lns.training.machine import check_environment
 
 NEMO = FIXTURES / "nemo_megatron_gpt_config.yaml"
 CPU = MachineFacts(cuda=False)
@@ -475,15 +475,15 @@ def test_memory_arithmetic_follows_recomputation():
 def _save_then_load_in_parallel(checkpoint_root):
     from helpers import fixed_microbatches, tiny_config
 
-    from megatron_lns.build import build_trainable
-    from megatron_lns.optim import OptimSettings
     from megatron_lns.runtime import ParallelLayout, init_distributed
+    from megatron_lns.training.build import build_trainable
     from megatron_lns.training.checkpoint import (
         TrainingState,
         load_checkpoint,
         load_strategy,
         save_checkpoint,
     )
+    from megatron_lns.training.optim import OptimSettings
     from megatron_lns.training.step import train_step
 
     layout = ParallelLayout()  # DP = 2

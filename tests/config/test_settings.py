@@ -7,7 +7,6 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_lns.build import model_config, optim_settings
 from megatron_lns.config import load_config
 from megatron_lns.config.schema import ExperimentConfig
 from megatron_lns.config.settings import (
@@ -18,8 +17,9 @@ from megatron_lns.config.settings import (
     setting,
     target_values,
 )
-from megatron_lns.model import GPTModelConfig
-from megatron_lns.optim import OptimSettings
+from megatron_lns.model.language_model import GPTModelConfig
+from megatron_lns.training.build import model_config, optim_settings
+from megatron_lns.training.optim import OptimSettings
 
 DECLARED = list(declared_settings(ExperimentConfig))
 MEGATRON_CLASSES = {

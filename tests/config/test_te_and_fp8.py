@@ -5,9 +5,9 @@ import torch
 from helpers import ROOT
 
 from megatron_lns.config import ConfigError, load_config, validate
-from megatron_lns.machine import check_environment
-from megatron_lns.model import GPTModelConfig
-from megatron_lns.te import TransformerEngineUnavailable, te_available
+from megatron_lns.model.language_model import GPTModelConfig
+from megatron_lns.model.te import TransformerEngineUnavailable, te_available
+from megatron_lns.training.machine import check_environment
 
 DEMO = ROOT / "nemo_configs" / "tiny_cpu_demo.yaml"
 TE_FP8 = [
@@ -24,7 +24,7 @@ def _simulate_installed_te(monkeypatch, version: str = "2.10") -> None:
     import megatron.core.utils as mcore_utils
     from packaging.version import Version
 
-    import megatron_lns.te as te
+    import megatron_lns.model.te as te
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(te, "te_available", lambda: True)
@@ -47,7 +47,7 @@ def test_transformer_engine_older_than_2_8_is_refused_at_launch(monkeypatch):
 
 @pytest.mark.skipif(te_available(), reason="Transformer Engine is installed")
 def test_te_spec_without_te_says_how_to_install():
-    from megatron_lns.specs import get_lns_layer_spec
+    from megatron_lns.model.specs import get_lns_layer_spec
 
     with pytest.raises(
         TransformerEngineUnavailable, match=r"pip install 'megatron-lns\[te\]'.*NGC"
@@ -56,7 +56,7 @@ def test_te_spec_without_te_says_how_to_install():
 
 
 def test_unknown_backend_is_a_clear_error():
-    from megatron_lns.specs import get_lns_layer_spec
+    from megatron_lns.model.specs import get_lns_layer_spec
 
     with pytest.raises(ValueError, match="backend must be one of"):
         get_lns_layer_spec(backend="apex")
@@ -125,7 +125,7 @@ def test_environment_check_without_cuda():
 
 
 def test_environment_check_rejects_te_missing_and_old_gpus(monkeypatch):
-    import megatron_lns.te as te
+    import megatron_lns.model.te as te
 
     cfg = load_config(DEMO, TE_FP8)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -21,7 +21,6 @@ from hf_parity import (
     silent,
 )
 
-from megatron_lns.build import model_config
 from megatron_lns.config import load_config, to_yaml
 from megatron_lns.convert import ConversionError, export_hf, import_hf
 from megatron_lns.convert.architectures import (
@@ -31,8 +30,9 @@ from megatron_lns.convert.architectures import (
     architecture_for_model_config,
 )
 from megatron_lns.data.tokenizer import ByteTokenizer
-from megatron_lns.model import build_model
+from megatron_lns.model.language_model import build_model
 from megatron_lns.runtime import ParallelLayout
+from megatron_lns.training.build import model_config
 from megatron_lns.training.checkpoint import load_model_weights, save_model_weights
 
 
@@ -112,7 +112,7 @@ def test_export_matches_megatron_logits(seeded, tmp_path, case):
 
 @pytest.mark.parametrize("precision", ["32", "bf16-mixed"])
 def test_export_folds_exactly_what_baked_state_dict_folds(seeded, tmp_path, precision):
-    from megatron_lns.layer import baked_state_dict
+    from megatron_lns.model.layer import baked_state_dict
 
     cfg = run_config(precision)
     checkpoint = save_run(tmp_path / "run", cfg)
@@ -149,7 +149,7 @@ def test_export_without_the_factor_fails_parity(seeded, tmp_path, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dividing_the_factor_out_recovers_a_weight_that_folds_back_bitwise(dtype):
     from megatron_lns.convert.mapping import effective_norm_weight, invert_exactly
-    from megatron_lns.scaling import lns_factor
+    from megatron_lns.model.scaling import lns_factor
 
     gen = torch.Generator().manual_seed(0)
     for layer_number in (2, 3, 7, 48, 96):
@@ -406,9 +406,9 @@ def test_sentencepiece_tokenizer_is_exported_with_training_ids_and_generate_runs
 def test_imported_weights_only_checkpoint_resumes_with_a_fresh_optimizer(seeded, tmp_path):
     from helpers import fixed_microbatches
 
-    from megatron_lns.build import wrap_with_ddp
-    from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
+    from megatron_lns.training.build import wrap_with_ddp
     from megatron_lns.training.checkpoint import latest_complete_checkpoint, load_checkpoint
+    from megatron_lns.training.optim import OptimSettings, build_optimizer_and_scheduler
     from megatron_lns.training.step import train_step
 
     source = _tiny_hf_llama(tmp_path / "source")
@@ -723,7 +723,7 @@ def test_export_and_import_onto_a_full_disk_are_one_line_and_write_nothing(seede
     OUT_DIR; the staging directory is gone (its space given back), OUT_DIR as it was."""
     from helpers import directory_bytes, small_filesystem
 
-    from megatron_lns.disk import DiskFullError
+    from megatron_lns.base.disk import DiskFullError
 
     save_run(tmp_path / "run", run_config())
     exported = export_hf(tmp_path / "run", tmp_path / "hf", progress=silent)

@@ -21,12 +21,12 @@ from hf_parity import (
     silent,
 )
 
-from megatron_lns.build import model_config
+from megatron_lns.config.hybrid_pattern import gpt_key_to_hybrid
 from megatron_lns.config.sources import load_run_config
 from megatron_lns.convert import ConversionError, export_hf, import_hf
 from megatron_lns.convert.architectures import architecture_for_model_config
-from megatron_lns.hybrid_pattern import gpt_key_to_hybrid
-from megatron_lns.model import build_model
+from megatron_lns.model.language_model import build_model
+from megatron_lns.training.build import model_config
 
 CASES = {
     # The GPT twin (no pattern: num_layers counts blocks) of a dense Llama.

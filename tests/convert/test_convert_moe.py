@@ -23,8 +23,8 @@ from hf_parity import (
     silent,
 )
 
-from megatron_lns.build import model_config
 from megatron_lns.config import load_config
+from megatron_lns.config.moe_layers import moe_layer_pattern
 from megatron_lns.config.schema import ModelConfig
 from megatron_lns.convert import ConversionError, export_hf, import_hf
 from megatron_lns.convert.architectures import (
@@ -36,8 +36,8 @@ from megatron_lns.convert.architectures import (
 from megatron_lns.convert.architectures.mixtral import Mixtral
 from megatron_lns.convert.architectures.moe import MEGATRON_ONLY_ROUTING, ROUTING_BALANCERS
 from megatron_lns.data.tokenizer import ByteTokenizer
-from megatron_lns.model import build_model
-from megatron_lns.moe import moe_layer_pattern
+from megatron_lns.model.language_model import build_model
+from megatron_lns.training.build import model_config
 from megatron_lns.training.checkpoint import load_model_weights
 
 
@@ -119,7 +119,7 @@ def test_the_other_topk_normalisation_fails_parity(seeded, tmp_path, pre_softmax
 
 
 def test_moe_export_folds_the_factor_into_the_moe_pre_norm(seeded, tmp_path):
-    from megatron_lns.layer import baked_state_dict
+    from megatron_lns.model.layer import baked_state_dict
 
     cfg = run_config(**QWEN2_MOE, moe_layer_freq=[0, 1, 1, 1])
     checkpoint = save_run(tmp_path / "run", cfg)
@@ -525,7 +525,7 @@ def test_cli_trains_a_moe_run_and_exports_it_for_auto_model(seeded, tmp_path):
 def test_import_builds_sequential_experts_for_a_grouped_gemm_run(seeded):
     """import-hf fills the local backend's per-expert parameters; a run config asking for
     grouped GEMM (Transformer Engine) still gets them, its checkpoint keys are the same."""
-    from megatron_lns.build import build_weights_model
+    from megatron_lns.training.build import build_weights_model
 
     model = build_weights_model(run_config(**MIXTRAL, moe_grouped_gemm=True), VOCAB)
     names = dict(model.named_parameters())

@@ -38,8 +38,8 @@ def _items(directory: Path) -> tuple[dict, dict[str, bytes]]:
 def test_streamed_checkpoint_holds_what_megatrons_writer_writes(seeded, tmp_path):
     """Loaded into a real model and saved again by megatron's own writer, the imported
     checkpoint gives the same tensors, chunks, objects and bytes item for item."""
-    from megatron_lns.build import build_weights_model
     from megatron_lns.convert.hf_import import _single_process_megatron
+    from megatron_lns.training.build import build_weights_model
     from megatron_lns.training.checkpoint import load_model_weights, save_weights_only_checkpoint
 
     source = _tiny_hf_llama(tmp_path / "source")

@@ -54,12 +54,12 @@ from helpers import fresh_launch_env
 from hf_parity import SEQ, run_config, save_checkpoint, silent
 
 from megatron_lns.analysis.depth import held_out_loss
-from megatron_lns.build import model_config
 from megatron_lns.convert import export_hf
 from megatron_lns.data.demo_corpus import demo_documents
 from megatron_lns.data.splits import document_range
 from megatron_lns.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer
-from megatron_lns.model import build_model
+from megatron_lns.model.language_model import build_model
+from megatron_lns.training.build import model_config
 from megatron_lns.training.checkpoint import load_model_weights
 
 RELATIVE_TOLERANCE = 1e-6

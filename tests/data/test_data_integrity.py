@@ -241,7 +241,7 @@ def test_a_signal_midway_leaves_no_files_and_no_workers(tmp_path, signum):
         f"""
         import itertools, sys, time
         from megatron_lns.data.preprocess import preprocess
-        from megatron_lns.exit_status import exit_status
+        from megatron_lns.base.exit_status import exit_status
 
         def endless():
             for i in itertools.count():

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _te_available() -> bool:
-    from megatron_lns.te import te_available
+    from megatron_lns.model.te import te_available
 
     return te_available()
 
@@ -43,7 +43,7 @@ def _logits(model, tokens):
 
 
 def _local_backend_on_cuda_worker():
-    from megatron_lns.model import build_model
+    from megatron_lns.model.language_model import build_model
     from megatron_lns.runtime import ParallelLayout, init_distributed
     from megatron_lns.runtime.cpu import cpu_compat_installed
 
@@ -66,11 +66,11 @@ def _async_save_worker(directory, device_name="cuda"):
     it returns), however they change while it is written; no helper process stays."""
     import psutil
 
-    from megatron_lns.build import build_trainable
-    from megatron_lns.optim import OptimSettings
     from megatron_lns.runtime import ParallelLayout, init_distributed
+    from megatron_lns.training.build import build_trainable
     from megatron_lns.training.checkpoint import TrainingState, load_model_weights
     from megatron_lns.training.checkpoint_writer import CheckpointWriter
+    from megatron_lns.training.optim import OptimSettings
 
     device = init_distributed(ParallelLayout(), device=device_name)
     trainable = build_trainable(
@@ -132,12 +132,12 @@ def test_deep_layer_bf16_scale_is_as_precise_as_plain_gamma(tmp_path):
 
 
 def _fp8_training_worker(steps):
-    from megatron_lns.build import build_trainable
     from megatron_lns.data.blend import builtin_dataset_prefix
     from megatron_lns.data.datasets import build_gpt_datasets, micro_batch_loader
     from megatron_lns.data.tokenizer import ByteTokenizer
-    from megatron_lns.optim import OptimSettings
     from megatron_lns.runtime import ParallelLayout, init_distributed
+    from megatron_lns.training.build import build_trainable
+    from megatron_lns.training.optim import OptimSettings
     from megatron_lns.training.step import train_step
 
     device = init_distributed(ParallelLayout(), device="cuda")
@@ -218,7 +218,7 @@ def _offloading_worker():
     difference relative to the largest gradient, and whether the offloaded model's block
     holds TE's offload context. Offloading copies activations out and back, so the two
     differ by no more than kernel nondeterminism."""
-    from megatron_lns.model import build_model
+    from megatron_lns.model.language_model import build_model
     from megatron_lns.runtime import ParallelLayout, init_distributed
 
     device = init_distributed(ParallelLayout(), device="cuda")

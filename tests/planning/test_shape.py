@@ -42,7 +42,7 @@ def _cfg(*overrides, base=DEMO_CONFIG):
 
 
 def _built_parameters(cfg, vocab=VOCAB) -> int:
-    from megatron_lns.build import build_model_chunks, model_config, parallel_layout
+    from megatron_lns.training.build import build_model_chunks, model_config, parallel_layout
 
     chunks = build_model_chunks(model_config(cfg, vocab), parallel_layout(cfg))
     return sum(p.numel() for chunk in chunks for p in chunk.parameters())
@@ -65,7 +65,7 @@ def test_the_hybrid_model_has_the_parameters_megatron_builds(megatron_world1):
 def test_active_parameters_are_the_model_configs_count():
     """The active count (router, topk experts, shared expert and its gate) against the
     model's own ``GPTModelConfig.parameter_counts``, counted there independently."""
-    from megatron_lns.build import model_config
+    from megatron_lns.training.build import model_config
 
     cfg = _cfg(*TINY_MOE)
     ours = parameter_counts(model_shape(cfg, VOCAB), 1)
@@ -77,7 +77,7 @@ def test_active_parameters_are_the_model_configs_count():
 
 @pytest.mark.parametrize("vocab, tp, divisible", [(257, 1, 128), (50280, 2, 128), (1000, 3, 64)])
 def test_the_padded_vocabulary_is_the_models(vocab, tp, divisible):
-    from megatron_lns import model
+    from megatron_lns.model.language_model import language_model as model
 
     assert padded_vocab_size(vocab, tp, divisible) == model.padded_vocab_size(vocab, tp, divisible)
 

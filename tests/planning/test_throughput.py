@@ -117,7 +117,7 @@ def test_step_time_is_the_steps_flops_at_the_stated_mfu():
 def test_flops_are_those_the_trainer_reports_mfu_with(source, overrides):
     """The trainer's TFLOP/s use ``GPTModelConfig.flops_per_token``: the same count, but
     for the router's GEMM (h x experts per MoE sublayer), which megatron leaves out."""
-    from megatron_lns.build import model_config
+    from megatron_lns.training.build import model_config
 
     cfg = load_for_plan(source, overrides)
     shape = model_shape(cfg, VOCAB)

@@ -9,10 +9,10 @@ import pytest
 import torch
 from helpers import fixed_microbatches, tiny_config
 
-from megatron_lns.build import wrap_with_ddp
-from megatron_lns.model import build_model
-from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
+from megatron_lns.model.language_model import build_model
 from megatron_lns.runtime.cpu import CpuRNGStatesTracker, CudaToCpuMode
+from megatron_lns.training.build import wrap_with_ddp
+from megatron_lns.training.optim import OptimSettings, build_optimizer_and_scheduler
 from megatron_lns.training.step import forward_backward, train_step
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 init_distributed(ParallelLayout(), device="cpu")
 dist.barrier()
-from megatron_lns.launcher_env import ADDRESS_VARIABLES, RANK_VARIABLES
+from megatron_lns.runtime.launcher_env import ADDRESS_VARIABLES, RANK_VARIABLES
 print(dist.get_world_size(), sorted(set(os.environ) & {*RANK_VARIABLES, *ADDRESS_VARIABLES}))
 """
 

@@ -17,8 +17,8 @@ from megatron_lns.runtime.distributed import free_port
 # One rank's rendezvous and nothing else (torch's import, not megatron's training stack).
 RANK = """
 import sys
-from megatron_lns.exit_status import exit_status
-from megatron_lns.launcher_env import launcher_environment
+from megatron_lns.base.exit_status import exit_status
+from megatron_lns.runtime.launcher_env import launcher_environment
 from megatron_lns.runtime.rendezvous import rendezvous_store
 sys.exit(exit_status(lambda: print("met", rendezvous_store(launcher_environment(), float(sys.argv[1])) is not None)))
 """

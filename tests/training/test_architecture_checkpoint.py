@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import tiny_config
 
-from megatron_lns.model import build_model
+from megatron_lns.model.language_model import build_model
 from megatron_lns.training import architecture_checkpoint as architecture
 from megatron_lns.training.checkpoint import (
     CheckpointError,

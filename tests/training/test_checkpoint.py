@@ -5,10 +5,9 @@ import shutil
 import pytest
 from helpers import fixed_microbatches, tiny_config
 
-from megatron_lns.build import wrap_with_ddp
-from megatron_lns.disk import DiskFullError
-from megatron_lns.model import build_model
-from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
+from megatron_lns.base.disk import DiskFullError
+from megatron_lns.model.language_model import build_model
+from megatron_lns.training.build import wrap_with_ddp
 from megatron_lns.training.checkpoint import (
     CheckpointError,
     CheckpointMismatchError,
@@ -21,6 +20,7 @@ from megatron_lns.training.checkpoint import (
     save_checkpoint,
     save_model_weights,
 )
+from megatron_lns.training.optim import OptimSettings, build_optimizer_and_scheduler
 from megatron_lns.training.step import train_step
 
 
@@ -57,7 +57,7 @@ def test_a_resume_on_cpu_warns_nothing_of_torchs_sharded_tensor(seeded, tmp_path
     warning names the CUDA-to-CPU redirect as its caller, which every process quiets."""
     import warnings
 
-    from megatron_lns.third_party_noise import quiet_third_party_noise
+    from megatron_lns.base.third_party_noise import quiet_third_party_noise
 
     cfg, model, optimizer, scheduler = _setup()
     train_step(model, optimizer, fixed_microbatches(cfg.vocab_size, cfg.seq_length))

@@ -44,11 +44,11 @@ def test_an_async_save_takes_the_state_at_once_and_counts_only_once_committed(se
     import torch
     from helpers import fixed_microbatches, tiny_config
 
-    from megatron_lns.build import wrap_with_ddp
-    from megatron_lns.model import build_model
-    from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
+    from megatron_lns.model.language_model import build_model
+    from megatron_lns.training.build import wrap_with_ddp
     from megatron_lns.training.checkpoint import TrainingState, load_model_weights
     from megatron_lns.training.checkpoint_writer import CheckpointWriter
+    from megatron_lns.training.optim import OptimSettings, build_optimizer_and_scheduler
     from megatron_lns.training.step import train_step
 
     cfg = tiny_config()
@@ -81,11 +81,11 @@ def test_each_commit_is_reported_once_with_the_seconds_its_save_took(seeded, tmp
     committed, for a synchronous save at once, for an asynchronous one by the wait."""
     from helpers import tiny_config
 
-    from megatron_lns.build import wrap_with_ddp
-    from megatron_lns.model import build_model
-    from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
+    from megatron_lns.model.language_model import build_model
+    from megatron_lns.training.build import wrap_with_ddp
     from megatron_lns.training.checkpoint import TrainingState
     from megatron_lns.training.checkpoint_writer import CheckpointWriter
+    from megatron_lns.training.optim import OptimSettings, build_optimizer_and_scheduler
 
     model = wrap_with_ddp(build_model(tiny_config()))
     optimizer, scheduler = build_optimizer_and_scheduler(model, OptimSettings(), 10)
@@ -110,11 +110,11 @@ def test_a_failed_background_write_is_one_error_naming_the_checkpoint(
         FileSystemWriterAsync,
     )
 
-    from megatron_lns.build import wrap_with_ddp
-    from megatron_lns.model import build_model
-    from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
+    from megatron_lns.model.language_model import build_model
+    from megatron_lns.training.build import wrap_with_ddp
     from megatron_lns.training.checkpoint import CheckpointError, TrainingState
     from megatron_lns.training.checkpoint_writer import CheckpointWriter
+    from megatron_lns.training.optim import OptimSettings, build_optimizer_and_scheduler
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -250,12 +250,12 @@ def test_job_killed_during_an_async_save_leaves_nothing_to_resume_from_or_runnin
 def test_a_background_save_onto_a_full_disk_is_one_line_and_gives_the_space_back(seeded, tmp_path):
     from helpers import directory_bytes, fill_leaving, small_filesystem, tiny_config
 
-    from megatron_lns.build import wrap_with_ddp
-    from megatron_lns.disk import DiskFullError
-    from megatron_lns.model import build_model
-    from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
+    from megatron_lns.base.disk import DiskFullError
+    from megatron_lns.model.language_model import build_model
+    from megatron_lns.training.build import wrap_with_ddp
     from megatron_lns.training.checkpoint import TrainingState
     from megatron_lns.training.checkpoint_writer import CheckpointWriter
+    from megatron_lns.training.optim import OptimSettings, build_optimizer_and_scheduler
 
     model = wrap_with_ddp(build_model(tiny_config()))
     optimizer, scheduler = build_optimizer_and_scheduler(model, OptimSettings(), 10)

@@ -68,7 +68,7 @@ def _train(root: Path, name: str, *overrides: str) -> int:
 
 
 def _trainings(tmp: str) -> dict:
-    from megatron_lns.errors import UserError
+    from megatron_lns.base.errors import UserError
 
     root, out = Path(tmp), {}
 

@@ -7,7 +7,7 @@ import json
 import pytest
 from helpers import fill_leaving, small_filesystem
 
-from megatron_lns.disk import DiskFullError
+from megatron_lns.base.disk import DiskFullError
 from megatron_lns.training.metrics import MetricsLogger
 from megatron_lns.training.run_status import RUN_STATUS_FILE, read_run_status, write_run_status
 

@@ -14,13 +14,13 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.utils import get_model_config
 from reference_moe import load_balancing_loss, z_loss
 
-from megatron_lns.build import build_trainable
 from megatron_lns.config import load_config, validate
-from megatron_lns.hybrid_pattern import gpt_key_to_hybrid
-from megatron_lns.model import unwrap
-from megatron_lns.optim import OptimSettings
+from megatron_lns.config.hybrid_pattern import gpt_key_to_hybrid
+from megatron_lns.model.language_model import unwrap
 from megatron_lns.runtime import ParallelLayout
+from megatron_lns.training.build import build_trainable
 from megatron_lns.training.moe_metrics import MoEMetrics
+from megatron_lns.training.optim import OptimSettings
 from megatron_lns.training.step import forward_backward
 
 MOE_LAYERS = [2, 3, 4]  # moe_layer_freq [0, 1, 1, 1]

@@ -4,11 +4,11 @@ import torch
 from helpers import fixed_microbatches, tiny_config
 from megatron.core import dist_checkpointing
 
-from megatron_lns.build import wrap_with_ddp
-from megatron_lns.model import build_model
-from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
+from megatron_lns.model.language_model import build_model
 from megatron_lns.training import checkpoint, provenance
+from megatron_lns.training.build import wrap_with_ddp
 from megatron_lns.training.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+from megatron_lns.training.optim import OptimSettings, build_optimizer_and_scheduler
 from megatron_lns.training.resume import changes_since_checkpoint
 from megatron_lns.training.step import train_step
 

@@ -25,7 +25,7 @@ def _fit(cfg, poison=None):
     """Train; returns the summary's essentials, or the one-line error of a UserError."""
     import torch
 
-    from megatron_lns.errors import UserError
+    from megatron_lns.base.errors import UserError
     from megatron_lns.training.trainer import Trainer
 
     try:

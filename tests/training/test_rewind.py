@@ -198,7 +198,7 @@ def test_a_rewind_the_full_disk_refuses_is_one_line_and_leaves_nothing_of_it(tmp
     of a rewind that did not happen; once space is freed the same rewind is done."""
     from helpers import fill_leaving, small_filesystem
 
-    from megatron_lns.disk import DiskFullError
+    from megatron_lns.base.disk import DiskFullError
 
     with small_filesystem(tmp_path / "disk", 128, inodes=64) as disk:
         checkpoints = _run_dir(disk, "iter_0000002", "iter_0000004", "iter_0000006")

@@ -11,7 +11,7 @@ import sys
 import pytest
 from helpers import tiny_config
 
-from megatron_lns.model import build_model
+from megatron_lns.model.language_model import build_model
 from megatron_lns.training.checkpoint import save_model_weights
 from megatron_lns.training.metrics import MetricsLogger
 from megatron_lns.training.run_dir import LOCK_NAME, RunDirError, claim_run_dir
@@ -191,7 +191,7 @@ def test_a_lock_the_full_disk_cannot_hold_is_one_line_and_not_left_behind(tmp_pa
     """An empty lock would refuse every later run ("in use by another process")."""
     from helpers import fill_leaving, small_filesystem
 
-    from megatron_lns.disk import DiskFullError
+    from megatron_lns.base.disk import DiskFullError
 
     with small_filesystem(tmp_path / "disk", 64) as disk:
         (disk / "run" / "checkpoints").mkdir(parents=True)

@@ -10,7 +10,7 @@ import itertools
 import re
 from collections.abc import Mapping
 
-from megatron_lns.errors import UserError
+from megatron_lns.base.errors import UserError
 
 # MASTER_PORT = base + job id modulo span: below Linux's ephemeral range (32768+), so
 # no outgoing connection holds it, and different jobs sharing a first node differ.

@@ -10,10 +10,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_lns.base.errors import UserError
 from megatron_lns.cluster.slurm.render import JobPaths, render_sbatch, unmounted_workdir_warning
 from megatron_lns.config import ExperimentConfig, to_yaml
 from megatron_lns.config.cluster import job_name
-from megatron_lns.errors import UserError
 
 
 class SubmitError(UserError, RuntimeError):

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import sys
 
+from megatron_lns.base.third_party_noise import quiet_third_party_noise
 from megatron_lns.cluster.slurm.rank_env import SlurmEnvironmentError, rank_environment
-from megatron_lns.third_party_noise import quiet_third_party_noise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     quiet_third_party_noise()
-    from megatron_lns.exit_status import exit_status
+    from megatron_lns.base.exit_status import exit_status
     from megatron_lns.training.entry_point import train
 
     return exit_status(lambda: train(args[0], []))

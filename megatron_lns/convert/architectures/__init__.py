@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_lns import hybrid_pattern
+from megatron_lns.config import hybrid_pattern
 from megatron_lns.config.schema import ModelConfig
 from megatron_lns.convert.architectures.base import (
     HF_NORM_OF,
@@ -100,7 +100,7 @@ def gpt_model_of(m: ModelConfig) -> ModelConfig:
     """The GPT ``model:`` section that computes what ``m`` does: ``m`` itself for a GPT run
     or a hybrid run without a pattern (the GPT twin: ``num_layers`` blocks,
     ``moe_layer_freq``); for a hybrid pattern, one GPT layer per block (the paper's
-    ``l``, :func:`~megatron_lns.hybrid_pattern.block_numbers`), MoE where the block's MLP
+    ``l``, :func:`~megatron_lns.config.hybrid_pattern.block_numbers`), MoE where the block's MLP
     is. Refuses a pattern that is not attention + one MLP or MoE per block."""
     pattern = m.hybrid_layer_pattern
     if m.architecture != "hybrid" or not pattern:

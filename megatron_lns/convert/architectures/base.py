@@ -12,7 +12,7 @@ and why.
 
 The tensors of block ``l`` (1-based) map as docs/conversion.md tabulates; the two
 pre-norms carry the LNS factor ``1/sqrt(l)`` folded in with the rules of
-:mod:`megatron_lns.scaling`, exactly as the megatron forward pass folds it, so the
+:mod:`megatron_lns.model.scaling`, exactly as the megatron forward pass folds it, so the
 exported weights are the ones megatron multiplies with. A LayerScale or SkipInit run's
 branch gains fold into the last linear of each branch
 (:meth:`Architecture.fold_branch_gains`), so those runs export as the same stock classes.
@@ -27,6 +27,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from megatron_lns.config.hybrid_pattern import gpt_key_to_hybrid
 from megatron_lns.config.schema import ModelConfig
 from megatron_lns.convert.checkpoint_reader import CheckpointReader
 from megatron_lns.convert.errors import ConversionError
@@ -52,8 +53,7 @@ from megatron_lns.convert.mapping import (
     invert_exactly,
     layer_prefix,
 )
-from megatron_lns.hybrid_pattern import gpt_key_to_hybrid
-from megatron_lns.scaling import fold_scale_into_beta, norm_output_scale
+from megatron_lns.model.scaling import fold_scale_into_beta, norm_output_scale
 
 # model.normalization -> the Hugging Face norm that computes it once the fold has
 # turned a zero-centred gamma into a plain one.
@@ -404,7 +404,7 @@ class Architecture:
     def checkpoint_key(self, key: str) -> str:
         """Where the run's checkpoint and model hold what the GPT model calls ``key``:
         ``key`` itself, or in a hybrid run its sublayer's key
-        (:func:`~megatron_lns.hybrid_pattern.gpt_key_to_hybrid`: layer ``i``'s attention is
+        (:func:`~megatron_lns.config.hybrid_pattern.gpt_key_to_hybrid`: layer ``i``'s attention is
         sublayer ``2i``, its MLP ``2i+1``, the final norm ``decoder.final_norm``)."""
         return gpt_key_to_hybrid(key) if self.hybrid else key
 

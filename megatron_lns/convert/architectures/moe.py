@@ -40,6 +40,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from megatron_lns.config.moe_layers import MoELayerFreqError, moe_layer_pattern
 from megatron_lns.config.schema import ModelConfig
 from megatron_lns.convert.architectures.base import Architecture
 from megatron_lns.convert.errors import ConversionError
@@ -56,7 +57,6 @@ from megatron_lns.convert.mapping import (
     SHARED_GATE_WEIGHT,
     hf_layer_prefix,
 )
-from megatron_lns.moe import MoELayerFreqError, moe_layer_pattern
 
 # model.* settings under which megatron's MoE layer computes what no stock Hugging Face
 # MoE class computes: (key, the value export needs, why). The other MoE settings change

@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from megatron_lns.choices import NORM_SCALING_CHOICES, NormScaling
+from megatron_lns.config.choices import NORM_SCALING_CHOICES, NormScaling
 
 
 def lns_factor(layer_number: int) -> float:
@@ -98,7 +98,7 @@ def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
 
 @runtime_checkable
 class ScaledNorm(Protocol):
-    """What :class:`~megatron_lns.layer.LNSTransformerLayer` needs from the module that
+    """What :class:`~megatron_lns.model.layer.LNSTransformerLayer` needs from the module that
     applies one of its pre-norms, separate (``norms.LocalNorm``) or fused into the next
     linear (``fused_norm.FusedNormScaling``).
 

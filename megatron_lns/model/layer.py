@@ -7,9 +7,9 @@ is exactly the ``l`` of LNS, so the layer reads it after ``super().__init__`` an
 hands ``1/sqrt(l)`` to whichever modules own its two pre-norms:
 
 * local backend: the separate ``input_layernorm`` / ``pre_mlp_layernorm`` modules
-  (:class:`~megatron_lns.norms.LocalNorm`);
+  (:class:`~megatron_lns.model.norms.LocalNorm`);
 * Transformer Engine backend: the norms fused into ``linear_qkv`` / ``linear_fc1``
-  (see ``megatron_lns.te``).
+  (see ``megatron_lns.model.te``).
 
 The forward pass is megatron's, untouched. The factor is derived from the layer
 number at construction and handed to the norm owners as a plain float attribute:
@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from torch import Tensor
 
-from megatron_lns.scaling import (
+from megatron_lns.model.scaling import (
     NormScaling,
     ScaledNorm,
     fold_scale_into_beta,
@@ -97,7 +97,7 @@ class LNSTransformerLayer(TransformerLayer):
             if not isinstance(owner, ScaledNorm):
                 raise TypeError(
                     f"{type(owner).__name__} cannot apply a norm output scale; build the layer "
-                    "with megatron_lns.specs.get_lns_layer_spec so its norms support LNS"
+                    "with megatron_lns.model.specs.get_lns_layer_spec so its norms support LNS"
                 )
             owner.output_scale = scale
 
@@ -132,7 +132,7 @@ class LNSTransformerLayer(TransformerLayer):
                 f"in {name}'s forward, which megatron's inference fused-communication path "
                 "(inference_fuse_tp_communication) bypasses with a norm weight kept from "
                 "construction; build the inference model with norm_scaling='none' and load "
-                "megatron_lns.layer.baked_state_dict(lns_model) into it"
+                "megatron_lns.model.layer.baked_state_dict(lns_model) into it"
             )
 
     def bake_norm_scaling(self) -> None:

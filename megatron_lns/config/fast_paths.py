@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_lns.errors import UserError
+from megatron_lns.base.errors import UserError
 
 AttentionBackend = Literal["auto", "flash", "fused"]
 # The Apex CUDA extensions megatron-core imports by these names.

@@ -24,8 +24,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from yaml import YAMLError
 
-from megatron_lns.errors import UserError
-from megatron_lns.path_kind import not_a_file
+from megatron_lns.base.errors import UserError
+from megatron_lns.base.path_kind import not_a_file
 
 if TYPE_CHECKING:
     import torch

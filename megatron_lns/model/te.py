@@ -16,9 +16,9 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_lns.fused_norm import fused_norm_layer_spec
-from megatron_lns.norms import local_norm_builder
-from megatron_lns.scaling import NormScaling
+from megatron_lns.model.fused_norm import fused_norm_layer_spec
+from megatron_lns.model.norms import local_norm_builder
+from megatron_lns.model.scaling import NormScaling
 
 # The `te` extra's floor: fused_norm.py was checked against TE 2.8's and 2.10's source, and
 # the userbuffers and offloading code uses their interfaces.

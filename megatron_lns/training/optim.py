@@ -16,7 +16,7 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_model_config
 
-from megatron_lns.choices import DecayStyle, warmup_fits
+from megatron_lns.config.choices import DecayStyle, warmup_fits
 
 
 @dataclass

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_lns.scaling import (
+from megatron_lns.model.scaling import (
     bake_scale_into,
     fold_scale_into_beta,
     require_affine,
@@ -33,8 +33,8 @@ SUPPORTED_NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 class LocalNorm(torch.nn.Module):
     """``config.normalization`` over the last dimension, optionally scaled by a constant.
 
-    A :class:`~megatron_lns.scaling.ScaledNorm`: ``output_scale`` is a plain float (never
-    a buffer, never in a checkpoint), set by :class:`~megatron_lns.layer.LNSTransformerLayer`
+    A :class:`~megatron_lns.model.scaling.ScaledNorm`: ``output_scale`` is a plain float (never
+    a buffer, never in a checkpoint), set by :class:`~megatron_lns.model.layer.LNSTransformerLayer`
     from its global layer number; it stays 1.0 for the final norm.
     """
 

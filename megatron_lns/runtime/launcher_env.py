@@ -24,7 +24,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from megatron_lns.errors import UserError
+from megatron_lns.base.errors import UserError
 
 # Set by every launcher for each rank; RANK and WORLD_SIZE decide that one started us.
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")

@@ -34,8 +34,8 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-from megatron_lns.layer import LNSTransformerLayer
-from megatron_lns.scaling import (
+from megatron_lns.model.layer import LNSTransformerLayer
+from megatron_lns.model.scaling import (
     NormScaling,
     bake_scale_into,
     fold_scale_into_beta,
@@ -82,8 +82,8 @@ def folded_norm_parameters(module: torch.nn.Module, scale: float) -> Iterator[No
 class FusedNormScaling:
     """Mixin for a fused norm + linear class: applies ``output_scale`` to its norm.
 
-    A :class:`~megatron_lns.scaling.ScaledNorm`. ``output_scale`` is set by
-    :class:`~megatron_lns.layer.LNSTransformerLayer`; ``zero_centered_gamma`` is the wrapped
+    A :class:`~megatron_lns.model.scaling.ScaledNorm`. ``output_scale`` is set by
+    :class:`~megatron_lns.model.layer.LNSTransformerLayer`; ``zero_centered_gamma`` is the wrapped
     module's own attribute (Transformer Engine's). ``affine=False`` freezes gamma at the
     identity (and beta at 0) and leaves them out of checkpoints, giving a parameter-free
     norm whose effective gamma is ``output_scale``.

@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from megatron_lns.errors import UserError
+from megatron_lns.base.errors import UserError
 
 
 class DiskFullError(UserError):

@@ -13,8 +13,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from megatron_lns.disk import as_user_error
-from megatron_lns.errors import (
+from megatron_lns.base.disk import as_user_error
+from megatron_lns.base.errors import (
     USER_ERROR_EXIT_CODE,
     RankFailed,
     UserError,

@@ -14,8 +14,9 @@ from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
-from megatron_lns import hybrid_pattern
-from megatron_lns.choices import (
+from megatron_lns.base.errors import UserError
+from megatron_lns.config import hybrid_pattern
+from megatron_lns.config.choices import (
     Activation,
     Architecture,
     LayerVariant,
@@ -25,11 +26,10 @@ from megatron_lns.choices import (
     RecomputeGranularity,
     RecomputeMethod,
 )
-from megatron_lns.errors import UserError
-from megatron_lns.moe import MoELayerFreq, moe_layer_pattern
+from megatron_lns.config.moe_layers import MoELayerFreq, moe_layer_pattern
+from megatron_lns.model.specs import get_lns_block_spec
+from megatron_lns.model.variants import VariantSettings
 from megatron_lns.runtime import ParallelLayout, uses_gloo
-from megatron_lns.specs import get_lns_block_spec
-from megatron_lns.variants import VariantSettings
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Normalization = Literal["RMSNorm", "LayerNorm"]
@@ -533,7 +533,7 @@ def _hybrid_chunk(
     """A ``HybridModel`` chunk with the LNS hybrid stack (``hybrid_specs.py``)."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-    from megatron_lns.hybrid_specs import get_lns_hybrid_stack_spec
+    from megatron_lns.model.hybrid_specs import get_lns_hybrid_stack_spec
 
     if config.variant_settings().needs_variant_layer:
         raise ValueError(

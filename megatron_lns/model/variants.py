@@ -39,14 +39,14 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.utils import get_pg_rank, init_method_normal
 from torch import Tensor
 
-from megatron_lns.choices import (
+from megatron_lns.config.choices import (
     LAYER_VARIANTS,
     PRE_NORM_VARIANTS,
     LayerVariant,
     lns_combines_with,
 )
-from megatron_lns.layer import LNSTransformerLayer
-from megatron_lns.scaling import NormScaling, ScaledNorm
+from megatron_lns.model.layer import LNSTransformerLayer
+from megatron_lns.model.scaling import NormScaling, ScaledNorm
 
 
 @dataclass(frozen=True)

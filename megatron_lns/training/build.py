@@ -33,6 +33,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
+from megatron_lns.config.fast_paths import FastPaths
 from megatron_lns.config.performance import userbuffer_settings
 from megatron_lns.config.schema import (
     ACCELERATORS,
@@ -46,14 +47,18 @@ from megatron_lns.config.settings import (
     OPTIMIZER_TARGETS,
     target_values,
 )
+from megatron_lns.config.userbuffers import UserbufferLayout, initialize_userbuffers
 from megatron_lns.config.validate import data_blend
 from megatron_lns.data.datasets import DatasetSettings
-from megatron_lns.fast_paths import FastPaths
-from megatron_lns.machine import fast_paths_here
-from megatron_lns.model import PARAMS_DTYPES, GPTModelConfig, build_model, padded_vocab_size
-from megatron_lns.optim import OptimSettings, build_optimizer_and_scheduler
+from megatron_lns.model.language_model import (
+    PARAMS_DTYPES,
+    GPTModelConfig,
+    build_model,
+    padded_vocab_size,
+)
 from megatron_lns.runtime import ParallelLayout
-from megatron_lns.userbuffers import UserbufferLayout, initialize_userbuffers
+from megatron_lns.training.machine import fast_paths_here
+from megatron_lns.training.optim import OptimSettings, build_optimizer_and_scheduler
 
 
 def parallel_layout(cfg: ExperimentConfig) -> ParallelLayout:

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import importlib.util
 
+from megatron_lns.config.fast_paths import (
+    SOFTMAX_EXTENSIONS,
+    WGRAD_EXTENSION,
+    FastPaths,
+    MachineFacts,
+)
 from megatron_lns.config.loader import ConfigError
 from megatron_lns.config.performance import check_performance_environment, resolved_fast_paths
 from megatron_lns.config.schema import ExperimentConfig
-from megatron_lns.fast_paths import SOFTMAX_EXTENSIONS, WGRAD_EXTENSION, FastPaths, MachineFacts
 
 # Minimum CUDA compute capability per FP8 recipe (Ada/Hopper for FP8, Blackwell for MXFP8).
 FP8_MIN_CAPABILITY = {
@@ -30,7 +35,7 @@ FP8_MIN_CUDA = {"blockwise": (12, 9)}
 def detect_machine(cuda: bool) -> MachineFacts:
     """The facts of this machine, for a run on CUDA (``cuda``) or on CPU."""
 
-    from megatron_lns import te
+    from megatron_lns.model.language_model import te
 
     def importable(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
@@ -58,8 +63,7 @@ def check_environment(cfg: ExperimentConfig) -> None:
     """
     import torch
 
-    from megatron_lns import model as language_model
-    from megatron_lns import te
+    from megatron_lns.model.language_model import language_model, te
 
     m = cfg.model
     if m.architecture == "gpt":

@@ -1,0 +1,1 @@
+"""Helpers every layer may use: user errors, disk and path checks, exit statuses."""
