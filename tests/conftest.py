@@ -45,6 +45,7 @@ def seeded(megatron_world1):
 ONE_AT_A_TIME = ("tests/cluster/test_slurm_",)
 
 
+@pytest.hookimpl(optionalhook=True)  # without xdist (-p no:xdist) there is nothing to schedule
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadscope`` (make test) by module: a module's tests run on one worker, so
     its module-scoped fixtures (trained runs, multi-rank results) are built once; the

@@ -77,7 +77,7 @@ def test_active_parameters_are_the_model_configs_count():
 
 @pytest.mark.parametrize("vocab, tp, divisible", [(257, 1, 128), (50280, 2, 128), (1000, 3, 64)])
 def test_the_padded_vocabulary_is_the_models(vocab, tp, divisible):
-    from megatron_lns.model.language_model import language_model as model
+    from megatron_lns.model import language_model as model
 
     assert padded_vocab_size(vocab, tp, divisible) == model.padded_vocab_size(vocab, tp, divisible)
 
