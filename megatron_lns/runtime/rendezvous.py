@@ -128,7 +128,9 @@ def rendezvous_store(launch: LauncherEnvironment, timeout_s: float) -> dist.Stor
         with _stderr_held() as stderr:
             worker.start()
             worker.join(ANNOUNCE_AFTER_S)
-            if worker.is_alive():
+            # A timeout shorter than the announcement's delay ends in the error line itself
+            # (a loaded machine can take longer than the timeout to report it).
+            if worker.is_alive() and timeout_s > ANNOUNCE_AFTER_S:
                 print(
                     f"{_whom(launch).replace('waited', 'is waiting')} (up to {timeout_s:g} s, "
                     f"{TIMEOUT_KEY})",
