@@ -35,53 +35,48 @@ Precision = Literal["fp32", "bf16", "fp16"]
 Normalization = Literal["RMSNorm", "LayerNorm"]
 PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The fields of GPTModelConfig that megatron's TransformerConfig takes as they are, by
-# the same name; transformer_config() spells out only those it derives or renames.
+# the same name (sorted); transformer_config() spells out only those it derives or renames.
 TRANSFORMER_CONFIG_FIELDS = (
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "normalization",
-    "layernorm_epsilon",
-    "layernorm_zero_centered_gamma",
-    "qk_layernorm",
-    "init_method_std",
-    "hidden_dropout",
+    "apply_query_key_layer_scaling",
+    "apply_rope_fusion",
     "attention_dropout",
     "bias_activation_fusion",
     "bias_dropout_fusion",
-    "masked_softmax_fusion",
-    "apply_rope_fusion",
-    "gradient_accumulation_fusion",
+    "cpu_offloading",
+    "cpu_offloading_activations",
+    "cpu_offloading_num_layers",
+    "cpu_offloading_weights",
     "cross_entropy_loss_fusion",
+    "ffn_hidden_size",
     "fp32_residual_connection",
-    "apply_query_key_layer_scaling",
+    "gradient_accumulation_fusion",
+    "hidden_dropout",
+    "hidden_size",
+    "init_method_std",
+    "kv_channels",
+    "layernorm_epsilon",
+    "layernorm_zero_centered_gamma",
+    "masked_softmax_fusion",
+    "normalization",
+    "num_attention_heads",
+    "num_query_groups",
     "overlap_p2p_comm",
+    "qk_layernorm",
     "recompute_granularity",
     "recompute_method",
-    "tp_comm_overlap",
     "tp_comm_bootstrap_backend",
-    "cpu_offloading",
-    "cpu_offloading_num_layers",
-    "cpu_offloading_activations",
-    "cpu_offloading_weights",
+    "tp_comm_overlap",
 )
 # The same, taken only by a model with experts, and only with FP8 (``fp8`` set).
 MOE_FIELDS = (
-    "num_moe_experts",
-    "moe_router_topk",
     "moe_ffn_hidden_size",
-    "moe_shared_expert_intermediate_size",
     "moe_grouped_gemm",
     "moe_permute_fusion",
+    "moe_router_topk",
+    "moe_shared_expert_intermediate_size",
+    "num_moe_experts",
 )
-FP8_FIELDS = (
-    "fp8_param",
-    "fp8_margin",
-    "fp8_amax_history_len",
-    "fp8_amax_compute_algo",
-)
+FP8_FIELDS = ("fp8_amax_compute_algo", "fp8_amax_history_len", "fp8_margin", "fp8_param")
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
