@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_lns.base.third_party_noise import quiet_third_party_noise
+from megatron_lns.commands.arguments import add_config
 
 if TYPE_CHECKING:
     from megatron_lns.config import ExperimentConfig
@@ -21,8 +22,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     compare = commands.add_parser(
         "compare", help="train several variants over several seeds; table and plots"
     )
-    compare.add_argument("config", help="YAML file or bundled config name")
-    compare.add_argument("overrides", nargs="*", help="key=value overrides of the YAML")
+    add_config(compare, "YAML file or bundled config name")
     compare.add_argument(
         "--variants",
         nargs="+",

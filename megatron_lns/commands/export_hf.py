@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_lns.commands.arguments import add_out_dir
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     export = commands.add_parser(
         "export-hf", help="checkpoint -> Hugging Face model (LNS folded into the norm weights)"
     )
     export.add_argument("checkpoint", help="an iter_NNNNNNN directory, or a run directory")
-    export.add_argument("out_dir", help="the Hugging Face model directory to write")
-    export.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    add_out_dir(export, "the Hugging Face model directory to write")
     export.add_argument(
         "--max-shard-size", default="2GB", help="largest safetensors shard (default: 2GB)"
     )

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_lns.commands.arguments import add_out_dir
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     imp = commands.add_parser(
         "import-hf", help="Hugging Face model -> run directory for continued pretraining"
     )
     imp.add_argument("hf_dir", help="a local LlamaForCausalLM / StableLmForCausalLM directory")
-    imp.add_argument("out_dir", help="the run directory to write (config.yaml, checkpoints/)")
+    add_out_dir(imp, "the run directory to write (config.yaml, checkpoints/)")
     imp.add_argument("overrides", nargs="*", help="key=value settings of the run config")
     imp.add_argument(
         "--lns", action="store_true", help="the weights carry folded LNS factors (our export)"
     )
     imp.add_argument("--config", default=None, help="base YAML for the non-architecture keys")
-    imp.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
     imp.set_defaults(func=run)
 
 

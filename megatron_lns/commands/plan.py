@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_lns.commands.arguments import add_config
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     from megatron_lns.planning.gpus import DEFAULT_GPU, GPUS
@@ -12,8 +14,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     plan = commands.add_parser(
         "plan", help="will the config fit the GPU, how fast, at what cost (before submit)"
     )
-    plan.add_argument("config", help="YAML file or bundled config name, as for train")
-    plan.add_argument("overrides", nargs="*", help="key=value, +key=value (add), ~key (delete)")
+    add_config(plan, "YAML file or bundled config name, as for train")
     plan.add_argument(
         "--gpu", default=DEFAULT_GPU, help=f"one of {', '.join(GPUS)} (default {DEFAULT_GPU})"
     )

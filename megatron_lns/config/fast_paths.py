@@ -36,6 +36,7 @@ What each switch needs is read from megatron-core 0.19:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,6 +50,11 @@ SOFTMAX_EXTENSIONS = (
     "scaled_softmax_cuda",
 )
 WGRAD_EXTENSION = "fused_weight_gradient_mlp_cuda"
+# The MoE switches, each Transformer Engine's kernel for the experts.
+MOE_KERNELS = {
+    "moe_grouped_gemm": "grouped GEMM, TEGroupedMLP",
+    "moe_permute_fusion": "fused token permutation",
+}
 
 
 class FastPathError(UserError, ValueError):
@@ -112,19 +118,10 @@ class FastPaths:
 
     def model_fields(self) -> dict:
         """The settings that are fields of the model config (``GPTModelConfig`` and
-        megatron's ``TransformerConfig`` alike); the overlaps of DDP are not."""
-        return dict(
-            bias_activation_fusion=self.bias_activation_fusion,
-            bias_dropout_fusion=self.bias_dropout_fusion,
-            masked_softmax_fusion=self.masked_softmax_fusion,
-            apply_rope_fusion=self.apply_rope_fusion,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-            cross_entropy_loss_fusion=self.cross_entropy_loss_fusion,
-            attention_backend=self.attention_backend,
-            batch_p2p_comm=self.batch_p2p_comm,
-            moe_grouped_gemm=self.moe_grouped_gemm,
-            moe_permute_fusion=self.moe_permute_fusion,
-        )
+        megatron's ``TransformerConfig`` alike): all but the overlaps of DDP, and
+        ``overlap_p2p_comm``, which is the user's setting as the model has it already."""
+        not_model = ("overlap_grad_reduce", "overlap_param_gather", "overlap_p2p_comm")
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in not_model}
 
 
 def _choose(
@@ -223,12 +220,19 @@ def resolve_fast_paths(request: FastPathRequest, facts: MachineFacts) -> FastPat
         why_not="is wrong on gloo (CPU): batched sends and receives between the same two "
         "ranks can be matched out of order",
     )
-    moe_why_not = "needs model.transformer_engine=true on CUDA (Transformer Engine's {})"
-    for key in ("moe_grouped_gemm", "moe_permute_fusion"):
+    moe_kernels = {}
+    for key, kernel in MOE_KERNELS.items():
         if getattr(r, key) and not r.moe:
             raise FastPathError(
                 f"model.{key}=true needs a mixture-of-experts model (model.num_moe_experts)"
             )
+        moe_kernels[key] = _choose(
+            f"model.{key}",
+            getattr(r, key),
+            default=r.moe,
+            runs=te_here,
+            why_not=f"needs model.transformer_engine=true on CUDA (Transformer Engine's {kernel})",
+        )
     return FastPaths(
         bias_activation_fusion=bias_activation,
         bias_dropout_fusion=_choose(
@@ -245,18 +249,5 @@ def resolve_fast_paths(request: FastPathRequest, facts: MachineFacts) -> FastPat
         overlap_param_gather=overlap_param,
         batch_p2p_comm=batch_p2p,
         overlap_p2p_comm=r.overlap_p2p_comm,
-        moe_grouped_gemm=_choose(
-            "model.moe_grouped_gemm",
-            r.moe_grouped_gemm,
-            default=r.moe,
-            runs=te_here,
-            why_not=moe_why_not.format("grouped GEMM, TEGroupedMLP"),
-        ),
-        moe_permute_fusion=_choose(
-            "model.moe_permute_fusion",
-            r.moe_permute_fusion,
-            default=r.moe,
-            runs=te_here,
-            why_not=moe_why_not.format("fused token permutation"),
-        ),
+        **moe_kernels,
     )

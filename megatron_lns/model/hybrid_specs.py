@@ -35,19 +35,21 @@ from megatron_lns.model.te import te_final_norm_builder
 
 def attention_half(layer: ModuleSpec) -> ModuleSpec:
     """The attention sublayer of a full (attention + MLP) layer spec."""
-    half = copy.deepcopy(layer)
-    half.submodules.pre_mlp_layernorm = IdentityOp
-    half.submodules.mlp = IdentityOp
-    half.submodules.mlp_bda = IdentityFuncOp
-    return half
+    return _without(layer, "pre_mlp_layernorm", "mlp", "mlp_bda")
 
 
 def mlp_half(layer: ModuleSpec) -> ModuleSpec:
     """The MLP (or MoE) sublayer of a full layer spec."""
+    return _without(layer, "input_layernorm", "self_attention", "self_attn_bda")
+
+
+def _without(layer: ModuleSpec, norm: str, module: str, bias_dropout_add: str) -> ModuleSpec:
+    """A copy of ``layer`` with one branch's norm, module and bias-dropout-add made
+    identities, which is how megatron's ``TransformerLayer`` leaves a branch out."""
     half = copy.deepcopy(layer)
-    half.submodules.input_layernorm = IdentityOp
-    half.submodules.self_attention = IdentityOp
-    half.submodules.self_attn_bda = IdentityFuncOp
+    setattr(half.submodules, norm, IdentityOp)
+    setattr(half.submodules, module, IdentityOp)
+    setattr(half.submodules, bias_dropout_add, IdentityFuncOp)
     return half
 
 

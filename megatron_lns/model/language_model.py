@@ -34,6 +34,49 @@ from megatron_lns.runtime import ParallelLayout, uses_gloo
 Precision = Literal["fp32", "bf16", "fp16"]
 Normalization = Literal["RMSNorm", "LayerNorm"]
 PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The fields of GPTModelConfig that megatron's TransformerConfig takes as they are, by
+# the same name (sorted); transformer_config() spells out only those it derives or renames.
+TRANSFORMER_CONFIG_FIELDS = (
+    "apply_query_key_layer_scaling",
+    "apply_rope_fusion",
+    "attention_dropout",
+    "bias_activation_fusion",
+    "bias_dropout_fusion",
+    "cpu_offloading",
+    "cpu_offloading_activations",
+    "cpu_offloading_num_layers",
+    "cpu_offloading_weights",
+    "cross_entropy_loss_fusion",
+    "ffn_hidden_size",
+    "fp32_residual_connection",
+    "gradient_accumulation_fusion",
+    "hidden_dropout",
+    "hidden_size",
+    "init_method_std",
+    "kv_channels",
+    "layernorm_epsilon",
+    "layernorm_zero_centered_gamma",
+    "masked_softmax_fusion",
+    "normalization",
+    "num_attention_heads",
+    "num_query_groups",
+    "overlap_p2p_comm",
+    "qk_layernorm",
+    "recompute_granularity",
+    "recompute_method",
+    "tp_comm_bootstrap_backend",
+    "tp_comm_overlap",
+)
+# The same, taken only by a model with experts, and only with FP8 (``fp8`` set).
+MOE_FIELDS = (
+    "moe_ffn_hidden_size",
+    "moe_grouped_gemm",
+    "moe_permute_fusion",
+    "moe_router_topk",
+    "moe_shared_expert_intermediate_size",
+    "num_moe_experts",
+)
+FP8_FIELDS = ("fp8_amax_compute_algo", "fp8_amax_history_len", "fp8_margin", "fp8_param")
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -326,32 +369,12 @@ class GPTModelConfig:
             num_layers=len(self.sublayer_pattern())
             if self.architecture == "hybrid"
             else self.num_layers,
-            hidden_size=self.hidden_size,
-            ffn_hidden_size=self.ffn_hidden_size,
-            num_attention_heads=self.num_attention_heads,
-            num_query_groups=self.num_query_groups,
-            kv_channels=self.kv_channels,
-            normalization=self.normalization,
-            layernorm_epsilon=self.layernorm_epsilon,
-            layernorm_zero_centered_gamma=self.layernorm_zero_centered_gamma,
             gated_linear_unit=swiglu,
             activation_func=F.silu if swiglu else F.gelu,
             add_bias_linear=self.bias,
             add_qkv_bias=self.bias,
-            qk_layernorm=self.qk_layernorm,
-            init_method_std=self.init_method_std,
             output_layer_init_method=output_init,
-            hidden_dropout=self.hidden_dropout,
-            attention_dropout=self.attention_dropout,
-            bias_activation_fusion=self.bias_activation_fusion,
-            bias_dropout_fusion=self.bias_dropout_fusion,
-            masked_softmax_fusion=self.masked_softmax_fusion,
-            apply_rope_fusion=self.apply_rope_fusion,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-            cross_entropy_loss_fusion=self.cross_entropy_loss_fusion,
             attention_backend=AttnBackend[self.attention_backend],
-            fp32_residual_connection=self.fp32_residual_connection,
-            apply_query_key_layer_scaling=self.apply_query_key_layer_scaling,
             tensor_model_parallel_size=layout.tensor,
             pipeline_model_parallel_size=layout.pipeline,
             virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
@@ -367,21 +390,13 @@ class GPTModelConfig:
                 if self.batch_p2p_comm is None
                 else self.batch_p2p_comm
             ),
-            overlap_p2p_comm=self.overlap_p2p_comm,
             # Mix-LN layers differ in their parameters: checkpoint each layer under its own
             # key rather than stacked along a layer axis.
             hetereogenous_dist_checkpoint=self.layer_variant == "mix_ln",
-            recompute_granularity=self.recompute_granularity,
-            recompute_method=self.recompute_method,
             recompute_num_layers=self.megatron_recompute_num_layers(),
-            tp_comm_overlap=self.tp_comm_overlap,
-            tp_comm_bootstrap_backend=self.tp_comm_bootstrap_backend,
-            cpu_offloading=self.cpu_offloading,
-            cpu_offloading_num_layers=self.cpu_offloading_num_layers,
-            cpu_offloading_activations=self.cpu_offloading_activations,
-            cpu_offloading_weights=self.cpu_offloading_weights,
             expert_model_parallel_size=layout.expert,
             expert_tensor_parallel_size=layout.expert_tensor,
+            **self._same_name(TRANSFORMER_CONFIG_FIELDS),
             **self._moe_settings(),
             **self._fp8_settings(),
             **self.extra_transformer_config,
@@ -408,27 +423,15 @@ class GPTModelConfig:
             layer_freq = [int(s == hybrid_pattern.MOE) for s in self.sublayer_pattern()]
         else:
             layer_freq = self.moe_layer_pattern()
-        return dict(
-            num_moe_experts=self.num_moe_experts,
-            moe_layer_freq=layer_freq,
-            moe_router_topk=self.moe_router_topk,
-            moe_ffn_hidden_size=self.moe_ffn_hidden_size,
-            moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
-            moe_grouped_gemm=self.moe_grouped_gemm,
-            moe_permute_fusion=self.moe_permute_fusion,
-        )
+        return self._same_name(MOE_FIELDS) | {"moe_layer_freq": layer_freq}
 
     def _fp8_settings(self) -> dict:
         if self.fp8 is None:
             return {}
-        return dict(
-            fp8=self.fp8_format,
-            fp8_recipe=self.fp8,
-            fp8_param=self.fp8_param,
-            fp8_margin=self.fp8_margin,
-            fp8_amax_history_len=self.fp8_amax_history_len,
-            fp8_amax_compute_algo=self.fp8_amax_compute_algo,
-        )
+        return self._same_name(FP8_FIELDS) | {"fp8": self.fp8_format, "fp8_recipe": self.fp8}
+
+    def _same_name(self, names: tuple[str, ...]) -> dict:
+        return {name: getattr(self, name) for name in names}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -478,6 +481,16 @@ def _common_model_args(config: GPTModelConfig, vp: int | None) -> dict:
     )
 
 
+def _layer_options(config: GPTModelConfig) -> dict:
+    """What the GPT block spec and the hybrid stack spec are both built with."""
+    return dict(
+        norm_scaling=config.norm_scaling,
+        backend=config.backend,
+        norm_affine=config.norm_affine,
+        qk_layernorm=config.qk_layernorm,
+    )
+
+
 def _gpt_chunk(
     config: GPTModelConfig,
     tf_config: TransformerConfig,
@@ -490,13 +503,7 @@ def _gpt_chunk(
     return gpt_model(
         config=tf_config,
         transformer_layer_spec=get_lns_block_spec(
-            tf_config,
-            norm_scaling=config.norm_scaling,
-            backend=config.backend,
-            norm_affine=config.norm_affine,
-            qk_layernorm=config.qk_layernorm,
-            vp_stage=vp,
-            variant=config.variant_settings(),
+            tf_config, vp_stage=vp, variant=config.variant_settings(), **_layer_options(config)
         ),
         **_common_model_args(config, vp),
         **stage,
@@ -545,12 +552,9 @@ def _hybrid_chunk(
         config=tf_config,
         hybrid_stack_spec=get_lns_hybrid_stack_spec(
             pattern,
-            norm_scaling=config.norm_scaling,
-            backend=config.backend,
-            norm_affine=config.norm_affine,
-            qk_layernorm=config.qk_layernorm,
             num_experts=config.num_moe_experts,
             moe_grouped_gemm=config.moe_grouped_gemm,
+            **_layer_options(config),
         ),
         hybrid_layer_pattern=pattern,
         **_common_model_args(config, vp),

@@ -46,13 +46,15 @@ def require_te() -> None:
 
 
 def get_te_lns_layer_spec(
-    norm_scaling: NormScaling = "lns",
-    norm_affine: bool = True,
-    qk_layernorm: bool = False,
-    num_experts: int | None = None,
-    moe_grouped_gemm: bool = False,
+    norm_scaling: NormScaling,
+    *,
+    norm_affine: bool,
+    qk_layernorm: bool,
+    num_experts: int | None,
+    moe_grouped_gemm: bool,
 ) -> ModuleSpec:
-    """megatron's TE GPT layer spec with LNS folded into its fused norms.
+    """megatron's TE GPT layer spec with LNS folded into its fused norms: the
+    ``backend="te"`` part of ``specs.get_lns_layer_spec``, which decides the defaults.
 
     An MoE layer (``num_experts``) has no ``linear_fc1`` to fuse its pre-MLP norm into:
     megatron's TE MoE spec gives it a separate ``TENorm``; here it is our ``LocalNorm``

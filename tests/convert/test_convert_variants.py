@@ -27,7 +27,7 @@ from reference_llama import ReferenceLlama
 from megatron_lns.config.choices import LAYER_VARIANTS
 from megatron_lns.convert import ConversionError, export_hf, import_hf
 from megatron_lns.convert.architectures import Architecture, architecture_for_model_config
-from megatron_lns.convert.architectures.base import UNEXPORTABLE_VARIANTS
+from megatron_lns.convert.architectures.refusals import UNEXPORTABLE_VARIANTS
 from megatron_lns.convert.mapping import BRANCH_GAINS
 from megatron_lns.model.language_model import build_model
 from megatron_lns.training.build import model_config

@@ -45,16 +45,19 @@ _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 
 # sbatch / srun options the script sets itself, with the key that controls each;
 # the same option in cluster.sbatch_args / srun_args would contradict it, spelt in full
-# or abbreviated (options.py).
-_OWN_SBATCH_OPTIONS = {
-    "--job-name": "cluster.job_name_prefix and name",
-    "-J": "cluster.job_name_prefix and name",
+# or abbreviated (options.py). Both commands are given the job's tasks.
+_OWN_TASK_OPTIONS = {
     "--nodes": "trainer.num_nodes",
     "-N": "trainer.num_nodes",
     "--ntasks-per-node": "trainer.devices",
     "--tasks-per-node": "trainer.devices",
     "--ntasks": "trainer.num_nodes x trainer.devices",
     "-n": "trainer.num_nodes x trainer.devices",
+}
+_OWN_SBATCH_OPTIONS = {
+    "--job-name": "cluster.job_name_prefix and name",
+    "-J": "cluster.job_name_prefix and name",
+    **_OWN_TASK_OPTIONS,
     "--output": "exp_manager.exp_dir (logs/)",
     "-o": "exp_manager.exp_dir (logs/)",
     "--error": "exp_manager.exp_dir (logs/)",
@@ -84,12 +87,7 @@ _OWN_SBATCH_OPTIONS = {
 _OWN_SRUN_OPTIONS = {
     "--kill-on-bad-exit": "the script (a failed rank ends the job step)",
     "-K": "the script (a failed rank ends the job step)",
-    "--nodes": "trainer.num_nodes",
-    "-N": "trainer.num_nodes",
-    "--ntasks-per-node": "trainer.devices",
-    "--tasks-per-node": "trainer.devices",
-    "--ntasks": "trainer.num_nodes x trainer.devices",
-    "-n": "trainer.num_nodes x trainer.devices",
+    **_OWN_TASK_OPTIONS,
     "--cpus-per-task": "cluster.cpus_per_task",
     "-c": "cluster.cpus_per_task",
     "--container-image": "cluster.container_image",

@@ -1,8 +1,8 @@
 """The Hugging Face architectures conversion supports, one module each, by class name.
 
 Each module defines one :class:`~.base.Architecture` subclass that says only how its
-architecture differs from the shared mapping in :mod:`.base`. ``ARCHITECTURES`` lists
-them; every lookup goes through this registry:
+architecture differs from the shared mapping (:mod:`.base`, :mod:`.layout`).
+``ARCHITECTURES`` lists them; every lookup goes through this registry:
 
 * import: ``config.json``'s ``architectures`` entry -> the class registered under it;
 * export: a dense model (no ``model.num_moe_experts``) goes to a dense architecture, an
@@ -30,15 +30,11 @@ import dataclasses
 
 from megatron_lns.config import hybrid_pattern
 from megatron_lns.config.schema import ModelConfig
-from megatron_lns.convert.architectures.base import (
-    HF_NORM_OF,
-    Architecture,
-    listed,
-    refuse_unshared_design,
-)
+from megatron_lns.convert.architectures.base import HF_NORM_OF, Architecture
 from megatron_lns.convert.architectures.llama import Llama
 from megatron_lns.convert.architectures.mixtral import Mixtral
 from megatron_lns.convert.architectures.qwen2_moe import Qwen2Moe
+from megatron_lns.convert.architectures.refusals import listed, refuse_unshared_design
 from megatron_lns.convert.architectures.stablelm import StableLm
 from megatron_lns.convert.errors import ConversionError
 

@@ -29,6 +29,8 @@ class Mixtral(MoEArchitecture):
     hf_eps_key = "rms_norm_eps"
     hf_moe_block = "block_sparse_moe."
     hf_expert_projections: ClassVar[tuple[str, str, str]] = ("w1", "w3", "w2")
+    hf_num_experts_key = "num_local_experts"
+    hf_expert_width_key = "intermediate_size"
 
     @classmethod
     def from_model_config(cls, m: ModelConfig) -> Mixtral:
@@ -78,20 +80,13 @@ class Mixtral(MoEArchitecture):
 
     @classmethod
     def moe_fields_from_hf(cls, config) -> dict:
-        return dict(
-            num_experts=config.num_local_experts,
-            topk=config.num_experts_per_tok,
-            expert_ffn_hidden_size=config.intermediate_size,
-            moe_pattern=(1,) * config.num_hidden_layers,
-            topk_renormalized=True,
+        return super().moe_fields_from_hf(config) | dict(
+            moe_pattern=(1,) * config.num_hidden_layers, topk_renormalized=True
         )
 
     def hf_config_fields(self) -> dict:
-        return dict(
+        return super().hf_config_fields() | dict(
             head_dim=self.head_dim,
-            intermediate_size=self.expert_ffn_hidden_size,
-            num_local_experts=self.num_experts,
-            num_experts_per_tok=self.topk,
             sliding_window=None,
             # megatron-lns has no router input jitter (megatron's moe_input_jitter_eps is
             # not a setting here), so every run trained without it.

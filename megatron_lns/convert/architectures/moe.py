@@ -136,6 +136,9 @@ class MoEArchitecture(Architecture):
     hf_moe_block: ClassVar[str]
     # Each expert's (gate, up, down) projection names under "experts.<e>.".
     hf_expert_projections: ClassVar[tuple[str, str, str]]
+    # The config.json keys of the number of experts and of each expert's width.
+    hf_num_experts_key: ClassVar[str]
+    hf_expert_width_key: ClassVar[str]
     # The shared expert's MLP and its gate, under the MoE block (None: no shared expert).
     hf_shared_expert: ClassVar[str | None] = None
     hf_shared_expert_gate: ClassVar[str | None] = None
@@ -207,8 +210,13 @@ class MoEArchitecture(Architecture):
 
     @classmethod
     def moe_fields_from_hf(cls, config) -> dict:
-        """The MoE fields of this dataclass from a ``config.json`` of this class."""
-        raise NotImplementedError
+        """The MoE fields of this dataclass from a ``config.json`` of this class: the
+        experts here, which layers have them and how they are routed in the subclass."""
+        return dict(
+            num_experts=getattr(config, cls.hf_num_experts_key),
+            topk=config.num_experts_per_tok,
+            expert_ffn_hidden_size=getattr(config, cls.hf_expert_width_key),
+        )
 
     @classmethod
     def check_model_config(cls, m: ModelConfig, head_dim: int) -> None:
@@ -216,6 +224,13 @@ class MoEArchitecture(Architecture):
 
     def training_settings(self) -> dict:
         return super().training_settings() | {"moe_aux_loss_coeff": self.aux_loss_coeff}
+
+    def hf_config_fields(self) -> dict:
+        return {
+            self.hf_num_experts_key: self.num_experts,
+            "num_experts_per_tok": self.topk,
+            self.hf_expert_width_key: self.expert_ffn_hidden_size,
+        }
 
     def hf_config(self, vocab_size: int, dtype: torch.dtype, bos: int | None, eos: int):
         config = super().hf_config(vocab_size, dtype, bos, eos)

@@ -22,8 +22,11 @@ from __future__ import annotations
 from typing import ClassVar
 
 from megatron_lns.config.schema import ModelConfig
-from megatron_lns.convert.architectures.base import refuse_head_size_other_than_hidden_over_heads
 from megatron_lns.convert.architectures.moe import MoEArchitecture
+from megatron_lns.convert.architectures.refusals import (
+    refuse_head_size_other_than_hidden_over_heads,
+    refuse_kv_channels_other_than_hidden_over_heads,
+)
 from megatron_lns.convert.errors import ConversionError
 
 
@@ -39,6 +42,8 @@ class Qwen2Moe(MoEArchitecture):
     hf_shared_expert = "shared_expert"
     hf_shared_expert_gate = "shared_expert_gate"
     hf_shared_expert_always = True
+    hf_num_experts_key = "num_experts"
+    hf_expert_width_key = "moe_intermediate_size"
 
     @classmethod
     def check_model_config(cls, m: ModelConfig, head_dim: int) -> None:
@@ -49,13 +54,7 @@ class Qwen2Moe(MoEArchitecture):
                 "expert is always scaled by a sigmoid gate, and no stock class here has an "
                 "ungated one"
             )
-        heads = m.num_attention_heads
-        if head_dim * heads != m.hidden_size:
-            raise ConversionError(
-                f"model.kv_channels={head_dim} cannot be exported as Qwen2-MoE, whose "
-                f"attention has hidden_size / num_attention_heads channels per head "
-                f"({m.hidden_size} / {heads})"
-            )
+        refuse_kv_channels_other_than_hidden_over_heads(m, head_dim, f"as {cls.name}", cls.name)
 
     @classmethod
     def check_hf_config(cls, config, head_dim: int) -> None:
@@ -77,10 +76,7 @@ class Qwen2Moe(MoEArchitecture):
             int(config.num_experts > 0 and i not in dense and (i + 1) % step == 0)
             for i in range(config.num_hidden_layers)
         )
-        return dict(
-            num_experts=config.num_experts,
-            topk=config.num_experts_per_tok,
-            expert_ffn_hidden_size=config.moe_intermediate_size,
+        return super().moe_fields_from_hf(config) | dict(
             moe_pattern=pattern,
             # Zero wide: no shared expert (its gate multiplies zeros).
             shared_expert_ffn_hidden_size=config.shared_expert_intermediate_size,
@@ -89,11 +85,8 @@ class Qwen2Moe(MoEArchitecture):
         )
 
     def hf_config_fields(self) -> dict:
-        return dict(
-            moe_intermediate_size=self.expert_ffn_hidden_size,
+        return super().hf_config_fields() | dict(
             shared_expert_intermediate_size=self.shared_expert_ffn_hidden_size,
-            num_experts=self.num_experts,
-            num_experts_per_tok=self.topk,
             norm_topk_prob=self.topk_renormalized,
             decoder_sparse_step=1,
             mlp_only_layers=[i for i, moe in enumerate(self.moe_pattern) if not moe],

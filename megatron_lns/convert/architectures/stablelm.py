@@ -13,9 +13,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 from megatron_lns.config.schema import ModelConfig
-from megatron_lns.convert.architectures.base import (
-    Architecture,
+from megatron_lns.convert.architectures.base import Architecture
+from megatron_lns.convert.architectures.refusals import (
     refuse_head_size_other_than_hidden_over_heads,
+    refuse_kv_channels_other_than_hidden_over_heads,
 )
 from megatron_lns.convert.errors import ConversionError
 
@@ -42,14 +43,13 @@ class StableLm(Architecture):
                 "output-projection or MLP biases; Llama (with biases) needs "
                 "model.normalization=rmsnorm"
             )
-        heads = m.num_attention_heads
-        if head_dim * heads != m.hidden_size:
-            raise ConversionError(
-                f"model.kv_channels={head_dim} cannot be exported with model.normalization="
-                f"{m.normalization}: StableLM's attention has hidden_size / num_attention_heads "
-                f"channels per head ({m.hidden_size} / {heads}); Llama "
-                "(model.normalization=rmsnorm) carries its own head_dim"
-            )
+        refuse_kv_channels_other_than_hidden_over_heads(
+            m,
+            head_dim,
+            f"with model.normalization={m.normalization}",
+            cls.name,
+            hint="; Llama (model.normalization=rmsnorm) carries its own head_dim",
+        )
 
     @classmethod
     def check_hf_config(cls, config, head_dim: int) -> None:
