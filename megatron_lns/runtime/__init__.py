@@ -1,33 +1,31 @@
 """Device selection and process-group setup; the CPU compatibility layer for megatron-core;
-ranks as local processes; a process's exit status."""
+ranks as local processes; the job a run belongs to (:mod:`.job`).
 
-from megatron_lns.runtime.cpu import cpu_compat_installed, install_cpu_compat
-from megatron_lns.runtime.distributed import (
-    ParallelLayout,
-    destroy_distributed,
-    init_distributed,
-    resolve_device,
-    uses_gloo,
-)
-from megatron_lns.runtime.local_ranks import (
-    NoMultiNodeLauncher,
-    RankFailed,
-    RanksTimedOut,
-    run_job,
-    spawn_local,
-)
+The names below load on first use: :mod:`.job` is torch-free and imported on login nodes
+(``submit``), where importing torch for the rest would cost seconds.
+"""
 
-__all__ = [
-    "ParallelLayout",
-    "NoMultiNodeLauncher",
-    "RankFailed",
-    "RanksTimedOut",
-    "cpu_compat_installed",
-    "destroy_distributed",
-    "init_distributed",
-    "install_cpu_compat",
-    "resolve_device",
-    "run_job",
-    "spawn_local",
-    "uses_gloo",
-]
+from importlib import import_module
+
+_HOMES = {
+    "cpu_compat_installed": "cpu",
+    "install_cpu_compat": "cpu",
+    "ParallelLayout": "distributed",
+    "destroy_distributed": "distributed",
+    "init_distributed": "distributed",
+    "resolve_device": "distributed",
+    "uses_gloo": "distributed",
+    "NoMultiNodeLauncher": "local_ranks",
+    "RankFailed": "local_ranks",
+    "RanksTimedOut": "local_ranks",
+    "run_job": "local_ranks",
+    "spawn_local": "local_ranks",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_HOMES[name]}"), name)
