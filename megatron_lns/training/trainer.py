@@ -43,7 +43,7 @@ from megatron_lns.training.build import (
     parallel_layout,
     tokenizer_spec,
 )
-from megatron_lns.training.checkpoint import CHECKPOINT_DIR_RE, latest_complete_checkpoint
+from megatron_lns.training.checkpoint_dirs import CHECKPOINT_DIR_RE, latest_complete_checkpoint
 from megatron_lns.training.checkpoint_writer import CheckpointWriter
 from megatron_lns.training.manual_gc import ManualGarbageCollection
 from megatron_lns.training.metrics import MetricsLogger, Throughput, say
