@@ -27,16 +27,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_lns.training import architecture_checkpoint as architecture
 from megatron_lns.training import provenance
 from megatron_lns.training.checkpoint_dirs import (
-    CHECKPOINT_DIR_RE,
     COMPLETE_MARKER,
     WEIGHTS_ONLY,
-    ArchitectureMismatchError,
     CheckpointError,
-    CheckpointMismatchError,
     TrainingState,
     checkpoint_problem,
-    complete_checkpoints,
-    latest_complete_checkpoint,
 )
 from megatron_lns.training.checkpoint_io import (
     commit,
@@ -67,7 +62,16 @@ from megatron_lns.training.checkpoint_weights import (
     translate_architecture,
 )
 
-# What other packages import from here, beside what this module defines.
+# isort: split
+# Re-exported: other packages import these from here.
+from megatron_lns.training.checkpoint_dirs import (
+    CHECKPOINT_DIR_RE,
+    ArchitectureMismatchError,
+    CheckpointMismatchError,
+    complete_checkpoints,
+    latest_complete_checkpoint,
+)
+
 __all__ = [
     "CHECKPOINT_DIR_RE",
     "COMPLETE_MARKER",

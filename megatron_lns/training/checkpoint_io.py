@@ -126,11 +126,7 @@ def save_strategy(
     shards (weights and optimizer state held by every data-parallel rank) over the
     data-parallel ranks instead of leaving it all to the first of them
     (``model.dist_ckpt_parallel_save``, Megatron-LM's ``--ckpt-fully-parallel-save``)."""
-    strategy = TorchDistSaveShardedStrategy()
-    if not parallel:
-        return strategy
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    return FullyParallelSaveStrategyWrapper(strategy, group)
+    return _spread(TorchDistSaveShardedStrategy(), FullyParallelSaveStrategyWrapper, parallel)
 
 
 def load_strategy(
@@ -139,11 +135,14 @@ def load_strategy(
     """megatron's torch_dist reader; ``parallel`` has each data-parallel rank read a
     part of the replicated shards and exchange them with the others
     (``model.dist_ckpt_parallel_load``, Megatron-LM's ``--ckpt-fully-parallel-load``)."""
-    strategy = TorchDistLoadShardedStrategy()
+    return _spread(TorchDistLoadShardedStrategy(), FullyParallelLoadStrategyWrapper, parallel)
+
+
+def _spread(strategy, wrapper, parallel: bool):
+    """``strategy``, or with ``parallel`` ``wrapper`` of it over the data-parallel ranks."""
     if not parallel:
         return strategy
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    return FullyParallelLoadStrategyWrapper(strategy, group)
+    return wrapper(strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
 
 
 # Free bytes under which a failed write is taken for a full disk when the writer lost

@@ -84,7 +84,4 @@ class SlurmEnvironment(JobEnvironment):
     ) -> ProgressRecorder | None:
         """The batch script's progress guard (under it only: ``srun`` by hand in an
         allocation has no requeue protocol)."""
-        s = settings
-        return ProgressRecorder.for_job(
-            self.job, run_dir, s.lead_s, s.time_limit_s, s.every, s.async_save
-        )
+        return ProgressRecorder.for_job(self.job, run_dir, settings)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_lns.cluster.slurm.job import SlurmJob
+from megatron_lns.runtime.job import ProgressSettings
 
 RUN_PROGRESS_FILE = "run_progress"
 # Exported by the batch script (epoch seconds of its start): the trainer records only
@@ -186,27 +187,23 @@ class ProgressRecorder:
     ) -> ProgressRecorder | None:
         """A recorder when the batch script started this run, else None."""
         job = SlurmJob.of_this_process(env)
-        if job is None:
-            return None
-        return cls.for_job(job, run_dir, lead_s, time_limit_s, every, async_save, env)
+        settings = ProgressSettings(lead_s, time_limit_s, every, async_save)
+        return None if job is None else cls.for_job(job, run_dir, settings, env)
 
     @classmethod
     def for_job(
         cls,
         job: SlurmJob,
         run_dir: Path,
-        lead_s: float,
-        time_limit_s: float | None,
-        every: int,
-        async_save: bool,
+        settings: ProgressSettings,
         env: Mapping[str, str] = os.environ,
     ) -> ProgressRecorder | None:
         """A recorder of this run of ``job`` when the batch script started it, else None."""
         batch_start = _epoch(env, BATCH_START_ENV)
         if batch_start is None:
             return None
-        limit = time_limit(time_limit_s, env)
-        return cls(run_dir, job, batch_start, lead_s, limit, every, async_save)
+        s, limit = settings, time_limit(settings.time_limit_s, env)
+        return cls(run_dir, job, batch_start, s.lead_s, limit, s.every, s.async_save)
 
     def resumed(self, step: int) -> list[str]:
         """The first step is about to start, from ``step`` (0: a fresh start)."""
