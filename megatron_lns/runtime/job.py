@@ -47,7 +47,7 @@ class ProgressSettings:
     checkpoint interval of the config)."""
 
     lead_s: float  # seconds between the stop warning and the time limit
-    time_limit_s: float | None  # the configured limit; the scheduler's own one wins
+    time_limit_s: float | None  # the job's: JobEnvironment.time_limit_s
     every: int  # every_n_train_steps
     async_save: bool
 

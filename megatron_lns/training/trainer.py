@@ -178,9 +178,10 @@ class Trainer:
         """Records for whatever restarts the run (a batch script's progress guard), where
         the job environment keeps any."""
         c, saves = self.cfg.cluster, self.cfg.exp_manager.checkpoint_callback_params
+        configured = time_limit_seconds(c.time_limit) if c.time_limit is not None else None
         settings = ProgressSettings(
             lead_s=c.preemption_signal_lead_s,
-            time_limit_s=time_limit_seconds(c.time_limit) if c.time_limit is not None else None,
+            time_limit_s=self.job.time_limit_s(configured),
             every=saves.every_n_train_steps,
             async_save=saves.async_save,
         )

@@ -55,7 +55,8 @@ class SlurmEnvironment(JobEnvironment):
     def judge_foreign_lock(self, holder: dict) -> ForeignLock:
         theirs = SlurmJob.from_record(holder.get(LOCK_KEY))
         if theirs is None or theirs.cluster != self.job.cluster:
-            return ForeignLock()  # not both SLURM jobs of one cluster: host and pid are all
+            # Not both SLURM jobs of one cluster: the host and pid are all we know.
+            return ForeignLock()
         job, host = theirs.job_id, holder.get("host")
         if job == self.job.job_id:
             if theirs.restart_count < self.job.restart_count:

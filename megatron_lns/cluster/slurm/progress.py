@@ -187,7 +187,7 @@ class ProgressRecorder:
     ) -> ProgressRecorder | None:
         """A recorder when the batch script started this run, else None."""
         job = SlurmJob.of_this_process(env)
-        settings = ProgressSettings(lead_s, time_limit_s, every, async_save)
+        settings = ProgressSettings(lead_s, time_limit(time_limit_s, env), every, async_save)
         return None if job is None else cls.for_job(job, run_dir, settings, env)
 
     @classmethod
@@ -202,8 +202,8 @@ class ProgressRecorder:
         batch_start = _epoch(env, BATCH_START_ENV)
         if batch_start is None:
             return None
-        s, limit = settings, time_limit(settings.time_limit_s, env)
-        return cls(run_dir, job, batch_start, s.lead_s, limit, s.every, s.async_save)
+        s = settings
+        return cls(run_dir, job, batch_start, s.lead_s, s.time_limit_s, s.every, s.async_save)
 
     def resumed(self, step: int) -> list[str]:
         """The first step is about to start, from ``step`` (0: a fresh start)."""
