@@ -17,7 +17,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from megatron_lns.cluster import job_of_this_process
     from megatron_lns.training.entry_point import train
 
-    train(args.config, args.overrides, args.dry_run)
+    # A SLURM job's when started under sbatch or srun (its lock and records say so).
+    train(args.config, args.overrides, args.dry_run, job=job_of_this_process())
     return 0

@@ -41,12 +41,11 @@ from pathlib import Path
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_lns.training.checkpoint import (
-    TrainingState,
+from megatron_lns.training.checkpoint import save_checkpoint, start_checkpoint_save
+from megatron_lns.training.checkpoint_dirs import TrainingState
+from megatron_lns.training.checkpoint_io import (
     metadata_write_failures_kept,
-    save_checkpoint,
     save_strategy,
-    start_checkpoint_save,
     write_failure,
 )
 

@@ -1,9 +1,10 @@
-"""The training entry point: what ``megatron-lns train`` and every SLURM task run.
+"""The training entry point: what ``megatron-lns train`` and every cluster task run.
 
 Loads the config and checks it for a run from this process (``WORLD_SIZE`` of an
 external launcher, what this machine offers: CUDA, Transformer Engine), prints the
 resolved config once, and runs the :class:`~megatron_lns.training.trainer.Trainer` on
-every rank. ``megatron-lns compare`` loads, prints and starts its ranks the same way.
+every rank, in the job environment its caller chose (a scheduler's job or a local run).
+``megatron-lns compare`` loads, prints and starts its ranks the same way.
 """
 
 from __future__ import annotations
@@ -16,23 +17,30 @@ from megatron_lns.base.third_party_noise import quiet_third_party_noise
 
 if TYPE_CHECKING:
     from megatron_lns.config import ExperimentConfig
+    from megatron_lns.runtime.job import JobEnvironment
 
 
-def train(config: str, overrides: list[str], dry_run: bool = False) -> None:
-    """Train from a YAML file or bundled config's name; ``dry_run`` prints the resolved
-    config after the checks and trains nothing."""
+def train(
+    config: str,
+    overrides: list[str],
+    dry_run: bool = False,
+    job: JobEnvironment | None = None,
+) -> None:
+    """Train from a YAML file or bundled config's name, as part of ``job`` (default: a
+    local run); ``dry_run`` prints the resolved config after the checks and trains
+    nothing."""
     cfg = load_checked_config(config, overrides, dry_run)
     print_resolved_config(cfg)
     if dry_run:
         return
-    run_on_every_rank(cfg, train_job)
+    run_on_every_rank(cfg, train_job, job)
 
 
-def train_job(cfg: ExperimentConfig) -> None:
+def train_job(cfg: ExperimentConfig, job: JobEnvironment | None = None) -> None:
     quiet_third_party_noise()  # again: spawned ranks start with fresh filters
     from megatron_lns.training.trainer import Trainer
 
-    Trainer(cfg).fit()
+    Trainer(cfg, job=job).fit()
 
 
 def run_on_every_rank(cfg: ExperimentConfig, job: Callable[..., Any], *args: Any) -> None:

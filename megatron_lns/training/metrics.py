@@ -212,3 +212,26 @@ def _fmt(value: float) -> str:
     if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5) and math.isfinite(value):
         return f"{value:.3e}"
     return f"{value:.4f}"
+
+
+class Throughput:
+    """Tokens per second over training steps only (not validation or checkpoint saves)."""
+
+    def __init__(self) -> None:
+        self.window_tokens, self.window_time = 0, 0.0
+        self.total_tokens, self.total_time = 0, 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.window_tokens += tokens
+        self.window_time += seconds
+
+    def close_window(self) -> float:
+        rate = self.window_tokens / self.window_time if self.window_time else 0.0
+        self.total_tokens += self.window_tokens
+        self.total_time += self.window_time
+        self.window_tokens, self.window_time = 0, 0.0
+        return rate
+
+    @property
+    def overall(self) -> float:
+        return self.total_tokens / self.total_time if self.total_time else 0.0

@@ -2,11 +2,12 @@
 
 ``<exp_dir>/<name>/`` holds a run's config, metrics, logs and checkpoints. Two
 processes writing into it would interleave checkpoints that a later resume mixes,
-so the first rank takes ``.lock`` (pid, host, start time, and the SLURM job under SLURM)
-for the whole run and another run into the same directory is refused. A lock left by a
-killed job is stale and is taken over, with a note saying why: on the same host when its
-process is gone; under SLURM, from any host, when an earlier run of this same job wrote
-it (SLURM requeued the job) or SLURM no longer runs the job that wrote it. With
+so the first rank takes ``.lock`` (pid, host, start time, and what the job environment
+records of its job: :meth:`~megatron_lns.runtime.job.JobEnvironment.lock_record`) for the
+whole run and another run into the same directory is refused. A lock left by a killed job
+is stale and is taken over, with a note saying why: on the same host when its process is
+gone; from another host when the job environment says its job has ended (a scheduler's,
+:meth:`~megatron_lns.runtime.job.JobEnvironment.judge_foreign_lock`). With
 ``exp_manager.resume_if_exists=false``
 a directory that already holds a run is refused rather than overwritten: choose
 another name, or resume it.
@@ -17,15 +18,12 @@ from __future__ import annotations
 import functools
 import json
 import os
-import socket
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from megatron_lns.base.disk import disk_full_reported
 from megatron_lns.base.errors import UserError
-from megatron_lns.training import slurm_job
-from megatron_lns.training.slurm_job import GONE, LIVE_STATES, SlurmJob, SlurmQueryError
+from megatron_lns.runtime.job import JobEnvironment, LocalJob
 
 LOCK_NAME = ".lock"
 
@@ -54,24 +52,17 @@ def _pid_alive(pid: int) -> bool:
 
 
 class RunDirLock:
-    """The lock on a run directory, held by this process until :meth:`release`.
+    """The lock on a run directory, held by this process of ``job`` until :meth:`release`."""
 
-    ``job_state`` asks SLURM for a job's state (:func:`slurm_job.job_state`; tests fake it).
-    """
-
-    def __init__(
-        self, run_dir: Path, job_state: Callable[[str], str] = slurm_job.job_state
-    ) -> None:
+    def __init__(self, run_dir: Path, job: JobEnvironment) -> None:
         self.path = run_dir / LOCK_NAME
-        self.job = SlurmJob.of_this_process()
+        self.job = job
         self.owner: dict[str, object] = {
             "pid": os.getpid(),
-            "host": socket.gethostname(),
+            "host": job.host,
             "started": time.time(),
+            **job.lock_record(),
         }
-        if self.job is not None:
-            self.owner["slurm"] = self.job.record()
-        self.job_state = job_state
         self.held = False
 
     def acquire(self) -> None:
@@ -107,9 +98,10 @@ class RunDirLock:
                 return
             held_by = ""
         else:
-            stale, held_by = self._stale_under_slurm(holder)
-            if stale:
-                print(f"note: taking over the stale lock on {run_dir}: {stale}")
+            verdict = self.job.judge_foreign_lock(holder)  # a pid means nothing here
+            held_by = verdict.held_by
+            if verdict.stale:
+                print(f"note: taking over the stale lock on {run_dir}: {verdict.stale}")
                 self.path.unlink(missing_ok=True)
                 return
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
@@ -119,29 +111,6 @@ class RunDirLock:
             f"(choose another exp_manager.name; if no run is active, delete {self.path})"
         )
 
-    def _stale_under_slurm(self, holder: dict) -> tuple[str, str]:
-        """For a lock from another host, where its pid means nothing here: why it is stale
-        (empty when it is not, or cannot be told), and what SLURM said of its job."""
-        theirs = SlurmJob.from_record(holder.get("slurm"))
-        if self.job is None or theirs is None or theirs.cluster != self.job.cluster:
-            return "", ""  # not both SLURM jobs of one cluster: the host and pid are all we know
-        job, host = theirs.job_id, holder.get("host")
-        if job == self.job.job_id:
-            if theirs.restart_count < self.job.restart_count:
-                return (
-                    f"run {theirs.restart_count} of this SLURM job {job} left it on {host}, "
-                    f"and SLURM has requeued the job since (this is run {self.job.restart_count})"
-                ), ""
-            return "", f" (this SLURM job {job}, run {theirs.restart_count})"
-        try:
-            state = self.job_state(job)
-        except SlurmQueryError as err:
-            return "", f" (SLURM job {job}; cannot ask SLURM whether it still runs: {err})"
-        if state in LIVE_STATES:
-            return "", f" (SLURM job {job}, {state})"
-        ended = "no longer known to SLURM" if state == GONE else f"{state}, no longer running"
-        return f"SLURM job {job}, which took it on {host}, is {ended}", ""
-
     def release(self) -> None:
         if self.held:
             self.path.unlink(missing_ok=True)
@@ -149,18 +118,17 @@ class RunDirLock:
 
 
 def claim_run_dir(
-    run_dir: Path,
-    resume_if_exists: bool,
-    job_state: Callable[[str], str] = slurm_job.job_state,
+    run_dir: Path, resume_if_exists: bool, job: JobEnvironment | None = None
 ) -> RunDirLock:
-    """Create and lock ``run_dir`` for a new or resumed run (see module doc)."""
+    """Create and lock ``run_dir`` for a new or resumed run of ``job`` (default: a
+    :class:`~megatron_lns.runtime.job.LocalJob`; see module doc)."""
     try:
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise RunDirError(f"cannot create the run directory {run_dir}: {err.strerror}") from None
     if not os.access(run_dir, os.W_OK) or not os.access(run_dir / "checkpoints", os.W_OK):
         raise RunDirError(f"the run directory {run_dir} (or its checkpoints/) is not writable")
-    lock = RunDirLock(run_dir, job_state)
+    lock = RunDirLock(run_dir, job or LocalJob())
     lock.acquire()
     if not resume_if_exists and holds_a_run(run_dir):
         lock.release()

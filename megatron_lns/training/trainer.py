@@ -9,15 +9,12 @@ num-microbatches calculator, the pipeline schedules, dist_checkpointing, GPTData
 
 from __future__ import annotations
 
-import contextlib
 import math
-import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import (
@@ -26,17 +23,16 @@ from megatron.core.num_microbatches_calculator import (
 )
 from megatron.core.utils import get_model_config
 
-from megatron_lns.base.disk import DiskFullError, write_text_atomically
 from megatron_lns.base.errors import UserError
 from megatron_lns.config import ExperimentConfig, to_yaml
 from megatron_lns.config.cluster import time_limit_seconds
 from megatron_lns.config.data_checks import dataset_num_samples
 from megatron_lns.config.layout import micro_batches_per_step
 from megatron_lns.config.paths import run_directory
-from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.data.datasets import held_out_batches, micro_batch_loader
 from megatron_lns.data.tokenizer import build_tokenizer
 from megatron_lns.runtime import init_distributed
+from megatron_lns.runtime.job import JobEnvironment, LocalJob, ProgressRecords, ProgressSettings
 from megatron_lns.training.batch_size import init_batch_size_calculator
 from megatron_lns.training.build import (
     build_trainable_from_config,
@@ -47,10 +43,10 @@ from megatron_lns.training.build import (
     parallel_layout,
     tokenizer_spec,
 )
-from megatron_lns.training.checkpoint import CHECKPOINT_DIR_RE, latest_complete_checkpoint
+from megatron_lns.training.checkpoint_dirs import CHECKPOINT_DIR_RE, latest_complete_checkpoint
 from megatron_lns.training.checkpoint_writer import CheckpointWriter
 from megatron_lns.training.manual_gc import ManualGarbageCollection
-from megatron_lns.training.metrics import MetricsLogger, say
+from megatron_lns.training.metrics import MetricsLogger, Throughput, say
 from megatron_lns.training.moe_metrics import MoEMetrics
 from megatron_lns.training.profiling import StepProfiler, profile_window
 from megatron_lns.training.resume import (
@@ -58,15 +54,7 @@ from megatron_lns.training.resume import (
     interrupted_save_note,
     resume,
 )
-from megatron_lns.training.rewind import (
-    RewindRecord,
-    RewindRecordError,
-    continuing_note,
-    finish_interrupted_moves,
-    set_aside_newer_checkpoints,
-)
-from megatron_lns.training.run_dir import RunDirError, RunDirLock, claim_run_dir
-from megatron_lns.training.run_progress import ProgressRecorder
+from megatron_lns.training.run_start import claim_run_directory, set_abandoned_branch_aside
 from megatron_lns.training.run_status import write_run_status
 from megatron_lns.training.step import (
     Batch,
@@ -75,6 +63,7 @@ from megatron_lns.training.step import (
     sync_parameters,
     train_step,
 )
+from megatron_lns.training.stop_request import StopRequest
 from megatron_lns.training.timers import MegatronTimers, TimerReport, timer_settings
 
 # Consecutive skipped updates after which an fp16 run stops: megatron's dynamic loss
@@ -112,58 +101,6 @@ def _or_nan(value: float | None) -> float:
     return float("nan") if value is None else value
 
 
-class _StopRequest:
-    """SIGTERM, SIGUSR1 (SLURM's pre-emption warning) and SIGINT ask for a checkpoint and
-    a clean exit at the next step boundary; a second SIGINT interrupts at once."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.previous = {}
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-            # Only the main thread may install handlers (not so under some runners).
-            with contextlib.suppress(ValueError):
-                self.previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        if signum == signal.SIGINT and self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def restore(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-        self.previous = {}
-
-    def agreed(self, device: torch.device) -> bool:
-        """Whether any rank was asked to stop: every rank stops at the same step."""
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-
-class _Throughput:
-    """Tokens per second over training steps only (not validation or checkpoint saves)."""
-
-    def __init__(self) -> None:
-        self.window_tokens, self.window_time = 0, 0.0
-        self.total_tokens, self.total_time = 0, 0.0
-
-    def add(self, tokens: int, seconds: float) -> None:
-        self.window_tokens += tokens
-        self.window_time += seconds
-
-    def close_window(self) -> float:
-        rate = self.window_tokens / self.window_time if self.window_time else 0.0
-        self.total_tokens += self.window_tokens
-        self.total_time += self.window_time
-        self.window_tokens, self.window_time = 0, 0.0
-        return rate
-
-    @property
-    def overall(self) -> float:
-        return self.total_tokens / self.total_time if self.total_time else 0.0
-
-
 def diverged_message(what: str, newest: Path | None) -> str:
     """The line that ends a diverged run: ``what`` (the non-finite values) and where a
     rerun can start (``newest``: the newest complete checkpoint, None before the first)."""
@@ -189,11 +126,19 @@ class Trainer:
     the run directory when it returns; so does :meth:`close`.
     """
 
-    def __init__(self, cfg: ExperimentConfig, log_label: str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        log_label: str | None = None,
+        job: JobEnvironment | None = None,
+    ) -> None:
         """``log_label`` prefixes the run's console lines (default: ``exp_manager.name``);
-        a comparison's runs share their names (``seed1234``) and say their variant too."""
+        a comparison's runs share their names (``seed1234``) and say their variant too.
+        ``job`` is the job the run belongs to, which its launcher knows (default: a
+        :class:`~megatron_lns.runtime.job.LocalJob`, which no scheduler watches)."""
+        self.job = job or LocalJob()
         # First, so that a stop signal arriving while the checkpoint loads is kept.
-        self.stop_request = _StopRequest()
+        self.stop_request = StopRequest(self.job.stop_signals())
         self.cfg = cfg
         self.log_label = log_label or cfg.exp_manager.name
         self.run_lock = None
@@ -208,7 +153,14 @@ class Trainer:
         )
         self.is_rank0 = dist.get_rank() == 0
         self.config_yaml = to_yaml(cfg)
-        self.run_lock = self._claim_run_dir()
+        self.run_lock = claim_run_directory(
+            self.run_dir,
+            cfg.exp_manager.resume_if_exists,
+            self.config_yaml,
+            self.job,
+            self.device,
+            self._print,
+        )
         self.progress = self._progress_recorder() if self.is_rank0 else None
         self.checkpoints = CheckpointWriter(
             self.checkpoint_dir,
@@ -222,42 +174,18 @@ class Trainer:
             self.close()
             raise
 
-    def _claim_run_dir(self) -> RunDirLock | None:
-        """Rank 0 locks the run directory; every rank raises the same error if it cannot."""
-        lock, error = None, None
-        if self.is_rank0:
-            try:
-                lock = claim_run_dir(self.run_dir, self.cfg.exp_manager.resume_if_exists)
-                write_text_atomically(self.run_dir / RUN_CONFIG, self.config_yaml)
-            except (RunDirError, DiskFullError) as err:  # on every rank, not rank 0 alone
-                if lock is not None:
-                    lock.release()
-                    lock = None
-                error = str(err)
-        if lock is not None:
-            # Before any rank lists the checkpoints: finish a move a killed run began.
-            try:
-                for note in finish_interrupted_moves(self.checkpoint_dir):
-                    self._print(note)
-            except (OSError, ValueError, KeyError) as err:
-                lock.release()
-                error = f"cannot finish moving checkpoints aside in {self.checkpoint_dir}: {err}"
-        shared = [error]
-        dist.broadcast_object_list(shared, src=0, device=self.device)
-        if shared[0] is not None:
-            raise RunDirError(shared[0])
-        return lock
-
-    def _progress_recorder(self) -> ProgressRecorder | None:
-        """Records for the batch script's progress guard (under it only; run_progress.py)."""
+    def _progress_recorder(self) -> ProgressRecords | None:
+        """Records for whatever restarts the run (a batch script's progress guard), where
+        the job environment keeps any."""
         c, saves = self.cfg.cluster, self.cfg.exp_manager.checkpoint_callback_params
-        return ProgressRecorder.for_this_run(
-            self.run_dir,
-            c.preemption_signal_lead_s,
-            time_limit_seconds(c.time_limit) if c.time_limit is not None else None,
-            saves.every_n_train_steps,
-            saves.async_save,
+        configured = time_limit_seconds(c.time_limit) if c.time_limit is not None else None
+        settings = ProgressSettings(
+            lead_s=c.preemption_signal_lead_s,
+            time_limit_s=self.job.time_limit_s(configured),
+            every=saves.every_n_train_steps,
+            async_save=saves.async_save,
         )
+        return self.job.progress_records(self.run_dir, settings)
 
     def _checkpoint_committed(self, path: Path, seconds: float) -> None:
         if self.progress is not None:
@@ -316,7 +244,14 @@ class Trainer:
             cfg, self.checkpoint_dir, self.model, self.optimizer, self.scheduler
         )
         self.resumed_from = self.state.iteration
-        self._set_abandoned_branch_aside()
+        set_abandoned_branch_aside(
+            self.checkpoint_dir,
+            self.resumed_path,
+            self.state.iteration,
+            cfg.exp_manager.resume_from_checkpoint,
+            self.device,
+            self._print,
+        )
         if note := interrupted_save_note(self.checkpoint_dir, self.resumed_path):
             self._print(note)
         if self.resumed_path is not None:
@@ -349,38 +284,6 @@ class Trainer:
             resume_step=self.state.iteration,
         )
 
-    def _set_abandoned_branch_aside(self) -> None:
-        """Rank 0 moves the checkpoints newer than the resumed one out of resume's way
-        (``rewind.py``) before this branch writes anything, and records a start from
-        ``resume_from_checkpoint`` so that a rerun continues the branch; the other ranks
-        wait."""
-        if self.resumed_path is None:
-            return
-        requested = self.cfg.exp_manager.resume_from_checkpoint
-        record = None
-        if requested and Path(requested).resolve() == self.resumed_path.resolve():
-            now = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-            record = RewindRecord.new(self.resumed_path, self.checkpoint_dir, now)
-        error = None
-        if self.is_rank0:
-            try:
-                if requested and record is None:  # continuing the branch of an earlier start
-                    self._print(continuing_note(self.checkpoint_dir, self.resumed_path))
-                note = set_aside_newer_checkpoints(
-                    self.checkpoint_dir, self.resumed_path.name, self.state.iteration, record
-                )
-            except (RewindRecordError, DiskFullError) as err:
-                error = str(err)
-            except OSError as err:
-                error = f"cannot move the checkpoints newer than {self.resumed_path} aside: {err}"
-            else:
-                if note is not None:
-                    self._print(note)
-        shared = [error]
-        dist.broadcast_object_list(shared, src=0, device=self.device)
-        if shared[0] is not None:
-            raise RunDirError(shared[0])
-
     def close(self) -> None:
         """Close the logs, release the run directory, restore the signal handlers
         (idempotent). A checkpoint still being written in the background is abandoned
@@ -405,7 +308,7 @@ class Trainer:
             self.run_lock.release()
 
     def _write_run_status(self, summary: RunSummary) -> None:
-        """``run_status`` tells a launcher (SLURM's batch script) whether to requeue."""
+        """``run_status`` tells a launcher (a scheduler's batch script) whether to requeue."""
         if self.is_rank0:
             write_run_status(self.run_dir, summary.stopped_early, self.state.iteration)
 
@@ -563,7 +466,7 @@ class Trainer:
             return summary
         stop = self.stop_request
         every = cfg.exp_manager.checkpoint_callback_params.every_n_train_steps
-        throughput = _Throughput()
+        throughput = Throughput()
         if self.progress is not None:
             for line in self.progress.resumed(self.state.iteration):
                 self._print(f"warning: {line}")

@@ -12,14 +12,13 @@ from megatron_lns.training.checkpoint import (
     CheckpointError,
     CheckpointMismatchError,
     TrainingState,
-    _extra_state_may_differ,
-    _key_filter,
     latest_complete_checkpoint,
     load_checkpoint,
     load_model_weights,
     save_checkpoint,
     save_model_weights,
 )
+from megatron_lns.training.checkpoint_io import extra_state_may_differ, key_filter
 from megatron_lns.training.optim import OptimSettings, build_optimizer_and_scheduler
 from megatron_lns.training.step import train_step
 
@@ -119,16 +118,16 @@ def test_a_full_checkpoint_is_loaded_strictly_too(seeded, tmp_path, saved, loade
 
 
 def test_only_extra_state_may_differ_and_only_when_the_backend_changed():
-    same = _key_filter(extra_state_may_differ=False)
-    changed = _key_filter(extra_state_may_differ=True, also=("rng_state",))
+    same = key_filter(extra_state_may_differ=False)
+    changed = key_filter(extra_state_may_differ=True, also=("rng_state",))
     key = "decoder.layers.self_attention.linear_qkv._extra_state"
     assert not same(key) and changed(key) and changed("rng_state")
     assert not changed("decoder.layers.self_attention.linear_qkv.weight")
     record = {"provenance": {"backend": "te"}}
     model = build_model(tiny_config())
-    assert _extra_state_may_differ(record, model)
-    assert not _extra_state_may_differ({"provenance": {"backend": "local"}}, model)
-    assert _extra_state_may_differ({}, model)  # written before the backend was recorded
+    assert extra_state_may_differ(record, model)
+    assert not extra_state_may_differ({"provenance": {"backend": "local"}}, model)
+    assert extra_state_may_differ({}, model)  # written before the backend was recorded
 
 
 def test_a_save_onto_a_full_disk_is_one_line_and_leaves_the_last_checkpoint(
@@ -170,11 +169,11 @@ def _start_a_save_at_step_5(root: str, out_dir: str) -> None:
 
     import torch.distributed as dist
 
-    from megatron_lns.training.checkpoint import _prepare_partial
+    from megatron_lns.training.checkpoint_io import prepare_partial
 
     dist.init_process_group("gloo")
     try:
-        _prepare_partial(root, 5)
+        prepare_partial(root, 5)
         outcome = "saved"
     except DiskFullError as err:
         outcome = str(err)
@@ -276,12 +275,13 @@ def test_an_optimizer_state_of_other_parts_names_the_layouts_that_load_it(saved,
     > 1, or expert TP other than TP); the refusal says which layouts do load the state."""
     from types import SimpleNamespace
 
-    from megatron_lns.training.checkpoint import CheckpointError, _check_optimizer_parts
+    from megatron_lns.training.checkpoint import CheckpointError
+    from megatron_lns.training.checkpoint_optimizer import check_optimizer_parts
 
     state = {i: {} for i in range(saved)} if saved > 1 else {"optimizer": {}}
     optimizer = SimpleNamespace(chained_optimizers=[object()] * parts)
     with pytest.raises(CheckpointError) as refused:
-        _check_optimizer_parts("ckpt", state, optimizer)
+        check_optimizer_parts("ckpt", state, optimizer)
     message = str(refused.value)
     assert "\n" not in message
     assert f"its optimizer state has {saved} part(s), this run's optimizer {parts}" in message
@@ -289,7 +289,7 @@ def test_an_optimizer_state_of_other_parts_names_the_layouts_that_load_it(saved,
     assert written in message
     assert "model.expert_model_parallel_size > 1 or model.expert_tensor_parallel_size" in message
     assert message.endswith(f"that also {'has' if saved > 1 else 'lacks'} it load, resharded)")
-    _check_optimizer_parts("ckpt", state, SimpleNamespace(chained_optimizers=[0] * saved))
+    check_optimizer_parts("ckpt", state, SimpleNamespace(chained_optimizers=[0] * saved))
 
 
 def test_a_distributed_optimizer_state_of_other_parts_is_regrouped_by_group_settings():
@@ -298,7 +298,8 @@ def test_a_distributed_optimizer_state_of_other_parts_is_regrouped_by_group_sett
     checkpoint lacks is refused, naming them."""
     from types import SimpleNamespace
 
-    from megatron_lns.training.checkpoint import CheckpointError, _regroup_optimizer_state
+    from megatron_lns.training.checkpoint import CheckpointError
+    from megatron_lns.training.checkpoint_optimizer import regroup_optimizer_state
 
     def group(expert, **settings):
         return {"is_expert_parallel": expert, "lr_mult": 1.0, "max_lr": 1e-3, **settings}
@@ -315,14 +316,14 @@ def test_a_distributed_optimizer_state_of_other_parts_is_regrouped_by_group_sett
     }
     into_one = {**saved, "param_state": {0: "tensors"}}
     one = SimpleNamespace(chained_optimizers=[part(group(False, params=[0]))])
-    state = _regroup_optimizer_state("ckpt", into_one, saved, one)
+    state = regroup_optimizer_state("ckpt", into_one, saved, one)
     assert state["param_state"] == {0: "tensors"}
     assert state["param_state_sharding_type"] == "fully_reshardable"
     assert state["optimizer"]["param_groups"] == [group(False, step=3, lr=0.5)]
 
     two = SimpleNamespace(chained_optimizers=[part(group(False)), part(group(True))])
     loaded = {**saved[0], 0: {"param_state": "dense"}, 1: {"param_state": "experts"}}
-    state = _regroup_optimizer_state("ckpt", loaded, saved[0], two)
+    state = regroup_optimizer_state("ckpt", loaded, saved[0], two)
     assert [state[i]["param_state"] for i in range(2)] == ["dense", "experts"]
     assert [state[i]["optimizer"]["param_groups"] for i in range(2)] == [
         [group(False, step=3, lr=0.5)],
@@ -331,4 +332,4 @@ def test_a_distributed_optimizer_state_of_other_parts_is_regrouped_by_group_sett
 
     other = SimpleNamespace(chained_optimizers=[part(group(False, max_lr=2e-3))])
     with pytest.raises(CheckpointError, match="no optimizer param group of the checkpoint"):
-        _regroup_optimizer_state("ckpt", into_one, saved, other)
+        regroup_optimizer_state("ckpt", into_one, saved, other)

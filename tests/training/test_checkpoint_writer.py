@@ -77,7 +77,7 @@ def test_an_async_save_takes_the_state_at_once_and_counts_only_once_committed(se
 
 
 def test_each_commit_is_reported_once_with_the_seconds_its_save_took(seeded, tmp_path):
-    """The progress guard's save time (run_progress.py): reported when a checkpoint is
+    """The progress guard's save time (cluster/slurm/progress.py): reported when a checkpoint is
     committed, for a synchronous save at once, for an asynchronous one by the wait."""
     from helpers import tiny_config
 

@@ -11,11 +11,13 @@ import sys
 import pytest
 from helpers import tiny_config
 
+from megatron_lns.cluster.slurm.environment import SlurmEnvironment
+from megatron_lns.cluster.slurm.job import GONE, SlurmQueryError
 from megatron_lns.model.language_model import build_model
+from megatron_lns.runtime.job import LocalJob
 from megatron_lns.training.checkpoint import save_model_weights
 from megatron_lns.training.metrics import MetricsLogger
 from megatron_lns.training.run_dir import LOCK_NAME, RunDirError, claim_run_dir
-from megatron_lns.training.slurm_job import GONE, SlurmQueryError
 
 
 def _lock_held_by(run_dir, pid, host=None, slurm_job=None, restart_count=0):
@@ -57,6 +59,11 @@ def _not_asked(job_id):
     raise AssertionError(f"SLURM was asked about job {job_id}")
 
 
+def _this_job(job_state):
+    """The job `megatron-lns train` runs in here, asking SLURM through ``job_state``."""
+    return SlurmEnvironment.of_this_process(job_state=job_state) or LocalJob()
+
+
 def test_a_second_run_into_a_locked_directory_is_refused(tmp_path):
     lock = claim_run_dir(tmp_path / "run", resume_if_exists=True)
     with pytest.raises(RunDirError, match=f"is in use by process {os.getpid()} on"):
@@ -87,7 +94,7 @@ def test_a_requeued_job_on_another_host_takes_over_its_earlier_runs_lock(
 ):
     in_slurm_job(restart=2)
     _lock_held_by(tmp_path / "run", os.getpid(), "gpu007", slurm_job="41", restart_count=1)
-    lock = claim_run_dir(tmp_path / "run", resume_if_exists=True, job_state=_not_asked)
+    lock = claim_run_dir(tmp_path / "run", resume_if_exists=True, job=_this_job(_not_asked))
     assert capsys.readouterr().out == (
         f"note: taking over the stale lock on {tmp_path / 'run'}: run 1 of this SLURM job 41 "
         "left it on gpu007, and SLURM has requeued the job since (this is run 2)\n"
@@ -102,7 +109,7 @@ def test_the_same_run_of_a_job_on_another_host_is_refused(tmp_path, in_slurm_job
     in_slurm_job(restart=1)
     _lock_held_by(tmp_path / "run", 7, "gpu007", slurm_job="41", restart_count=1)
     with pytest.raises(RunDirError, match=r"process 7 on gpu007 .*\(this SLURM job 41, run 1\)"):
-        claim_run_dir(tmp_path / "run", resume_if_exists=True, job_state=_not_asked)
+        claim_run_dir(tmp_path / "run", resume_if_exists=True, job=_this_job(_not_asked))
 
 
 @pytest.mark.parametrize(
@@ -116,7 +123,7 @@ def test_the_lock_of_a_job_slurm_no_longer_runs_is_taken_over_from_any_host(
     in_slurm_job()
     _lock_held_by(tmp_path / "run", os.getpid(), "gpu007", slurm_job="40")
     slurm = _slurm_says(state)
-    claim_run_dir(tmp_path / "run", resume_if_exists=True, job_state=slurm).release()
+    claim_run_dir(tmp_path / "run", resume_if_exists=True, job=_this_job(slurm)).release()
     assert slurm.asked == ["40"]
     assert capsys.readouterr().out == (
         f"note: taking over the stale lock on {tmp_path / 'run'}: SLURM job 40, which took it "
@@ -135,7 +142,7 @@ def test_the_lock_of_a_live_job_on_another_host_is_refused(tmp_path, in_slurm_jo
     in_slurm_job(restart=3)
     _lock_held_by(tmp_path / "run", 7, "gpu007", slurm_job="40")
     with pytest.raises(RunDirError, match=rf"process 7 on gpu007 since .* \({said}\): .*\.lock"):
-        claim_run_dir(tmp_path / "run", resume_if_exists=True, job_state=slurm)
+        claim_run_dir(tmp_path / "run", resume_if_exists=True, job=_this_job(slurm))
     assert (tmp_path / "run" / LOCK_NAME).is_file()
 
 
@@ -143,15 +150,15 @@ def test_on_the_same_host_only_the_lock_holders_process_decides(tmp_path, in_slu
     in_slurm_job(restart=1)  # a requeue of the job that took the lock, whose pid is alive
     _lock_held_by(tmp_path / "run", os.getpid(), slurm_job="41", restart_count=0)
     with pytest.raises(RunDirError, match=f"is in use by process {os.getpid()} on"):
-        claim_run_dir(tmp_path / "run", resume_if_exists=True, job_state=_slurm_says(GONE))
+        claim_run_dir(tmp_path / "run", resume_if_exists=True, job=_this_job(_slurm_says(GONE)))
 
 
 def test_without_slurm_a_lock_from_another_host_is_refused_as_before(tmp_path, in_slurm_job):
     _lock_held_by(tmp_path / "run", 7, "gpu007", slurm_job="41")
     with pytest.raises(RunDirError, match=r"process 7 on gpu007 since [-0-9 :]*: two runs"):
-        claim_run_dir(tmp_path / "run", resume_if_exists=True, job_state=_not_asked)
+        claim_run_dir(tmp_path / "run", resume_if_exists=True, job=_this_job(_not_asked))
     (tmp_path / "run" / LOCK_NAME).unlink()
-    lock = claim_run_dir(tmp_path / "run", resume_if_exists=True, job_state=_not_asked)
+    lock = claim_run_dir(tmp_path / "run", resume_if_exists=True, job=_this_job(_not_asked))
     assert "slurm" not in json.loads((tmp_path / "run" / LOCK_NAME).read_text())
     lock.release()
 

@@ -115,15 +115,17 @@ def test_manual_gc_interval_and_profile_window_in_a_run(tmp_path):
 
 
 def _fit(cfg):
+    """Train as ``megatron-lns train`` does: in the job its launcher started it in."""
+    from megatron_lns.cluster import job_of_this_process
     from megatron_lns.training.trainer import Trainer
 
-    Trainer(cfg).fit()
+    Trainer(cfg, job=job_of_this_process()).fit()
 
 
 def test_under_the_batch_script_the_run_records_its_progress_and_warns(
     tmp_path, monkeypatch, capfd
 ):
-    """What the progress guard reads (run_progress.py), and the warning of a time limit
+    """What the progress guard reads (cluster/slurm/progress.py), and the warning of a time limit
     that ends before the start-up does."""
     import time
 

@@ -25,9 +25,9 @@ from megatron_lns.cluster.slurm.options import (
     long_option_meanings,
     option_name,
 )
+from megatron_lns.cluster.slurm.progress import RUN_PROGRESS_FILE
 from megatron_lns.config import ConfigError, ExperimentConfig
 from megatron_lns.config.cluster import job_name
-from megatron_lns.training.run_progress import RUN_PROGRESS_FILE
 from megatron_lns.training.run_status import RUN_STATUS_FILE
 
 # slurm/ at the top of the repository, inside the package through the megatron_lns/slurm

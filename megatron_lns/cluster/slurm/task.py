@@ -3,7 +3,8 @@
 ``python -m megatron_lns.launch.task CONFIG.yaml`` sets the torch.distributed variables
 from SLURM's (one task per GPU, so the SLURM task is the rank) and then trains as
 ``megatron-lns train CONFIG.yaml`` does, through the same entry point
-(:func:`megatron_lns.training.entry_point.train`): the same loading, checks and training.
+(:func:`megatron_lns.training.entry_point.train`): the same loading, checks and training,
+in the SLURM job's environment (:mod:`.environment`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import sys
 
 from megatron_lns.base.third_party_noise import quiet_third_party_noise
+from megatron_lns.cluster.slurm.environment import SlurmEnvironment
 from megatron_lns.cluster.slurm.rank_env import SlurmEnvironmentError, rank_environment
 
 
@@ -31,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_lns.base.exit_status import exit_status
     from megatron_lns.training.entry_point import train
 
-    return exit_status(lambda: train(args[0], []))
+    job = SlurmEnvironment.of_this_process()  # rank_environment required SLURM_JOB_ID
+    return exit_status(lambda: train(args[0], [], job=job))
 
 
 if __name__ == "__main__":

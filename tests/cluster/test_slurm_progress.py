@@ -4,14 +4,14 @@ and the warnings about time slices that cannot make progress."""
 import os
 import subprocess
 
-from megatron_lns.training.run_progress import (
+from megatron_lns.cluster.slurm.job import SlurmJob
+from megatron_lns.cluster.slurm.progress import (
     RUN_PROGRESS_FILE,
     ProgressRecorder,
     append_event,
     coverage_warnings,
     read_events,
 )
-from megatron_lns.training.slurm_job import SlurmJob
 
 BATCH = {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "3", "MEGATRON_LNS_BATCH_START": "1000"}
 

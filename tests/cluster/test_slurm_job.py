@@ -3,7 +3,7 @@ variables, another job's state from ``squeue`` (faked here by a script on PATH).
 
 import pytest
 
-from megatron_lns.training.slurm_job import GONE, SlurmJob, SlurmQueryError, job_state
+from megatron_lns.cluster.slurm.job import GONE, SlurmJob, SlurmQueryError, job_state
 
 
 @pytest.fixture()

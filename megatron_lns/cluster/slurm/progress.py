@@ -32,7 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_lns.training.slurm_job import SlurmJob
+from megatron_lns.cluster.slurm.job import SlurmJob
+from megatron_lns.runtime.job import ProgressSettings
 
 RUN_PROGRESS_FILE = "run_progress"
 # Exported by the batch script (epoch seconds of its start): the trainer records only
@@ -86,6 +87,13 @@ def _epoch(env: Mapping[str, str], name: str) -> float | None:
     return float(value) if value.isdigit() else None
 
 
+def time_limit(configured_s: float | None, env: Mapping[str, str] = os.environ) -> float | None:
+    """The seconds a run of the batch script is given: from its start to SLURM's end time
+    (``SLURM_JOB_END_TIME``, where SLURM sets it), else ``configured_s``."""
+    batch_start, end = _epoch(env, BATCH_START_ENV), _epoch(env, "SLURM_JOB_END_TIME")
+    return end - batch_start if batch_start is not None and end is not None else configured_s
+
+
 def coverage_warnings(
     lead_s: float,
     time_limit_s: float | None,
@@ -135,7 +143,8 @@ def coverage_warnings(
 
 class ProgressRecorder:
     """Rank 0's part of the progress guard under the batch script (None elsewhere: see
-    :meth:`for_this_run`): records resume and commits, and warns once on the first commit."""
+    :meth:`for_this_run`): records resume and commits, and warns once on the first commit.
+    SLURM's :class:`~megatron_lns.runtime.job.ProgressRecords`."""
 
     def __init__(
         self,
@@ -176,14 +185,25 @@ class ProgressRecorder:
         async_save: bool,
         env: Mapping[str, str] = os.environ,
     ) -> ProgressRecorder | None:
-        """A recorder when the batch script started this run, else None. The time limit is
-        SLURM's (``SLURM_JOB_END_TIME``, where SLURM sets it) or ``time_limit_s``."""
-        job, batch_start = SlurmJob.of_this_process(env), _epoch(env, BATCH_START_ENV)
-        if job is None or batch_start is None:
+        """A recorder when the batch script started this run, else None."""
+        job = SlurmJob.of_this_process(env)
+        settings = ProgressSettings(lead_s, time_limit(time_limit_s, env), every, async_save)
+        return None if job is None else cls.for_job(job, run_dir, settings, env)
+
+    @classmethod
+    def for_job(
+        cls,
+        job: SlurmJob,
+        run_dir: Path,
+        settings: ProgressSettings,
+        env: Mapping[str, str] = os.environ,
+    ) -> ProgressRecorder | None:
+        """A recorder of this run of ``job`` when the batch script started it, else None."""
+        batch_start = _epoch(env, BATCH_START_ENV)
+        if batch_start is None:
             return None
-        end = _epoch(env, "SLURM_JOB_END_TIME")
-        limit = end - batch_start if end is not None else time_limit_s
-        return cls(run_dir, job, batch_start, lead_s, limit, every, async_save)
+        s = settings
+        return cls(run_dir, job, batch_start, s.lead_s, s.time_limit_s, s.every, s.async_save)
 
     def resumed(self, step: int) -> list[str]:
         """The first step is about to start, from ``step`` (0: a fresh start)."""

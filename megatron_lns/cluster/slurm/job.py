@@ -1,9 +1,9 @@
 """The SLURM job this process runs in, and whether SLURM still runs another one.
 
-The run directory's lock (``run_dir.py``) records the job that took it, so that a later
-job can tell a lock left behind by a killed job (an earlier run of the same, requeued
-job, or a job SLURM has ended) from the lock of a live job, whichever host each ran on:
-a pid says nothing about a process on another host.
+The run directory's lock (``training/run_dir.py``) records the job that took it (through
+:mod:`.environment`), so that a later job can tell a lock left behind by a killed job (an
+earlier run of the same, requeued job, or a job SLURM has ended) from the lock of a live
+job, whichever host each ran on: a pid says nothing about a process on another host.
 """
 
 from __future__ import annotations

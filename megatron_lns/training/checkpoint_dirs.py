@@ -1,0 +1,100 @@
+"""Where checkpoints live and which of them count.
+
+Layout under the experiment directory::
+
+    checkpoints/iter_0000100/           a complete checkpoint
+        (dist_checkpointing shards)     model, optimizer, scheduler, RNG, data position
+        config.yaml                     the resolved experiment config
+        complete.json                   written last: the commit marker
+    checkpoints/iter_0000200.partial/   a save in progress (or one that was killed)
+
+Only a directory with the marker counts (``checkpoint_io.commit`` writes it last), so a
+killed save is never resumed from. Torch-free: listing checkpoints needs no model.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_lns.base.errors import UserError
+
+CHECKPOINT_DIR_RE = re.compile(r"^iter_(\d{7})$")
+COMPLETE_MARKER = "complete.json"
+# Set in the marker of a checkpoint that holds model weights only (``import-hf`` writes
+# them): training starts from it with a fresh optimizer and schedule.
+WEIGHTS_ONLY = "weights_only"
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint that is missing, partial, or does not fit this run."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A readable checkpoint whose tensors are not this model's (one more or one less)."""
+
+
+class ArchitectureMismatchError(CheckpointMismatchError):
+    """A checkpoint of another architecture (GPT, hybrid, another hybrid pattern); the
+    message says which setting to change."""
+
+
+@dataclass
+class TrainingState:
+    """What a checkpoint restores besides weights and optimizer."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+def checkpoint_path(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+# What megatron's torch_dist format reads before any shard: its own record of the
+# format (metadata.json) and torch's index of the shards (.metadata).
+DIST_CHECKPOINT_FILES = ("metadata.json", ".metadata")
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` is not a checkpoint that can be loaded, in a few words; None if it is."""
+    if not path.is_dir():
+        return "does not exist" if not path.exists() else "is a file, not a directory"
+    if not (path / COMPLETE_MARKER).is_file():
+        return f"has no {COMPLETE_MARKER}: its save never finished"
+    if CHECKPOINT_DIR_RE.match(path.name) is None:
+        return "is not an iter_NNNNNNN directory"
+    missing = [name for name in DIST_CHECKPOINT_FILES if not (path / name).is_file()]
+    if missing:
+        return f"is damaged: {' and '.join(missing)} missing"
+    return None
+
+
+def is_complete(path: Path) -> bool:
+    return checkpoint_problem(path) is None
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """The committed checkpoints under ``root`` (with ``complete.json``), newest first;
+    partial ones never appear.
+
+    A committed checkpoint that was damaged afterwards (a file deleted) is listed too:
+    passing over it would resume from an older one without a word, and the run's next
+    save of that step would delete it. Loading it names what it lacks.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    candidates = sorted(
+        (p for p in root.iterdir() if p.is_dir() and CHECKPOINT_DIR_RE.match(p.name)),
+        key=lambda p: int(CHECKPOINT_DIR_RE.match(p.name).group(1)),
+        reverse=True,
+    )
+    return [p for p in candidates if (p / COMPLETE_MARKER).is_file()]
+
+
+def latest_complete_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root``; partial ones are never chosen."""
+    found = complete_checkpoints(root)
+    return found[0] if found else None
