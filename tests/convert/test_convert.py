@@ -360,7 +360,9 @@ def test_exported_tokenizer_gives_training_ids_and_generate_runs(seeded, tmp_pat
     assert int(generated.max()) < VOCAB
 
 
-def test_sentencepiece_tokenizer_is_exported_with_training_ids_and_generate_runs(seeded, tmp_path):
+def test_sentencepiece_tokenizer_is_exported_with_training_ids_and_generate_runs(
+    seeded, tmp_path, factory
+):
     """SentencePiece: the export carries a tokenizer.json that gives the training ids,
     generate runs on it and decodes back to the prompt; --no-tokenizer exports the
     weights alone. (More models and texts: test_hf_tokenizer_sentencepiece.py.)"""
@@ -369,16 +371,8 @@ def test_sentencepiece_tokenizer_is_exported_with_training_ids_and_generate_runs
 
     from megatron_lns.data.demo_corpus import demo_documents
 
-    documents = demo_documents()[:400]
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(documents),
-        model_prefix=str(tmp_path / "sp"),
-        vocab_size=400,
-        byte_fallback=True,
-        normalization_rule_name="identity",
-        minloglevel=2,
-    )
-    sp_model = str(tmp_path / "sp.model")
+    documents = demo_documents()[:400]  # among the model's training documents
+    sp_model = str(factory.sentencepiece("llama"))  # BPE, byte fallback, no normalization
     cfg = run_config(tokenizer={"library": "sentencepiece", "model": sp_model})
     processor = sentencepiece.SentencePieceProcessor(model_file=sp_model)
     model = build_model(model_config(cfg, processor.get_piece_size()))
