@@ -394,7 +394,8 @@ def test_sentencepiece_tokenizer_is_exported_with_training_ids_and_generate_runs
     out = export_hf(path, tmp_path / "weights", progress=silent, tokenizer=False)
     assert not list(out.glob("tokenizer*"))
     config = json.loads((out / "config.json").read_text())
-    assert (config["vocab_size"], config["eos_token_id"]) == (400, processor.eos_id())
+    vocab = processor.get_piece_size()  # the SentencePiece model's, unpadded
+    assert (config["vocab_size"], config["eos_token_id"]) == (vocab, processor.eos_id())
 
 
 def test_imported_weights_only_checkpoint_resumes_with_a_fresh_optimizer(seeded, tmp_path):
