@@ -6,6 +6,7 @@ import contextlib
 import os
 import pickle
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from megatron_lns.model.language_model import GPTModelConfig
-from megatron_lns.runtime import spawn_local
+from megatron_lns.runtime import ParallelLayout, spawn_local
 from megatron_lns.runtime.launcher_env import ADDRESS_VARIABLES, RANK_VARIABLES
 
 
@@ -64,7 +65,9 @@ def tiny_run_config(exp_dir, *overrides: str):
     return cfg
 
 
-def _fit_and_summarize(cfg) -> dict[str, Any]:
+def fit_and_summarize(cfg) -> dict[str, Any]:
+    """Train ``cfg`` on this rank: its losses, validation loss, resume point, steps and
+    run directory."""
     from megatron_lns.training.trainer import Trainer
 
     summary = Trainer(cfg).fit()
@@ -80,7 +83,16 @@ def _fit_and_summarize(cfg) -> dict[str, Any]:
 def train_tiny_run(exp_dir: Path, *overrides: str) -> dict[str, Any]:
     """Train ``tiny_run_config(exp_dir, *overrides)`` on one fresh rank; its summary."""
     cfg = tiny_run_config(exp_dir, *overrides)
-    return run_distributed(_fit_and_summarize, 1, Path(exp_dir) / "rank_results", cfg)[0]
+    return run_distributed(fit_and_summarize, 1, Path(exp_dir) / "rank_results", cfg)[0]
+
+
+def train_on_its_ranks(
+    directory: Path, cfg, fit: Callable[[Any], Any] = fit_and_summarize
+) -> list[Any]:
+    """``fit(cfg)`` on ``cfg.trainer.devices`` fresh ranks (a folder of its own under
+    ``directory`` for their results); each rank's result."""
+    out = Path(directory) / f"r{time.monotonic_ns()}"
+    return run_distributed(fit, cfg.trainer.devices, out, cfg)
 
 
 TORCHRUN_VARIABLES = RANK_VARIABLES + ADDRESS_VARIABLES
@@ -161,6 +173,43 @@ def fixed_microbatches(
         make_batch(torch.randint(0, vocab_size, (micro_batch_size, seq_length + 1), generator=gen))
         for _ in range(num_microbatches)
     ]
+
+
+def token_inputs(cfg: GPTModelConfig, batch: int = 2, seed: int = 0):
+    """Random ``(tokens, positions, targets)`` for one forward of ``cfg``'s model."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), generator=gen)
+    targets = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), generator=gen)
+    positions = torch.arange(cfg.seq_length).unsqueeze(0).expand(batch, -1)
+    return tokens, positions, targets
+
+
+# The tensor-parallel layouts a parallel test compares with TP=1: without and with
+# sequence parallelism.
+TP2_LAYOUTS = {
+    "tp2": ParallelLayout(tensor=2),
+    "tp2_sp": ParallelLayout(tensor=2, sequence_parallel=True),
+}
+
+
+def forward_backward_at(
+    cfg: GPTModelConfig, layout: ParallelLayout, batches, checkpoint: str | None = None
+):
+    """On this rank (of ``run_distributed``): ``cfg``'s model at ``layout`` wrapped in
+    megatron DDP, loaded from ``checkpoint`` if given, after one forward-backward of
+    ``batches``; the model and the loss."""
+    from megatron_lns.model.language_model import build_model
+    from megatron_lns.runtime import init_distributed
+    from megatron_lns.training.build import wrap_with_ddp
+    from megatron_lns.training.checkpoint import load_model_weights
+    from megatron_lns.training.step import forward_backward
+
+    init_distributed(layout, device="cpu")
+    model = wrap_with_ddp(build_model(cfg, layout))
+    if checkpoint is not None:
+        load_model_weights(model, checkpoint)
+    result = forward_backward(model, batches)
+    return model, result.loss
 
 
 def perturb_norm_weights(model: torch.nn.Module, seed: int = 1) -> None:

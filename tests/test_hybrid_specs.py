@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import perturb_norm_weights, tiny_config
+from helpers import perturb_norm_weights, tiny_config, token_inputs
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from te_standin import StandInTESpecProvider
@@ -53,14 +53,6 @@ def norm_owner(layer) -> torch.nn.Module:
     """The one module that applies a sublayer's pre-norm."""
     (owner,) = layer.pre_norm_owners()
     return owner
-
-
-def inputs(cfg, batch=2, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), generator=gen)
-    targets = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), generator=gen)
-    positions = torch.arange(cfg.seq_length).unsqueeze(0).expand(batch, -1)
-    return tokens, positions, targets
 
 
 @pytest.mark.parametrize("pattern", list(PATTERNS))
@@ -169,7 +161,7 @@ def test_te_backend_hybrid_stack_matches_the_local_backend(seeded, te_standins, 
             assert owner is layer.pre_mlp_layernorm and isinstance(owner, LocalNorm)
         assert owner.output_scale == 1 / math.sqrt(block)
     cfg = hybrid_config(pattern)
-    tokens, positions, targets = inputs(cfg)
+    tokens, positions, targets = token_inputs(cfg)
     te_logits, local_logits = te(tokens, positions, None), local(tokens, positions, None)
     torch.testing.assert_close(te_logits, local_logits, **STANDIN_LOGITS)
     loss = lambda logits: F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # noqa: E731
@@ -219,7 +211,7 @@ def test_megatron_lm_spec_reads_the_pattern_from_the_arguments(seeded, megatron_
         ours = build_model(cfg)[0]
         perturb_norm_weights(ours)
         model.load_state_dict(ours.state_dict(), strict=True)
-        tokens, positions, _ = inputs(cfg)
+        tokens, positions, _ = token_inputs(cfg)
         with torch.no_grad():
             torch.testing.assert_close(
                 model(tokens, positions, None), ours(tokens, positions, None)
