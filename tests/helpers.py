@@ -143,18 +143,35 @@ def run_distributed(
     return results
 
 
+def worker_results(tmp_path_factory, name: str, worker: Callable[[str], Any], world_size: int):
+    """``worker(folder)`` on ``world_size`` real processes, ``folder`` a fresh one named
+    after ``name`` (for a module-scoped fixture); each rank's result."""
+    tmp = tmp_path_factory.mktemp(name)
+    return run_distributed(worker, world_size, tmp, str(tmp))
+
+
+def logged_losses(run_dir: Path) -> list[tuple[int, float]]:
+    """The ``(step, loss)`` of each training step a run logged in its metrics.jsonl."""
+    import json
+
+    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+# The tiny model's sizes (settings of the same name in GPTModelConfig and model.*).
+TINY_MODEL: dict[str, Any] = dict(
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=96,
+    init_method_std=0.05,
+)
+
+
 def tiny_config(**overrides: Any) -> GPTModelConfig:
     """A 4-layer LLaMA-style model small enough for multi-process CPU tests."""
-    values: dict[str, Any] = dict(
-        num_layers=4,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=96,
-        vocab_size=128,
-        seq_length=16,
-        init_method_std=0.05,
-    )
+    values: dict[str, Any] = dict(TINY_MODEL, vocab_size=128, seq_length=16)
     values.update(overrides)
     return GPTModelConfig(**values)
 

@@ -16,6 +16,7 @@ from helpers import (
     forward_backward_at,
     run_distributed,
     tiny_config,
+    worker_results,
 )
 from megatron.core import parallel_state
 
@@ -94,8 +95,7 @@ def tensor_parallel_worker(tmp: str):
 
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tp")
-    return run_distributed(tensor_parallel_worker, 2, tmp, str(tmp))
+    return worker_results(tmp_path_factory, "tp", tensor_parallel_worker, 2)
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2_sp"])
@@ -167,8 +167,7 @@ def pipeline_parallel_worker(tmp: str):
 
 @pytest.fixture(scope="module")
 def pp_results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pp")
-    return run_distributed(pipeline_parallel_worker, 2, tmp, str(tmp))
+    return worker_results(tmp_path_factory, "pp", pipeline_parallel_worker, 2)
 
 
 @pytest.mark.parametrize("layout", list(PIPELINE_LAYOUTS))

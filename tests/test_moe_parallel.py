@@ -12,7 +12,12 @@ names they have at one rank (global layer and expert numbers).
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import fixed_microbatches, forward_backward_at, run_distributed, tiny_config
+from helpers import (
+    fixed_microbatches,
+    forward_backward_at,
+    tiny_config,
+    worker_results,
+)
 from megatron.core import parallel_state
 
 from megatron_lns.model.language_model import build_model
@@ -180,8 +185,7 @@ def moe_parallel_worker(tmp: str):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("moe_parallel")
-    return run_distributed(moe_parallel_worker, WORLD_SIZE, tmp, str(tmp))
+    return worker_results(tmp_path_factory, "moe_parallel", moe_parallel_worker, WORLD_SIZE)
 
 
 def _assert_same_tensors(ranks_tensors: list[dict], base: dict, rtol=1e-4, atol=1e-6):

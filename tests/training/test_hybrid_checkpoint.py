@@ -15,11 +15,10 @@ checkpoints at 3 and 6):
 * the GPT model refuses a hybrid checkpoint in one line.
 """
 
-import json
 from pathlib import Path
 
 import pytest
-from helpers import run_distributed, tiny_run_config
+from helpers import logged_losses, tiny_run_config, worker_results
 
 from megatron_lns.config.loader import ConfigError
 
@@ -50,11 +49,6 @@ OTHER_LAYOUTS = {
 STOP_AT_3 = ["trainer.exit_interval=3"]
 
 
-def _losses(run_dir: Path) -> list[tuple[int, float]]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
-
-
 def _train(root: Path, name: str, *overrides: str) -> int:
     """Train in ``root/name``; the step it resumed from."""
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
@@ -73,7 +67,7 @@ def _trainings(tmp: str) -> dict:
     root, out = Path(tmp), {}
 
     def losses(name):
-        return _losses(root / name / "lns")
+        return logged_losses(root / name / "lns")
 
     # Dense: stopped and continued in its run directory (``megatron-lns train CONFIG
     # model.architecture=hybrid``); MoE: the GPT run's checkpoint named.
@@ -109,8 +103,7 @@ def _trainings(tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("hybrid_checkpoint")
-    return run_distributed(_trainings, 2, tmp, str(tmp))
+    return worker_results(tmp_path_factory, "hybrid_checkpoint", _trainings, 2)
 
 
 def _after_step_3(losses):
