@@ -54,6 +54,18 @@ TINY_RUN_OVERRIDES = [
 ]
 
 
+# The tiny run as a mixture-of-experts model: experts in layers 2-4 (2 of 4 routed),
+# all-to-all dispatch, a load-balancing loss, the distributed optimizer.
+TINY_MOE_OVERRIDES = [
+    "model.num_moe_experts=4",
+    "model.moe_router_topk=2",
+    "model.moe_layer_freq=[0,1,1,1]",
+    "model.moe_token_dispatcher_type=alltoall",
+    "model.moe_aux_loss_coeff=0.01",
+    "model.optim.name=distributed_fused_adam",
+]
+
+
 def tiny_run_config(exp_dir, *overrides: str):
     """The validated config of a tiny run writing under ``exp_dir``."""
     from megatron_lns.config import load_config, validate

@@ -82,9 +82,9 @@ def assert_nothing_written(out: Path) -> None:
     assert not list(out.parent.glob(f".{out.name}.*")), "a staging directory was left behind"
 
 
-def import_refuses_edited_config(source: Path, out: Path, changes: dict, message: str) -> None:
+def import_refuses_edited_config(source: Path, changes: dict, message: str) -> None:
     """``import_hf`` of ``source`` with ``changes`` written into its config.json fails
-    with an error matching ``message``, and writes nothing to ``out``."""
+    with an error matching ``message``, and writes nothing (to ``imported`` beside it)."""
     import pytest
 
     from megatron_lns.convert import ConversionError, import_hf
@@ -92,6 +92,7 @@ def import_refuses_edited_config(source: Path, out: Path, changes: dict, message
     config = json.loads((source / "config.json").read_text())
     config.update(changes)
     (source / "config.json").write_text(json.dumps(config))
+    out = source.parent / "imported"
     with pytest.raises(ConversionError, match=message):
         import_hf(source, out, progress=silent)
     assert_nothing_written(out)

@@ -120,14 +120,7 @@ def test_the_stack_refuses_a_sublayer_it_does_not_build(seeded, symbol):
     pattern = f"*-{symbol}-"
     cfg = hybrid_config("*-*-")
     with pytest.raises(ValueError, match=rf"builds \*, -, E sublayers, not '{symbol}' \(a "):
-        HybridModel(
-            config=cfg.transformer_config(),
-            hybrid_stack_spec=get_lns_hybrid_stack_spec(pattern),
-            vocab_size=cfg.vocab_size,
-            max_sequence_length=cfg.seq_length,
-            hybrid_layer_pattern=pattern,
-            position_embedding_type="rope",
-        )
+        megatron_lm_model(cfg, pattern, get_lns_hybrid_stack_spec(pattern))
 
 
 # -- the Transformer Engine layout (CPU stand-ins) ------------------------------------------
@@ -175,12 +168,13 @@ def test_te_backend_hybrid_stack_matches_the_local_backend(seeded, te_standins, 
 # -- Megatron-LM's --spec megatron_lns.model.hybrid_specs lns_hybrid_stack_spec -----------------
 
 
-def megatron_lm_model(cfg, pattern: str) -> HybridModel:
+def megatron_lm_model(cfg, pattern: str, spec=lns_hybrid_stack_spec) -> HybridModel:
     """What Megatron-LM's hybrid model builder does with ``--spec``: the module-level stack
-    spec as it is, the pattern given to HybridModel (the stack reads it from the args)."""
+    spec as it is (or ``spec``), the pattern given to HybridModel (the stack reads it from
+    the args)."""
     return HybridModel(
         config=cfg.transformer_config(),
-        hybrid_stack_spec=lns_hybrid_stack_spec,
+        hybrid_stack_spec=spec,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.seq_length,
         hybrid_layer_pattern=pattern,

@@ -21,6 +21,7 @@ from helpers import perturb_norm_weights, tiny_config, token_inputs
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from reference_llama import reference_sizes
 from reference_moe import ReferenceMoELlama
 from te_standin import StandInTESpecProvider
 
@@ -78,12 +79,7 @@ def moe_config(
 def reference_for(cfg, mix_ln_post_layers=0):
     extra = cfg.extra_transformer_config
     return ReferenceMoELlama(
-        num_layers=cfg.num_layers,
-        hidden_size=cfg.hidden_size,
-        num_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_query_groups,
-        ffn_hidden_size=cfg.ffn_hidden_size,
-        vocab_size=cfg.vocab_size,
+        **reference_sizes(cfg),
         lns=cfg.norm_scaling == "lns",
         variant=cfg.layer_variant,
         mix_ln_post_layers=mix_ln_post_layers,

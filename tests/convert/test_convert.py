@@ -535,7 +535,6 @@ def test_stablelm_refuses_a_head_size_other_than_hidden_over_heads(seeded, tmp_p
     source = export_hf(tmp_path / "same", tmp_path / "stablelm", progress=silent)
     import_refuses_edited_config(
         source,
-        tmp_path / "imported",
         {"head_dim": 24},
         r"config.json: head_dim=24 x num_attention_heads=4 != hidden_size=64: StableLM",
     )
@@ -576,7 +575,6 @@ def test_hf_config_shape_mismatch_names_the_tensor(seeded, tmp_path):
     source = _tiny_hf_llama(tmp_path / "source")
     import_refuses_edited_config(
         source,
-        tmp_path / "imported",
         {"intermediate_size": 128},
         r"tensor 'model.layers.0.mlp.gate_proj.weight' has shape \(96, 64\), config.json implies \(128, 64\)",
     )
@@ -606,7 +604,6 @@ def test_import_refuses_conflicting_settings_and_unknown_architectures(seeded, t
         import_hf(source, tmp_path / "imported", base_config=base, progress=silent)
     import_refuses_edited_config(
         source,
-        tmp_path / "imported",
         {"architectures": ["MistralForCausalLM"]},
         r"architectures=\['MistralForCausalLM'\] is not supported",
     )

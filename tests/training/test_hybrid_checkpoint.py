@@ -18,7 +18,7 @@ checkpoints at 3 and 6):
 from pathlib import Path
 
 import pytest
-from helpers import logged_losses, tiny_run_config, worker_results
+from helpers import TINY_MOE_OVERRIDES, logged_losses, tiny_run_config, worker_results
 
 from megatron_lns.config.loader import ConfigError
 
@@ -26,14 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.usefixtures("priva
 
 HYBRID = ["model.architecture=hybrid"]
 DP2 = ["trainer.devices=2"]
-MOE = [
-    "model.num_moe_experts=4",
-    "model.moe_router_topk=2",
-    "model.moe_layer_freq=[0,1,1,1]",
-    "model.moe_token_dispatcher_type=alltoall",
-    "model.moe_aux_loss_coeff=0.01",
-    "model.optim.name=distributed_fused_adam",
-]
+MOE = TINY_MOE_OVERRIDES
 # The tiny model's hybrid twin as an explicit pattern, split for two pipeline stages.
 PP2_PATTERN = [
     *HYBRID,

@@ -11,19 +11,11 @@ alltoall dispatcher, the distributed optimizer.
 from pathlib import Path
 
 import pytest
-from helpers import logged_losses, worker_results
+from helpers import TINY_MOE_OVERRIDES, logged_losses, worker_results
 
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.usefixtures("private_corpus_cache")]
 
-MOE_RUN = [
-    "trainer.devices=2",
-    "model.num_moe_experts=4",
-    "model.moe_router_topk=2",
-    "model.moe_layer_freq=[0,1,1,1]",
-    "model.moe_token_dispatcher_type=alltoall",
-    "model.moe_aux_loss_coeff=0.01",
-    "model.optim.name=distributed_fused_adam",
-]
+MOE_RUN = ["trainer.devices=2", *TINY_MOE_OVERRIDES]
 EP2 = ["model.expert_model_parallel_size=2"]
 # The layouts an EP=2 checkpoint is resumed at: the same two ranks as TP=2 with whole
 # experts (expert TP 1), so the weights, dense and expert, and the optimizer's state are
