@@ -278,35 +278,52 @@ def read_only(directory: Path):
         subprocess.run(["umount", str(directory)], check=True)
 
 
-def megatron_memory_args(cfg, vocab_size: int) -> SimpleNamespace:
-    """megatron-lm's argument names for the same run (theoretical_memory_usage.py)."""
+def megatron_args(cfg, vocab_size: int) -> SimpleNamespace:
+    """Megatron-LM's argument names for the same run (megatron/training/arguments.py), as
+    its ``theoretical_memory_usage`` and ``num_floating_point_operations`` read them."""
     from megatron_lns.planning.shape import padded_vocab_size
 
     m = cfg.model
     world = cfg.trainer.num_nodes * cfg.trainer.devices
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    hybrid = m.architecture == "hybrid" and m.hybrid_layer_pattern
     return SimpleNamespace(
+        seq_length=m.encoder_seq_length,
         kv_channels=m.kv_channels or m.hidden_size // m.num_attention_heads,
         num_attention_heads=m.num_attention_heads,
         hidden_size=m.hidden_size,
+        # Without GQA megatron takes one query group per head (both functions).
         group_query_attention=m.num_query_groups is not None,
         num_query_groups=m.num_query_groups,
         num_experts=m.num_moe_experts,
         moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
-        moe_layer_freq=m.moe_layer_freq,
+        moe_layer_freq=m.moe_layer_freq,  # read only with experts
         num_layers=m.num_layers,
         moe_ffn_hidden_size=m.moe_ffn_hidden_size,
         mtp_num_layers=None,
         normalization="RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm",
         multi_latent_attention=False,
+        attention_output_gate=False,
+        experimental_attention_variant=None,
         padded_vocab_size=padded_vocab_size(vocab_size, tp, m.make_vocab_size_divisible_by),
         untie_embeddings_and_output_weights=not m.share_embeddings_and_output_weights,
-        ffn_hidden_size=m.ffn_hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
         swiglu=m.activation == "swiglu",
         moe_latent_size=None,
         moe_router_topk=m.moe_router_topk,
         add_bias_linear=m.bias,
         moe_shared_expert_gate=m.moe_shared_expert_gate,
+        hybrid_layer_pattern=m.hybrid_layer_pattern if hybrid else None,
+        mamba_state_dim=128,
+        mamba_head_dim=64,
+        mamba_num_groups=8,
+        mamba_num_heads=None,
+        linear_key_head_dim=None,
+        linear_value_head_dim=None,
+        linear_num_key_heads=None,
+        linear_num_value_heads=None,
+        linear_conv_kernel_dim=None,
+        spec=None,
         expert_tensor_parallel_size=m.expert_tensor_parallel_size or tp,
         expert_model_parallel_size=m.expert_model_parallel_size,
         pipeline_model_parallel_size=pp,
