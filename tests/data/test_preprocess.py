@@ -143,11 +143,11 @@ def test_ids_beyond_model_vocab_are_refused_even_without_metadata(tmp_path, hf_t
         check_dataset_fits(str(tmp_path / "hf"), tokenizer, model_vocab_size=256)
 
 
-def test_gpt_dataset_samples_are_windows_of_the_token_stream(tmp_path):
-    preprocess(DOCS, tmp_path / "bytes", "byte")
-    stream = np.concatenate([np.asarray(d) for d in _read_back(tmp_path / "bytes")])
+def test_gpt_dataset_samples_are_windows_of_the_token_stream(tmp_path, factory):
+    prefix = factory.dataset(len(DOCS))  # DOCS in bytes
+    stream = np.concatenate([np.asarray(d) for d in _read_back(prefix)])
     splits = build_gpt_datasets(
-        [str(tmp_path / "bytes")],
+        [str(prefix)],
         None,
         "90,10,0",
         32,
