@@ -15,13 +15,13 @@ the things many tests want (``straight_tiny_run``, the shared corpus cache).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import pickle
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,7 @@ HF_BPE_VOCAB = 400
 HF_BPE_TRAIN_DOCS = 200
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class TokenizerFiles:
     """A tokenizer as a run's config names it (``model.tokenizer.*``)."""
 
@@ -93,7 +93,8 @@ class TokenizerFiles:
 
 def shared_root(tmp_path_factory) -> Path:
     """The session's folder common to all its processes: under pytest-xdist each worker's
-    base temporary directory is ``<session's>/popen-gwN``, so the workers share its parent."""
+    base temporary directory is a folder of the session's (named after the worker), so the
+    workers share its parent."""
     base = tmp_path_factory.getbasetemp()
     root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
     root.mkdir(exist_ok=True)
@@ -197,7 +198,7 @@ class Factory:
             options = tokenizer.preprocess_options()
             preprocess(demo_documents()[:documents], directory / "corpus", library, **options)
 
-        recipe = {"documents": documents, "tokenizer": tokenizer.__dict__}
+        recipe = {"documents": documents, "tokenizer": dataclasses.asdict(tokenizer)}
         return self.built("dataset", recipe, build) / "corpus"
 
     # -- trained runs
