@@ -188,6 +188,34 @@ def tiny_config(**overrides: Any) -> GPTModelConfig:
     return GPTModelConfig(**values)
 
 
+def byte_gpt_datasets(
+    prefixes: list,
+    split: str = "90,10,0",
+    samples: tuple[int, int, int] = (40, 8, 0),
+    weights: list[float] | None = None,
+    seq_length: int = 32,
+    cache=None,
+    seed: int = 1,
+):
+    """megatron's GPT datasets (train, valid, test ``samples``) of byte-tokenized
+    ``prefixes``; their index mappings cached in ``cache``."""
+    from megatron_lns.data.datasets import build_gpt_datasets
+    from megatron_lns.data.tokenizer import ByteTokenizer
+
+    return build_gpt_datasets(
+        [str(p) for p in prefixes],
+        weights,
+        split,
+        seq_length,
+        ByteTokenizer(),
+        seed=seed,
+        num_train_samples=samples[0],
+        num_valid_samples=samples[1],
+        num_test_samples=samples[2],
+        cache_dir=None if cache is None else str(cache),
+    )
+
+
 def fixed_microbatches(
     vocab_size: int,
     seq_length: int,

@@ -5,12 +5,12 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers import byte_gpt_datasets
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_lns.data.datasets import (
     DataMismatchError,
     PretrainingBatchSampler,
-    build_gpt_datasets,
     check_dataset_fits,
 )
 from megatron_lns.data.demo_corpus import demo_documents
@@ -146,17 +146,7 @@ def test_ids_beyond_model_vocab_are_refused_even_without_metadata(tmp_path, hf_t
 def test_gpt_dataset_samples_are_windows_of_the_token_stream(tmp_path, factory):
     prefix = factory.dataset(len(DOCS))  # DOCS in bytes
     stream = np.concatenate([np.asarray(d) for d in _read_back(prefix)])
-    splits = build_gpt_datasets(
-        [str(prefix)],
-        None,
-        "90,10,0",
-        32,
-        ByteTokenizer(),
-        seed=3,
-        num_train_samples=40,
-        num_valid_samples=8,
-        cache_dir=str(tmp_path / "cache"),
-    )
+    splits = byte_gpt_datasets([prefix], cache=tmp_path / "cache", seed=3)
     assert splits.valid is not None
     text = stream.tobytes()
     eod = ByteTokenizer().eod
