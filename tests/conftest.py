@@ -1,5 +1,6 @@
 import pytest
 import torch
+from factory import Factory, shared_root
 
 
 @pytest.fixture(scope="session")
@@ -11,24 +12,27 @@ def megatron_world1():
     yield
 
 
+@pytest.fixture(scope="session")
+def factory(tmp_path_factory) -> Factory:
+    """Builds the tokenizers, datasets and tiny runs tests share, once per session for all
+    pytest-xdist workers (tests/factory.py)."""
+    return Factory(shared_root(tmp_path_factory))
+
+
 @pytest.fixture()
-def private_corpus_cache(tmp_path_factory, monkeypatch):
-    """Built-in corpora prepared once per test session, in a private cache."""
-    monkeypatch.setenv("MEGATRON_LNS_CACHE", str(tmp_path_factory.getbasetemp() / "corpus_cache"))
+def private_corpus_cache(factory, monkeypatch):
+    """Built-in corpora prepared once per test session, in the session's cache (not the
+    user's)."""
+    monkeypatch.setenv("MEGATRON_LNS_CACHE", str(factory.corpus_cache))
 
 
 @pytest.fixture(scope="session")
-def straight_tiny_run(tmp_path_factory):
+def straight_tiny_run(factory):
     """The six-step tiny run (``tiny_run_config`` as it is) trained once, straight
     through, for the tests that compare a resumed or re-pointed run with it: the run is
     deterministic on CPU, so one straight run serves them all. Its run directory (with
     checkpoints at steps 3 and 6) is shared: read it, never write to it."""
-    from helpers import train_tiny_run
-
-    cache = tmp_path_factory.getbasetemp() / "corpus_cache"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MEGATRON_LNS_CACHE", str(cache))
-        return train_tiny_run(tmp_path_factory.mktemp("straight_tiny_run"))
+    return factory.tiny_run()
 
 
 @pytest.fixture()

@@ -6,6 +6,7 @@ import contextlib
 import os
 import pickle
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from megatron_lns.model.language_model import GPTModelConfig
-from megatron_lns.runtime import spawn_local
+from megatron_lns.runtime import ParallelLayout, spawn_local
 from megatron_lns.runtime.launcher_env import ADDRESS_VARIABLES, RANK_VARIABLES
 
 
@@ -53,6 +54,18 @@ TINY_RUN_OVERRIDES = [
 ]
 
 
+# The tiny run as a mixture-of-experts model: experts in layers 2-4 (2 of 4 routed),
+# all-to-all dispatch, a load-balancing loss, the distributed optimizer.
+TINY_MOE_OVERRIDES = [
+    "model.num_moe_experts=4",
+    "model.moe_router_topk=2",
+    "model.moe_layer_freq=[0,1,1,1]",
+    "model.moe_token_dispatcher_type=alltoall",
+    "model.moe_aux_loss_coeff=0.01",
+    "model.optim.name=distributed_fused_adam",
+]
+
+
 def tiny_run_config(exp_dir, *overrides: str):
     """The validated config of a tiny run writing under ``exp_dir``."""
     from megatron_lns.config import load_config, validate
@@ -64,7 +77,9 @@ def tiny_run_config(exp_dir, *overrides: str):
     return cfg
 
 
-def _fit_and_summarize(cfg) -> dict[str, Any]:
+def fit_and_summarize(cfg) -> dict[str, Any]:
+    """Train ``cfg`` on this rank: its losses, validation loss, resume point, steps and
+    run directory."""
     from megatron_lns.training.trainer import Trainer
 
     summary = Trainer(cfg).fit()
@@ -80,7 +95,16 @@ def _fit_and_summarize(cfg) -> dict[str, Any]:
 def train_tiny_run(exp_dir: Path, *overrides: str) -> dict[str, Any]:
     """Train ``tiny_run_config(exp_dir, *overrides)`` on one fresh rank; its summary."""
     cfg = tiny_run_config(exp_dir, *overrides)
-    return run_distributed(_fit_and_summarize, 1, Path(exp_dir) / "rank_results", cfg)[0]
+    return run_distributed(fit_and_summarize, 1, Path(exp_dir) / "rank_results", cfg)[0]
+
+
+def train_on_its_ranks(
+    directory: Path, cfg, fit: Callable[[Any], Any] = fit_and_summarize
+) -> list[Any]:
+    """``fit(cfg)`` on ``cfg.trainer.devices`` fresh ranks (a folder of its own under
+    ``directory`` for their results); each rank's result."""
+    out = Path(directory) / f"r{time.monotonic_ns()}"
+    return run_distributed(fit, cfg.trainer.devices, out, cfg)
 
 
 TORCHRUN_VARIABLES = RANK_VARIABLES + ADDRESS_VARIABLES
@@ -131,20 +155,65 @@ def run_distributed(
     return results
 
 
+def worker_results(tmp_path_factory, name: str, worker: Callable[[str], Any], world_size: int):
+    """``worker(folder)`` on ``world_size`` real processes, ``folder`` a fresh one named
+    after ``name`` (for a module-scoped fixture); each rank's result."""
+    tmp = tmp_path_factory.mktemp(name)
+    return run_distributed(worker, world_size, tmp, str(tmp))
+
+
+def logged_losses(run_dir: Path) -> list[tuple[int, float]]:
+    """The ``(step, loss)`` of each training step a run logged in its metrics.jsonl."""
+    import json
+
+    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+# The tiny model's sizes (settings of the same name in GPTModelConfig and model.*).
+TINY_MODEL: dict[str, Any] = dict(
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=96,
+    init_method_std=0.05,
+)
+
+
 def tiny_config(**overrides: Any) -> GPTModelConfig:
     """A 4-layer LLaMA-style model small enough for multi-process CPU tests."""
-    values: dict[str, Any] = dict(
-        num_layers=4,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=96,
-        vocab_size=128,
-        seq_length=16,
-        init_method_std=0.05,
-    )
+    values: dict[str, Any] = dict(TINY_MODEL, vocab_size=128, seq_length=16)
     values.update(overrides)
     return GPTModelConfig(**values)
+
+
+def byte_gpt_datasets(
+    prefixes: list,
+    split: str = "90,10,0",
+    samples: tuple[int, int, int] = (40, 8, 0),
+    weights: list[float] | None = None,
+    seq_length: int = 32,
+    cache=None,
+    seed: int = 1,
+):
+    """megatron's GPT datasets (train, valid, test ``samples``) of byte-tokenized
+    ``prefixes``; their index mappings cached in ``cache``."""
+    from megatron_lns.data.datasets import build_gpt_datasets
+    from megatron_lns.data.tokenizer import ByteTokenizer
+
+    return build_gpt_datasets(
+        [str(p) for p in prefixes],
+        weights,
+        split,
+        seq_length,
+        ByteTokenizer(),
+        seed=seed,
+        num_train_samples=samples[0],
+        num_valid_samples=samples[1],
+        num_test_samples=samples[2],
+        cache_dir=None if cache is None else str(cache),
+    )
 
 
 def fixed_microbatches(
@@ -161,6 +230,43 @@ def fixed_microbatches(
         make_batch(torch.randint(0, vocab_size, (micro_batch_size, seq_length + 1), generator=gen))
         for _ in range(num_microbatches)
     ]
+
+
+def token_inputs(cfg: GPTModelConfig, batch: int = 2, seed: int = 0):
+    """Random ``(tokens, positions, targets)`` for one forward of ``cfg``'s model."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), generator=gen)
+    targets = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), generator=gen)
+    positions = torch.arange(cfg.seq_length).unsqueeze(0).expand(batch, -1)
+    return tokens, positions, targets
+
+
+# The tensor-parallel layouts a parallel test compares with TP=1: without and with
+# sequence parallelism.
+TP2_LAYOUTS = {
+    "tp2": ParallelLayout(tensor=2),
+    "tp2_sp": ParallelLayout(tensor=2, sequence_parallel=True),
+}
+
+
+def forward_backward_at(
+    cfg: GPTModelConfig, layout: ParallelLayout, batches, checkpoint: str | None = None
+):
+    """On this rank (of ``run_distributed``): ``cfg``'s model at ``layout`` wrapped in
+    megatron DDP, loaded from ``checkpoint`` if given, after one forward-backward of
+    ``batches``; the model and the loss."""
+    from megatron_lns.model.language_model import build_model
+    from megatron_lns.runtime import init_distributed
+    from megatron_lns.training.build import wrap_with_ddp
+    from megatron_lns.training.checkpoint import load_model_weights
+    from megatron_lns.training.step import forward_backward
+
+    init_distributed(layout, device="cpu")
+    model = wrap_with_ddp(build_model(cfg, layout))
+    if checkpoint is not None:
+        load_model_weights(model, checkpoint)
+    result = forward_backward(model, batches)
+    return model, result.loss
 
 
 def perturb_norm_weights(model: torch.nn.Module, seed: int = 1) -> None:
@@ -200,35 +306,52 @@ def read_only(directory: Path):
         subprocess.run(["umount", str(directory)], check=True)
 
 
-def megatron_memory_args(cfg, vocab_size: int) -> SimpleNamespace:
-    """megatron-lm's argument names for the same run (theoretical_memory_usage.py)."""
+def megatron_args(cfg, vocab_size: int) -> SimpleNamespace:
+    """Megatron-LM's argument names for the same run (megatron/training/arguments.py), as
+    its ``theoretical_memory_usage`` and ``num_floating_point_operations`` read them."""
     from megatron_lns.planning.shape import padded_vocab_size
 
     m = cfg.model
     world = cfg.trainer.num_nodes * cfg.trainer.devices
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    hybrid = m.architecture == "hybrid" and m.hybrid_layer_pattern
     return SimpleNamespace(
+        seq_length=m.encoder_seq_length,
         kv_channels=m.kv_channels or m.hidden_size // m.num_attention_heads,
         num_attention_heads=m.num_attention_heads,
         hidden_size=m.hidden_size,
+        # Without GQA megatron takes one query group per head (both functions).
         group_query_attention=m.num_query_groups is not None,
         num_query_groups=m.num_query_groups,
         num_experts=m.num_moe_experts,
         moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
-        moe_layer_freq=m.moe_layer_freq,
+        moe_layer_freq=m.moe_layer_freq,  # read only with experts
         num_layers=m.num_layers,
         moe_ffn_hidden_size=m.moe_ffn_hidden_size,
         mtp_num_layers=None,
         normalization="RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm",
         multi_latent_attention=False,
+        attention_output_gate=False,
+        experimental_attention_variant=None,
         padded_vocab_size=padded_vocab_size(vocab_size, tp, m.make_vocab_size_divisible_by),
         untie_embeddings_and_output_weights=not m.share_embeddings_and_output_weights,
-        ffn_hidden_size=m.ffn_hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
         swiglu=m.activation == "swiglu",
         moe_latent_size=None,
         moe_router_topk=m.moe_router_topk,
         add_bias_linear=m.bias,
         moe_shared_expert_gate=m.moe_shared_expert_gate,
+        hybrid_layer_pattern=m.hybrid_layer_pattern if hybrid else None,
+        mamba_state_dim=128,
+        mamba_head_dim=64,
+        mamba_num_groups=8,
+        mamba_num_heads=None,
+        linear_key_head_dim=None,
+        linear_value_head_dim=None,
+        linear_num_key_heads=None,
+        linear_num_value_heads=None,
+        linear_conv_kernel_dim=None,
+        spec=None,
         expert_tensor_parallel_size=m.expert_tensor_parallel_size or tp,
         expert_model_parallel_size=m.expert_model_parallel_size,
         pipeline_model_parallel_size=pp,

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import torch
+from helpers import TINY_MODEL
 
 from megatron_lns.config import to_yaml
 from megatron_lns.data.tokenizer import ByteTokenizer
@@ -21,6 +22,17 @@ SEQ = 16
 MIXTRAL = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
 QWEN2_MOE = dict(MIXTRAL, moe_shared_expert_intermediate_size=80, moe_shared_expert_gate=True)
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+# What the tiny Hugging Face models the import tests save share: the byte vocabulary, the
+# tiny model's width and attention (4 heads, 2 KV groups), its context, no BOS.
+HF_TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=SEQ,
+    bos_token_id=None,
+    eos_token_id=ByteTokenizer().eod,
+)
 
 
 def sample_tokens(seed: int = 0) -> torch.Tensor:
@@ -65,19 +77,56 @@ def silent(_: str) -> None:
     pass
 
 
+def assert_nothing_written(out: Path) -> None:
+    assert not out.exists()
+    assert not list(out.parent.glob(f".{out.name}.*")), "a staging directory was left behind"
+
+
+def import_refuses_edited_config(source: Path, changes: dict, message: str) -> None:
+    """``import_hf`` of ``source`` with ``changes`` written into its config.json fails
+    with an error matching ``message``, and writes nothing (to ``imported`` beside it)."""
+    import pytest
+
+    from megatron_lns.convert import ConversionError, import_hf
+
+    config = json.loads((source / "config.json").read_text())
+    config.update(changes)
+    (source / "config.json").write_text(json.dumps(config))
+    out = source.parent / "imported"
+    with pytest.raises(ConversionError, match=message):
+        import_hf(source, out, progress=silent)
+    assert_nothing_written(out)
+
+
+def export_then_import(run: Path, tmp_path: Path):
+    """``run`` exported to ``tmp_path/hf`` and that export imported back as an LNS run to
+    ``tmp_path/imported``: the export and the imported run's config."""
+    from megatron_lns.config import load_config
+    from megatron_lns.convert import export_hf, import_hf
+
+    first = export_hf(run, tmp_path / "hf", progress=silent)
+    return first, load_config(import_hf(first, tmp_path / "imported", lns=True, progress=silent))
+
+
+def reexported_tensors(run: Path, source: Path, out: Path):
+    """The tensors of the Hugging Face directory ``source`` and of ``run``'s export to
+    ``out``, which has the same names."""
+    from megatron_lns.convert import export_hf
+
+    exported = safetensors_tensors(export_hf(run, out, progress=silent))
+    original = safetensors_tensors(source)
+    assert original.keys() == exported.keys()
+    return original, exported
+
+
 def run_config(precision: str = "32", **model):
     """A tiny run config (4 layers, hidden 64, byte tokenizer); ``model`` overrides
     ``model.*`` keys."""
     from megatron_lns.config import load_config
 
     values = dict(
-        num_layers=4,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=96,
+        TINY_MODEL,
         encoder_seq_length=SEQ,
-        init_method_std=0.05,
         data={"seq_length": SEQ, "data_prefix": ["builtin:pydoc"]},
     )
     values.update(model)

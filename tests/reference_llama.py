@@ -24,6 +24,19 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def reference_sizes(cfg) -> dict[str, int]:
+    """The reference's sizes for a megatron model config (``GPTModelConfig``): layers,
+    width, heads, query groups (one per head where it has none), MLP width, vocabulary."""
+    return dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups or cfg.num_attention_heads,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        vocab_size=cfg.vocab_size,
+    )
+
+
 class ReferenceLlama(nn.Module):
     def __init__(
         self,

@@ -24,10 +24,7 @@ def _demo(cfg, out):
 
 
 @pytest.mark.long
-def test_demo_trains_both_arms_and_writes_its_outputs(
-    tmp_path, tmp_path_factory, monkeypatch, capfd
-):
-    monkeypatch.setenv("MEGATRON_LNS_CACHE", str(tmp_path_factory.getbasetemp() / "corpus_cache"))
+def test_demo_trains_both_arms_and_writes_its_outputs(tmp_path, private_corpus_cache, capfd):
     cfg = load_config(
         DEMO,
         [

@@ -20,7 +20,12 @@ import math
 
 import pytest
 import torch
-from helpers import fixed_microbatches, perturb_norm_weights, run_distributed, tiny_config
+from helpers import (
+    fixed_microbatches,
+    perturb_norm_weights,
+    tiny_config,
+    worker_results,
+)
 from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker, set_moe_metrics_tracker
 from test_moe_parallel import full_tensors
 
@@ -133,8 +138,7 @@ def equivalence_worker(tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("hybrid_parallel")
-    return run_distributed(equivalence_worker, WORLD_SIZE, tmp, str(tmp))
+    return worker_results(tmp_path_factory, "hybrid_parallel", equivalence_worker, WORLD_SIZE)
 
 
 @pytest.mark.slow

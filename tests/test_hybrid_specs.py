@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import perturb_norm_weights, tiny_config
+from helpers import perturb_norm_weights, tiny_config, token_inputs
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from te_standin import StandInTESpecProvider
@@ -53,14 +53,6 @@ def norm_owner(layer) -> torch.nn.Module:
     """The one module that applies a sublayer's pre-norm."""
     (owner,) = layer.pre_norm_owners()
     return owner
-
-
-def inputs(cfg, batch=2, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), generator=gen)
-    targets = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), generator=gen)
-    positions = torch.arange(cfg.seq_length).unsqueeze(0).expand(batch, -1)
-    return tokens, positions, targets
 
 
 @pytest.mark.parametrize("pattern", list(PATTERNS))
@@ -128,14 +120,7 @@ def test_the_stack_refuses_a_sublayer_it_does_not_build(seeded, symbol):
     pattern = f"*-{symbol}-"
     cfg = hybrid_config("*-*-")
     with pytest.raises(ValueError, match=rf"builds \*, -, E sublayers, not '{symbol}' \(a "):
-        HybridModel(
-            config=cfg.transformer_config(),
-            hybrid_stack_spec=get_lns_hybrid_stack_spec(pattern),
-            vocab_size=cfg.vocab_size,
-            max_sequence_length=cfg.seq_length,
-            hybrid_layer_pattern=pattern,
-            position_embedding_type="rope",
-        )
+        megatron_lm_model(cfg, pattern, get_lns_hybrid_stack_spec(pattern))
 
 
 # -- the Transformer Engine layout (CPU stand-ins) ------------------------------------------
@@ -169,7 +154,7 @@ def test_te_backend_hybrid_stack_matches_the_local_backend(seeded, te_standins, 
             assert owner is layer.pre_mlp_layernorm and isinstance(owner, LocalNorm)
         assert owner.output_scale == 1 / math.sqrt(block)
     cfg = hybrid_config(pattern)
-    tokens, positions, targets = inputs(cfg)
+    tokens, positions, targets = token_inputs(cfg)
     te_logits, local_logits = te(tokens, positions, None), local(tokens, positions, None)
     torch.testing.assert_close(te_logits, local_logits, **STANDIN_LOGITS)
     loss = lambda logits: F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # noqa: E731
@@ -183,12 +168,13 @@ def test_te_backend_hybrid_stack_matches_the_local_backend(seeded, te_standins, 
 # -- Megatron-LM's --spec megatron_lns.model.hybrid_specs lns_hybrid_stack_spec -----------------
 
 
-def megatron_lm_model(cfg, pattern: str) -> HybridModel:
+def megatron_lm_model(cfg, pattern: str, spec=lns_hybrid_stack_spec) -> HybridModel:
     """What Megatron-LM's hybrid model builder does with ``--spec``: the module-level stack
-    spec as it is, the pattern given to HybridModel (the stack reads it from the args)."""
+    spec as it is (or ``spec``), the pattern given to HybridModel (the stack reads it from
+    the args)."""
     return HybridModel(
         config=cfg.transformer_config(),
-        hybrid_stack_spec=lns_hybrid_stack_spec,
+        hybrid_stack_spec=spec,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.seq_length,
         hybrid_layer_pattern=pattern,
@@ -219,7 +205,7 @@ def test_megatron_lm_spec_reads_the_pattern_from_the_arguments(seeded, megatron_
         ours = build_model(cfg)[0]
         perturb_norm_weights(ours)
         model.load_state_dict(ours.state_dict(), strict=True)
-        tokens, positions, _ = inputs(cfg)
+        tokens, positions, _ = token_inputs(cfg)
         with torch.no_grad():
             torch.testing.assert_close(
                 model(tokens, positions, None), ours(tokens, positions, None)

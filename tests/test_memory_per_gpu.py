@@ -5,7 +5,7 @@ arithmetic, and the OLMoE config quoting its current numbers."""
 import sys
 
 import pytest
-from helpers import ROOT, megatron_memory_args, parameters_per_rank, run_distributed
+from helpers import ROOT, megatron_args, parameters_per_rank, run_distributed
 
 from megatron_lns.config import validate
 
@@ -86,7 +86,7 @@ def test_weights_gradients_and_optimizer_state_agree_with_megatron(name, make):
     theoretical = pytest.importorskip("megatron.training.theoretical_memory_usage")
     cfg = make()
     ours = memory.estimate(cfg, OLMO_TOKENIZER_VOCAB)
-    args = megatron_memory_args(cfg, OLMO_TOKENIZER_VOCAB)
+    args = megatron_args(cfg, OLMO_TOKENIZER_VOCAB)
     theirs = theoretical.compute_weight_and_optimizer_memory(args) / memory.GB
     # With PP > 1 megatron spreads the final norm's bytes over the stages (we put it on the
     # last stage): that share of one norm is the only difference allowed.

@@ -8,7 +8,7 @@ import torch
 from helpers import checkpoint_keys, perturb_norm_weights, tiny_config
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from reference_llama import ReferenceLlama
+from reference_llama import ReferenceLlama, reference_sizes
 
 from megatron_lns.model.language_model import build_model
 from megatron_lns.model.layer import LNSTransformerLayer
@@ -23,12 +23,7 @@ def _inputs(cfg, batch=2, seed=0):
 
 def _reference_for(cfg, lns):
     return ReferenceLlama(
-        num_layers=cfg.num_layers,
-        hidden_size=cfg.hidden_size,
-        num_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_query_groups or cfg.num_attention_heads,
-        ffn_hidden_size=cfg.ffn_hidden_size,
-        vocab_size=cfg.vocab_size,
+        **reference_sizes(cfg),
         lns=lns,
         normalization=cfg.normalization,
         eps=cfg.layernorm_epsilon,

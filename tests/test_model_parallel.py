@@ -10,10 +10,16 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import fixed_microbatches, run_distributed, tiny_config
+from helpers import (
+    TP2_LAYOUTS,
+    fixed_microbatches,
+    forward_backward_at,
+    run_distributed,
+    tiny_config,
+    worker_results,
+)
 from megatron.core import parallel_state
 
-from megatron_lns.model.language_model import build_model
 from megatron_lns.runtime import ParallelLayout, init_distributed
 from megatron_lns.training.build import wrap_with_ddp
 from megatron_lns.training.checkpoint import load_model_weights, save_model_weights
@@ -56,28 +62,16 @@ def _grads_by_global_name(model) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _run(cfg, layout, batches, checkpoint=None):
-    init_distributed(layout, device="cpu")
-    model = wrap_with_ddp(build_model(cfg, layout))
-    if checkpoint is not None:
-        load_model_weights(model, checkpoint)
-    result = forward_backward(model, batches)
-    return model, result.loss
-
-
 def tensor_parallel_worker(tmp: str):
     cfg = tiny_config()
     batches = fixed_microbatches(cfg.vocab_size, cfg.seq_length)
     base_ckpt, tp2_ckpt = f"{tmp}/tp1", f"{tmp}/tp2"
 
-    model, base_loss = _run(cfg, ParallelLayout(), batches)
+    model, base_loss = forward_backward_at(cfg, ParallelLayout(), batches)
     save_model_weights(model, base_ckpt)
     out = {"tp1": (base_loss, _full_grads(model, gated=True))}
-    for name, layout in {
-        "tp2": ParallelLayout(tensor=2),
-        "tp2_sp": ParallelLayout(tensor=2, sequence_parallel=True),
-    }.items():
-        model, loss = _run(cfg, layout, batches, base_ckpt)
+    for name, layout in TP2_LAYOUTS.items():
+        model, loss = forward_backward_at(cfg, layout, batches, base_ckpt)
         out[name] = (loss, _full_grads(model, gated=True))
         out[name + "_factors"] = [
             (
@@ -95,14 +89,13 @@ def tensor_parallel_worker(tmp: str):
             }
     # Reverse direction: a TP=2 checkpoint loaded at TP=1.
     save_model_weights(model, tp2_ckpt)
-    _, out["tp2_ckpt_at_tp1"] = _run(cfg, ParallelLayout(), batches, tp2_ckpt)
+    _, out["tp2_ckpt_at_tp1"] = forward_backward_at(cfg, ParallelLayout(), batches, tp2_ckpt)
     return out
 
 
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tp")
-    return run_distributed(tensor_parallel_worker, 2, tmp, str(tmp))
+    return worker_results(tmp_path_factory, "tp", tensor_parallel_worker, 2)
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2_sp"])
@@ -146,12 +139,12 @@ PIPELINE_LAYOUTS = {
 def pipeline_parallel_worker(tmp: str):
     cfg = tiny_config()
     batches = fixed_microbatches(cfg.vocab_size, cfg.seq_length, num_microbatches=4)
-    model, base_loss = _run(cfg, ParallelLayout(), batches)
+    model, base_loss = forward_backward_at(cfg, ParallelLayout(), batches)
     save_model_weights(model, f"{tmp}/pp1")
     out = {"pp1": (base_loss, _grads_by_global_name(model))}
     for name, (layout, extra) in PIPELINE_LAYOUTS.items():
         layout_cfg = tiny_config(extra_transformer_config=extra)
-        model, loss = _run(layout_cfg, layout, batches, f"{tmp}/pp1")
+        model, loss = forward_backward_at(layout_cfg, layout, batches, f"{tmp}/pp1")
         factors = []
         for vp_stage, chunk in enumerate(model):
             for index, layer in enumerate(chunk.module.decoder.layers):
@@ -174,8 +167,7 @@ def pipeline_parallel_worker(tmp: str):
 
 @pytest.fixture(scope="module")
 def pp_results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pp")
-    return run_distributed(pipeline_parallel_worker, 2, tmp, str(tmp))
+    return worker_results(tmp_path_factory, "pp", pipeline_parallel_worker, 2)
 
 
 @pytest.mark.parametrize("layout", list(PIPELINE_LAYOUTS))

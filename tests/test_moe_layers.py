@@ -17,10 +17,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import perturb_norm_weights, tiny_config
+from helpers import perturb_norm_weights, tiny_config, token_inputs
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from reference_llama import reference_sizes
 from reference_moe import ReferenceMoELlama
 from te_standin import StandInTESpecProvider
 
@@ -78,12 +79,7 @@ def moe_config(
 def reference_for(cfg, mix_ln_post_layers=0):
     extra = cfg.extra_transformer_config
     return ReferenceMoELlama(
-        num_layers=cfg.num_layers,
-        hidden_size=cfg.hidden_size,
-        num_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_query_groups,
-        ffn_hidden_size=cfg.ffn_hidden_size,
-        vocab_size=cfg.vocab_size,
+        **reference_sizes(cfg),
         lns=cfg.norm_scaling == "lns",
         variant=cfg.layer_variant,
         mix_ln_post_layers=mix_ln_post_layers,
@@ -113,14 +109,6 @@ def aux_loss_scale_one():
     get_moe_metrics_tracker().clear()
 
 
-def inputs(cfg, batch=2, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), generator=gen)
-    targets = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), generator=gen)
-    positions = torch.arange(cfg.seq_length).unsqueeze(0).expand(batch, -1)
-    return tokens, positions, targets
-
-
 def perturb_norms_and_gains(model, seed=1):
     """Norms start at 1, SkipInit gates at 0: move them so every path carries gradient."""
     gen = torch.Generator().manual_seed(seed)
@@ -142,7 +130,7 @@ def tracked_losses(name, num_layers):
 
 def assert_matches_reference(model, reference, cfg):
     """Same logits, per-layer losses and gradients of ``cross_entropy + aux losses``."""
-    tokens, positions, targets = inputs(cfg)
+    tokens, positions, targets = token_inputs(cfg)
     get_moe_metrics_tracker().clear()
     logits = model(tokens, positions, None)
     expected = reference(tokens)
@@ -212,7 +200,7 @@ def test_aux_and_z_losses_reach_the_router_gradient(seeded, aux_loss_scale_one):
     without.extra_transformer_config.update(moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None)
     plain = build_model(without)[0].double()
     plain.load_state_dict(with_losses.state_dict())
-    tokens, positions, targets = inputs(moe_config())
+    tokens, positions, targets = token_inputs(moe_config())
     for model in (with_losses, plain):
         cross_entropy(model(tokens, positions, None), targets).backward()
     router = "decoder.layers.1.mlp.router.weight"
@@ -228,7 +216,7 @@ def test_lns_and_pre_ln_differ_on_the_same_moe_weights(seeded, aux_loss_scale_on
     lns = build_model(moe_config(moe_layer_freq=1))[0].double()
     plain = build_model(moe_config("none", moe_layer_freq=1))[0].double()
     plain.load_state_dict(lns.state_dict())
-    tokens, positions, _ = inputs(moe_config())
+    tokens, positions, _ = token_inputs(moe_config())
     get_moe_metrics_tracker().clear()
     lns_logits = lns(tokens, positions, None)
     lns_z = tracked_losses("z_loss", 4)
@@ -256,7 +244,7 @@ def test_router_input_is_the_pre_mlp_norm_output_times_one_over_sqrt_l(seeded):
         layer.mlp.shared_experts.register_forward_pre_hook(
             lambda m, args, n=number: seen.__setitem__(("shared_in", n), args[0])
         )
-    tokens, positions, _ = inputs(moe_config())
+    tokens, positions, _ = token_inputs(moe_config())
     with torch.no_grad():
         model(tokens, positions, None)
         for layer in model.decoder.layers:
@@ -300,7 +288,7 @@ def test_te_backend_moe_layers_match_the_local_backend(seeded, aux_loss_scale_on
         mlp_owner = layer.pre_norm_owners()[1]
         assert mlp_owner is (layer.pre_mlp_layernorm if is_moe else layer.mlp.linear_fc1)
         assert mlp_owner.output_scale == 1 / math.sqrt(layer.layer_number)
-    tokens, positions, targets = inputs(cfg)
+    tokens, positions, targets = token_inputs(cfg)
     te_logits, local_logits = te(tokens, positions, None), local(tokens, positions, None)
     torch.testing.assert_close(te_logits, local_logits, **STANDIN_LOGITS)
     cross_entropy(te_logits, targets).backward()
@@ -315,7 +303,7 @@ def test_baked_te_moe_model_is_a_pre_ln_model(seeded, te_standins):
     plain = build_model(moe_config("none", backend="te"))[0].double()
     perturb_norm_weights(lns)
     plain.load_state_dict(baked_state_dict(lns))
-    tokens, positions, _ = inputs(moe_config())
+    tokens, positions, _ = token_inputs(moe_config())
     with torch.no_grad():
         torch.testing.assert_close(
             plain(tokens, positions, None), lns(tokens, positions, None), **STANDIN_LOGITS
@@ -330,7 +318,7 @@ def test_baked_moe_model_is_a_pre_ln_model_with_the_same_logits(seeded):
     lns = build_model(cfg)[0].double()
     plain = build_model(moe_config("none", shared="gated"))[0].double()
     perturb_norm_weights(lns)
-    tokens, positions, _ = inputs(cfg)
+    tokens, positions, _ = token_inputs(cfg)
     with torch.no_grad():
         expected = lns(tokens, positions, None)
         baked = baked_state_dict(lns)

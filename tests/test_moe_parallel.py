@@ -12,7 +12,12 @@ names they have at one rank (global layer and expert numbers).
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import fixed_microbatches, run_distributed, tiny_config
+from helpers import (
+    fixed_microbatches,
+    forward_backward_at,
+    tiny_config,
+    worker_results,
+)
 from megatron.core import parallel_state
 
 from megatron_lns.model.language_model import build_model
@@ -20,7 +25,7 @@ from megatron_lns.runtime import ParallelLayout, init_distributed
 from megatron_lns.training.build import build_trainable, wrap_with_ddp
 from megatron_lns.training.checkpoint import load_model_weights, save_model_weights
 from megatron_lns.training.optim import OptimSettings
-from megatron_lns.training.step import forward_backward, train_step
+from megatron_lns.training.step import train_step
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -117,15 +122,6 @@ def full_tensors(model, of: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _run(cfg, layout, batches, checkpoint=None):
-    init_distributed(layout, device="cpu")
-    model = wrap_with_ddp(build_model(cfg, layout))
-    if checkpoint is not None:
-        load_model_weights(model, checkpoint)
-    result = forward_backward(model, batches)
-    return model, result.loss
-
-
 def _logits(model, batch) -> torch.Tensor:
     """The full-vocabulary logits of a one-stage model (gathered over tensor parallelism)."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -154,7 +150,7 @@ def moe_parallel_worker(tmp: str):
     out = {}
     for pattern in ("mixed", "all_moe"):  # the all-MoE model stays for the next lines
         cfg = moe_config(moe_layer_freq=PATTERNS[pattern])
-        model, loss = _run(cfg, ParallelLayout(), batches)
+        model, loss = forward_backward_at(cfg, ParallelLayout(), batches)
         save_model_weights(model, f"{tmp}/base_{pattern}")
         out[f"base_{pattern}"] = (loss, full_tensors(model, of="grad"))
     out["base_params"] = full_tensors(model, of="param")
@@ -162,7 +158,7 @@ def moe_parallel_worker(tmp: str):
 
     for name, (layout, dispatcher, pattern) in CASES.items():
         cfg = moe_config(dispatcher, moe_layer_freq=PATTERNS[pattern])
-        model, loss = _run(cfg, layout, batches, f"{tmp}/base_{pattern}")
+        model, loss = forward_backward_at(cfg, layout, batches, f"{tmp}/base_{pattern}")
         out[name] = (loss, full_tensors(model, of="grad"))
         if name.startswith("ep2_tp2"):
             out[f"{name}_logits"] = _logits(model, batches[0])
@@ -189,8 +185,7 @@ def moe_parallel_worker(tmp: str):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("moe_parallel")
-    return run_distributed(moe_parallel_worker, WORLD_SIZE, tmp, str(tmp))
+    return worker_results(tmp_path_factory, "moe_parallel", moe_parallel_worker, WORLD_SIZE)
 
 
 def _assert_same_tensors(ranks_tensors: list[dict], base: dict, rtol=1e-4, atol=1e-6):

@@ -33,26 +33,24 @@ def _analyze(inputs, out_dir, options=None):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
+def cache(factory):
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MEGATRON_LNS_CACHE", str(tmp_path_factory.getbasetemp() / "corpus_cache"))
+        patch.setenv("MEGATRON_LNS_CACHE", str(factory.corpus_cache))
         yield
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, cache):
+def run(factory):
     """A six-step run validated on 2 held-out batches; returns (run dir, last val_loss).
 
     Its vocabulary is not padded: a Hugging Face export drops megatron's padding rows,
     and imported back they are zero, which changes the softmax over the padded vocabulary
     (docs/analysis.md); without padding the export computes exactly the same loss.
     """
-    root = tmp_path_factory.mktemp("analyze")
-    cfg = tiny_run_config(
-        root, "trainer.limit_val_batches=2", "model.make_vocab_size_divisible_by=1"
+    summary = factory.tiny_run(
+        "trainer.limit_val_batches=2", "model.make_vocab_size_divisible_by=1"
     )
-    valid_loss = run_distributed(_train, 1, root / "train", cfg)[0]
-    return root / "lns", valid_loss
+    return summary["run_dir"], summary["valid"]
 
 
 def _by_label(report: dict) -> dict[str, dict]:

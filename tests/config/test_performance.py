@@ -384,8 +384,7 @@ def _fit(cfg):
 
 
 @pytest.mark.slow
-def test_a_run_with_the_fast_paths_on_trains_like_one_without(tmp_path, monkeypatch):
-    monkeypatch.setenv("MEGATRON_LNS_CACHE", str(tmp_path / "corpus_cache"))
+def test_a_run_with_the_fast_paths_on_trains_like_one_without(tmp_path, private_corpus_cache):
     common = [
         *TINY_RUN_OVERRIDES,
         "trainer.devices=2",

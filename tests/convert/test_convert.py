@@ -13,9 +13,13 @@ import pytest
 import torch
 from helpers import run_distributed
 from hf_parity import (
+    HF_TINY,
     SEQ,
     VOCAB,
+    assert_nothing_written,
     assert_parity,
+    export_then_import,
+    import_refuses_edited_config,
     run_config,
     safetensors_tensors,
     silent,
@@ -71,11 +75,6 @@ def save_run(root: Path, cfg, layout: ParallelLayout = ParallelLayout(), load_fr
     if dist.is_initialized():
         dist.barrier()
     return path
-
-
-def assert_nothing_written(out: Path) -> None:
-    assert not out.exists()
-    assert not list(out.parent.glob(f".{out.name}.*")), "a staging directory was left behind"
 
 
 PARITY_CASES = {
@@ -218,8 +217,7 @@ def assert_same_files(a: Path, b: Path) -> None:
 def test_export_import_export_is_bitwise_identical(seeded, tmp_path, model):
     cfg = run_config(**model)
     save_run(tmp_path / "run", cfg)
-    first = export_hf(tmp_path / "run", tmp_path / "hf", progress=silent)
-    imported = load_config(import_hf(first, tmp_path / "imported", lns=True, progress=silent))
+    first, imported = export_then_import(tmp_path / "run", tmp_path)
     assert imported.model.kv_channels == (cfg.model.kv_channels or 16)
     second = export_hf(tmp_path / "imported", tmp_path / "hf2", progress=silent)
     assert_same_files(first, second)
@@ -297,19 +295,13 @@ def _tiny_hf_llama(path: Path, tied: bool = False, head_dim: int | None = None) 
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
+        **HF_TINY,
         intermediate_size=96,
         num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
         rope_theta=50000.0,
         rms_norm_eps=1e-6,
         tie_word_embeddings=tied,
         head_dim=head_dim,
-        bos_token_id=None,
-        eos_token_id=ByteTokenizer().eod,
     )
     model = LlamaForCausalLM(config)
     perturb(model)
@@ -360,7 +352,9 @@ def test_exported_tokenizer_gives_training_ids_and_generate_runs(seeded, tmp_pat
     assert int(generated.max()) < VOCAB
 
 
-def test_sentencepiece_tokenizer_is_exported_with_training_ids_and_generate_runs(seeded, tmp_path):
+def test_sentencepiece_tokenizer_is_exported_with_training_ids_and_generate_runs(
+    seeded, tmp_path, factory
+):
     """SentencePiece: the export carries a tokenizer.json that gives the training ids,
     generate runs on it and decodes back to the prompt; --no-tokenizer exports the
     weights alone. (More models and texts: test_hf_tokenizer_sentencepiece.py.)"""
@@ -369,16 +363,8 @@ def test_sentencepiece_tokenizer_is_exported_with_training_ids_and_generate_runs
 
     from megatron_lns.data.demo_corpus import demo_documents
 
-    documents = demo_documents()[:400]
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(documents),
-        model_prefix=str(tmp_path / "sp"),
-        vocab_size=400,
-        byte_fallback=True,
-        normalization_rule_name="identity",
-        minloglevel=2,
-    )
-    sp_model = str(tmp_path / "sp.model")
+    documents = demo_documents()[:400]  # among the model's training documents
+    sp_model = str(factory.sentencepiece("llama"))  # BPE, byte fallback, no normalization
     cfg = run_config(tokenizer={"library": "sentencepiece", "model": sp_model})
     processor = sentencepiece.SentencePieceProcessor(model_file=sp_model)
     model = build_model(model_config(cfg, processor.get_piece_size()))
@@ -400,7 +386,8 @@ def test_sentencepiece_tokenizer_is_exported_with_training_ids_and_generate_runs
     out = export_hf(path, tmp_path / "weights", progress=silent, tokenizer=False)
     assert not list(out.glob("tokenizer*"))
     config = json.loads((out / "config.json").read_text())
-    assert (config["vocab_size"], config["eos_token_id"]) == (400, processor.eos_id())
+    vocab = processor.get_piece_size()  # the SentencePiece model's, unpadded
+    assert (config["vocab_size"], config["eos_token_id"]) == (vocab, processor.eos_id())
 
 
 def test_imported_weights_only_checkpoint_resumes_with_a_fresh_optimizer(seeded, tmp_path):
@@ -546,15 +533,11 @@ def test_stablelm_refuses_a_head_size_other_than_hidden_over_heads(seeded, tmp_p
     # kv_channels equal to hidden / heads is the same model, and exports.
     save_run(tmp_path / "same", run_config(kv_channels=16, **stablelm))
     source = export_hf(tmp_path / "same", tmp_path / "stablelm", progress=silent)
-    config = json.loads((source / "config.json").read_text())
-    config["head_dim"] = 24
-    (source / "config.json").write_text(json.dumps(config))
-    with pytest.raises(
-        ConversionError,
-        match=r"config.json: head_dim=24 x num_attention_heads=4 != hidden_size=64: StableLM",
-    ):
-        import_hf(source, tmp_path / "imported", progress=silent)
-    assert_nothing_written(tmp_path / "imported")
+    import_refuses_edited_config(
+        source,
+        {"head_dim": 24},
+        r"config.json: head_dim=24 x num_attention_heads=4 != hidden_size=64: StableLM",
+    )
 
 
 def test_truncated_safetensors_is_refused_and_nothing_written(seeded, tmp_path):
@@ -590,15 +573,11 @@ def test_missing_shard_and_index_listing_absent_tensors_are_refused(seeded, tmp_
 
 def test_hf_config_shape_mismatch_names_the_tensor(seeded, tmp_path):
     source = _tiny_hf_llama(tmp_path / "source")
-    config = json.loads((source / "config.json").read_text())
-    config["intermediate_size"] = 128
-    (source / "config.json").write_text(json.dumps(config))
-    with pytest.raises(
-        ConversionError,
-        match=r"tensor 'model.layers.0.mlp.gate_proj.weight' has shape \(96, 64\), config.json implies \(128, 64\)",
-    ):
-        import_hf(source, tmp_path / "imported", progress=silent)
-    assert_nothing_written(tmp_path / "imported")
+    import_refuses_edited_config(
+        source,
+        {"intermediate_size": 128},
+        r"tensor 'model.layers.0.mlp.gate_proj.weight' has shape \(96, 64\), config.json implies \(128, 64\)",
+    )
 
 
 def test_import_refuses_conflicting_settings_and_unknown_architectures(seeded, tmp_path):
@@ -623,14 +602,11 @@ def test_import_refuses_conflicting_settings_and_unknown_architectures(seeded, t
     base.write_text("model:\n  hidden_size: 128\n  optim:\n    lr: 0.01\n")
     with pytest.raises(ConversionError, match=r"model.hidden_size=128 conflicts with .*gives 64"):
         import_hf(source, tmp_path / "imported", base_config=base, progress=silent)
-    config = json.loads((source / "config.json").read_text())
-    config["architectures"] = ["MistralForCausalLM"]
-    (source / "config.json").write_text(json.dumps(config))
-    with pytest.raises(
-        ConversionError, match=r"architectures=\['MistralForCausalLM'\] is not supported"
-    ):
-        import_hf(source, tmp_path / "imported", progress=silent)
-    assert_nothing_written(tmp_path / "imported")
+    import_refuses_edited_config(
+        source,
+        {"architectures": ["MistralForCausalLM"]},
+        r"architectures=\['MistralForCausalLM'\] is not supported",
+    )
 
 
 def test_a_null_that_means_the_config_jsons_value_is_no_conflict(seeded, tmp_path):

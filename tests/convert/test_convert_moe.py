@@ -12,11 +12,14 @@ import pytest
 import torch
 from helpers import ROOT, perturb_norm_weights
 from hf_parity import (
+    HF_TINY,
     MIXTRAL,
     QWEN2_MOE,
-    SEQ,
     VOCAB,
     assert_parity,
+    export_then_import,
+    import_refuses_edited_config,
+    reexported_tensors,
     run_config,
     safetensors_tensors,
     save_checkpoint,
@@ -163,8 +166,7 @@ def test_export_reads_one_layer_at_a_time(seeded, tmp_path, monkeypatch):
 def test_moe_export_import_export_is_bitwise_identical(seeded, tmp_path, model):
     cfg = run_config(**model)
     save_run(tmp_path / "run", cfg)
-    first = export_hf(tmp_path / "run", tmp_path / "hf", progress=silent)
-    imported = load_config(import_hf(first, tmp_path / "imported", lns=True, progress=silent))
+    first, imported = export_then_import(tmp_path / "run", tmp_path)
     m = imported.model
     assert (m.num_moe_experts, m.moe_router_topk, m.moe_ffn_hidden_size) == (4, 2, 48)
     assert m.moe_router_pre_softmax == cfg.model.moe_router_pre_softmax
@@ -182,18 +184,12 @@ def _tiny_hf_mixtral(path: Path) -> Path:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     config = MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
+        **HF_TINY,
         intermediate_size=48,
         num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         num_local_experts=4,
         num_experts_per_tok=2,
-        max_position_embeddings=SEQ,
         rope_theta=50000.0,
-        bos_token_id=None,
-        eos_token_id=ByteTokenizer().eod,
     )
     return _save_hf(MixtralForCausalLM(config), path)
 
@@ -203,23 +199,17 @@ def _tiny_hf_qwen2_moe(path: Path, shared: int = 80) -> Path:
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     config = Qwen2MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
+        **HF_TINY,
         intermediate_size=96,
         moe_intermediate_size=48,
         shared_expert_intermediate_size=shared,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         num_experts=4,
         num_experts_per_tok=2,
         decoder_sparse_step=2,
         mlp_only_layers=[3],
         norm_topk_prob=False,
         qkv_bias=False,
-        max_position_embeddings=SEQ,
-        bos_token_id=None,
-        eos_token_id=ByteTokenizer().eod,
     )
     return _save_hf(Qwen2MoeForCausalLM(config), path)
 
@@ -251,9 +241,7 @@ def test_hf_moe_import_export_is_bitwise_identical(seeded, tmp_path, make):
         assert cfg.model.moe_router_pre_softmax and cfg.model.moe_shared_expert_gate
     checkpoint = tmp_path / "imported" / "checkpoints" / "iter_0000000"
     assert_parity(checkpoint, cfg, source)
-    out = export_hf(tmp_path / "imported", tmp_path / "hf", progress=silent)
-    original, exported = safetensors_tensors(source), safetensors_tensors(out)
-    assert original.keys() == exported.keys()
+    original, exported = reexported_tensors(tmp_path / "imported", source, tmp_path / "hf")
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
 
@@ -268,9 +256,7 @@ def test_hf_qwen2_moe_with_a_zero_wide_shared_expert_imports_without_one(seeded,
     assert m.moe_shared_expert_intermediate_size is None and not m.moe_shared_expert_gate
     checkpoint = tmp_path / "imported" / "checkpoints" / "iter_0000000"
     assert_parity(checkpoint, cfg, source)
-    out = export_hf(tmp_path / "imported", tmp_path / "hf", progress=silent)
-    original, exported = safetensors_tensors(source), safetensors_tensors(out)
-    assert original.keys() == exported.keys()
+    original, exported = reexported_tensors(tmp_path / "imported", source, tmp_path / "hf")
     for name, tensor in original.items():
         if name.endswith("shared_expert_gate.weight"):
             tensor = torch.zeros_like(tensor)
@@ -431,15 +417,20 @@ REFUSALS = {
 }
 
 
-@pytest.mark.parametrize("case", list(REFUSALS))
-def test_unexportable_moe_settings_are_refused_in_one_line_naming_the_key(case):
-    changes, message = REFUSALS[case]
-    # Set on the typed section directly: the run-config checks may refuse some of these
-    # combinations earlier, and export must refuse them on its own.
+def _refused_in_one_line(refuse, changes: dict, message: str) -> None:
+    """``refuse`` (export's choice of architecture, or one architecture) refuses the tiny
+    Mixtral model with ``changes`` with an error of one line that starts with ``message``.
+    The changes are set on the typed section directly: the run-config checks may refuse
+    some of these combinations earlier, and export must refuse them on its own."""
     model = dataclasses.replace(run_config(**MIXTRAL).model, **changes)
     with pytest.raises(ConversionError, match="^" + message) as refused:
-        architecture_for_model_config(model)
+        refuse(model)
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_unexportable_moe_settings_are_refused_in_one_line_naming_the_key(case):
+    _refused_in_one_line(architecture_for_model_config, *REFUSALS[case])
 
 
 # What Mixtral itself refuses (export takes these models as Qwen2-MoE instead).
@@ -461,11 +452,7 @@ MIXTRAL_REFUSALS = {
 
 @pytest.mark.parametrize("case", list(MIXTRAL_REFUSALS))
 def test_mixtral_refuses_what_it_cannot_hold_in_one_line(case):
-    changes, message = MIXTRAL_REFUSALS[case]
-    model = dataclasses.replace(run_config(**MIXTRAL).model, **changes)
-    with pytest.raises(ConversionError, match="^" + message) as refused:
-        Mixtral.from_model_config(model)
-    assert "\n" not in str(refused.value)
+    _refused_in_one_line(Mixtral.from_model_config, *MIXTRAL_REFUSALS[case])
 
 
 def test_sinkhorn_is_the_only_routing_balancer_refused():
@@ -484,12 +471,7 @@ def test_sinkhorn_is_the_only_routing_balancer_refused():
 )
 def test_unimportable_moe_configs_are_refused(seeded, tmp_path, make, key, value, message):
     source = make(tmp_path / "source")
-    config = json.loads((source / "config.json").read_text())
-    config[key] = value
-    (source / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConversionError, match=message):
-        import_hf(source, tmp_path / "imported", progress=silent)
-    assert not (tmp_path / "imported").exists()
+    import_refuses_edited_config(source, {key: value}, message)
 
 
 @pytest.mark.long

@@ -1,7 +1,7 @@
 """SentencePiece export: the exported ``tokenizer.json`` gives the training ids.
 
 Small SentencePiece models of the kinds that matter are trained offline on the demo
-corpus (unigram as T5's, BPE with byte fallback as LLaMA's, each with and without the
+corpus (tests/factory.py: unigram as T5's, BPE with byte fallback as LLaMA's, each with and without the
 dummy prefix, plus user-defined and control pieces); the exported tokenizer, loaded with
 ``AutoTokenizer``, must encode probe texts and held-out documents exactly as
 ``SentencePieceProcessor.encode`` (what training used), and decode as it does.
@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+from factory import SENTENCEPIECE_RECIPES
 
 from megatron_lns.config.schema import TokenizerConfig
 from megatron_lns.convert import ConversionError
@@ -20,39 +21,8 @@ from megatron_lns.convert.hf_tokenizer import PROBE_TEXTS, check_tokenizer, writ
 from megatron_lns.data.demo_corpus import demo_documents
 from megatron_lns.data.tokenizer import SentencePieceTokenizer
 
-TRAIN_DOCS = 1200  # the first documents (~180K characters); the last are held out
-HELD_OUT = 300
-# T5's and LLaMA's recipes, shrunk; each trains in well under a second here.
-MODELS = {
-    "t5": {"model_type": "unigram"},
-    "t5_no_prefix": {"model_type": "unigram", "add_dummy_prefix": False},
-    "llama": {
-        "model_type": "bpe",
-        "byte_fallback": True,
-        "normalization_rule_name": "identity",
-        "remove_extra_whitespaces": False,
-        "split_digits": True,
-        "allow_whitespace_only_pieces": True,
-    },
-    "llama_no_prefix": {
-        "model_type": "bpe",
-        "byte_fallback": True,
-        "normalization_rule_name": "identity",
-        "remove_extra_whitespaces": False,
-        "add_dummy_prefix": False,
-        "split_digits": True,
-    },
-    "unigram_specials": {
-        "model_type": "unigram",
-        "byte_fallback": True,
-        "user_defined_symbols": ["<sep>", "@@"],
-        "control_symbols": ["<ctl>"],
-        "pad_id": 3,
-    },
-    "bpe_nfkc": {"model_type": "bpe"},
-    # Extra spaces removed, but tabs and newlines kept (no NFKC maps them to spaces).
-    "unigram_identity": {"model_type": "unigram", "normalization_rule_name": "identity"},
-}
+HELD_OUT = 300  # the corpus's last documents: the models are trained on its first ones
+MODELS = list(SENTENCEPIECE_RECIPES)
 HARD_TEXTS = (
     "",
     " ",
@@ -72,20 +42,8 @@ HARD_TEXTS = (
 
 
 @pytest.fixture(scope="session")
-def sp_models(tmp_path_factory) -> dict[str, Path]:
-    import sentencepiece
-
-    root = tmp_path_factory.mktemp("sp_models")
-    documents = demo_documents()[:TRAIN_DOCS]
-    for name, options in MODELS.items():
-        sentencepiece.SentencePieceTrainer.train(
-            sentence_iterator=iter(documents),
-            model_prefix=str(root / name),
-            vocab_size=800,
-            minloglevel=2,
-            **options,
-        )
-    return {name: root / f"{name}.model" for name in MODELS}
+def sp_models(factory) -> dict[str, Path]:
+    return {name: factory.sentencepiece(name) for name in MODELS}
 
 
 def held_out() -> list[str]:
@@ -211,18 +169,9 @@ def test_decode_is_sentencepiece_decode(sp_models, tmp_path, name):
                 assert tokenizer.decode(sp.encode(text)) == text
 
 
-def test_unsupported_model_types_are_refused(tmp_path):
-    import sentencepiece
-
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(demo_documents()[:200]),
-        model_prefix=str(tmp_path / "word"),
-        model_type="word",
-        vocab_size=300,
-        minloglevel=2,
-    )
+def test_unsupported_model_types_are_refused(factory, tmp_path):
     with pytest.raises(ConversionError, match="of type word: only unigram and bpe"):
-        export(tmp_path / "word.model", tmp_path / "hf", [])
+        export(factory.sentencepiece("word"), tmp_path / "hf", [])
 
 
 @pytest.mark.parametrize("name", list(MODELS))

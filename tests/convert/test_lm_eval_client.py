@@ -97,12 +97,8 @@ def no_network(monkeypatch):
 def held_out_documents(cfg) -> list[str]:
     """A few documents of the validation split of the run's corpus (the demo corpus,
     split ``splits_string`` by documents as megatron splits it)."""
-    documents = demo_documents()
-    weights = [float(w) for w in cfg.model.data.splits_string.split(",")]
-    begin = sum(weights[:1]) / sum(weights)
-    end = sum(weights[:2]) / sum(weights)
-    first, last = document_range(len(documents), (begin, end))
-    return [doc for doc in documents[first:last] if len(doc.encode()) <= 200][:8]
+    first, last = validation_document_range(cfg)
+    return [doc for doc in demo_documents()[first:last] if len(doc.encode()) <= 200][:8]
 
 
 def validation_document_range(cfg) -> tuple[int, int]:
@@ -272,27 +268,11 @@ def transformers_loglikelihood(model, tokenizer, context: str, continuation: str
     return sum(float(logits[i - 1, ids[i]]) for i in range(len(context_ids), len(ids)))
 
 
-def paper_recipe_tokenizer(directory: Path) -> SentencePieceTokenizer:
-    """A T5-style SentencePiece Unigram model (the paper's recipes' kind), trained on the
-    demo corpus's training documents; it has a BOS (``<s>``) that training never uses."""
-    import sentencepiece
-
-    directory.mkdir()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(demo_documents()[:800]),
-        model_prefix=str(directory / "t5"),
-        model_type="unigram",
-        vocab_size=400,
-        minloglevel=2,
-    )
-    return SentencePieceTokenizer(str(directory / "t5.model"))
-
-
 @pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("library", ["byte", "sentencepiece"])
 def test_lm_eval_loss_on_an_export_is_the_projects_held_out_loss(
-    seeded, tmp_path, no_network, private_corpus_cache, library
+    seeded, tmp_path, no_network, private_corpus_cache, factory, library
 ):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -300,8 +280,10 @@ def test_lm_eval_loss_on_an_export_is_the_projects_held_out_loss(
         trained: Tokenizer = ByteTokenizer()
         cfg = run_config()  # LNS (the default), RMSNorm, GQA, untied, vocab 257 padded to 384
     else:
-        trained = paper_recipe_tokenizer(tmp_path / "tokenizer")
-        model_file = str(tmp_path / "tokenizer" / "t5.model")
+        # A T5-style SentencePiece Unigram model (the paper's recipes' kind), trained on
+        # the demo corpus's first documents; it has a BOS (``<s>``) that training never uses.
+        model_file = str(factory.sentencepiece("t5"))
+        trained = SentencePieceTokenizer(model_file)
         cfg = run_config(tokenizer={"library": "sentencepiece", "model": model_file})
     vocab, eod = trained.vocab_size, trained.eod
     checkpoint = train_tiny_run(tmp_path / "run", cfg, trained)

@@ -14,31 +14,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import fresh_launch_env, read_only
+from helpers import byte_gpt_datasets, fresh_launch_env, read_only
 
 import megatron_lns.data.blend as blend
 from megatron_lns.cli import main
-from megatron_lns.data.datasets import build_gpt_datasets
 from megatron_lns.data.demo_corpus import demo_documents
 from megatron_lns.data.errors import DataError
 from megatron_lns.data.preprocess import PreprocessError, preprocess, read_documents
-from megatron_lns.data.tokenizer import ByteTokenizer
 
 DOCS = demo_documents()[:400]
 
 
 def _samples(prefix, cache_dir, count=12):
-    splits = build_gpt_datasets(
-        [str(prefix)],
-        None,
-        "90,10,0",
-        32,
-        ByteTokenizer(),
-        seed=5,
-        num_train_samples=40,
-        num_valid_samples=8,
-        cache_dir=None if cache_dir is None else str(cache_dir),
-    )
+    splits = byte_gpt_datasets([prefix], cache=cache_dir, seed=5)
     return [np.asarray(splits.train[i]["tokens"]).tolist() for i in range(count)]
 
 

@@ -10,11 +10,11 @@ from megatron_lns.data.index_file import check_token_file, sequence_lengths
 from megatron_lns.data.preprocess import preprocess
 
 
-def test_document_lengths_are_megatrons(tmp_path):
-    preprocess(demo_documents()[:50], tmp_path / "corpus")
-    dataset = IndexedDataset(str(tmp_path / "corpus"))  # owns the memory map of its lengths
+def test_document_lengths_are_megatrons(factory):
+    prefix = str(factory.dataset(50))
+    dataset = IndexedDataset(prefix)  # owns the memory map of its lengths
     megatrons = np.array(dataset.sequence_lengths)
-    assert sequence_lengths(str(tmp_path / "corpus")).tolist() == megatrons.tolist()
+    assert sequence_lengths(prefix).tolist() == megatrons.tolist()
 
 
 @pytest.mark.parametrize(

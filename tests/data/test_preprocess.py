@@ -5,12 +5,12 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers import byte_gpt_datasets
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_lns.data.datasets import (
     DataMismatchError,
     PretrainingBatchSampler,
-    build_gpt_datasets,
     check_dataset_fits,
 )
 from megatron_lns.data.demo_corpus import demo_documents
@@ -26,34 +26,14 @@ DOCS = demo_documents()[:200]
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer_dir(tmp_path_factory):
-    """A real Hugging Face tokenizer, trained here (no download) and saved to disk."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(
-        DOCS, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "</s>"])
-    )
-    path = tmp_path_factory.mktemp("hf_tok")
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", eos_token="</s>"
-    ).save_pretrained(path)
-    return str(path)
+def hf_tokenizer_dir(factory) -> str:
+    """A real Hugging Face BPE tokenizer (vocabulary 400), trained on ``DOCS``."""
+    return str(factory.hf_bpe())
 
 
 @pytest.fixture(scope="module")
-def sp_model(tmp_path_factory):
-    import sentencepiece
-
-    path = tmp_path_factory.mktemp("sp")
-    corpus = path / "corpus.txt"
-    corpus.write_text("\n".join(DOCS))
-    sentencepiece.SentencePieceTrainer.train(
-        input=str(corpus), model_prefix=str(path / "sp"), vocab_size=300, minloglevel=2
-    )
-    return str(path / "sp.model")
+def sp_model(factory) -> str:
+    return str(factory.sentencepiece("t5"))
 
 
 def _read_back(prefix):
@@ -62,23 +42,16 @@ def _read_back(prefix):
 
 
 @pytest.mark.parametrize("library", ["byte", "huggingface", "sentencepiece"])
-def test_round_trip_through_megatron_indexed_dataset(tmp_path, library, hf_tokenizer_dir, sp_model):
-    kwargs = {
-        "huggingface": {"tokenizer_type": hf_tokenizer_dir},
-        "sentencepiece": {"tokenizer_model": sp_model},
-    }
+def test_round_trip_through_megatron_indexed_dataset(tmp_path, library, factory):
+    files = factory.tokenizer(library)
     metadata = preprocess(
         DOCS[:50],
         tmp_path / "data",
         library,
         workers=2 if library == "huggingface" else 1,
-        **kwargs.get(library, {}),
+        **files.preprocess_options(),
     )
-    tokenizer = build_tokenizer(
-        library,
-        kwargs.get(library, {}).get("tokenizer_type"),
-        kwargs.get(library, {}).get("tokenizer_model"),
-    )
+    tokenizer = files.build()
     expected = [[*tokenizer.encode(doc), tokenizer.eod] for doc in DOCS[:50]]
     assert _read_back(tmp_path / "data") == expected
     assert metadata.num_documents == 50
@@ -135,7 +108,7 @@ def test_dataset_from_another_tokenizer_is_refused(tmp_path, hf_tokenizer_dir):
 
 @pytest.mark.parametrize("library", ["byte", "huggingface", "sentencepiece"])
 def test_data_passes_the_config_checks_with_its_own_tokenizer_only(
-    tmp_path, library, hf_tokenizer_dir, sp_model
+    tmp_path, library, hf_tokenizer_dir, sp_model, factory
 ):
     """The checks before any rank starts (config/data_checks.py) accept data made with the
     configured tokenizer, and refuse it under another one, as the ranks do."""
@@ -143,12 +116,7 @@ def test_data_passes_the_config_checks_with_its_own_tokenizer_only(
 
     from megatron_lns.config import ConfigError, load_config, validate
 
-    paths = {"huggingface": hf_tokenizer_dir, "sentencepiece": sp_model}
-    preprocess(
-        DOCS, tmp_path / "data", library,
-        tokenizer_type=paths.get(library) if library == "huggingface" else None,
-        tokenizer_model=paths.get(library) if library == "sentencepiece" else None,
-    )  # fmt: skip
+    preprocess(DOCS, tmp_path / "data", library, **factory.tokenizer(library).preprocess_options())
 
     def config(library):
         return load_config(DEMO_CONFIG, [
@@ -175,20 +143,10 @@ def test_ids_beyond_model_vocab_are_refused_even_without_metadata(tmp_path, hf_t
         check_dataset_fits(str(tmp_path / "hf"), tokenizer, model_vocab_size=256)
 
 
-def test_gpt_dataset_samples_are_windows_of_the_token_stream(tmp_path):
-    preprocess(DOCS, tmp_path / "bytes", "byte")
-    stream = np.concatenate([np.asarray(d) for d in _read_back(tmp_path / "bytes")])
-    splits = build_gpt_datasets(
-        [str(tmp_path / "bytes")],
-        None,
-        "90,10,0",
-        32,
-        ByteTokenizer(),
-        seed=3,
-        num_train_samples=40,
-        num_valid_samples=8,
-        cache_dir=str(tmp_path / "cache"),
-    )
+def test_gpt_dataset_samples_are_windows_of_the_token_stream(tmp_path, factory):
+    prefix = factory.dataset(len(DOCS))  # DOCS in bytes
+    stream = np.concatenate([np.asarray(d) for d in _read_back(prefix)])
+    splits = byte_gpt_datasets([prefix], cache=tmp_path / "cache", seed=3)
     assert splits.valid is not None
     text = stream.tobytes()
     eod = ByteTokenizer().eod

@@ -9,10 +9,9 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, fresh_launch_env
+from helpers import ROOT, byte_gpt_datasets, fresh_launch_env
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-from megatron_lns.data.datasets import build_gpt_datasets
 from megatron_lns.data.demo_corpus import demo_documents
 from megatron_lns.data.preprocess import preprocess
 from megatron_lns.data.splits import DatasetSplitError, samples_in_split
@@ -41,21 +40,6 @@ def _corpus(tmp_path, num_documents: int, name: str = "small") -> str:
     return str(prefix)
 
 
-def _build(prefixes, split, samples=(40, 8, 0), weights=None, seq_length=32, cache=None):
-    return build_gpt_datasets(
-        list(prefixes),
-        weights,
-        split,
-        seq_length,
-        ByteTokenizer(),
-        seed=1,
-        num_train_samples=samples[0],
-        num_valid_samples=samples[1],
-        num_test_samples=samples[2],
-        cache_dir=cache,
-    )
-
-
 @pytest.mark.parametrize(
     "num_documents, split, samples, empty_split, needed",
     [
@@ -70,7 +54,7 @@ def test_a_split_without_documents_fails_fast(
 ):
     prefix = _corpus(tmp_path, num_documents)
     with deadline(120), pytest.raises(DatasetSplitError) as err:
-        _build([prefix], split, samples, cache=str(tmp_path / "cache"))
+        byte_gpt_datasets([prefix], split, samples, cache=str(tmp_path / "cache"))
     message = str(err.value)
     assert f"the {empty_split} split of {prefix} (split '{split}')" in message
     assert f"gets 0 of its {num_documents} documents" in message
@@ -83,9 +67,9 @@ def test_a_split_the_run_does_not_draw_from_is_not_built(tmp_path):
     (no valid samples) leaves ``998,2,0``'s empty valid split unused: both train."""
     prefix = _corpus(tmp_path, 200)
     with deadline(120):
-        splits = _build([prefix], "949,50,1", (40, 8, 0))
+        splits = byte_gpt_datasets([prefix], "949,50,1", (40, 8, 0))
         assert splits.test is None and len(splits.valid) >= 8 and len(splits.train) >= 40
-        splits = _build([prefix], "998,2,0", (40, 0, 0))
+        splits = byte_gpt_datasets([prefix], "998,2,0", (40, 0, 0))
     assert splits.valid is None and splits.test is None
     assert len(splits.train) >= 40
     assert splits.train[0]["tokens"].shape == (32,)
@@ -96,7 +80,7 @@ def test_a_split_shorter_than_one_sample_repeats_its_documents(tmp_path):
     prefix = tmp_path / "tiny"
     preprocess(["ab", "cd", "ef"], prefix)
     with deadline(120):
-        splits = _build([str(prefix)], "1,1,1", (10, 4, 4), seq_length=16)
+        splits = byte_gpt_datasets([str(prefix)], "1,1,1", (10, 4, 4), seq_length=16)
     text = np.asarray(splits.valid[0]["tokens"])
     assert set(text.tolist()) <= {ord("c"), ord("d"), ByteTokenizer().eod}
     assert len(splits.train) >= 10 and len(splits.test) >= 4
@@ -112,9 +96,9 @@ def test_an_unweighted_blend_needs_one_sample_from_each_prefix(tmp_path):
             DatasetSplitError, match=r"valid split of .*short.*less than one sample of 33"
         ),
     ):
-        _build([big, str(short)], "90,10,0")
+        byte_gpt_datasets([big, str(short)], "90,10,0")
     with deadline(120):
-        splits = _build([big, str(short)], "90,10,0", weights=[0.5, 0.5])
+        splits = byte_gpt_datasets([big, str(short)], "90,10,0", weights=[0.5, 0.5])
     assert len(splits.valid) >= 8
 
 
@@ -124,7 +108,7 @@ def test_the_samples_one_pass_over_a_split_holds_are_megatrons(tmp_path):
     big, other = _corpus(tmp_path, 200, "big"), _corpus(tmp_path, 120, "other")
     for prefixes in ([big], [big, other]):
         with deadline(120):
-            splits = _build(prefixes, "90,10,0", (1, 1, 0))
+            splits = byte_gpt_datasets(prefixes, "90,10,0", (1, 1, 0))
         counted = samples_in_split(prefixes, "90,10,0", "valid", seq_length=32)
         parts = getattr(splits.valid, "datasets", [splits.valid])  # a blend's, one pass each
         assert counted > 10 and counted == sum(map(len, parts)), prefixes
@@ -142,14 +126,14 @@ def test_documents_without_tokens_fail_fast(tmp_path):
         deadline(120),
         pytest.raises(DatasetSplitError, match=r"gets 1 documents that hold no tokens"),
     ):
-        _build([str(prefix)], "3,1,0", (10, 2, 0), seq_length=8)
+        byte_gpt_datasets([str(prefix)], "3,1,0", (10, 2, 0), seq_length=8)
 
 
 @pytest.mark.parametrize("split", ["0,1,0", "1,2,3,4", "", "a,b"])
 def test_a_split_string_megatron_cannot_use_is_refused(tmp_path, split):
     prefix = _corpus(tmp_path, 20)
     with pytest.raises(DatasetSplitError, match=r"non-negative weights 'train,valid,test'"):
-        _build([prefix], split)
+        byte_gpt_datasets([prefix], split)
 
 
 def test_train_on_a_corpus_too_small_for_its_split_stops_with_one_line(tmp_path):

@@ -3,7 +3,7 @@ theoretical formula with and without the distributed optimizer, and the pipeline
 stage that holds the most (in-flight micro-batches by schedule)."""
 
 import pytest
-from helpers import DEMO_CONFIG, ROOT, TINY_MODEL_OVERRIDES, megatron_memory_args
+from helpers import DEMO_CONFIG, ROOT, TINY_MODEL_OVERRIDES, megatron_args
 
 from megatron_lns.config import validate
 from megatron_lns.planning import load_for_plan
@@ -37,7 +37,7 @@ def test_weights_gradients_and_optimizer_agree_with_megatrons_formula(name, sour
     cfg = load_for_plan(source, overrides)
     validate(cfg, check_files=False)
     ours = heaviest(stage_estimates(cfg, model_shape(cfg, VOCAB)))
-    theirs = theoretical.compute_weight_and_optimizer_memory(megatron_memory_args(cfg, VOCAB))
+    theirs = theoretical.compute_weight_and_optimizer_memory(megatron_args(cfg, VOCAB))
     m = cfg.model
     ours_bytes = (ours.weights_gb + ours.grads_gb + ours.optimizer_gb) * GB
     if m.pipeline_model_parallel_size == 1:

@@ -2,10 +2,8 @@
 dense with GQA, MoE with a shared expert, the hybrid model's pattern), and the time
 arithmetic that follows from them."""
 
-from types import SimpleNamespace
-
 import pytest
-from helpers import DEMO_CONFIG, ROOT, TINY_MODEL_OVERRIDES
+from helpers import DEMO_CONFIG, ROOT, TINY_MODEL_OVERRIDES, megatron_args
 
 from megatron_lns.config import validate
 from megatron_lns.planning import gpu_named, load_for_plan
@@ -27,45 +25,6 @@ TINY_MOE_SHARED = [
 ]
 
 
-def _megatron_args(cfg, shape):
-    """Megatron-LM's argument names for the same model (megatron/training/arguments.py)."""
-    m = cfg.model
-    hybrid = m.architecture == "hybrid" and m.hybrid_layer_pattern
-    return SimpleNamespace(
-        seq_length=m.encoder_seq_length,
-        hidden_size=m.hidden_size,
-        num_layers=m.num_layers,
-        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        kv_channels=m.kv_channels or m.hidden_size // m.num_attention_heads,
-        group_query_attention=m.num_query_groups is not None,
-        num_query_groups=m.num_query_groups or m.num_attention_heads,
-        swiglu=m.activation == "swiglu",
-        padded_vocab_size=shape.vocab,
-        num_experts=m.num_moe_experts,
-        moe_layer_freq=m.moe_layer_freq if m.num_moe_experts else 1,
-        moe_router_topk=m.moe_router_topk,
-        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
-        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
-        moe_latent_size=None,
-        mtp_num_layers=None,
-        multi_latent_attention=False,
-        attention_output_gate=False,
-        experimental_attention_variant=None,
-        hybrid_layer_pattern=m.hybrid_layer_pattern if hybrid else None,
-        mamba_state_dim=128,
-        mamba_head_dim=64,
-        mamba_num_groups=8,
-        mamba_num_heads=None,
-        linear_key_head_dim=None,
-        linear_value_head_dim=None,
-        linear_num_key_heads=None,
-        linear_num_value_heads=None,
-        linear_conv_kernel_dim=None,
-        spec=None,
-    )
-
-
 @pytest.mark.parametrize(
     "name, source, overrides",
     [
@@ -81,7 +40,7 @@ def test_flops_are_megatrons_num_floating_point_operations(name, source, overrid
     validate(cfg, check_files=False)
     shape = model_shape(cfg, VOCAB)
     batch = cfg.model.global_batch_size
-    theirs = training.num_floating_point_operations(_megatron_args(cfg, shape), batch)
+    theirs = training.num_floating_point_operations(megatron_args(cfg, VOCAB), batch)
     ours = flops_per_token(shape, cfg.model.encoder_seq_length)
     assert ours * batch * cfg.model.encoder_seq_length == pytest.approx(theirs, rel=1e-12)
 

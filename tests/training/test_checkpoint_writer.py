@@ -11,7 +11,14 @@ import time
 import psutil
 import pytest
 from helpers import DEMO_CONFIG as DEMO
-from helpers import ROOT, TINY_RUN_OVERRIDES, fresh_launch_env, run_distributed, tiny_run_config
+from helpers import (
+    ROOT,
+    TINY_RUN_OVERRIDES,
+    fit_and_summarize,
+    fresh_launch_env,
+    tiny_run_config,
+    train_on_its_ranks,
+)
 
 from megatron_lns.training.checkpoint import COMPLETE_MARKER, latest_complete_checkpoint
 
@@ -23,21 +30,15 @@ PARALLEL_LOAD = "model.dist_ckpt_parallel_load=true"
 
 
 def _train(cfg):
-    """Train; the losses, where it resumed from, and the processes it left running."""
-    from megatron_lns.training.trainer import Trainer
-
-    summary = Trainer(cfg).fit()
+    """Train; the summary, and the processes it left running."""
     return {
-        "losses": summary.train_losses,
-        "valid": summary.valid_loss,
-        "resumed_from": summary.resumed_from,
+        **fit_and_summarize(cfg),
         "children": [p.pid for p in psutil.Process().children(recursive=True)],
     }
 
 
 def _run(tmp_path, cfg):
-    world = cfg.trainer.devices
-    return run_distributed(_train, world, tmp_path / f"r{time.monotonic_ns()}", cfg)
+    return train_on_its_ranks(tmp_path, cfg, _train)
 
 
 def test_an_async_save_takes_the_state_at_once_and_counts_only_once_committed(seeded, tmp_path):

@@ -15,11 +15,10 @@ checkpoints at 3 and 6):
 * the GPT model refuses a hybrid checkpoint in one line.
 """
 
-import json
 from pathlib import Path
 
 import pytest
-from helpers import run_distributed, tiny_run_config
+from helpers import TINY_MOE_OVERRIDES, logged_losses, tiny_run_config, worker_results
 
 from megatron_lns.config.loader import ConfigError
 
@@ -27,14 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.usefixtures("priva
 
 HYBRID = ["model.architecture=hybrid"]
 DP2 = ["trainer.devices=2"]
-MOE = [
-    "model.num_moe_experts=4",
-    "model.moe_router_topk=2",
-    "model.moe_layer_freq=[0,1,1,1]",
-    "model.moe_token_dispatcher_type=alltoall",
-    "model.moe_aux_loss_coeff=0.01",
-    "model.optim.name=distributed_fused_adam",
-]
+MOE = TINY_MOE_OVERRIDES
 # The tiny model's hybrid twin as an explicit pattern, split for two pipeline stages.
 PP2_PATTERN = [
     *HYBRID,
@@ -48,11 +40,6 @@ OTHER_LAYOUTS = {
     "tp2": [*HYBRID, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true"],
 }
 STOP_AT_3 = ["trainer.exit_interval=3"]
-
-
-def _losses(run_dir: Path) -> list[tuple[int, float]]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
 
 
 def _train(root: Path, name: str, *overrides: str) -> int:
@@ -73,7 +60,7 @@ def _trainings(tmp: str) -> dict:
     root, out = Path(tmp), {}
 
     def losses(name):
-        return _losses(root / name / "lns")
+        return logged_losses(root / name / "lns")
 
     # Dense: stopped and continued in its run directory (``megatron-lns train CONFIG
     # model.architecture=hybrid``); MoE: the GPT run's checkpoint named.
@@ -109,8 +96,7 @@ def _trainings(tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("hybrid_checkpoint")
-    return run_distributed(_trainings, 2, tmp, str(tmp))
+    return worker_results(tmp_path_factory, "hybrid_checkpoint", _trainings, 2)
 
 
 def _after_step_3(losses):

@@ -8,23 +8,14 @@ three MoE layers (megatron files mixed layers under per-layer checkpoint keys), 
 alltoall dispatcher, the distributed optimizer.
 """
 
-import json
 from pathlib import Path
 
 import pytest
-from helpers import run_distributed
+from helpers import TINY_MOE_OVERRIDES, logged_losses, worker_results
 
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.usefixtures("private_corpus_cache")]
 
-MOE_RUN = [
-    "trainer.devices=2",
-    "model.num_moe_experts=4",
-    "model.moe_router_topk=2",
-    "model.moe_layer_freq=[0,1,1,1]",
-    "model.moe_token_dispatcher_type=alltoall",
-    "model.moe_aux_loss_coeff=0.01",
-    "model.optim.name=distributed_fused_adam",
-]
+MOE_RUN = ["trainer.devices=2", *TINY_MOE_OVERRIDES]
 EP2 = ["model.expert_model_parallel_size=2"]
 # The layouts an EP=2 checkpoint is resumed at: the same two ranks as TP=2 with whole
 # experts (expert TP 1), so the weights, dense and expert, and the optimizer's state are
@@ -37,11 +28,6 @@ OTHER_LAYOUTS = {
         "model.expert_tensor_parallel_size=1",
     ],
 }
-
-
-def _losses(run_dir: Path) -> list[tuple[int, float]]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
 
 
 def _local_parameters(trainer) -> dict:
@@ -65,8 +51,8 @@ def _train_stop_resume(tmp: str) -> dict:
     summary = resumed.fit()
     out = {
         "resumed_from": summary.resumed_from,
-        "straight": _losses(root / "straight" / "lns"),
-        "resumed": _losses(root / "resumed" / "lns"),
+        "straight": logged_losses(root / "straight" / "lns"),
+        "resumed": logged_losses(root / "resumed" / "lns"),
         "straight_params": _local_parameters(straight),
         "resumed_params": _local_parameters(resumed),
     }
@@ -75,7 +61,7 @@ def _train_stop_resume(tmp: str) -> dict:
         resume = f"exp_manager.resume_from_checkpoint={checkpoint}"
         other = Trainer(tiny_run_config(root / name, *MOE_RUN, *layout, resume))
         out[f"{name}_resumed_from"] = other.fit().resumed_from
-        out[name] = _losses(root / name / "lns")
+        out[name] = logged_losses(root / name / "lns")
     # EP=2 -> EP=1 (DP=2, expert TP == TP: one optimizer) for step 4, then back to EP=2
     # (two: dense and experts) for steps 5 and 6: the optimizer state regrouped each way.
     resume = f"exp_manager.resume_from_checkpoint={checkpoint}"
@@ -85,7 +71,7 @@ def _train_stop_resume(tmp: str) -> dict:
     ep2 = Trainer(tiny_run_config(root / "ep1", *MOE_RUN, *EP2))
     out["ep1_ep2_parts"] = len(ep2.optimizer.chained_optimizers)
     out["ep1_ep2_resumed_from"] = ep2.fit().resumed_from
-    out["ep1_ep2"] = _losses(root / "ep1" / "lns")
+    out["ep1_ep2"] = logged_losses(root / "ep1" / "lns")
     out["ep1_ep2_adam_steps"] = sorted(
         {
             int(state["step"])
@@ -98,8 +84,7 @@ def _train_stop_resume(tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("moe_checkpoint")
-    return run_distributed(_train_stop_resume, 2, tmp, str(tmp))
+    return worker_results(tmp_path_factory, "moe_checkpoint", _train_stop_resume, 2)
 
 
 def test_an_ep2_moe_run_resumes_bitwise(runs):

@@ -11,27 +11,21 @@ import time
 
 import pytest
 from helpers import DEMO_CONFIG as DEMO
-from helpers import ROOT, TINY_RUN_OVERRIDES, fresh_launch_env, run_distributed, tiny_run_config
+from helpers import (
+    ROOT,
+    TINY_RUN_OVERRIDES,
+    fresh_launch_env,
+    tiny_run_config,
+    train_on_its_ranks,
+)
 
 from megatron_lns.training.checkpoint import latest_complete_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("private_corpus_cache")]
 
 
-def _train(cfg):
-    from megatron_lns.training.trainer import Trainer
-
-    summary = Trainer(cfg).fit()
-    return {
-        "losses": summary.train_losses,
-        "valid": summary.valid_loss,
-        "resumed_from": summary.resumed_from,
-    }
-
-
 def _run(tmp_path, cfg):
-    world = cfg.trainer.devices
-    return run_distributed(_train, world, tmp_path / f"r{time.monotonic_ns()}", cfg)[0]
+    return train_on_its_ranks(tmp_path, cfg)[0]
 
 
 @pytest.mark.parametrize(

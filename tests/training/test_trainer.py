@@ -8,7 +8,7 @@ from helpers import ROOT, run_distributed
 
 from megatron_lns.config import load_config, validate
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("private_corpus_cache")]
 
 DEMO = ROOT / "nemo_configs" / "tiny_cpu_demo.yaml"
 TINY = [
@@ -24,11 +24,6 @@ TINY = [
     "trainer.limit_val_batches=0",
     "trainer.log_every_n_steps=1",
 ]
-
-
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("MEGATRON_LNS_CACHE", str(tmp_path_factory.getbasetemp() / "corpus_cache"))
 
 
 def _fit_fp16(cfg):
