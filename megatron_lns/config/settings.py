@@ -79,6 +79,12 @@ class Setting:
         return self.target.split(".", 1)[1] if self.target else None
 
 
+def to(target_field: str) -> Translate:
+    """The value unchanged, under the name its target uses (``bias`` -> ``add_bias_linear``
+    is GPTModelConfig's ``bias``, which sets both of megatron-core's bias switches)."""
+    return lambda value, cfg: {target_field: value}
+
+
 def setting(
     default: Any = dataclasses.MISSING,
     check: Check | None = None,
