@@ -16,7 +16,7 @@ from megatron_lns.config.rules import (
     probability,
     rng_seed,
 )
-from megatron_lns.config.settings import setting, to
+from megatron_lns.config.settings import HF_CONVERTER, HF_REFUSE, setting, to
 
 NORMALIZATIONS = {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm", "layernorm1p": "LayerNorm"}
 
@@ -40,6 +40,8 @@ class ArchitectureSettings:
         translate=to("seq_length"),
         group="architecture",
         doc="training sequence length (`GPTModel` / `GPTDataset` sequence length)",
+        shapes=True,
+        hf="max_position_embeddings",
     )
     max_position_embeddings: int | None = setting(
         None,
@@ -49,6 +51,8 @@ class ArchitectureSettings:
         null_means="= seq length",
         group="architecture",
         doc="`GPTModel.max_sequence_length`",
+        shapes=True,
+        hf="max_position_embeddings",
     )
     num_layers: int = setting(
         12,
@@ -56,6 +60,8 @@ class ArchitectureSettings:
         target="TransformerConfig.num_layers",
         group="architecture",
         doc="`TransformerConfig.num_layers`",
+        shapes=True,
+        hf="num_hidden_layers",
     )
     architecture: str = setting(
         "gpt",
@@ -69,6 +75,7 @@ class ArchitectureSettings:
             "(`*-` per layer, `*E` where `moe_layer_freq` puts experts), which computes the same "
             "function and resumes its checkpoints; LNS's depth is the paper's block index in both"
         ),
+        hf=HF_CONVERTER,
     )
     hybrid_layer_pattern: str | None = setting(
         None,
@@ -83,6 +90,8 @@ class ArchitectureSettings:
             "MLP/MoE sublayers after it share its `l` (docs/design.md). Mamba (`M`), GDN (`G`), "
             "DSA (`D`), MLA (`+`) and MTP (`/`) are refused"
         ),
+        shapes=True,
+        hf=HF_CONVERTER,
     )
     hidden_size: int = setting(
         768,
@@ -90,6 +99,8 @@ class ArchitectureSettings:
         target="TransformerConfig.hidden_size",
         group="architecture",
         doc="`hidden_size`",
+        shapes=True,
+        hf="hidden_size",
     )
     ffn_hidden_size: int | None = setting(
         None,
@@ -98,6 +109,8 @@ class ArchitectureSettings:
         null_means="4 x hidden",
         group="architecture",
         doc="`ffn_hidden_size` (per gate/up half with SwiGLU)",
+        shapes=True,
+        hf="intermediate_size",
     )
     num_attention_heads: int = setting(
         12,
@@ -105,6 +118,8 @@ class ArchitectureSettings:
         target="TransformerConfig.num_attention_heads",
         group="architecture",
         doc="`num_attention_heads`",
+        shapes=True,
+        hf="num_attention_heads",
     )
     kv_channels: int | None = setting(
         None,
@@ -119,6 +134,8 @@ class ArchitectureSettings:
             "writes it as Llama's `head_dim`; StableLM has no head size of its own, so a "
             "LayerNorm model with another head size is refused"
         ),
+        shapes=True,
+        hf=HF_CONVERTER,
     )
     num_query_groups: int | None = setting(
         None,
@@ -127,6 +144,8 @@ class ArchitectureSettings:
         null_means="= heads",
         group="architecture",
         doc="`num_query_groups` (grouped-query attention)",
+        shapes=True,
+        hf="num_key_value_heads",
     )
     position_embedding_type: str = setting(
         "rope",
@@ -134,9 +153,16 @@ class ArchitectureSettings:
         target="GPTModel.position_embedding_type",
         group="architecture",
         doc="`rope` (rotate-half, as Hugging Face Llama) or `learned_absolute`",
+        shapes=True,
+        hf=HF_CONVERTER,
     )
     rotary_base: int = setting(
-        10000, positive, target="GPTModel.rotary_base", group="architecture", doc="RoPE theta"
+        10000,
+        positive,
+        target="GPTModel.rotary_base",
+        group="architecture",
+        doc="RoPE theta",
+        hf=HF_CONVERTER,
     )
     normalization: str = setting(
         "rmsnorm",
@@ -148,6 +174,8 @@ class ArchitectureSettings:
             "`rmsnorm`, `layernorm`, or `layernorm1p` (LayerNorm with zero-centred gamma, "
             "`layernorm_zero_centered_gamma`)"
         ),
+        shapes=True,
+        hf=HF_CONVERTER,
     )
     norm_affine: bool = setting(
         True,
@@ -157,6 +185,8 @@ class ArchitectureSettings:
             "false: parameter-free norms (OLMo); with LNS the effective gamma is the constant "
             "`1/sqrt(l)`"
         ),
+        shapes=True,
+        hf=HF_CONVERTER,
     )
     layernorm_epsilon: float = setting(
         1e-5,
@@ -164,6 +194,7 @@ class ArchitectureSettings:
         target="TransformerConfig.layernorm_epsilon",
         group="architecture",
         doc="`layernorm_epsilon`",
+        hf=HF_CONVERTER,
     )
     bias: bool = setting(
         False,
@@ -171,6 +202,8 @@ class ArchitectureSettings:
         translate=to("bias"),
         group="architecture",
         doc="`add_bias_linear` and `add_qkv_bias`",
+        shapes=True,
+        hf=HF_CONVERTER,
     )
     qk_layernorm: bool = setting(
         False,
@@ -181,6 +214,8 @@ class ArchitectureSettings:
             "queries and keys before RoPE (OLMo 2, Qwen3); never LNS-scaled. Not exported to "
             "Hugging Face (Llama, StableLM, Mixtral and Qwen2-MoE have none)"
         ),
+        shapes=True,
+        hf=HF_REFUSE,
     )
     activation: str = setting(
         "swiglu",
@@ -189,12 +224,16 @@ class ArchitectureSettings:
         translate=to("activation"),
         group="architecture",
         doc="`swiglu` (`gated_linear_unit` + SiLU) or `gelu`",
+        shapes=True,
+        hf=HF_CONVERTER,
     )
     share_embeddings_and_output_weights: bool = setting(
         False,
         target="GPTModel.share_embeddings_and_output_weights",
         group="architecture",
         doc="tie input embedding and LM head",
+        shapes=True,
+        hf="tie_word_embeddings",
     )
     init_method_std: float = setting(
         0.02,
@@ -202,6 +241,7 @@ class ArchitectureSettings:
         target="TransformerConfig.init_method_std",
         group="architecture",
         doc="`init_method_std`",
+        hf="initializer_range",
     )
     hidden_dropout: float = setting(
         0.0,
@@ -209,6 +249,7 @@ class ArchitectureSettings:
         target="TransformerConfig.hidden_dropout",
         group="architecture",
         doc="`hidden_dropout`",
+        hf=HF_CONVERTER,
     )
     attention_dropout: float = setting(
         0.0,
@@ -216,6 +257,7 @@ class ArchitectureSettings:
         target="TransformerConfig.attention_dropout",
         group="architecture",
         doc="`attention_dropout`",
+        hf="attention_dropout",
     )
     make_vocab_size_divisible_by: int = setting(
         128,
@@ -225,6 +267,8 @@ class ArchitectureSettings:
             "embedding rows = tokenizer vocab rounded up to a multiple of lcm(this, TP) "
             "(Megatron-LM multiplies by TP instead, which ties checkpoints to one TP size)"
         ),
+        shapes=True,
+        hf=HF_CONVERTER,
     )
     seed: int = setting(
         1234,

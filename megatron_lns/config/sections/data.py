@@ -11,7 +11,7 @@ from megatron_lns.config.rules import (
     positive,
     split_weights,
 )
-from megatron_lns.config.settings import setting
+from megatron_lns.config.settings import HF_CONVERTER, setting
 from megatron_lns.data.tokenizer import TOKENIZER_LIBRARIES
 
 
@@ -67,8 +67,15 @@ class TokenizerConfig:
         "byte",
         one_of(TOKENIZER_LIBRARIES),
         doc="`byte` (UTF-8 bytes + EOD, vocab 257), `huggingface`, `sentencepiece`",
+        shapes=True,
+        hf=HF_CONVERTER,
     )
     type: str | None = setting(
-        None, doc="Hugging Face: a local tokenizer directory (never downloaded)"
+        None,
+        doc="Hugging Face: a local tokenizer directory (never downloaded)",
+        shapes=True,
+        hf=HF_CONVERTER,
     )
-    model: str | None = setting(None, doc="SentencePiece: the `.model` file")
+    model: str | None = setting(
+        None, doc="SentencePiece: the `.model` file", shapes=True, hf=HF_CONVERTER
+    )

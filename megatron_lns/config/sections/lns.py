@@ -15,7 +15,7 @@ from megatron_lns.config.rules import (
     positive,
     probability,
 )
-from megatron_lns.config.settings import setting, to
+from megatron_lns.config.settings import HF_CONVERTER, setting, to
 
 
 @dataclass
@@ -31,6 +31,7 @@ class LnsSettings:
             "`lns`: both pre-norms of block `l` scaled by `1/sqrt(l)`; `none`: plain Pre-LN (same"
             " parameters and checkpoint keys)"
         ),
+        hf=HF_CONVERTER,
     )
     output_layer_init: str | None = setting(
         None,
@@ -58,6 +59,8 @@ class LnsSettings:
             " branch gate from 0). `norm_scaling: lns` only with `pre_ln`, `layerscale`, "
             "`skipinit`; other than `pre_ln` needs `transformer_engine: false`"
         ),
+        shapes=True,
+        hf=HF_CONVERTER,
     )
     mix_ln_post_fraction: float = setting(
         0.25,
@@ -65,6 +68,8 @@ class LnsSettings:
         target="layer_spec.mix_ln_post_fraction",
         group="lns",
         doc="Mix-LN: layers `l <= floor(fraction * num_layers)` are Post-LN; in [0, 1]",
+        shapes=True,
+        hf=HF_CONVERTER,
     )
     layerscale_init: float = setting(
         1e-3,

@@ -20,7 +20,7 @@ from megatron_lns.config.rules import (
     one_of,
     positive,
 )
-from megatron_lns.config.settings import setting
+from megatron_lns.config.settings import HF_CONVERTER, setting
 
 
 def _moe_layer_freq(value: Any, cfg: Any) -> dict[str, Any]:
@@ -44,6 +44,8 @@ class MoeSettings:
             "layer's pre-MLP norm, which LNS scales by 1/sqrt(l) like a dense layer's, so the "
             "router and the experts both see the scaled input"
         ),
+        shapes=True,
+        hf=HF_CONVERTER,
     )
     moe_layer_freq: Any = setting(
         1,
@@ -56,6 +58,8 @@ class MoeSettings:
             "a list of 0 (dense) / 1 (MoE) per layer, or megatron-lm's list expression such as "
             "`'[0]*1+[1]*15'`. Every layer keeps its global number l for LNS"
         ),
+        shapes=True,
+        hf=HF_CONVERTER,
     )
     moe_ffn_hidden_size: int | None = setting(
         None,
@@ -64,6 +68,8 @@ class MoeSettings:
         null_means="= ffn_hidden_size",
         group="moe",
         doc="`moe_ffn_hidden_size`: each routed expert's MLP width (per gate/up half with SwiGLU)",
+        shapes=True,
+        hf=HF_CONVERTER,
     )
     moe_router_topk: int = setting(
         2,
@@ -71,6 +77,7 @@ class MoeSettings:
         target="TransformerConfig.moe_router_topk",
         group="moe",
         doc="`moe_router_topk`: experts each token is sent to; at most `num_moe_experts`",
+        hf=HF_CONVERTER,
     )
     moe_router_score_function: str = setting(
         "softmax",
@@ -81,6 +88,7 @@ class MoeSettings:
             "`moe_router_score_function`: `softmax` (Mixtral, OLMoE, Qwen-MoE) or `sigmoid` "
             "(DeepSeek-V3; the top-k scores are renormalised to sum to 1 when k > 1)"
         ),
+        hf=HF_CONVERTER,
     )
     moe_router_pre_softmax: bool = setting(
         False,
@@ -91,6 +99,7 @@ class MoeSettings:
             "probabilities then do not sum to 1, as in OLMoE); false: softmax over the top-k "
             "logits (Mixtral's renormalised probabilities)"
         ),
+        hf=HF_CONVERTER,
     )
     moe_router_topk_scaling_factor: float | None = setting(
         None,
@@ -99,6 +108,7 @@ class MoeSettings:
         null_means="1",
         group="moe",
         doc="`moe_router_topk_scaling_factor`: multiplies the routing weights (DeepSeek-V3's 2.5)",
+        hf=HF_CONVERTER,
     )
     moe_router_enable_expert_bias: bool = setting(
         False,
@@ -109,6 +119,8 @@ class MoeSettings:
             "bias added to the scores for selection only, updated after each step from the "
             "tokens each expert received; needs `moe_router_score_function: sigmoid`"
         ),
+        shapes=True,
+        hf=HF_CONVERTER,
     )
     moe_router_bias_update_rate: float = setting(
         1e-3,
@@ -137,6 +149,7 @@ class MoeSettings:
             "`seq_aux_loss` (per sequence), `global_aux_loss` (over the data-parallel group), "
             "`sinkhorn` (S-BASE routing, top-1 only), `none`"
         ),
+        hf=HF_CONVERTER,
     )
     moe_aux_loss_coeff: float = setting(
         0.0,
@@ -208,12 +221,16 @@ class MoeSettings:
             "`moe_shared_expert_intermediate_size`: width of the shared expert every token "
             "passes through (all shared experts together, as in Qwen-MoE and DeepSeek)"
         ),
+        shapes=True,
+        hf=HF_CONVERTER,
     )
     moe_shared_expert_gate: bool = setting(
         False,
         target="TransformerConfig.moe_shared_expert_gate",
         group="moe",
         doc="`moe_shared_expert_gate`: a sigmoid gate on the shared expert's output (Qwen2-MoE)",
+        shapes=True,
+        hf=HF_CONVERTER,
     )
     moe_shared_expert_overlap: bool = setting(
         False,
@@ -235,6 +252,7 @@ class MoeSettings:
             "`moe_expert_capacity_factor`: each expert takes at most factor x its even share of "
             "the tokens; the rest are dropped (their MoE output is 0, the residual carries them)"
         ),
+        hf=HF_CONVERTER,
     )
     moe_token_drop_policy: str = setting(
         "probs",

@@ -10,7 +10,7 @@ from megatron_lns.config.rules import (
     one_of,
     positive,
 )
-from megatron_lns.config.settings import setting, to
+from megatron_lns.config.settings import HF_REFUSE, setting, to
 
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 FP8_FORMATS = ("hybrid", "e4m3")
@@ -71,6 +71,7 @@ class TransformerEngineSettings:
             "`fp8_param`: keep the weights themselves in FP8; false keeps bf16 weights with fp32 "
             "main weights in the optimizer"
         ),
+        hf=HF_REFUSE,
     )
     fp8_margin: int = setting(
         0,

@@ -15,6 +15,10 @@ them; every lookup goes through this registry:
   same norm is read by import and exported as the earlier one, which computes the same
   function.
 
+Every model setting's role in export is declared with it (``hf=``, ``config.settings``):
+the architectures map the ones they know; ``convert/hf_settings.py`` refuses, by name,
+a non-default value of one no Hugging Face model holds.
+
 A hybrid run (``model.architecture: hybrid``) exports as the GPT model it equals when its
 pattern is the GPT-equivalent one (``*-`` / ``*E`` per block, or no pattern): the same
 architecture, read from its sublayers' keys (``Architecture.hybrid``); any other pattern
@@ -41,6 +45,7 @@ from megatron_lns.convert.architectures.mixtral import Mixtral
 from megatron_lns.convert.architectures.qwen2_moe import Qwen2Moe
 from megatron_lns.convert.architectures.stablelm import StableLm
 from megatron_lns.convert.errors import ConversionError
+from megatron_lns.convert.hf_settings import refuse_unexportable
 
 ARCHITECTURES: tuple[type[Architecture], ...] = (Llama, StableLm, Mixtral, Qwen2Moe)
 
@@ -93,7 +98,9 @@ def architecture_for_model_config(m: ModelConfig) -> Architecture:
             f"{what} ({listed(arch.name for arch in kind)}) have {listed(norms, ' or ')}"
         )
     arch = next((arch for arch in candidates if arch.exports_model(m)), candidates[0])
-    return dataclasses.replace(arch.from_model_config(m), hybrid=hybrid)
+    exported = dataclasses.replace(arch.from_model_config(m), hybrid=hybrid)
+    refuse_unexportable(m)
+    return exported
 
 
 def gpt_model_of(m: ModelConfig) -> ModelConfig:
