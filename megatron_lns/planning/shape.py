@@ -22,8 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lns.config import hybrid_pattern, layout
-from megatron_lns.config.moe_layers import moe_layer_pattern
+from megatron_lns.config import hybrid_pattern, layout, model_derived
 from megatron_lns.config.schema import ExperimentConfig
 
 
@@ -89,9 +88,9 @@ def model_shape(cfg: ExperimentConfig, vocab_size: int) -> ModelShape:
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     vp = m.virtual_pipeline_model_parallel_size or 1
     h, heads = m.hidden_size, m.num_attention_heads
-    head_size = m.kv_channels or h // heads
-    q, kv = heads * head_size, (m.num_query_groups or heads) * head_size
-    ffn = m.ffn_hidden_size or 4 * h
+    head_size = model_derived.head_size(m)
+    q, kv = heads * head_size, model_derived.query_groups(m) * head_size
+    ffn = model_derived.ffn_hidden_size(m)
     glu = 2 if m.activation == "swiglu" else 1
     per_channel = 1 if m.normalization == "rmsnorm" else 2  # weight (+ LayerNorm's bias)
     norm = per_channel * h if m.norm_affine else 0
@@ -111,9 +110,9 @@ def model_shape(cfg: ExperimentConfig, vocab_size: int) -> ModelShape:
     )  # fmt: skip
     moe_fields = {}
     moe = None
-    if m.num_moe_experts:
+    if model_derived.has_experts(m):
         experts, topk = m.num_moe_experts, m.moe_router_topk
-        expert_ffn = m.moe_ffn_hidden_size or ffn
+        expert_ffn = model_derived.expert_ffn_hidden_size(m)
         shared_ffn = m.moe_shared_expert_intermediate_size or 0
         expert = h * glu * expert_ffn + expert_ffn * h
         gate = h if shared_ffn and m.moe_shared_expert_gate else 0
@@ -153,7 +152,7 @@ def model_shape(cfg: ExperimentConfig, vocab_size: int) -> ModelShape:
 
     embedding = vocab * h
     if m.position_embedding_type == "learned_absolute":
-        embedding += (m.max_position_embeddings or m.encoder_seq_length) * h
+        embedding += model_derived.max_positions(m, m.encoder_seq_length) * h
     untied = not m.share_embeddings_and_output_weights
     return ModelShape(
         hidden=h, heads=heads, query=q, key_value=kv, ffn=ffn, glu=glu, vocab=vocab,
@@ -175,12 +174,8 @@ def _pipeline_segments(cfg: ExperimentConfig, pp: int, vp: int) -> list[str]:
         if pp * vp == 1:
             return [hybrid_pattern.sublayers(m.hybrid_layer_pattern)]
         return m.hybrid_layer_pattern.split(hybrid_pattern.PIPE)
-    moe = (
-        moe_layer_pattern(m.moe_layer_freq, m.num_layers)
-        if m.num_moe_experts
-        else [0] * m.num_layers
-    )
-    return hybrid_pattern.gpt_equivalent_pattern(moe, pp * vp).split(hybrid_pattern.PIPE)
+    pattern = hybrid_pattern.gpt_equivalent_pattern(model_derived.moe_layers(m), pp * vp)
+    return pattern.split(hybrid_pattern.PIPE)
 
 
 def _sum_units(parts: list[Unit]) -> Unit:

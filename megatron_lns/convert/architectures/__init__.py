@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_lns.config import hybrid_pattern
+from megatron_lns.config import hybrid_pattern, model_derived
 from megatron_lns.config.schema import ModelConfig
 from megatron_lns.convert.architectures.base import (
     HF_NORM_OF,
@@ -86,7 +86,7 @@ def architecture_for_model_config(m: ModelConfig) -> Architecture:
     hybrid = m.architecture == "hybrid"
     m = gpt_model_of(m)
     refuse_unshared_design(m, [arch.name for arch in ARCHITECTURES])
-    moe = bool(m.num_moe_experts)
+    moe = model_derived.has_experts(m)
     kind = [arch for arch in ARCHITECTURES if arch.moe == moe]
     norm = HF_NORM_OF.get(m.normalization)
     candidates = [arch for arch in kind if arch.norm == norm]
