@@ -14,8 +14,9 @@ other ranks (megatron-core's layout):
 
 Counts the norms' weights (and LayerNorm's biases), QK-norms, linear biases of attention
 and dense MLPs (``bias: true``), learned position embeddings, the embedding and an untied
-output layer. Not counted: the paper variants' per-layer gains (a few ``hidden_size``
-each, ``layer_variant``) and expert biases. Nothing here imports torch.
+output layer, and what a setting declares it adds to each layer (``params=``,
+:func:`declared_layer_parameters`). Not counted: the paper variants' per-layer gains (a
+few ``hidden_size`` each, ``layer_variant``) and expert biases. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_lns.config import hybrid_pattern, layout, model_derived
-from megatron_lns.config.schema import ExperimentConfig
+from megatron_lns.config.schema import ExperimentConfig, ModelConfig
+from megatron_lns.config.settings import declared_settings
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel: int, divisible_by: int = 128) -> int:
@@ -101,7 +103,8 @@ def model_shape(cfg: ExperimentConfig, vocab_size: int) -> ModelShape:
     attention = Unit(
         attention=1, dense_mlps=0, moe_mlps=0,
         sharded=h * (q + 2 * kv) + q * h + bias * (q + 2 * kv),
-        replicated=norm + qk_norm + bias * h, experts=0, active_experts=0,
+        replicated=norm + qk_norm + bias * h + declared_layer_parameters(m),
+        experts=0, active_experts=0,
     )  # fmt: skip
     mlp = Unit(
         attention=0, dense_mlps=1, moe_mlps=0,
@@ -165,6 +168,13 @@ def model_shape(cfg: ExperimentConfig, vocab_size: int) -> ModelShape:
         tied=not untied,
         **moe_fields,
     )  # fmt: skip
+
+
+def declared_layer_parameters(m: ModelConfig) -> int:
+    """The parameters per layer (per attention sublayer of a hybrid pattern) that model
+    settings declare with ``params=`` (``config.settings``), held whole by every TP rank:
+    how a setting's parameters are counted without a line here."""
+    return sum(d.setting.params(m) for d in declared_settings(type(m)) if d.setting.params)
 
 
 def _pipeline_segments(cfg: ExperimentConfig, pp: int, vp: int) -> list[str]:
