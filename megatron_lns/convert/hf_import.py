@@ -36,7 +36,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_lns.base.path_kind import not_a_directory, not_a_file
-from megatron_lns.config import ConfigError, hybrid_pattern, to_yaml, validate
+from megatron_lns.config import ConfigError, hybrid_pattern, model_derived, to_yaml, validate
 from megatron_lns.config.schema import ExperimentConfig, ModelConfig
 from megatron_lns.config.sources import RUN_CONFIG, config_file, load_run_config
 from megatron_lns.convert.architectures import Architecture, architecture_for_hf_config
@@ -289,11 +289,12 @@ def _hybrid_twin_pattern(arch: Architecture) -> str:
 def _null_means(key: str, arch: Architecture) -> int | None:
     """What null stands for in an architecture key whose null is derived (the head size,
     the number of key/value groups), so that a user's null agrees with config.json."""
-    if key == "model.kv_channels":
-        return arch.hidden_size // arch.num_attention_heads
-    if key == "model.num_query_groups":
-        return arch.num_attention_heads
-    return None
+    sizes = ModelConfig(hidden_size=arch.hidden_size, num_attention_heads=arch.num_attention_heads)
+    derived = {
+        "model.kv_channels": model_derived.head_size(sizes),
+        "model.num_query_groups": model_derived.query_groups(sizes),
+    }
+    return derived.get(key)
 
 
 def _conflict(key: str, given, value, hf_dir: Path) -> str:

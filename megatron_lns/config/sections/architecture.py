@@ -41,7 +41,7 @@ class ArchitectureSettings:
         group="architecture",
         doc="training sequence length (`GPTModel` / `GPTDataset` sequence length)",
         shapes=True,
-        hf="max_position_embeddings",
+        hf=HF_CONVERTER,
     )
     max_position_embeddings: int | None = setting(
         None,
@@ -110,7 +110,7 @@ class ArchitectureSettings:
         group="architecture",
         doc="`ffn_hidden_size` (per gate/up half with SwiGLU)",
         shapes=True,
-        hf="intermediate_size",
+        hf=HF_CONVERTER,
     )
     num_attention_heads: int = setting(
         12,
