@@ -5,7 +5,7 @@ strict), and the settings that mean something only to one architecture."""
 
 from __future__ import annotations
 
-from megatron_lns.config import hybrid_pattern
+from megatron_lns.config import hybrid_pattern, model_derived
 from megatron_lns.config.loader import ConfigError
 
 KEY = "model.hybrid_layer_pattern"
@@ -46,13 +46,13 @@ def check_hybrid(m) -> None:
     if errors:
         raise ConfigError(f"{KEY}={pattern!r}: {errors[0]}")
     has_moe = hybrid_pattern.MOE in pattern
-    if has_moe and not m.num_moe_experts:
+    if has_moe and not model_derived.has_experts(m):
         position = pattern.index(hybrid_pattern.MOE) + 1
         raise ConfigError(
             f"{KEY}={pattern!r}: 'E' at position {position} is an MoE sublayer, which needs "
             "model.num_moe_experts"
         )
-    if m.num_moe_experts and not has_moe:
+    if model_derived.has_experts(m) and not has_moe:
         raise ConfigError(
             f"model.num_moe_experts={m.num_moe_experts} but {KEY}={pattern!r} has no 'E' "
             "(MoE) sublayer to put experts in"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from omegaconf import ListConfig
 
+from megatron_lns.config import model_derived
 from megatron_lns.config.layout import ParallelLayout
 from megatron_lns.config.loader import ConfigError
 from megatron_lns.config.moe_layers import MoELayerFreqError, moe_layer_pattern
@@ -40,7 +41,7 @@ def _refuse_moe_keys_set(m, why: str) -> None:
 def check_moe(m, world: int) -> None:
     """Every cross-key MoE rule; ``m`` is the ``model:`` section, ``world`` the ranks."""
     experts = m.num_moe_experts
-    if experts is None:
+    if not model_derived.has_experts(m):
         _refuse_moe_keys_set(
             m, "it needs a mixture-of-experts model (model.num_moe_experts is not set)"
         )
@@ -85,7 +86,7 @@ def check_moe(m, world: int) -> None:
         layout.expert_data_parallel(world)
     except ValueError as err:
         raise ConfigError(f"{err} (trainer.num_nodes x trainer.devices)") from None
-    expert_ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * m.hidden_size
+    expert_ffn = model_derived.expert_ffn_hidden_size(m)
     if expert_ffn % etp:
         raise ConfigError(
             f"the experts' MLP width (model.moe_ffn_hidden_size, else model.ffn_hidden_size: "

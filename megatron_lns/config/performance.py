@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
+from megatron_lns.config import model_derived
 from megatron_lns.config.fast_paths import (
     FastPathError,
     FastPathRequest,
@@ -55,7 +56,7 @@ def fast_path_request(cfg: ExperimentConfig) -> FastPathRequest:
         rope=m.position_embedding_type == "rope",
         gelu_without_bias=m.activation == "gelu" and not m.bias,
         distributed_optimizer=uses_distributed_optimizer(cfg),
-        moe=m.num_moe_experts is not None,
+        moe=model_derived.has_experts(m),
     )
 
 

@@ -8,7 +8,11 @@ The page's prose is written by hand; each table of keys sits between two markers
     <!-- /keys -->
 
 and is rendered here from the declarations of that group (``settings.setting``), in
-declaration order. ``tests/config/test_reference.py`` fails when the committed page
+declaration order. A group with model settings that shape parameters or have a role in
+Hugging Face export also shows both facts (``shapes``, ``hf``): "yes" where a checkpoint
+under another value is another model, and the ``config.json`` field, "refused" (export
+refuses a value other than the default) or "converter" (``convert/architectures`` maps or
+refuses each value). ``tests/config/test_reference.py`` fails when the committed page
 differs from what the declarations give; after changing a declaration, run::
 
     python -m megatron_lns.config.reference docs/configuration.md
@@ -23,11 +27,19 @@ from pathlib import Path
 from typing import Any
 
 from megatron_lns.config.schema import ExperimentConfig
-from megatron_lns.config.settings import Declared, declared_settings
+from megatron_lns.config.settings import (
+    HF_CONVERTER,
+    HF_REFUSE,
+    Declared,
+    declared_settings,
+)
 
 # The header of a group's table where it is not the usual one.
 HEADERS = {"performance": ("key", "default", "megatron-core meaning; what null resolves to")}
 DEFAULT_HEADER = ("key", "default", "meaning")
+# The columns of the model facts, before the meaning, in groups that declare any.
+FACT_COLUMNS = ("shapes parameters", "Hugging Face")
+HF_SHOWN = {HF_REFUSE: "refused", HF_CONVERTER: "converter"}
 _BLOCK = re.compile(r"(<!-- keys: (?P<group>[\w.]+) -->\n)(?P<table>.*?)(<!-- /keys -->)", re.S)
 
 
@@ -68,11 +80,23 @@ def key_table(group: str) -> str:
     if not rows:
         raise ValueError(f"no key is declared in group {group!r}")
     header = HEADERS.get(group, DEFAULT_HEADER)
+    facts = any(item.setting.shapes or item.setting.hf for item in rows)
+    if facts:
+        header = (*header[:-1], *FACT_COLUMNS, header[-1])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for item in rows:
-        default = shown_default(item.default, item.setting.null_means)
-        lines.append(f"| `{item.key}` | {default} | {item.setting.doc} |")
+        cells = [f"`{item.key}`", shown_default(item.default, item.setting.null_means)]
+        if facts:
+            cells += model_facts(item)
+        lines.append("| " + " | ".join([*cells, item.setting.doc]) + " |")
     return "\n".join(lines) + "\n"
+
+
+def model_facts(item: Declared) -> list[str]:
+    """The shapes and Hugging Face cells of a key's row (module doc)."""
+    hf = item.setting.hf
+    shown_hf = HF_SHOWN.get(hf, f"`{hf}`") if hf else ""
+    return ["yes" if item.setting.shapes else "", shown_hf]
 
 
 def groups() -> list[str]:

@@ -29,6 +29,22 @@ The declaration carries everything the rest of the package derives from it:
 * ``group``, ``doc``, ``null_means``: the key's row in the tables of docs/configuration.md
   (``config/reference.py`` renders them; a test keeps the committed tables current).
 
+A model setting also says what a checkpoint and a Hugging Face model make of it:
+
+* ``shapes``: the value decides which parameters the model has or their shapes, so a
+  checkpoint written under another value is another model. Resume names the shaping keys
+  that changed when a checkpoint does not load (:func:`shaping_keys`);
+* ``hf``: its role in Hugging Face export and import. A ``config.json`` field name: the
+  field it becomes on export and is read from on import (written and read by the
+  architecture where it names the field, else as it is: ``convert/hf_settings.py``);
+  :data:`HF_REFUSE`: export refuses a value other than the default, naming the key;
+  :data:`HF_CONVERTER`: the converters map it value by value, or refuse a value by name
+  (``convert/architectures``: the norm picks the class, the MoE fields differ per class).
+  A setting that shapes parameters must say one;
+* ``params``: how ``plan`` counts the parameters the setting adds to each layer (held whole
+  by every tensor-parallel rank), where ``planning/shape.py``'s own count of the decoder
+  does not already (``params(model_section) -> int``).
+
 Nothing here imports torch or megatron-core: the config layer stays light.
 """
 
@@ -51,6 +67,11 @@ DDP_TARGETS = ("DistributedDataParallelConfig",)
 
 # translate(value, cfg) -> {field: value}, cfg being the whole ExperimentConfig.
 Translate = Callable[[Any, Any], dict[str, Any]]
+# params(model section) -> the parameters the setting adds to each layer (module doc).
+Params = Callable[[Any], int]
+# The roles in Hugging Face export/import that are not a config.json field (module doc).
+HF_REFUSE = "refuse"
+HF_CONVERTER = "converter"
 
 
 @dataclass(frozen=True)
@@ -69,6 +90,9 @@ class Setting:
     null_means: str | None = None
     # The value may be a mapping with keys of its own, checked by the key's own rules.
     free_form: bool = False
+    shapes: bool = False
+    hf: str | None = None
+    params: Params | None = None
 
     @property
     def target_class(self) -> str | None:
@@ -77,6 +101,12 @@ class Setting:
     @property
     def target_field(self) -> str | None:
         return self.target.split(".", 1)[1] if self.target else None
+
+
+def to(target_field: str) -> Translate:
+    """The value unchanged, under the name its target uses (``bias`` -> ``add_bias_linear``
+    is GPTModelConfig's ``bias``, which sets both of megatron-core's bias switches)."""
+    return lambda value, cfg: {target_field: value}
 
 
 def setting(
@@ -92,6 +122,9 @@ def setting(
     training_only: bool = False,
     null_means: str | None = None,
     free_form: bool = False,
+    shapes: bool = False,
+    hf: str | None = None,
+    params: Params | None = None,
     default_factory: Callable[[], Any] | None = None,
 ) -> Any:
     """A schema field with its declaration (module doc)."""
@@ -99,6 +132,15 @@ def setting(
         raise ValueError(f"target={target!r} must be 'Class.field'")
     if translate is not None and target is None:
         raise ValueError("a translated setting names where it goes (target=...)")
+    if shapes and hf is None:
+        raise ValueError(
+            f"a setting that shapes parameters says its Hugging Face role: hf='<config.json "
+            f"field>', {HF_REFUSE!r} or {HF_CONVERTER!r} ({doc!r})"
+        )
+    if hf is not None and not hf.isidentifier():
+        raise ValueError(f"hf={hf!r} is not a config.json field name")
+    if params is not None and not shapes:
+        raise ValueError(f"a setting whose parameters plan counts shapes them ({doc!r})")
     declared = Setting(
         doc=doc,
         group=group,
@@ -110,6 +152,9 @@ def setting(
         training_only=training_only,
         null_means=null_means,
         free_form=free_form,
+        shapes=shapes,
+        hf=hf,
+        params=params,
     )
     kwargs: dict[str, Any] = {"metadata": {SETTING: declared}}
     if default_factory is not None:
@@ -188,3 +233,9 @@ def value_errors(cfg: Any) -> Iterator[str]:
             message = check.error(item.key, getattr(section(cfg, item.key), item.name))
             if message:
                 yield message
+
+
+def shaping_keys(cls: type) -> tuple[str, ...]:
+    """The dotted keys below the schema dataclass ``cls`` whose values shape parameters:
+    what resume names when a checkpoint does not load."""
+    return tuple(item.key for item in declared_settings(cls) if item.setting.shapes)

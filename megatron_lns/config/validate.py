@@ -9,7 +9,7 @@ message names the key.
 from __future__ import annotations
 
 from megatron_lns.base.path_kind import not_a_directory, not_a_file
-from megatron_lns.config import layout
+from megatron_lns.config import layout, model_derived
 from megatron_lns.config.choices import PRE_NORM_VARIANTS, lns_combines_with, warmup_fits
 from megatron_lns.config.cluster import validate_cluster
 from megatron_lns.config.data_checks import check_datasets, check_tokenizer
@@ -220,7 +220,7 @@ def _check_head_size(m) -> None:
     heads = m.num_attention_heads
     if m.kv_channels is None:
         _divisible("model.hidden_size", m.hidden_size, "model.num_attention_heads", heads)
-    head_size = m.kv_channels or m.hidden_size // heads
+    head_size = model_derived.head_size(m)
     if m.position_embedding_type == "rope" and head_size % 2:
         source = (
             f"model.kv_channels={head_size}"

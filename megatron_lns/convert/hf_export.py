@@ -27,11 +27,16 @@ from pathlib import Path
 import torch
 
 from megatron_lns.config import ConfigError
-from megatron_lns.config.schema import ExperimentConfig
+from megatron_lns.config.schema import ExperimentConfig, ModelConfig
 from megatron_lns.config.sources import load_run_config, runs_inside_hint
-from megatron_lns.convert.architectures import Architecture, architecture_for_model_config
+from megatron_lns.convert.architectures import (
+    Architecture,
+    architecture_for_model_config,
+    gpt_model_of,
+)
 from megatron_lns.convert.checkpoint_reader import CheckpointReader
 from megatron_lns.convert.errors import ConversionError
+from megatron_lns.convert.hf_settings import apply_to_hf_config
 from megatron_lns.convert.hf_tokenizer import TokenizerIds, training_tokenizer, write_tokenizer
 from megatron_lns.convert.mapping import (
     EMBEDDING,
@@ -169,13 +174,23 @@ def export_hf(
             f"export-hf: {source} -> {out_dir} as {arch.hf_class} ({arch.num_layers} layers, "
             f"{folds}, {dtype})"
         )
-        arch.hf_config(vocab, dtype, ids.bos, ids.eos).save_pretrained(stage)
+        hf_config_of(m, arch, vocab, dtype, ids.bos, ids.eos).save_pretrained(stage)
         _generation_config(ids.bos, ids.eos).save_pretrained(stage)
         write_sharded(stage, _groups(reader, arch, vocab, dtype, say), dtype, max_shard_bytes, say)
         if padded > vocab:
             _write_padding_rows(reader, arch, vocab, padded, stage / PADDING_FILE)
     say(f"export-hf: done: {out_dir}")
     return Path(out_dir)
+
+
+def hf_config_of(
+    m: ModelConfig, arch: Architecture, vocab: int, dtype: torch.dtype, bos: int | None, eos: int
+):
+    """The ``transformers`` config of the export: the architecture's, with every model
+    setting declared with a ``config.json`` field written into it (``hf_settings``)."""
+    config = arch.hf_config(vocab, dtype, bos, eos)
+    apply_to_hf_config(gpt_model_of(m), config, arch.hf_class)
+    return config
 
 
 def _write_padding_rows(

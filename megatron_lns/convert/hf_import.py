@@ -36,11 +36,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_lns.base.path_kind import not_a_directory, not_a_file
-from megatron_lns.config import ConfigError, hybrid_pattern, to_yaml, validate
-from megatron_lns.config.schema import ExperimentConfig
+from megatron_lns.config import ConfigError, hybrid_pattern, model_derived, to_yaml, validate
+from megatron_lns.config.schema import ExperimentConfig, ModelConfig
 from megatron_lns.config.sources import RUN_CONFIG, config_file, load_run_config
 from megatron_lns.convert.architectures import Architecture, architecture_for_hf_config
 from megatron_lns.convert.errors import ConversionError
+from megatron_lns.convert.hf_settings import settings_from_hf_config
 from megatron_lns.convert.hf_tokenizer import HF_TOKENIZER_FILES, training_tokenizer
 from megatron_lns.convert.mapping import (
     EMBEDDING,
@@ -67,6 +68,10 @@ _FUSED_TO_LOCAL = {fused: local for local, fused in LOCAL_TO_FUSED_NORM_NAMES.it
 _OUT_DIR_KEYS = ("exp_manager.exp_dir", "exp_manager.name")
 # A parameter of transformer layer N (GPT names): the layer's group of the import.
 _LAYER_PARAMETER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+# The sequence lengths config.json's max_position_embeddings gives an imported run, as
+# defaults the user may lower.
+_SEQUENCE_KEYS = ("max_position_embeddings", "encoder_seq_length")
 
 
 def import_hf(
@@ -98,7 +103,7 @@ def import_hf(
         )
     weights = SafetensorsCheckpoint(hf_dir)
     dtype = weights.dtype(HF_EMBEDDING)
-    cfg = _run_config(arch, dtype, hf_dir, out_dir, overrides, base, copy_tokenizer)
+    cfg = _run_config(arch, hf_config, dtype, hf_dir, out_dir, overrides, base, copy_tokenizer)
     arch = dataclasses.replace(arch, hybrid=cfg.model.architecture == "hybrid")
     source_tokenizer = copy.deepcopy(cfg.model.tokenizer)
     if copy_tokenizer:
@@ -193,6 +198,7 @@ def _user_sets(base: DictConfig, overrides: list[str], section: str) -> bool:
 
 def _run_config(
     arch: Architecture,
+    hf_config,
     dtype: torch.dtype,
     hf_dir: Path,
     out_dir: Path,
@@ -202,10 +208,14 @@ def _run_config(
 ) -> ExperimentConfig:
     """The run config: the user's base and overrides, with the architecture from config.json.
 
-    An architecture key the user sets to another value is an error, not overwritten.
+    An architecture key the user sets to another value is an error, not overwritten. A
+    model setting declared with a ``config.json`` field the architecture does not read
+    itself is read from that field (``hf_settings``).
     """
     raw = base.copy()
     settings = arch.model_settings()
+    own = {*settings, *arch.training_settings(), *_SEQUENCE_KEYS}
+    settings |= settings_from_hf_config(hf_config, ModelConfig, own)
     twin = _hybrid_twin_pattern(arch) if _sets_hybrid_pattern(base, overrides) else None
     if twin is not None:  # the pattern's num_layers counts sublayers; its 'E's are the MoEs
         settings["num_layers"] = len(twin)
@@ -223,8 +233,7 @@ def _run_config(
         OmegaConf.update(raw, key, value, force_add=True)
     defaults = {
         "model.norm_scaling": "lns" if arch.lns else "none",
-        "model.max_position_embeddings": arch.max_position_embeddings,
-        "model.encoder_seq_length": arch.max_position_embeddings,
+        **{f"model.{key}": arch.max_position_embeddings for key in _SEQUENCE_KEYS},
         "model.data.seq_length": "${model.encoder_seq_length}",
         "trainer.precision": PRECISION_OF_DTYPE.get(dtype, "32"),
     }
@@ -280,11 +289,12 @@ def _hybrid_twin_pattern(arch: Architecture) -> str:
 def _null_means(key: str, arch: Architecture) -> int | None:
     """What null stands for in an architecture key whose null is derived (the head size,
     the number of key/value groups), so that a user's null agrees with config.json."""
-    if key == "model.kv_channels":
-        return arch.hidden_size // arch.num_attention_heads
-    if key == "model.num_query_groups":
-        return arch.num_attention_heads
-    return None
+    sizes = ModelConfig(hidden_size=arch.hidden_size, num_attention_heads=arch.num_attention_heads)
+    derived = {
+        "model.kv_channels": model_derived.head_size(sizes),
+        "model.num_query_groups": model_derived.query_groups(sizes),
+    }
+    return derived.get(key)
 
 
 def _conflict(key: str, given, value, hf_dir: Path) -> str:

@@ -15,7 +15,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 from megatron_lns.base.errors import UserError
-from megatron_lns.config import hybrid_pattern
+from megatron_lns.config import hybrid_pattern, model_derived
 from megatron_lns.config.choices import (
     Activation,
     Architecture,
@@ -26,7 +26,7 @@ from megatron_lns.config.choices import (
     RecomputeGranularity,
     RecomputeMethod,
 )
-from megatron_lns.config.moe_layers import MoELayerFreq, moe_layer_pattern
+from megatron_lns.config.moe_layers import MoELayerFreq
 from megatron_lns.model.specs import get_lns_block_spec
 from megatron_lns.model.variants import VariantSettings
 from megatron_lns.runtime import ParallelLayout, uses_gloo
@@ -240,13 +240,13 @@ class GPTModelConfig:
     @property
     def head_size(self) -> int:
         """Channels per attention head: ``kv_channels``, else hidden / heads."""
-        return self.kv_channels or self.hidden_size // self.num_attention_heads
+        return model_derived.head_size(self)
 
     def flops_per_token(self) -> float:
         """Training (forward + backward) FLOPs per token: 6 x matmul parameters plus causal
         attention, the count behind model TFLOP/s and MFU (as nanoGPT's ``estimate_mfu``)."""
         h, s = self.hidden_size, self.seq_length
-        ffn = self.ffn_hidden_size or 4 * h
+        ffn = model_derived.ffn_hidden_size(self)
         q = self.num_attention_heads * self.head_size  # width of all query (and output) heads
         matmul = h * self.vocab_size
         attention_layers = 0
@@ -262,7 +262,7 @@ class GPTModelConfig:
 
     def _attention_weights(self) -> int:
         """Matmul weights of one attention: query, key, value and output projections."""
-        groups = self.num_query_groups or self.num_attention_heads
+        groups = model_derived.query_groups(self)
         q = self.num_attention_heads * self.head_size
         kv = 2 * groups * self.head_size
         return self.hidden_size * (q + kv) + q * self.hidden_size
@@ -299,9 +299,7 @@ class GPTModelConfig:
 
     def moe_layer_pattern(self) -> list[int]:
         """1 for each MoE layer, 0 for each dense one (all 0 without experts)."""
-        if not self.num_moe_experts:
-            return [0] * self.num_layers
-        return moe_layer_pattern(self.moe_layer_freq, self.num_layers)
+        return model_derived.moe_layers(self)
 
     def _mlp_weights(self, ffn: int) -> int:
         """Matmul weights of one (dense or expert) MLP of width ``ffn``."""
@@ -328,7 +326,7 @@ class GPTModelConfig:
         weights (and LayerNorm biases); not the linear layers' biases (``bias: true``) or
         the paper variants' per-layer gains (a few ``hidden_size`` each)."""
         h = self.hidden_size
-        ffn = self.ffn_hidden_size or 4 * h
+        ffn = model_derived.ffn_hidden_size(self)
         per_channel = 2 if self.normalization == "LayerNorm" else 1  # weight (+ bias)
         norm = per_channel * h if self.norm_affine else 0
         qk_norm = 2 * per_channel * self.head_size if self.qk_layernorm else 0
@@ -340,7 +338,7 @@ class GPTModelConfig:
         dense += norm  # the final norm
         dense += h * self.vocab_size * (1 if self.share_embeddings_and_output_weights else 2)
         if self.position_embedding_type == "learned_absolute":
-            dense += (self.max_position_embeddings or self.seq_length) * h
+            dense += model_derived.max_positions(self, self.seq_length) * h
         dense += dense_mlps * self._mlp_weights(ffn)
         if not moe_layers:
             return ParameterCounts(total=dense, active=dense)
@@ -350,7 +348,7 @@ class GPTModelConfig:
         return ParameterCounts(total=active + moe_layers * idle_experts * expert, active=active)
 
     def _expert_ffn(self) -> int:
-        return self.moe_ffn_hidden_size or self.ffn_hidden_size or 4 * self.hidden_size
+        return model_derived.expert_ffn_hidden_size(self)
 
     def transformer_config(
         self, layout: ParallelLayout = ParallelLayout(), cpu_init: bool | None = None
@@ -414,7 +412,7 @@ class GPTModelConfig:
         return self.recompute_num_layers
 
     def _moe_settings(self) -> dict:
-        if not self.num_moe_experts:
+        if not model_derived.has_experts(self):
             return {}
         # The hybrid model builds its MoE layers from the pattern's ``E``s; megatron's
         # router-loss report (and MoEMetrics) still count MoE layers by moe_layer_freq over

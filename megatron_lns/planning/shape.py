@@ -14,17 +14,18 @@ other ranks (megatron-core's layout):
 
 Counts the norms' weights (and LayerNorm's biases), QK-norms, linear biases of attention
 and dense MLPs (``bias: true``), learned position embeddings, the embedding and an untied
-output layer. Not counted: the paper variants' per-layer gains (a few ``hidden_size``
-each, ``layer_variant``) and expert biases. Nothing here imports torch.
+output layer, and what a setting declares it adds to each layer (``params=``,
+:func:`declared_layer_parameters`). Not counted: the paper variants' per-layer gains (a
+few ``hidden_size`` each, ``layer_variant``) and expert biases. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lns.config import hybrid_pattern, layout
-from megatron_lns.config.moe_layers import moe_layer_pattern
-from megatron_lns.config.schema import ExperimentConfig
+from megatron_lns.config import hybrid_pattern, layout, model_derived
+from megatron_lns.config.schema import ExperimentConfig, ModelConfig
+from megatron_lns.config.settings import declared_settings
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel: int, divisible_by: int = 128) -> int:
@@ -89,9 +90,9 @@ def model_shape(cfg: ExperimentConfig, vocab_size: int) -> ModelShape:
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     vp = m.virtual_pipeline_model_parallel_size or 1
     h, heads = m.hidden_size, m.num_attention_heads
-    head_size = m.kv_channels or h // heads
-    q, kv = heads * head_size, (m.num_query_groups or heads) * head_size
-    ffn = m.ffn_hidden_size or 4 * h
+    head_size = model_derived.head_size(m)
+    q, kv = heads * head_size, model_derived.query_groups(m) * head_size
+    ffn = model_derived.ffn_hidden_size(m)
     glu = 2 if m.activation == "swiglu" else 1
     per_channel = 1 if m.normalization == "rmsnorm" else 2  # weight (+ LayerNorm's bias)
     norm = per_channel * h if m.norm_affine else 0
@@ -102,7 +103,8 @@ def model_shape(cfg: ExperimentConfig, vocab_size: int) -> ModelShape:
     attention = Unit(
         attention=1, dense_mlps=0, moe_mlps=0,
         sharded=h * (q + 2 * kv) + q * h + bias * (q + 2 * kv),
-        replicated=norm + qk_norm + bias * h, experts=0, active_experts=0,
+        replicated=norm + qk_norm + bias * h + declared_layer_parameters(m),
+        experts=0, active_experts=0,
     )  # fmt: skip
     mlp = Unit(
         attention=0, dense_mlps=1, moe_mlps=0,
@@ -111,9 +113,9 @@ def model_shape(cfg: ExperimentConfig, vocab_size: int) -> ModelShape:
     )  # fmt: skip
     moe_fields = {}
     moe = None
-    if m.num_moe_experts:
+    if model_derived.has_experts(m):
         experts, topk = m.num_moe_experts, m.moe_router_topk
-        expert_ffn = m.moe_ffn_hidden_size or ffn
+        expert_ffn = model_derived.expert_ffn_hidden_size(m)
         shared_ffn = m.moe_shared_expert_intermediate_size or 0
         expert = h * glu * expert_ffn + expert_ffn * h
         gate = h if shared_ffn and m.moe_shared_expert_gate else 0
@@ -153,7 +155,7 @@ def model_shape(cfg: ExperimentConfig, vocab_size: int) -> ModelShape:
 
     embedding = vocab * h
     if m.position_embedding_type == "learned_absolute":
-        embedding += (m.max_position_embeddings or m.encoder_seq_length) * h
+        embedding += model_derived.max_positions(m, m.encoder_seq_length) * h
     untied = not m.share_embeddings_and_output_weights
     return ModelShape(
         hidden=h, heads=heads, query=q, key_value=kv, ffn=ffn, glu=glu, vocab=vocab,
@@ -168,6 +170,13 @@ def model_shape(cfg: ExperimentConfig, vocab_size: int) -> ModelShape:
     )  # fmt: skip
 
 
+def declared_layer_parameters(m: ModelConfig) -> int:
+    """The parameters per layer (per attention sublayer of a hybrid pattern) that model
+    settings declare with ``params=`` (``config.settings``), held whole by every TP rank:
+    how a setting's parameters are counted without a line here."""
+    return sum(d.setting.params(m) for d in declared_settings(type(m)) if d.setting.params)
+
+
 def _pipeline_segments(cfg: ExperimentConfig, pp: int, vp: int) -> list[str]:
     """Each pipeline segment's sublayer symbols, in megatron's segment order."""
     m = cfg.model
@@ -175,12 +184,8 @@ def _pipeline_segments(cfg: ExperimentConfig, pp: int, vp: int) -> list[str]:
         if pp * vp == 1:
             return [hybrid_pattern.sublayers(m.hybrid_layer_pattern)]
         return m.hybrid_layer_pattern.split(hybrid_pattern.PIPE)
-    moe = (
-        moe_layer_pattern(m.moe_layer_freq, m.num_layers)
-        if m.num_moe_experts
-        else [0] * m.num_layers
-    )
-    return hybrid_pattern.gpt_equivalent_pattern(moe, pp * vp).split(hybrid_pattern.PIPE)
+    pattern = hybrid_pattern.gpt_equivalent_pattern(model_derived.moe_layers(m), pp * vp)
+    return pattern.split(hybrid_pattern.PIPE)
 
 
 def _sum_units(parts: list[Unit]) -> Unit:

@@ -27,7 +27,8 @@
   model and trainer sections, the parallel layout) is reported in one line, not refused
   (:func:`changes_since_checkpoint`, ``provenance.py``). A checkpoint whose tensors do not
   fit the model is refused, and not skipped for an older one: it is readable, the model
-  differs; the refusal names the model keys that changed (:data:`MODEL_STRUCTURE_KEYS`).
+  differs; the refusal names the model keys that changed (those declared ``shapes=True``,
+  ``config.settings.shaping_keys``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lns.config import ExperimentConfig, to_yaml
+from megatron_lns.config.settings import shaping_keys
 from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.training import provenance
 from megatron_lns.training.checkpoint import (
@@ -67,40 +69,6 @@ SCHEDULE_KEYS = {
     "end_wd": "model.optim.weight_decay",
     "wd_incr_steps": "trainer.max_steps - model.optim.sched.constant_steps",
 }
-
-
-# Model keys that decide which parameters the model has and their shapes. A checkpoint
-# written under other values does not load, and megatron's error names its tensors (a
-# kilobyte of them for a changed layer_variant), not the key: these name it.
-MODEL_STRUCTURE_KEYS = tuple(
-    f"model.{key}"
-    for key in (
-        "layer_variant",
-        "mix_ln_post_fraction",
-        "num_layers",
-        "hybrid_layer_pattern",
-        "hidden_size",
-        "ffn_hidden_size",
-        "num_attention_heads",
-        "kv_channels",
-        "num_query_groups",
-        "position_embedding_type",
-        "normalization",
-        "norm_affine",
-        "bias",
-        "qk_layernorm",
-        "activation",
-        "share_embeddings_and_output_weights",
-        "make_vocab_size_divisible_by",
-        "num_moe_experts",
-        "moe_layer_freq",
-        "moe_ffn_hidden_size",
-        "moe_router_enable_expert_bias",
-        "tokenizer.library",
-        "tokenizer.type",
-        "tokenizer.model",
-    )
-)
 
 
 _PARTIAL_DIR = re.compile(r"^iter_(\d{7})\.partial$")
@@ -219,7 +187,7 @@ def resume(
                     load_strategy(cfg.model.dist_ckpt_parallel_load),
                 )
             except CheckpointError as err:
-                raise _named_by_config_keys(err, path, cfg) from err
+                raise named_by_config_keys(err, path, cfg) from err
         except CheckpointError as err:
             if index + 1 == len(candidates) or isinstance(
                 err, (ScheduleChangedError, CheckpointMismatchError)
@@ -233,16 +201,18 @@ def resume(
     return TrainingState(), None
 
 
-def _named_by_config_keys(
+def named_by_config_keys(
     err: CheckpointError, path: Path, cfg: ExperimentConfig
 ) -> CheckpointError:
-    """A checkpoint that did not load, named by the model keys that changed since it was
-    written (:data:`MODEL_STRUCTURE_KEYS`) when any did; ``err`` as it is otherwise, and
-    when it names the setting to change already (another architecture)."""
+    """A checkpoint that did not load, named by the keys that shape parameters and changed
+    since it was written, when any did: megatron's error names its tensors (a kilobyte of
+    them for a changed layer_variant), not the key. ``err`` as it is otherwise, and when it
+    names the setting to change already (another architecture)."""
     stored = path / RUN_CONFIG
     if isinstance(err, ArchitectureMismatchError) or not stored.is_file():
         return err
-    changes = provenance.changed_values(stored.read_text(), to_yaml(cfg), MODEL_STRUCTURE_KEYS)
+    keys = shaping_keys(type(cfg))
+    changes = provenance.changed_values(stored.read_text(), to_yaml(cfg), keys)
     if not changes:
         return err
     return CheckpointMismatchError(

@@ -15,6 +15,10 @@ architecture differs from the shared mapping (:mod:`.base`, :mod:`.layout`).
   same norm is read by import and exported as the earlier one, which computes the same
   function.
 
+Every model setting's role in export is declared with it (``hf=``, ``config.settings``):
+the architectures map the ones they know; ``convert/hf_settings.py`` refuses, by name,
+a non-default value of one no Hugging Face model holds.
+
 A hybrid run (``model.architecture: hybrid``) exports as the GPT model it equals when its
 pattern is the GPT-equivalent one (``*-`` / ``*E`` per block, or no pattern): the same
 architecture, read from its sublayers' keys (``Architecture.hybrid``); any other pattern
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_lns.config import hybrid_pattern
+from megatron_lns.config import hybrid_pattern, model_derived
 from megatron_lns.config.schema import ModelConfig
 from megatron_lns.convert.architectures.base import HF_NORM_OF, Architecture
 from megatron_lns.convert.architectures.llama import Llama
@@ -37,6 +41,7 @@ from megatron_lns.convert.architectures.qwen2_moe import Qwen2Moe
 from megatron_lns.convert.architectures.refusals import listed, refuse_unshared_design
 from megatron_lns.convert.architectures.stablelm import StableLm
 from megatron_lns.convert.errors import ConversionError
+from megatron_lns.convert.hf_settings import refuse_unexportable
 
 ARCHITECTURES: tuple[type[Architecture], ...] = (Llama, StableLm, Mixtral, Qwen2Moe)
 
@@ -77,7 +82,7 @@ def architecture_for_model_config(m: ModelConfig) -> Architecture:
     hybrid = m.architecture == "hybrid"
     m = gpt_model_of(m)
     refuse_unshared_design(m, [arch.name for arch in ARCHITECTURES])
-    moe = bool(m.num_moe_experts)
+    moe = model_derived.has_experts(m)
     kind = [arch for arch in ARCHITECTURES if arch.moe == moe]
     norm = HF_NORM_OF.get(m.normalization)
     candidates = [arch for arch in kind if arch.norm == norm]
@@ -89,7 +94,9 @@ def architecture_for_model_config(m: ModelConfig) -> Architecture:
             f"{what} ({listed(arch.name for arch in kind)}) have {listed(norms, ' or ')}"
         )
     arch = next((arch for arch in candidates if arch.exports_model(m)), candidates[0])
-    return dataclasses.replace(arch.from_model_config(m), hybrid=hybrid)
+    exported = dataclasses.replace(arch.from_model_config(m), hybrid=hybrid)
+    refuse_unexportable(m)
+    return exported
 
 
 def gpt_model_of(m: ModelConfig) -> ModelConfig:

@@ -17,6 +17,7 @@ from typing import ClassVar
 
 import torch
 
+from megatron_lns.config import model_derived
 from megatron_lns.config.schema import ModelConfig
 from megatron_lns.convert.architectures.layout import DecoderLayout
 from megatron_lns.convert.architectures.refusals import refuse_unshared_hf_design
@@ -85,14 +86,14 @@ class Architecture(DecoderLayout):
     def from_model_config(cls, m: ModelConfig) -> Architecture:
         """This architecture for a megatron-lns ``model:`` section, which the registry
         chose by its normalization; refuses what the architecture cannot compute."""
-        head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
+        head_dim = model_derived.head_size(m)
         cls.check_model_config(m, head_dim)
         return cls(
             num_layers=m.num_layers,
             hidden_size=m.hidden_size,
-            ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+            ffn_hidden_size=model_derived.ffn_hidden_size(m),
             num_attention_heads=m.num_attention_heads,
-            num_query_groups=m.num_query_groups or m.num_attention_heads,
+            num_query_groups=model_derived.query_groups(m),
             head_dim=head_dim,
             norm_affine=m.norm_affine,
             zero_centered_gamma=m.normalization == "layernorm1p",
@@ -101,7 +102,7 @@ class Architecture(DecoderLayout):
             tied_embeddings=m.share_embeddings_and_output_weights,
             eps=m.layernorm_epsilon,
             rotary_base=float(m.rotary_base),
-            max_position_embeddings=m.max_position_embeddings or m.encoder_seq_length,
+            max_position_embeddings=model_derived.max_positions(m, m.encoder_seq_length),
             branch_gain=m.layer_variant if m.layer_variant in BRANCH_GAINS else None,
             attention_dropout=m.attention_dropout,
             init_method_std=m.init_method_std,

@@ -40,6 +40,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from megatron_lns.config import model_derived
 from megatron_lns.config.moe_layers import MoELayerFreqError, moe_layer_pattern
 from megatron_lns.config.schema import ModelConfig
 from megatron_lns.convert.architectures.base import Architecture
@@ -163,7 +164,7 @@ class MoEArchitecture(Architecture):
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_model_config(cls, m: ModelConfig) -> MoEArchitecture:
-        if not m.num_moe_experts:
+        if not model_derived.has_experts(m):
             raise ConversionError(
                 f"{cls.name} is a mixture-of-experts architecture and model.num_moe_experts "
                 "is not set"
@@ -174,7 +175,7 @@ class MoEArchitecture(Architecture):
             arch,
             num_experts=m.num_moe_experts,
             topk=m.moe_router_topk,
-            expert_ffn_hidden_size=m.moe_ffn_hidden_size or arch.ffn_hidden_size,
+            expert_ffn_hidden_size=model_derived.expert_ffn_hidden_size(m),
             moe_pattern=model_moe_pattern(m),
             shared_expert_ffn_hidden_size=shared,
             shared_expert_gate=bool(shared and m.moe_shared_expert_gate),

@@ -1,0 +1,1 @@
+"""The schema's sections, one file each; ``config/schema.py`` assembles them."""

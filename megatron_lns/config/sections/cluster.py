@@ -1,0 +1,106 @@
+"""``cluster``: what SLURM needs to run the job."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_lns.config.rules import (
+    non_negative,
+    positive,
+    signal_lead_seconds,
+)
+from megatron_lns.config.settings import setting
+
+
+@dataclass
+class ClusterConfig:
+    """What SLURM needs to run the job (``megatron-lns submit``; ``train`` ignores it).
+
+    Key names are NeMo-Launcher's cluster config and NeMo-Run's ``SlurmExecutor``.
+    Nodes and tasks are not here: they are ``trainer.num_nodes`` and ``trainer.devices``
+    (one task per GPU). docs/cluster.md says how each key reaches the sbatch script.
+    """
+
+    partition: str | None = setting(None, doc="`#SBATCH --partition` (null: the cluster's default)")
+    account: str | None = setting(None, doc="`#SBATCH --account`")
+    qos: str | None = setting(None, doc="`#SBATCH --qos`")
+    # Typed Any so that YAML's base-60 reading of an unquoted 4:00:00 (= 14400) reaches
+    # config/cluster.py, which refuses it, instead of being sent to SLURM as a number.
+    time_limit: Any = setting(
+        None,
+        doc=(
+            '`#SBATCH --time`, a quoted SLURM time (`"04:00:00"`, `"1-12:00:00"`, `"90"` '
+            "minutes); unquoted `4:00:00` is refused (YAML reads it as 14400)"
+        ),
+    )
+    exclusive: bool = setting(False, doc="`#SBATCH --exclusive`")
+    gpus_per_node: int | None = setting(
+        None,
+        non_negative,
+        doc=(
+            "`#SBATCH --gpus-per-node`; null: `trainer.devices` with `trainer.accelerator=gpu`, "
+            "none otherwise; must equal `trainer.devices` (or be 0)"
+        ),
+    )
+    cpus_per_task: int | None = setting(None, positive, doc="`--cpus-per-task` for sbatch and srun")
+    mem: str | None = setting(None, doc='`#SBATCH --mem` (`"0"`: all of a node\'s memory)')
+    job_name_prefix: str = setting(
+        "megatron_lns-",
+        doc=(
+            "job name = prefix + top-level `name` + `-` + `exp_manager.name` + `-` + the "
+            "submission's time stamp (its `slurm/<time>/` folder), unique per submission; "
+            "names the log files"
+        ),
+    )
+    container_image: str | None = setting(
+        None,
+        doc=(
+            "pyxis/enroot image for `srun --container-image`; tasks run `python -m "
+            "megatron_lns.launch.task` in it"
+        ),
+    )
+    container_mounts: list[str] = setting(
+        default_factory=list,
+        doc=(
+            "`srun --container-mounts`, one `src:dst[:flags]` per item; the experiment directory "
+            "must be mounted at its own path"
+        ),
+    )
+    env_vars: dict[str, str] = setting(
+        default_factory=dict,
+        doc=(
+            "exported before `srun` (NCCL, network); not the rank variables, which come from SLURM"
+        ),
+    )
+    srun_args: list[str] = setting(
+        default_factory=list,
+        doc=(
+            "extra `srun` options, one per item; an option the script sets "
+            "(`--kill-on-bad-exit`, the container's) is refused, also abbreviated (`--kill-on=0`)"
+        ),
+    )
+    sbatch_args: list[str] = setting(
+        default_factory=list,
+        doc=(
+            "extra `#SBATCH` options, one per item (`--constraint=h100`, `--hold`, ...); an "
+            "option the script sets is refused, also abbreviated as sbatch allows (`--no-req` "
+            "is `--no-requeue`)"
+        ),
+    )
+    dependency: str | None = setting(
+        None, doc="`#SBATCH --dependency` (`singleton`, `afterok:123`)"
+    )
+    preemption_signal_lead_s: int = setting(
+        300,
+        signal_lead_seconds,
+        doc=(
+            "`#SBATCH --signal=B:USR1@N`: SLURM warns the job N seconds before the time limit; "
+            "must cover one step and one checkpoint save"
+        ),
+    )
+    max_requeues: int = setting(
+        5,
+        non_negative,
+        doc="how often the job may requeue itself after that warning (`SLURM_RESTART_COUNT`)",
+    )

@@ -1,0 +1,72 @@
+"""What the declarations say about Hugging Face export and import, for every model setting.
+
+Each model setting declares its role (``hf=`` of ``config.settings.setting``): the
+``config.json`` field it maps to, ``HF_REFUSE`` (export refuses a value other than the
+default) or ``HF_CONVERTER`` (``convert/architectures`` maps or refuses it value by value).
+The architectures write and read the fields they know; this module applies the
+declarations to the rest, so that a model setting declared tomorrow is exported, imported
+or refused by its declaration alone:
+
+* export refuses a non-default value of a setting declared ``HF_REFUSE``, naming the key,
+  and one mapped to a field the architecture's ``config.json`` does not have;
+* export writes a mapped field the architecture left at another value;
+* import reads a mapped field that the architecture did not already turn into a setting.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from megatron_lns.config.settings import HF_CONVERTER, HF_REFUSE, Declared, declared_settings
+from megatron_lns.convert.errors import ConversionError
+
+
+def _mapped(m: Any) -> Iterator[tuple[Declared, Any]]:
+    """The model section's own keys (not its subsections') with an ``hf`` role, and values."""
+    for item in declared_settings(type(m)):
+        if "." not in item.key and item.setting.hf is not None:
+            yield item, getattr(m, item.name)
+
+
+def refuse_unexportable(m: Any) -> None:
+    """Refuse a setting whose declaration says no Hugging Face model holds a value other
+    than its default (``hf=HF_REFUSE``), naming it."""
+    for item, value in _mapped(m):
+        if item.setting.hf == HF_REFUSE and value != item.default:
+            raise ConversionError(
+                f"model.{item.key}={value} cannot be exported: no Hugging Face config.json "
+                f"field holds it (only the default, {item.default}, exports)"
+            )
+
+
+def apply_to_hf_config(m: Any, config: Any, hf_class: str) -> None:
+    """Write every setting declared with a ``config.json`` field into ``config`` (the
+    ``transformers`` config the architecture made) where the value is not the default and
+    the architecture wrote another; refuse one whose field ``hf_class`` does not have."""
+    for item, value in _mapped(m):
+        field = item.setting.hf
+        if field in (HF_REFUSE, HF_CONVERTER) or value == item.default:
+            continue
+        if not hasattr(config, field):
+            raise ConversionError(
+                f"model.{item.key}={value} cannot be exported: {hf_class}'s config.json has "
+                f"no field {field}"
+            )
+        if getattr(config, field) != value:
+            setattr(config, field, value)
+
+
+def settings_from_hf_config(config: Any, model_cls: type, taken: set[str]) -> dict[str, Any]:
+    """The model settings declared with a ``config.json`` field that ``config`` holds, by
+    key, except those in ``taken`` (the architecture's own)."""
+    settings = {}
+    for item in declared_settings(model_cls):
+        field = item.setting.hf
+        if "." in item.key or item.key in taken or field in (None, HF_REFUSE, HF_CONVERTER):
+            continue
+        if field in config.to_dict():
+            settings[item.key] = getattr(config, field)
+    return settings
