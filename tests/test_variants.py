@@ -29,15 +29,19 @@ CASES = [
     ("layerscale", "lns"),
     ("skipinit", "none"),
     ("skipinit", "lns"),
+    ("peri_ln", "none"),
+    ("gpas", "none"),
+    ("gpas", "lns"),
 ]
 
 
 def _perturb_norms_and_gains(model: torch.nn.Module, seed: int = 1) -> None:
-    """Norms start at 1, SkipInit gates at 0: move them so every path carries gradient."""
+    """Norms start at 1, SkipInit gates and GPAS's alpha at 0: move them so every path
+    carries gradient."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "layernorm" in name or "_bda." in name:
+            if "layernorm" in name or "_bda." in name or ".gpas." in name:
                 param.add_(0.3 * torch.randn(param.shape, generator=gen))
 
 

@@ -35,7 +35,7 @@ FP8_MIN_CUDA = {"blockwise": (12, 9)}
 def detect_machine(cuda: bool) -> MachineFacts:
     """The facts of this machine, for a run on CUDA (``cuda``) or on CPU."""
 
-    from megatron_lns.model.language_model import te
+    from megatron_lns.model import te
 
     def importable(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
@@ -63,7 +63,7 @@ def check_environment(cfg: ExperimentConfig) -> None:
     """
     import torch
 
-    from megatron_lns.model.language_model import language_model, te
+    from megatron_lns.model import language_model, te
 
     m = cfg.model
     if m.architecture == "gpt":

@@ -45,8 +45,11 @@ from megatron_lns.config.choices import (
     LayerVariant,
     lns_combines_with,
 )
+from megatron_lns.config.layer_variants import REGISTRY
 from megatron_lns.model.layer import LNSTransformerLayer
 from megatron_lns.model.scaling import NormScaling, ScaledNorm
+from megatron_lns.model.variants.gpas import add_gpas
+from megatron_lns.model.variants.peri_ln import add_output_norms
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,8 @@ class VariantSettings:
         if not lns_combines_with(norm_scaling, self.layer_variant):
             raise ValueError(
                 f"norm_scaling='lns' scales pre-norm outputs, and layer_variant="
-                f"{self.layer_variant!r} has post-norm layers; use norm_scaling='none' or one "
-                f"of {PRE_NORM_VARIANTS}"
+                f"{self.layer_variant!r} {REGISTRY[self.layer_variant].lns_refusal}; use "
+                f"norm_scaling='none' or one of {PRE_NORM_VARIANTS}"
             )
         if not 0.0 <= self.mix_ln_post_fraction <= 1.0:
             raise ValueError(
@@ -232,6 +235,10 @@ class VariantTransformerLayer(LNSTransformerLayer):
         self.mlp_bda = ResidualBranch(self.config, alpha, gain, variant.layerscale_init, mlp_norm)
         if deepnorm:
             self._scale_deepnorm_init(deepnorm_beta(num_layers))
+        if variant.layer_variant == "peri_ln":
+            add_output_norms(self)
+        elif variant.layer_variant == "gpas":
+            add_gpas(self)
 
     def pre_norm_owners(self) -> list[ScaledNorm]:
         """Post-norm layers have no pre-norm for LNS to scale."""
