@@ -12,10 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The Hugging Face decoders this project exports to (Llama, Qwen2, Mistral, OLMo) normalise
-# only each branch's input: a variant that normalises or scales elsewhere has no stock class.
-_STOCK_PRE_LN = "and the stock architectures normalise only each branch's input (Pre-LN)"
-
 
 @dataclass(frozen=True)
 class LayerVariantInfo:
@@ -26,8 +22,15 @@ class LayerVariantInfo:
     module: str  # megatron_lns.model.variants.<module> builds its layers
     # Why LNS (which scales every pre-norm's output) cannot apply; None: it combines.
     lns_refusal: str | None = None
-    # Why no stock Hugging Face class computes it; None: it exports.
+    # Why no stock Hugging Face class computes it (export adds that the stock classes
+    # normalise only each branch's input); None: it exports.
     hf_refusal: str | None = None
+    # A learnable gain on each branch's output (attention's, MLP's parameter names) that
+    # export folds into o_proj / down_proj rows, and whether it is per channel (else scalar).
+    branch_gains: tuple[str, str] | None = None
+    per_channel_gain: bool = False
+    # False only for megatron's own Pre-LN layer, which needs no layer class of ours.
+    changes_layer: bool = True
     # Whether its layers differ in their parameters, so megatron must checkpoint each layer
     # under its own key rather than stacked along a layer axis.
     heterogeneous_layers: bool = False
@@ -42,37 +45,45 @@ _POST_NORM_REFUSAL = "has post-norm layers, where there is no pre-norm output to
 REGISTRY: dict[str, LayerVariantInfo] = {
     info.name: info
     for info in (
-        LayerVariantInfo("pre_ln", "Pre-LN", module="pre_ln"),
+        LayerVariantInfo("pre_ln", "Pre-LN", module="pre_ln", changes_layer=False),
         LayerVariantInfo(
             "post_ln",
             "Post-LN",
-            module="post_norm",
+            module="post_ln",
             lns_refusal=_POST_NORM_REFUSAL,
-            hf_refusal=f"Post-LN normalises after the residual add, LN(h + f(h)), {_STOCK_PRE_LN}",
+            hf_refusal="Post-LN normalises after the residual add, LN(h + f(h))",
         ),
         LayerVariantInfo(
             "deepnorm",
             "DeepNorm",
-            module="post_norm",
+            module="deepnorm",
             lns_refusal=_POST_NORM_REFUSAL,
             hf_refusal=(
                 "DeepNorm scales the residual by alpha = (2N)^(1/4) before a norm after the "
-                f"add, LN(alpha h + f(h)), {_STOCK_PRE_LN}"
+                "add, LN(alpha h + f(h))"
             ),
         ),
         LayerVariantInfo(
             "mix_ln",
             "Mix-LN",
-            module="post_norm",
+            module="mix_ln",
             lns_refusal=_POST_NORM_REFUSAL,
-            hf_refusal=(
-                "Mix-LN's first layers are Post-LN, with the norm after the residual add, "
-                f"{_STOCK_PRE_LN}"
-            ),
+            hf_refusal="Mix-LN's first layers are Post-LN, with the norm after the residual add",
             heterogeneous_layers=True,
         ),
-        LayerVariantInfo("layerscale", "LayerScale", module="branch_gain"),
-        LayerVariantInfo("skipinit", "SkipInit", module="branch_gain"),
+        LayerVariantInfo(
+            "layerscale",
+            "LayerScale",
+            module="layerscale",
+            branch_gains=("self_attn_bda.layerscale", "mlp_bda.layerscale"),
+            per_channel_gain=True,
+        ),
+        LayerVariantInfo(
+            "skipinit",
+            "SkipInit",
+            module="skipinit",
+            branch_gains=("self_attn_bda.gate", "mlp_bda.gate"),
+        ),
         LayerVariantInfo(
             "peri_ln",
             "Peri-LN",
@@ -83,9 +94,8 @@ REGISTRY: dict[str, LayerVariantInfo] = {
             ),
             hf_refusal=(
                 "Peri-LN normalises each branch's output before the residual add, "
-                "h + LN(f(LN(h))); of the stock classes only Gemma 2/3 place norms so, and "
-                "they also multiply the embeddings by sqrt(hidden_size) and use zero-centred "
-                "norm weights, which this model does not"
+                "h + LN(f(LN(h))) (Gemma 2/3 do too, but also multiply the embeddings by "
+                "sqrt(hidden_size))"
             ),
         ),
         LayerVariantInfo(
@@ -93,8 +103,7 @@ REGISTRY: dict[str, LayerVariantInfo] = {
             "GPAS",
             module="gpas",
             hf_refusal=(
-                "GPAS scales the residual stream after each add by 1 - SiLU(alpha_l) (with a "
-                "stop-gradient), and no stock architecture has a learnable scale there"
+                "GPAS scales the residual stream after each add by a learned 1 - SiLU(alpha_l)"
             ),
         ),
     )

@@ -131,7 +131,7 @@ def validate(
             f"{m.layer_variant} {variant_info(m.layer_variant).lns_refusal}: set "
             f"model.norm_scaling=none or choose one of {', '.join(PRE_NORM_VARIANTS)}"
         )
-    if m.transformer_engine and m.layer_variant != "pre_ln":
+    if m.transformer_engine and variant_info(m.layer_variant).changes_layer:
         raise ConfigError(
             f"model.layer_variant={m.layer_variant} needs model.transformer_engine=false: "
             "Transformer Engine fuses each norm into the next linear"

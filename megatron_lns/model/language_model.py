@@ -26,6 +26,7 @@ from megatron_lns.config.choices import (
     RecomputeGranularity,
     RecomputeMethod,
 )
+from megatron_lns.config.layer_variants import variant_info
 from megatron_lns.config.moe_layers import MoELayerFreq, moe_layer_pattern
 from megatron_lns.model.specs import get_lns_block_spec
 from megatron_lns.model.variants import VariantSettings
@@ -368,9 +369,9 @@ class GPTModelConfig:
                 else self.batch_p2p_comm
             ),
             overlap_p2p_comm=self.overlap_p2p_comm,
-            # Mix-LN layers differ in their parameters: checkpoint each layer under its own
-            # key rather than stacked along a layer axis.
-            hetereogenous_dist_checkpoint=self.layer_variant == "mix_ln",
+            # Layers that differ in their parameters (Mix-LN's) are checkpointed each under
+            # its own key rather than stacked along a layer axis.
+            hetereogenous_dist_checkpoint=variant_info(self.layer_variant).heterogeneous_layers,
             recompute_granularity=self.recompute_granularity,
             recompute_method=self.recompute_method,
             recompute_num_layers=self.megatron_recompute_num_layers(),

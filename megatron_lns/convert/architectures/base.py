@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from megatron_lns.config.hybrid_pattern import gpt_key_to_hybrid
+from megatron_lns.config.layer_variants import REGISTRY as LAYER_VARIANTS
 from megatron_lns.config.schema import ModelConfig
 from megatron_lns.convert.checkpoint_reader import CheckpointReader
 from megatron_lns.convert.errors import ConversionError
@@ -66,17 +67,13 @@ def listed(names: Iterable[str], sep: str = " and ") -> str:
     return ", ".join(names[:-1]) + sep + names[-1] if len(names) > 1 else "".join(names)
 
 
-# The paper's baselines that no stock architecture computes, and why: each normalises
-# where the stock decoders (which normalise only a branch's input) have no norm.
-# pre_ln exports as it is, and LayerScale and SkipInit with their gains folded into
-# o_proj / down_proj (BRANCH_GAINS); a test requires every layer_variant to be one of these.
+# The layer variants that no stock architecture computes, and why (their registration in
+# config/layer_variants.py says): each normalises or scales where the stock decoders (which
+# normalise only a branch's input) do not. pre_ln exports as it is, and variants with branch
+# gains with those folded into o_proj / down_proj (BRANCH_GAINS); a test requires every
+# layer_variant to be one of these.
 UNEXPORTABLE_VARIANTS = {
-    "post_ln": "Post-LN normalises after the residual add, LN(h + f(h))",
-    "deepnorm": (
-        "DeepNorm scales the residual by alpha = (2N)^(1/4) before a norm after the add, "
-        "LN(alpha h + f(h))"
-    ),
-    "mix_ln": "Mix-LN's first layers are Post-LN, with the norm after the residual add",
+    name: info.hf_refusal for name, info in LAYER_VARIANTS.items() if info.hf_refusal
 }
 
 
@@ -382,7 +379,7 @@ class Architecture:
             if self.norm_has_bias:
                 shapes[bias_key] = (h,)
         if self.branch_gain is not None:
-            width = h if self.branch_gain == "layerscale" else 1
+            width = h if LAYER_VARIANTS[self.branch_gain].per_channel_gain else 1
             shapes |= {key: (width,) for key in BRANCH_GAINS[self.branch_gain]}
         return shapes
 

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
+from megatron_lns.model.variants.settings import VariantSettings
+
 
 class GPASGate(torch.nn.Module):
     """A layer's learnable ``alpha``, and the scaling it applies to the residual stream."""
@@ -71,7 +73,7 @@ class GPASResidual(torch.nn.Module):
         return self._gate[0](residual + F.dropout(branch, p=prob, training=training))
 
 
-def add_gpas(layer: torch.nn.Module) -> None:
+def build(layer: torch.nn.Module, settings: VariantSettings) -> None:
     """Scale ``layer``'s residual stream after both of its adds (a megatron TransformerLayer)."""
     layer.gpas = GPASGate(layer.config)
     layer.self_attn_bda = GPASResidual(layer.gpas)

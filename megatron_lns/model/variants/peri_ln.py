@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
 from megatron_lns.model.norms import LocalNorm
+from megatron_lns.model.variants.settings import VariantSettings
 
 
 class PeriNormResidual(torch.nn.Module):
@@ -59,7 +60,7 @@ class PeriNormResidual(torch.nn.Module):
         return residual + branch
 
 
-def add_output_norms(layer: torch.nn.Module) -> None:
+def build(layer: torch.nn.Module, settings: VariantSettings) -> None:
     """Give both sublayers of ``layer`` (a megatron TransformerLayer) their output norm."""
     layer.self_attn_bda = PeriNormResidual(layer.config)
     layer.mlp_bda = PeriNormResidual(layer.config)
