@@ -160,6 +160,20 @@ def test_every_registered_variant_has_a_module_that_builds_it():
         assert callable(variant_module(name).build), name
 
 
+def test_compare_has_an_arm_for_each_variant_and_each_lns_combination():
+    """``compare``'s arms come from the registry: every variant by its name, and
+    ``lns_<name>`` only where LNS combines with it."""
+    from megatron_lns.analysis.comparison import CompareError, parse_variants
+
+    arms = {v.name: (v.label, v.model_settings) for v in parse_variants(["peri_ln", "lns_gpas"])}
+    assert arms == {
+        "peri_ln": ("Peri-LN", {"norm_scaling": "none", "layer_variant": "peri_ln"}),
+        "lns_gpas": ("LNS + GPAS", {"norm_scaling": "lns", "layer_variant": "gpas"}),
+    }
+    with pytest.raises(CompareError, match="unknown variant 'lns_peri_ln'"):
+        parse_variants(["lns_peri_ln"])
+
+
 @pytest.mark.parametrize("head_dim", [16, 24], ids=["hidden_over_heads", "kv_channels"])
 def test_deepnorm_scales_value_output_and_ffn_init_by_beta_and_residual_by_alpha(seeded, head_dim):
     kv_channels = None if head_dim == 16 else head_dim

@@ -23,13 +23,12 @@ after each add; the authors' ``lns_gpas`` is this combination.
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
+from megatron_lns.model.variants.residual import BiasDropoutAddSlot
 from megatron_lns.model.variants.settings import VariantSettings
 
 
@@ -45,7 +44,7 @@ class GPASGate(torch.nn.Module):
         return stream - F.silu(self.alpha).to(stream.dtype) * stream.detach()
 
 
-class GPASResidual(torch.nn.Module):
+class GPASResidual(BiasDropoutAddSlot):
     """megatron's bias-dropout-add followed by the layer's GPAS scaling:
     ``gpas(residual + dropout(branch + bias))``.
 
@@ -57,19 +56,7 @@ class GPASResidual(torch.nn.Module):
         super().__init__()
         self._gate = (gate,)
 
-    def forward(self, training: bool, fused: bool = False):
-        return partial(self._add, training)
-
-    def _add(
-        self,
-        training: bool,
-        branch_with_bias: tuple[Tensor, Tensor | None],
-        residual: Tensor,
-        prob: float,
-    ) -> Tensor:
-        branch, bias = branch_with_bias
-        if bias is not None:
-            branch = branch + bias
+    def join(self, branch: Tensor, residual: Tensor, prob: float, training: bool) -> Tensor:
         return self._gate[0](residual + F.dropout(branch, p=prob, training=training))
 
 

@@ -20,42 +20,25 @@ which undoes that scale.
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
 from megatron_lns.model.norms import LocalNorm
+from megatron_lns.model.variants.residual import BiasDropoutAddSlot
 from megatron_lns.model.variants.settings import VariantSettings
 
 
-class PeriNormResidual(torch.nn.Module):
+class PeriNormResidual(BiasDropoutAddSlot):
     """megatron's bias-dropout-add with a norm on the branch before the add:
-    ``residual + dropout(Norm_out(branch + bias))``.
-
-    Called the way megatron calls its ``bda`` functions: ``module(training, fused)`` returns
-    the function ``(branch_with_bias, residual, dropout_prob) -> output``.
-    """
+    ``residual + dropout(Norm_out(branch + bias))``."""
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         self.output_norm = LocalNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
 
-    def forward(self, training: bool, fused: bool = False):
-        return partial(self._add, training)
-
-    def _add(
-        self,
-        training: bool,
-        branch_with_bias: tuple[Tensor, Tensor | None],
-        residual: Tensor,
-        prob: float,
-    ) -> Tensor:
-        branch, bias = branch_with_bias
-        if bias is not None:
-            branch = branch + bias
+    def join(self, branch: Tensor, residual: Tensor, prob: float, training: bool) -> Tensor:
         branch = F.dropout(self.output_norm(branch), p=prob, training=training)
         return residual + branch
 

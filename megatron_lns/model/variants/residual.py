@@ -28,13 +28,34 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
 
-class ResidualBranch(torch.nn.Module):
-    """megatron's bias-dropout-add with a residual scale, a learnable branch gain and a
-    post-norm, each optional: ``norm(alpha * residual + gain * dropout(branch + bias))``.
+class BiasDropoutAddSlot(torch.nn.Module):
+    """A module in megatron's bias-dropout-add slot, called the way megatron calls its
+    ``bda`` functions: ``module(training, fused)`` returns the function
+    ``(branch_with_bias, residual, dropout_prob) -> output``. A subclass says in
+    :meth:`join` how the branch (its bias added) joins the residual stream."""
 
-    Called the way megatron calls its ``bda`` functions: ``module(training, fused)`` returns
-    the function ``(branch_with_bias, residual, dropout_prob) -> output``.
-    """
+    def forward(self, training: bool, fused: bool = False):
+        return partial(self._add, training)
+
+    def _add(
+        self,
+        training: bool,
+        branch_with_bias: tuple[Tensor, Tensor | None],
+        residual: Tensor,
+        prob: float,
+    ) -> Tensor:
+        branch, bias = branch_with_bias
+        if bias is not None:
+            branch = branch + bias
+        return self.join(branch, residual, prob, training)
+
+    def join(self, branch: Tensor, residual: Tensor, prob: float, training: bool) -> Tensor:
+        raise NotImplementedError
+
+
+class ResidualBranch(BiasDropoutAddSlot):
+    """megatron's bias-dropout-add with a residual scale, a learnable branch gain and a
+    post-norm, each optional: ``norm(alpha * residual + gain * dropout(branch + bias))``."""
 
     def __init__(
         self,
@@ -61,19 +82,7 @@ class ResidualBranch(torch.nn.Module):
                 # all-reduces the gradients of parameters marked so.
                 param.sequence_parallel = config.sequence_parallel
 
-    def forward(self, training: bool, fused: bool = False):
-        return partial(self._add, training)
-
-    def _add(
-        self,
-        training: bool,
-        branch_with_bias: tuple[Tensor, Tensor | None],
-        residual: Tensor,
-        prob: float,
-    ) -> Tensor:
-        branch, bias = branch_with_bias
-        if bias is not None:
-            branch = branch + bias
+    def join(self, branch: Tensor, residual: Tensor, prob: float, training: bool) -> Tensor:
         branch = F.dropout(branch, p=prob, training=training)
         if self.layerscale is not None:
             branch = branch * self.layerscale.to(branch.dtype)

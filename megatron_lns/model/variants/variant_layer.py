@@ -17,7 +17,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 from megatron_lns.model.layer import LNSTransformerLayer
-from megatron_lns.model.scaling import NormScaling, ScaledNorm
+from megatron_lns.model.scaling import ScaledNorm
 from megatron_lns.model.variants.depth_scaled_init import with_depth_scaled_output_init
 from megatron_lns.model.variants.settings import PLAIN_PRE_LN, VariantSettings
 
@@ -30,12 +30,13 @@ class VariantTransformerLayer(LNSTransformerLayer):
         config: TransformerConfig,
         submodules: TransformerLayerSubmodules,
         layer_number: int = 1,
-        hidden_dropout: float | None = None,
-        norm_scaling: NormScaling = "none",
         variant: VariantSettings = PLAIN_PRE_LN,
         **kwargs: Any,
     ) -> None:
-        variant.check(norm_scaling)
+        """``kwargs``: :class:`LNSTransformerLayer`'s (``norm_scaling`` is "none" unless
+        given) and megatron's."""
+        kwargs.setdefault("norm_scaling", "none")
+        variant.check(kwargs["norm_scaling"])
         self.variant = variant
         expected_number = None
         if variant.depth_scaled_init:
@@ -46,7 +47,7 @@ class VariantTransformerLayer(LNSTransformerLayer):
                 "(inference_fuse_tp_communication) adds the residual inside its kernels and "
                 "would skip the variant's residual; build the model without it"
             )
-        super().__init__(config, submodules, layer_number, hidden_dropout, norm_scaling, **kwargs)
+        super().__init__(config, submodules, layer_number, **kwargs)
         if expected_number is not None and expected_number != self.layer_number:
             raise RuntimeError(
                 f"depth-scaled init assumed global layer {expected_number}, megatron numbered "
