@@ -1,6 +1,6 @@
 """The vocabularies of the model's settings, and the rules that relate them.
 
-The components (``scaling.py``, ``variants.py``, ``model.py``) type their arguments with
+The components (``scaling.py``, ``variants/``, ``language_model.py``) type their arguments with
 these literals, and the config layer checks YAML values against the same tuples. This
 module imports only the torch-free variant registry (``layer_variants.py``), so loading and
 validating a config does not import torch or megatron-core. (The tokenizer libraries are

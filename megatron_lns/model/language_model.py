@@ -77,9 +77,9 @@ class GPTModelConfig:
     N(0, init_method_std / sqrt(2 * l)) in layer l. ``None`` follows the paper with LNS and
     megatron's default without it.
 
-    ``layer_variant`` picks the residual/normalisation scheme of every layer (the LNS
-    paper's baselines, ``variants.py``); ``mix_ln_post_fraction`` and ``layerscale_init``
-    configure Mix-LN and LayerScale.
+    ``layer_variant`` picks the residual/normalisation scheme of every layer (the
+    registered layer variants, ``variants/``); ``mix_ln_post_fraction`` and
+    ``layerscale_init`` configure Mix-LN and LayerScale.
 
     ``recompute_*`` are megatron's activation recomputation settings, passed through
     unchanged: ``"selective"`` recomputes the core attention (megatron's default
@@ -318,7 +318,8 @@ class GPTModelConfig:
             cpu_init = not torch.cuda.is_available()
         dtype = PARAMS_DTYPES[self.precision]
         if self.resolved_output_layer_init() in ("normal", "depth_scaled"):
-            # depth_scaled: each layer replaces this with its own std (variants.py).
+            # depth_scaled: each layer replaces this with its own std
+            # (variants/depth_scaled_init.py).
             output_init = init_method_normal(self.init_method_std)
         else:
             output_init = scaled_init_method_normal(self.init_method_std, self.num_blocks())
