@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from megatron_lns.config.choices import PRE_NORM_VARIANTS, LayerVariant, lns_combines_with
-from megatron_lns.config.layer_variants import variant_info
+from megatron_lns.config.layer_variants import REGISTRY, variant_info
 from megatron_lns.model.scaling import NormScaling
 
 
@@ -46,13 +46,12 @@ class VariantSettings:
 
 
 def variant_module(name: str) -> ModuleType:
+    """The module that builds the registered variant ``name``."""
     return importlib.import_module(f"megatron_lns.model.variants.{variant_info(name).module}")
 
 
 def variant_modules() -> list[ModuleType]:
     """Every registered variant's module, once each, in registration order."""
-    from megatron_lns.config.layer_variants import REGISTRY
-
     return [
         importlib.import_module(f"megatron_lns.model.variants.{m}")
         for m in dict.fromkeys(info.module for info in REGISTRY.values())
