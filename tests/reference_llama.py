@@ -11,8 +11,10 @@ fused tensors are split here with our own reading of megatron's layout
 It also implements the LNS paper's other variants from their published definitions
 (``variant``): Post-LN ``h = LN(h + f(h))``; DeepNorm ``h = LN(alpha*h + f(h))`` with
 ``alpha = (2N)^(1/4)``; Mix-LN (Post-LN in the first ``mix_ln_post_layers`` layers, Pre-LN
-after); LayerScale ``h = h + diag(g) f(LN(h))``; SkipInit ``h = h + a f(LN(h))``. Their extra
-parameters use megatron_lns's names so weights load by name.
+after); LayerScale ``h = h + diag(g) f(LN(h))``; SkipInit ``h = h + a f(LN(h))``; Peri-LN
+``h = h + LN_out(f(LN_in(h)))``; GPAS ``h' = h + f(LN(h)), h = h' - SiLU(a_l) sg(h')`` with one
+``a_l`` per layer for both adds (the authors' code). Their extra parameters use
+megatron_lns's names so weights load by name.
 """
 
 from __future__ import annotations
@@ -83,6 +85,11 @@ class ReferenceLlama(nn.Module):
                 gain = "layerscale" if variant == "layerscale" else "gate"
                 p[pre + f"self_attn_bda.{gain}"] = nn.Parameter(torch.zeros(gain_shape))
                 p[pre + f"mlp_bda.{gain}"] = nn.Parameter(torch.zeros(gain_shape))
+            if variant == "peri_ln":
+                p[pre + "self_attn_bda.output_norm.weight"] = nn.Parameter(torch.ones(hidden_size))
+                p[pre + "mlp_bda.output_norm.weight"] = nn.Parameter(torch.ones(hidden_size))
+            if variant == "gpas":
+                p[pre + "gpas.alpha"] = nn.Parameter(torch.zeros(1))
             p[pre + "self_attention.linear_qkv.weight"] = nn.Parameter(
                 torch.empty(qkv_rows, hidden_size)
             )
@@ -164,11 +171,30 @@ class ReferenceLlama(nn.Module):
                 )
                 continue
             attn = self._attention(self._norm(h, self.p[pre + "input_layernorm.weight"]) * scale, i)
-            h = h + self._branch_gain(pre + "self_attn_bda") * attn
+            h = self._gpas(
+                h
+                + self._branch_gain(pre + "self_attn_bda")
+                * self._peri(attn, pre + "self_attn_bda"),
+                pre,
+            )
             mlp = self._mlp(self._norm(h, self.p[pre + "pre_mlp_layernorm.weight"]) * scale, i)
-            h = h + self._branch_gain(pre + "mlp_bda") * mlp
+            h = self._gpas(
+                h + self._branch_gain(pre + "mlp_bda") * self._peri(mlp, pre + "mlp_bda"), pre
+            )
         h = self._norm(h, self.p["decoder.final_layernorm.weight"])
         return h @ self.p["output_layer.weight"].T
+
+    def _peri(self, branch: torch.Tensor, prefix: str) -> torch.Tensor:
+        """Peri-LN's output norm on a branch before its add; other variants: the branch."""
+        if self.variant != "peri_ln":
+            return branch
+        return self._norm(branch, self.p[prefix + ".output_norm.weight"])
+
+    def _gpas(self, stream: torch.Tensor, prefix: str) -> torch.Tensor:
+        """GPAS after an add: the value times 1 - SiLU(a), the gradient unscaled."""
+        if self.variant != "gpas":
+            return stream
+        return stream - F.silu(self.p[prefix + "gpas.alpha"]) * stream.detach()
 
     def _branch_gain(self, prefix: str) -> torch.Tensor | float:
         if self.variant == "layerscale":

@@ -29,15 +29,19 @@ CASES = [
     ("layerscale", "lns"),
     ("skipinit", "none"),
     ("skipinit", "lns"),
+    ("peri_ln", "none"),
+    ("gpas", "none"),
+    ("gpas", "lns"),
 ]
 
 
 def _perturb_norms_and_gains(model: torch.nn.Module, seed: int = 1) -> None:
-    """Norms start at 1, SkipInit gates at 0: move them so every path carries gradient."""
+    """Norms start at 1, SkipInit gates and GPAS's alpha at 0: move them so every path
+    carries gradient."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "layernorm" in name or "_bda." in name:
+            if "layernorm" in name or "_bda." in name or ".gpas." in name:
                 param.add_(0.3 * torch.randn(param.shape, generator=gen))
 
 
@@ -94,6 +98,80 @@ def test_new_parameters_start_as_the_papers_define_them(seeded):
     hidden = skipinit.decoder(skipinit.embedding(tokens, positions), None)
     embedded = skipinit.embedding(tokens, positions)
     torch.testing.assert_close(hidden, skipinit.decoder.final_layernorm(embedded))
+
+
+def test_gpas_scales_the_value_and_preserves_the_gradient_in_closed_form(seeded):
+    """x = x' - SiLU(a) sg(x'): value (1 - SiLU(a)) x', dL/dx' = dL/dx, and
+    dL/da = -SiLU'(a) <x', dL/dx> with SiLU'(a) = s(a) (1 + a (1 - s(a))), s the sigmoid."""
+    gate = (
+        build_model(tiny_config(layer_variant="gpas", norm_scaling="none"))[0]
+        .decoder.layers[0]
+        .gpas
+    )
+    a = 0.7
+    with torch.no_grad():
+        gate.alpha.fill_(a)
+    gen = torch.Generator().manual_seed(3)
+    stream = torch.randn(5, 2, 64, generator=gen, requires_grad=True)
+    upstream = torch.randn(5, 2, 64, generator=gen)
+    out = gate(stream)
+    sigmoid = 1.0 / (1.0 + math.exp(-a))
+    silu, silu_grad = a * sigmoid, sigmoid * (1.0 + a * (1.0 - sigmoid))
+    torch.testing.assert_close(out, (1.0 - silu) * stream)
+    (out * upstream).sum().backward()
+    torch.testing.assert_close(stream.grad, upstream)
+    expected = -silu_grad * (stream.detach() * upstream).sum()
+    torch.testing.assert_close(gate.alpha.grad, expected.reshape(1))
+
+
+def test_gpas_and_peri_ln_parameters_start_as_the_papers_define_them(seeded):
+    """GPAS: one alpha per layer at 0, so the model starts as Pre-LN; Peri-LN: an output
+    norm per sublayer at gain 1, the pre-norms kept."""
+    tokens = torch.randint(0, 128, (1, 16))
+    positions = torch.arange(16).unsqueeze(0)
+    torch.manual_seed(5)
+    gpas = build_model(tiny_config(layer_variant="gpas", norm_scaling="lns"))[0]
+    torch.manual_seed(5)
+    pre_ln = build_model(tiny_config(layer_variant="pre_ln", norm_scaling="lns"))[0]
+    for layer in gpas.decoder.layers:
+        assert [name for name, _ in layer.named_parameters() if "gpas" in name] == ["gpas.alpha"]
+        assert torch.equal(layer.gpas.alpha, torch.zeros(1))
+    torch.testing.assert_close(
+        gpas(tokens, positions, None), pre_ln(tokens, positions, None), rtol=0, atol=0
+    )
+    peri = build_model(tiny_config(layer_variant="peri_ln", norm_scaling="none"))[0]
+    for layer in peri.decoder.layers:
+        names = {name for name, _ in layer.named_parameters()}
+        assert {"input_layernorm.weight", "pre_mlp_layernorm.weight"} <= names
+        for bda in (layer.self_attn_bda, layer.mlp_bda):
+            assert torch.equal(bda.output_norm.weight, torch.ones(64))
+
+
+def test_lns_on_peri_ln_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match=r"layer_variant='peri_ln' normalises every branch's"):
+        tiny_config(layer_variant="peri_ln", norm_scaling="lns").variant_settings()
+
+
+def test_every_registered_variant_has_a_module_that_builds_it():
+    from megatron_lns.config.layer_variants import REGISTRY
+    from megatron_lns.model.variants.settings import variant_module
+
+    for name in REGISTRY:
+        assert callable(variant_module(name).build), name
+
+
+def test_compare_has_an_arm_for_each_variant_and_each_lns_combination():
+    """``compare``'s arms come from the registry: every variant by its name, and
+    ``lns_<name>`` only where LNS combines with it."""
+    from megatron_lns.analysis.comparison import CompareError, parse_variants
+
+    arms = {v.name: (v.label, v.model_settings) for v in parse_variants(["peri_ln", "lns_gpas"])}
+    assert arms == {
+        "peri_ln": ("Peri-LN", {"norm_scaling": "none", "layer_variant": "peri_ln"}),
+        "lns_gpas": ("LNS + GPAS", {"norm_scaling": "lns", "layer_variant": "gpas"}),
+    }
+    with pytest.raises(CompareError, match="unknown variant 'lns_peri_ln'"):
+        parse_variants(["lns_peri_ln"])
 
 
 @pytest.mark.parametrize("head_dim", [16, 24], ids=["hidden_over_heads", "kv_channels"])
@@ -153,9 +231,10 @@ def test_lns_on_a_post_norm_variant_is_refused_by_name(variant):
         tiny_config(layer_variant=variant, norm_scaling="lns").variant_settings()
 
 
-def test_te_backend_refuses_variants_by_name():
-    with pytest.raises(ValueError, match=r"layer_variant=.layerscale.*backend=.local. only"):
-        get_lns_layer_spec("none", "te", variant=VariantSettings(layer_variant="layerscale"))
+@pytest.mark.parametrize("variant", ["layerscale", "peri_ln", "gpas"])
+def test_te_backend_refuses_variants_by_name(variant):
+    with pytest.raises(ValueError, match=rf"layer_variant=.{variant}.*backend=.local. only"):
+        get_lns_layer_spec("none", "te", variant=VariantSettings(layer_variant=variant))
 
 
 def test_bad_variant_settings_are_refused():
@@ -176,16 +255,23 @@ PARALLEL_CASES = [
     ("mix_ln", "none"),
     ("layerscale", "lns"),
     ("skipinit", "none"),
+    ("peri_ln", "none"),
+    ("gpas", "lns"),
 ]
 
 
+def _is_variant_parameter(name: str) -> bool:
+    """A layer's parameter that a variant adds (gains, moved or output norms, GPAS's alpha)."""
+    return "_bda." in name or name.endswith("gpas.alpha")
+
+
 def _extra_parameters(model) -> dict[str, torch.Tensor]:
-    """The variant's own parameters (post-norms, gains) by global layer number."""
+    """The variant's own parameters (post-norms, gains, ...) by global layer number."""
     found = {}
     for chunk in model:
         for layer in chunk.module.decoder.layers:
             for name, param in layer.named_parameters():
-                if "_bda." in name:
+                if _is_variant_parameter(name):
                     found[f"{layer.layer_number}.{name}"] = param.detach().clone()
     return found
 
@@ -206,7 +292,7 @@ def parallel_variants_worker(tmp: str):
         # Move the gains off their init so the checkpoint carries values a fresh model lacks.
         with torch.no_grad():
             for name, param in model[0].module.named_parameters():
-                if "_bda." in name:
+                if _is_variant_parameter(name):
                     param.add_(0.25)
         saved = _extra_parameters(model)
         save_model_weights(model, base_ckpt)
@@ -309,6 +395,8 @@ RESUME_CASES = [
     ("layerscale", "lns", "normal"),
     ("skipinit", "none", "normal"),
     ("pre_ln", "none", "depth_scaled"),
+    ("peri_ln", "none", "normal"),
+    ("gpas", "lns", "normal"),
 ]
 
 

@@ -44,22 +44,27 @@ from megatron_lns.analysis.depth import LayerStats, layer_statistics, variance_g
 from megatron_lns.analysis.plots import plot_depth_profiles, plot_seed_bands, read_metrics
 from megatron_lns.base.errors import UserError
 from megatron_lns.config import ConfigError, ExperimentConfig, to_yaml, validate
+from megatron_lns.config.layer_variants import REGISTRY as LAYER_VARIANT_REGISTRY
 from megatron_lns.config.rules import rng_seed
 from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.training.provenance import changed_config_keys
 from megatron_lns.training.run_dir import holds_a_run
 from megatron_lns.training.trainer import Trainer, TrainingStopped
 
-# Variant name -> (label, model keys). Names are the paper's arms; the keys are the only
-# difference between them.
+# Variant name -> (label, model keys), from the variant registry: ``lns`` (LNS on Pre-LN),
+# each registered layer variant without LNS under its own name, and ``lns_<variant>`` for
+# every other variant LNS combines with. The keys are the only difference between arms.
 VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "lns": ("LNS", {"norm_scaling": "lns", "layer_variant": "pre_ln"}),
-    "pre_ln": ("Pre-LN", {"norm_scaling": "none", "layer_variant": "pre_ln"}),
-    "post_ln": ("Post-LN", {"norm_scaling": "none", "layer_variant": "post_ln"}),
-    "deepnorm": ("DeepNorm", {"norm_scaling": "none", "layer_variant": "deepnorm"}),
-    "mix_ln": ("Mix-LN", {"norm_scaling": "none", "layer_variant": "mix_ln"}),
-    "layerscale": ("LayerScale", {"norm_scaling": "none", "layer_variant": "layerscale"}),
-    "skipinit": ("SkipInit", {"norm_scaling": "none", "layer_variant": "skipinit"}),
+    **{
+        name: (info.label, {"norm_scaling": "none", "layer_variant": name})
+        for name, info in LAYER_VARIANT_REGISTRY.items()
+    },
+    **{
+        f"lns_{name}": (f"LNS + {info.label}", {"norm_scaling": "lns", "layer_variant": name})
+        for name, info in LAYER_VARIANT_REGISTRY.items()
+        if info.combines_with_lns and name != "pre_ln"
+    },
 }
 # ``<variant>+<suffix>`` sets the init of the residual output projections.
 INIT_SUFFIXES: dict[str, tuple[str, str]] = {

@@ -1,19 +1,25 @@
 """The vocabularies of the model's settings, and the rules that relate them.
 
-The components (``scaling.py``, ``variants.py``, ``model.py``) type their arguments with
+The components (``scaling.py``, ``variants/``, ``language_model.py``) type their arguments with
 these literals, and the config layer checks YAML values against the same tuples. This
-module imports nothing, so loading and validating a config does not import torch or
-megatron-core. (The tokenizer libraries are the data layer's: ``data/tokenizer.py``.)
+module imports only the torch-free variant registry (``layer_variants.py``), so loading and
+validating a config does not import torch or megatron-core. (The tokenizer libraries are
+the data layer's: ``data/tokenizer.py``.)
 """
 
 from __future__ import annotations
 
 from typing import Literal, get_args
 
+from megatron_lns.config.layer_variants import LAYER_VARIANTS as LAYER_VARIANTS
+from megatron_lns.config.layer_variants import LNS_VARIANTS
+from megatron_lns.config.layer_variants import lns_combines_with as lns_combines_with
+
 NormScaling = Literal["lns", "none"]
 # megatron-core's decoder-only language models: GPTModel, or HybridModel (a layer pattern).
 Architecture = Literal["gpt", "hybrid"]
-LayerVariant = Literal["pre_ln", "post_ln", "deepnorm", "mix_ln", "layerscale", "skipinit"]
+# A name registered in layer_variants.py (a registry, not a literal: a new variant is one entry).
+LayerVariant = str
 Activation = Literal["swiglu", "gelu"]
 PositionEmbedding = Literal["rope", "learned_absolute"]
 OutputLayerInit = Literal["normal", "scaled", "depth_scaled"]
@@ -31,7 +37,6 @@ RecomputeModule = Literal["core_attn", "mlp", "moe", "moe_act", "shared_experts"
 
 NORM_SCALING_CHOICES: tuple[str, ...] = get_args(NormScaling)
 ARCHITECTURES: tuple[str, ...] = get_args(Architecture)
-LAYER_VARIANTS: tuple[str, ...] = get_args(LayerVariant)
 ACTIVATIONS: tuple[str, ...] = get_args(Activation)
 POSITION_EMBEDDINGS: tuple[str, ...] = get_args(PositionEmbedding)
 OUTPUT_LAYER_INITS: tuple[str, ...] = get_args(OutputLayerInit)
@@ -44,14 +49,8 @@ MOE_DROP_POLICIES: tuple[str, ...] = get_args(MoEDropPolicy)
 MOE_ROUTER_DTYPES: tuple[str, ...] = get_args(MoERouterDtype)
 RECOMPUTE_MODULES: tuple[str, ...] = get_args(RecomputeModule)
 
-# Variants whose every layer normalises the branch input: the only ones LNS applies to.
-PRE_NORM_VARIANTS: tuple[str, ...] = ("pre_ln", "layerscale", "skipinit")
-
-
-def lns_combines_with(norm_scaling: str, layer_variant: str) -> bool:
-    """The LNS/variant rule: LNS scales the output of pre-norms, so it combines only with
-    variants whose every layer has them (config validation and the layer spec ask here)."""
-    return norm_scaling != "lns" or layer_variant in PRE_NORM_VARIANTS
+# The variants LNS applies to (layer_variants.py decides): kept under their old name.
+PRE_NORM_VARIANTS: tuple[str, ...] = LNS_VARIANTS
 
 
 def warmup_fits(warmup_steps: int, decay_steps: int, decay_style: DecayStyle) -> bool:

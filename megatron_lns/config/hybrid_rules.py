@@ -6,6 +6,7 @@ strict), and the settings that mean something only to one architecture."""
 from __future__ import annotations
 
 from megatron_lns.config import hybrid_pattern, model_derived
+from megatron_lns.config.layer_variants import variant_info
 from megatron_lns.config.loader import ConfigError
 
 KEY = "model.hybrid_layer_pattern"
@@ -21,7 +22,7 @@ def check_hybrid(m) -> None:
                 "(or drop the pattern)"
             )
         return
-    if m.layer_variant != "pre_ln":
+    if variant_info(m.layer_variant).changes_layer:
         raise ConfigError(
             f"model.layer_variant={m.layer_variant} is built for model.architecture=gpt only; "
             "the hybrid stack has Pre-LN sublayers, with or without LNS"

@@ -14,6 +14,7 @@ from megatron_lns.config.choices import PRE_NORM_VARIANTS, lns_combines_with, wa
 from megatron_lns.config.cluster import validate_cluster
 from megatron_lns.config.data_checks import check_datasets, check_tokenizer
 from megatron_lns.config.hybrid_rules import check_hybrid, hybrid_segments
+from megatron_lns.config.layer_variants import variant_info
 from megatron_lns.config.layout import ParallelLayout, micro_batches_per_step
 from megatron_lns.config.loader import ConfigError
 from megatron_lns.config.moe_rules import check_moe
@@ -127,10 +128,10 @@ def validate(
     if not lns_combines_with(m.norm_scaling, m.layer_variant):
         raise ConfigError(
             f"model.norm_scaling=lns scales pre-norm outputs and model.layer_variant="
-            f"{m.layer_variant} has post-norm layers: set model.norm_scaling=none or choose one "
-            f"of {', '.join(PRE_NORM_VARIANTS)}"
+            f"{m.layer_variant} {variant_info(m.layer_variant).lns_refusal}: set "
+            f"model.norm_scaling=none or choose one of {', '.join(PRE_NORM_VARIANTS)}"
         )
-    if m.transformer_engine and m.layer_variant != "pre_ln":
+    if m.transformer_engine and variant_info(m.layer_variant).changes_layer:
         raise ConfigError(
             f"model.layer_variant={m.layer_variant} needs model.transformer_engine=false: "
             "Transformer Engine fuses each norm into the next linear"

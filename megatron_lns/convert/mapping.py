@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from megatron_lns.config.layer_variants import REGISTRY as LAYER_VARIANTS
 from megatron_lns.model.scaling import fold_scale_into_gamma
 
 # Checkpoint keys (megatron's sharded keys). Per-layer tensors are stacked on a leading
@@ -37,12 +38,11 @@ FC1_WEIGHT = "mlp.linear_fc1.weight"
 FC1_BIAS = "mlp.linear_fc1.bias"
 FC2_WEIGHT = "mlp.linear_fc2.weight"
 FC2_BIAS = "mlp.linear_fc2.bias"
-# The branch gains of LayerScale ([h], per channel) and SkipInit ([1], a scalar), by
-# branch: megatron_lns.model.variants.ResidualBranch multiplies the branch output with them
-# before the residual add.
+# The learnable gains on the branch outputs (LayerScale's [h] per channel, SkipInit's [1]
+# scalar), by layer variant and branch (config/layer_variants.py registers them): the
+# variant multiplies the branch output with them before the residual add.
 BRANCH_GAINS = {
-    "layerscale": ("self_attn_bda.layerscale", "mlp_bda.layerscale"),
-    "skipinit": ("self_attn_bda.gate", "mlp_bda.gate"),
+    name: info.branch_gains for name, info in LAYER_VARIANTS.items() if info.branch_gains
 }
 # A mixture-of-experts layer (megatron's MoELayer). Its pre-MLP norm is a module of its
 # own (no linear_fc1 to fuse it into); the experts of a layer are stacked on an expert

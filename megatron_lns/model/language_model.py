@@ -26,6 +26,7 @@ from megatron_lns.config.choices import (
     RecomputeGranularity,
     RecomputeMethod,
 )
+from megatron_lns.config.layer_variants import variant_info
 from megatron_lns.config.moe_layers import MoELayerFreq
 from megatron_lns.model.specs import get_lns_block_spec
 from megatron_lns.model.variants import VariantSettings
@@ -119,9 +120,9 @@ class GPTModelConfig:
     N(0, init_method_std / sqrt(2 * l)) in layer l. ``None`` follows the paper with LNS and
     megatron's default without it.
 
-    ``layer_variant`` picks the residual/normalisation scheme of every layer (the LNS
-    paper's baselines, ``variants.py``); ``mix_ln_post_fraction`` and ``layerscale_init``
-    configure Mix-LN and LayerScale.
+    ``layer_variant`` picks the residual/normalisation scheme of every layer (the
+    registered layer variants, ``variants/``); ``mix_ln_post_fraction`` and
+    ``layerscale_init`` configure Mix-LN and LayerScale.
 
     ``recompute_*`` are megatron's activation recomputation settings, passed through
     unchanged: ``"selective"`` recomputes the core attention (megatron's default
@@ -358,7 +359,8 @@ class GPTModelConfig:
             cpu_init = not torch.cuda.is_available()
         dtype = PARAMS_DTYPES[self.precision]
         if self.resolved_output_layer_init() in ("normal", "depth_scaled"):
-            # depth_scaled: each layer replaces this with its own std (variants.py).
+            # depth_scaled: each layer replaces this with its own std
+            # (variants/depth_scaled_init.py).
             output_init = init_method_normal(self.init_method_std)
         else:
             output_init = scaled_init_method_normal(self.init_method_std, self.num_blocks())
@@ -388,9 +390,9 @@ class GPTModelConfig:
                 if self.batch_p2p_comm is None
                 else self.batch_p2p_comm
             ),
-            # Mix-LN layers differ in their parameters: checkpoint each layer under its own
-            # key rather than stacked along a layer axis.
-            hetereogenous_dist_checkpoint=self.layer_variant == "mix_ln",
+            # Layers that differ in their parameters (Mix-LN's) are checkpointed each under
+            # its own key rather than stacked along a layer axis.
+            hetereogenous_dist_checkpoint=variant_info(self.layer_variant).heterogeneous_layers,
             recompute_num_layers=self.megatron_recompute_num_layers(),
             expert_model_parallel_size=layout.expert,
             expert_tensor_parallel_size=layout.expert_tensor,

@@ -48,7 +48,7 @@ def get_lns_layer_spec(
     moe_grouped_gemm: bool = False,
 ) -> ModuleSpec:
     """Spec of one transformer layer with LayerNorm Scaling (or plain Pre-LN), or one of
-    the paper's other variants (``variants.py``).
+    the other layer variants (``variants/``).
 
     With ``num_experts`` the MLP is megatron's ``MoELayer`` (router, token dispatcher,
     experts, optional shared experts): its pre-norm feeds the router and the experts

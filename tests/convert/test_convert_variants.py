@@ -192,6 +192,8 @@ REFUSED_VARIANTS = {
     "post_ln": r"Post-LN normalises after the residual add",
     "deepnorm": r"DeepNorm scales the residual by alpha = \(2N\)\^\(1/4\) before a norm after",
     "mix_ln": r"Mix-LN's first layers are Post-LN, with the norm after the residual add",
+    "peri_ln": r"Peri-LN normalises each branch's output before the residual add",
+    "gpas": r"GPAS scales the residual stream after each add by a learned 1 - SiLU\(alpha_l\)",
 }
 
 

@@ -52,12 +52,14 @@ class LnsSettings:
         target="layer_spec.layer_variant",
         group="lns",
         doc=(
-            "the paper's baselines ([variants.md](variants.md)): `pre_ln`, `post_ln` (`LN(h + "
-            "f(h))`), `deepnorm` (`LN(alpha*h + f(h))`, DeepNet's alpha and beta from "
-            "`num_layers`), `mix_ln` (Post-LN in the first `mix_ln_post_fraction` of layers, "
-            "Pre-LN after), `layerscale` (per-channel learnable branch scale), `skipinit` (scalar"
-            " branch gate from 0). `norm_scaling: lns` only with `pre_ln`, `layerscale`, "
-            "`skipinit`; other than `pre_ln` needs `transformer_engine: false`"
+            "registered in `config/layer_variants.py` ([variants.md](variants.md)): `pre_ln`, "
+            "`post_ln` (`LN(h + f(h))`), `deepnorm` (`LN(alpha*h + f(h))`, DeepNet's alpha and "
+            "beta from `num_layers`), `mix_ln` (Post-LN in the first `mix_ln_post_fraction` of "
+            "layers, Pre-LN after), `layerscale` (per-channel learnable branch scale), "
+            "`skipinit` (scalar branch gate from 0), `peri_ln` (`h + LN(f(LN(h)))`), `gpas` "
+            "(`x - SiLU(alpha_l)*sg(x)` after each add). `norm_scaling: lns` only with `pre_ln`,"
+            " `layerscale`, `skipinit`, `gpas`; other than `pre_ln` needs `transformer_engine: "
+            "false`"
         ),
         shapes=True,
         hf=HF_CONVERTER,

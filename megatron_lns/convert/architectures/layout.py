@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from megatron_lns.config.hybrid_pattern import gpt_key_to_hybrid
+from megatron_lns.config.layer_variants import REGISTRY as LAYER_VARIANTS
 from megatron_lns.convert.checkpoint_reader import CheckpointReader
 from megatron_lns.convert.mapping import (
     ATTN_NORM_BIAS,
@@ -121,7 +122,7 @@ class DecoderLayout:
             if self.norm_has_bias:
                 shapes[bias_key] = (h,)
         if self.branch_gain is not None:
-            width = h if self.branch_gain == "layerscale" else 1
+            width = h if LAYER_VARIANTS[self.branch_gain].per_channel_gain else 1
             shapes |= {key: (width,) for key in BRANCH_GAINS[self.branch_gain]}
         return shapes
 

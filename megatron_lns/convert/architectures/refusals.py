@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from megatron_lns.config.layer_variants import REGISTRY as LAYER_VARIANTS
 from megatron_lns.config.schema import ModelConfig
 from megatron_lns.convert.errors import ConversionError
 from megatron_lns.convert.mapping import hf_rope_parameters
@@ -22,17 +23,13 @@ def listed(names: Iterable[str], sep: str = " and ") -> str:
     return ", ".join(names[:-1]) + sep + names[-1] if len(names) > 1 else "".join(names)
 
 
-# The paper's baselines that no stock architecture computes, and why: each normalises
-# where the stock decoders (which normalise only a branch's input) have no norm.
-# pre_ln exports as it is, and LayerScale and SkipInit with their gains folded into
-# o_proj / down_proj (BRANCH_GAINS); a test requires every layer_variant to be one of these.
+# The layer variants that no stock architecture computes, and why (their registration in
+# config/layer_variants.py says): each normalises or scales where the stock decoders (which
+# normalise only a branch's input) do not. pre_ln exports as it is, and variants with branch
+# gains with those folded into o_proj / down_proj (BRANCH_GAINS); a test requires every
+# layer_variant to be one of these.
 UNEXPORTABLE_VARIANTS = {
-    "post_ln": "Post-LN normalises after the residual add, LN(h + f(h))",
-    "deepnorm": (
-        "DeepNorm scales the residual by alpha = (2N)^(1/4) before a norm after the add, "
-        "LN(alpha h + f(h))"
-    ),
-    "mix_ln": "Mix-LN's first layers are Post-LN, with the norm after the residual add",
+    name: info.hf_refusal for name, info in LAYER_VARIANTS.items() if info.hf_refusal
 }
 
 

@@ -1,0 +1,127 @@
+"""The layer variants (``model.layer_variant``), registered once with what the config layer,
+``compare`` and Hugging Face export need to know about them, without importing torch.
+
+Each entry names the variant, its ``compare`` label, whether LNS combines with it (and why
+not where it does not), why no stock Hugging Face class computes it (``None``: it exports),
+and the module under ``megatron_lns/model/variants/`` that builds its layers. A variant is
+added by writing that module and one entry here; validation, ``compare``, export and the
+model read everything else from the entry (docs/variants.md, "Adding a variant").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LayerVariantInfo:
+    """One variant's facts for code that must not import its torch module."""
+
+    name: str
+    label: str  # ``compare``'s table and plots
+    module: str  # megatron_lns.model.variants.<module> builds its layers
+    # Why LNS (which scales every pre-norm's output) cannot apply; None: it combines.
+    lns_refusal: str | None = None
+    # Why no stock Hugging Face class computes it (export adds that the stock classes
+    # normalise only each branch's input); None: it exports.
+    hf_refusal: str | None = None
+    # A learnable gain on each branch's output (attention's, MLP's parameter names) that
+    # export folds into o_proj / down_proj rows, and whether it is per channel (else scalar).
+    branch_gains: tuple[str, str] | None = None
+    per_channel_gain: bool = False
+    # False only for megatron's own Pre-LN layer, which needs no layer class of ours.
+    changes_layer: bool = True
+    # Whether its layers differ in their parameters, so megatron must checkpoint each layer
+    # under its own key rather than stacked along a layer axis.
+    heterogeneous_layers: bool = False
+
+    @property
+    def combines_with_lns(self) -> bool:
+        return self.lns_refusal is None
+
+
+_POST_NORM_REFUSAL = "has post-norm layers, where there is no pre-norm output to scale"
+
+REGISTRY: dict[str, LayerVariantInfo] = {
+    info.name: info
+    for info in (
+        LayerVariantInfo("pre_ln", "Pre-LN", module="pre_ln", changes_layer=False),
+        LayerVariantInfo(
+            "post_ln",
+            "Post-LN",
+            module="post_ln",
+            lns_refusal=_POST_NORM_REFUSAL,
+            hf_refusal="Post-LN normalises after the residual add, LN(h + f(h))",
+        ),
+        LayerVariantInfo(
+            "deepnorm",
+            "DeepNorm",
+            module="deepnorm",
+            lns_refusal=_POST_NORM_REFUSAL,
+            hf_refusal=(
+                "DeepNorm scales the residual by alpha = (2N)^(1/4) before a norm after the "
+                "add, LN(alpha h + f(h))"
+            ),
+        ),
+        LayerVariantInfo(
+            "mix_ln",
+            "Mix-LN",
+            module="mix_ln",
+            lns_refusal=_POST_NORM_REFUSAL,
+            hf_refusal="Mix-LN's first layers are Post-LN, with the norm after the residual add",
+            heterogeneous_layers=True,
+        ),
+        LayerVariantInfo(
+            "layerscale",
+            "LayerScale",
+            module="layerscale",
+            branch_gains=("self_attn_bda.layerscale", "mlp_bda.layerscale"),
+            per_channel_gain=True,
+        ),
+        LayerVariantInfo(
+            "skipinit",
+            "SkipInit",
+            module="skipinit",
+            branch_gains=("self_attn_bda.gate", "mlp_bda.gate"),
+        ),
+        LayerVariantInfo(
+            "peri_ln",
+            "Peri-LN",
+            module="peri_ln",
+            lns_refusal=(
+                "normalises every branch's output before the residual add, which undoes a "
+                "scale on the branch's input"
+            ),
+            hf_refusal=(
+                "Peri-LN normalises each branch's output before the residual add, "
+                "h + LN(f(LN(h))) (Gemma 2/3 do too, but also multiply the embeddings by "
+                "sqrt(hidden_size))"
+            ),
+        ),
+        LayerVariantInfo(
+            "gpas",
+            "GPAS",
+            module="gpas",
+            hf_refusal=(
+                "GPAS scales the residual stream after each add by a learned 1 - SiLU(alpha_l)"
+            ),
+        ),
+    )
+}
+
+LAYER_VARIANTS: tuple[str, ...] = tuple(REGISTRY)
+# The variants LNS combines with: every layer keeps its pre-norms and their scale.
+LNS_VARIANTS: tuple[str, ...] = tuple(n for n, info in REGISTRY.items() if info.combines_with_lns)
+
+
+def variant_info(name: str) -> LayerVariantInfo:
+    """The registered variant ``name``; an unknown name is refused with the known ones."""
+    if name not in REGISTRY:
+        raise ValueError(f"layer_variant must be one of {LAYER_VARIANTS}, got {name!r}")
+    return REGISTRY[name]
+
+
+def lns_combines_with(norm_scaling: str, layer_variant: str) -> bool:
+    """The LNS/variant rule: LNS scales the output of pre-norms, so it combines only with
+    variants whose every layer has them and keeps their scale."""
+    return norm_scaling != "lns" or variant_info(layer_variant).combines_with_lns

@@ -1,0 +1,23 @@
+"""LayerScale (Touvron et al., 2021), ``h = h + diag(g) f(LN(h))`` with a learnable
+per-channel ``g`` starting at ``layerscale_init`` (``*_bda.layerscale``). Exports to the
+stock Pre-LN classes with ``g`` folded into ``o_proj`` / ``down_proj`` rows."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_lns.model.variants.residual import ResidualBranch
+from megatron_lns.model.variants.settings import VariantSettings
+
+
+def check(settings: VariantSettings) -> None:
+    if not settings.layerscale_init > 0.0:
+        raise ValueError(f"layerscale_init must be > 0, got {settings.layerscale_init!r}")
+
+
+def build(layer: torch.nn.Module, settings: VariantSettings) -> None:
+    for slot in ("self_attn_bda", "mlp_bda"):
+        branch = ResidualBranch(
+            layer.config, gain="layerscale", layerscale_init=settings.layerscale_init
+        )
+        setattr(layer, slot, branch)
