@@ -107,3 +107,16 @@ def test_import_graph_has_no_cycles():
         if node not in state:
             visit(node, [node])
     assert not cycles
+
+
+MAX_MODULE_LINES = 600
+
+
+def test_every_module_fits_in_a_readers_head():
+    """No module over MAX_MODULE_LINES lines: a longer one holds more than one job."""
+    long = {
+        str(path.relative_to(ROOT)): n
+        for path in PACKAGE.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"split these modules by job: {long}"

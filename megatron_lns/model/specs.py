@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from megatron_lns.config import model_derived
 from megatron_lns.config.moe_layers import moe_layer_pattern
 from megatron_lns.model.layer import LNSTransformerLayer
 from megatron_lns.model.norms import local_norm_builder
@@ -127,7 +128,7 @@ def get_lns_block_spec(
     dense = get_lns_layer_spec(norm_scaling, backend, norm_affine, qk_layernorm, variant)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-    if config.num_moe_experts:
+    if model_derived.has_experts(config):
         moe = get_lns_layer_spec(
             norm_scaling,
             backend,

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatron_lns.base.errors import UserError
-from megatron_lns.config import layout
+from megatron_lns.config import layout, model_derived
 from megatron_lns.config.schema import ExperimentConfig
 from megatron_lns.planning.fixes import ranked_fixes
 from megatron_lns.planning.gpus import GPU
@@ -127,7 +127,7 @@ def plan_text(plan: Plan, config: str | Path, cfg: ExperimentConfig) -> str:
             else ""
         )
         + f" x CP {m.context_parallel_size} x DP {plan.data_parallel}"
-        + (f", EP {m.expert_model_parallel_size}" if m.num_moe_experts else "")
+        + (f", EP {m.expert_model_parallel_size}" if model_derived.has_experts(m) else "")
     )
     lines = [
         f"plan: {config} on {plan.gpus} x {plan.gpu.name} ({parallel})",

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_lns.config import model_derived
 from megatron_lns.config.fast_paths import FastPathRequest, resolve_fast_paths
 from megatron_lns.model.language_model import GPTModelConfig
 from megatron_lns.runtime import ParallelLayout
@@ -51,7 +52,7 @@ def with_default_fast_paths(cfg: GPTModelConfig, device: torch.device) -> GPTMod
         transformer_engine=cfg.backend == "te",
         rope=cfg.position_embedding_type == "rope",
         gelu_without_bias=cfg.activation == "gelu" and not cfg.bias,
-        moe=cfg.num_moe_experts is not None,
+        moe=model_derived.has_experts(cfg),
     )
     fast = resolve_fast_paths(request, detect_machine(cuda=device.type == "cuda"))
     return dataclasses.replace(cfg, **fast.model_fields())

@@ -39,7 +39,7 @@ from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_lns.config import hybrid_pattern
+from megatron_lns.config import hybrid_pattern, model_derived
 from megatron_lns.config.moe_layers import moe_layer_pattern
 from megatron_lns.model.language_model import unwrap
 
@@ -106,7 +106,7 @@ class MoEMetrics:
     def for_model(
         cls, model: Sequence[torch.nn.Module], config: TransformerConfig
     ) -> MoEMetrics | None:
-        return cls(model, config) if config.num_moe_experts else None
+        return cls(model, config) if model_derived.has_experts(config) else None
 
     def start_step(self) -> None:
         """Forget whatever was recorded since the last step (on every rank)."""
