@@ -47,6 +47,7 @@ from megatron_lns.config import ConfigError, ExperimentConfig, to_yaml, validate
 from megatron_lns.config.layer_variants import REGISTRY as LAYER_VARIANT_REGISTRY
 from megatron_lns.config.rules import rng_seed
 from megatron_lns.config.sources import RUN_CONFIG
+from megatron_lns.runtime.job import JobEnvironment
 from megatron_lns.training.provenance import changed_config_keys
 from megatron_lns.training.run_dir import holds_a_run
 from megatron_lns.training.trainer import Trainer, TrainingStopped
@@ -291,14 +292,16 @@ def _final_router_losses(records: list[dict]) -> dict[str, float]:
     return final
 
 
-def train_and_measure(cfg: ExperimentConfig, variant: str, seed: int) -> RunResult | None:
+def train_and_measure(
+    cfg: ExperimentConfig, variant: str, seed: int, job: JobEnvironment | None = None
+) -> RunResult | None:
     """Train one run to ``trainer.max_steps`` (resuming it if it has checkpoints), then
     measure its layers on the held-out batches. A run that diverges is a result; a run
     asked to stop (signal, ``trainer.exit_interval``) returns None, checkpointed.
 
     On rank 0 the result also holds what ``metrics.jsonl`` says (losses, tokens/s) and is
     written to the run directory."""
-    trainer = Trainer(cfg, log_label=f"{variant} seed{seed}")
+    trainer = Trainer(cfg, log_label=f"{variant} seed{seed}", job=job)
     run_dir = trainer.run_dir
     try:
         summary = trainer.fit()
@@ -432,16 +435,20 @@ def run_comparison(
     variants: Sequence[Variant],
     num_seeds: int,
     out: Path,
+    job: JobEnvironment | None = None,
 ) -> Comparison:
     """Train (or resume, or reuse) every run, seed by seed, then rank 0 writes
-    ``comparison.json``, ``comparison.md`` and the plots under ``out`` and prints the table."""
+    ``comparison.json``, ``comparison.md`` and the plots under ``out`` and prints the table.
+    ``job`` is the job the runs belong to, as for :class:`Trainer` (default: a local run)."""
     seeds = seeds_for(cfg, num_seeds)
     results: dict[str, list[RunResult]] = {v.name: [] for v in variants}
     for seed in seeds:  # seed-major: an interrupted comparison has every variant early
         for variant in variants:
             run_cfg = run_config(cfg, variant, seed, out)
             run_dir = out / variant.name / f"seed{seed}"
-            result = _finished(run_cfg, run_dir) or train_and_measure(run_cfg, variant.name, seed)
+            result = _finished(run_cfg, run_dir) or train_and_measure(
+                run_cfg, variant.name, seed, job
+            )
             if result is None:
                 if _is_rank0():
                     print(f"comparison stopped; rerun with --out {out} to resume", flush=True)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from megatron_lns.base.third_party_noise import quiet_third_party_noise
 from megatron_lns.commands.arguments import add_config
+from megatron_lns.config.layer_variants import REGISTRY as LAYER_VARIANTS
 
 if TYPE_CHECKING:
     from megatron_lns.config import ExperimentConfig
@@ -27,8 +28,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--variants",
         nargs="+",
         default=None,
-        help="lns pre_ln post_ln deepnorm mix_ln layerscale skipinit, each optionally "
-        "+normal_init / +scaled_init / +depth_scaled_init (default: lns pre_ln)",
+        help=f"lns and every model.layer_variant ({' '.join(LAYER_VARIANTS)}), lns_<variant> "
+        "where LNS combines with it, each optionally +normal_init / +scaled_init / "
+        "+depth_scaled_init (default: lns pre_ln)",
     )
     compare.add_argument(
         "--seeds", type=int, default=1, help="runs per variant, seeds model.seed, +1, ..."
@@ -51,8 +53,10 @@ def compare_job(cfg: ExperimentConfig, variant_names: list[str], num_seeds: int,
     """What every rank runs: the comparison, written under ``out``."""
     quiet_third_party_noise()
     from megatron_lns.analysis.comparison import parse_variants, run_comparison
+    from megatron_lns.cluster import job_of_this_process
 
-    run_comparison(cfg, parse_variants(variant_names), num_seeds, Path(out))
+    job = job_of_this_process()
+    run_comparison(cfg, parse_variants(variant_names), num_seeds, Path(out), job)
 
 
 def run(args: argparse.Namespace) -> int:
