@@ -20,6 +20,7 @@ class LayerVariantInfo:
     name: str
     label: str  # ``compare``'s table and plots
     module: str  # megatron_lns.model.variants.<module> builds its layers
+    layer: str  # what one layer computes, for the key's row in docs/configuration.md
     # Why LNS (which scales every pre-norm's output) cannot apply; None: it combines.
     lns_refusal: str | None = None
     # Why no stock Hugging Face class computes it (export adds that the stock classes
@@ -45,11 +46,18 @@ _POST_NORM_REFUSAL = "has post-norm layers, where there is no pre-norm output to
 REGISTRY: dict[str, LayerVariantInfo] = {
     info.name: info
     for info in (
-        LayerVariantInfo("pre_ln", "Pre-LN", module="pre_ln", changes_layer=False),
+        LayerVariantInfo(
+            "pre_ln",
+            "Pre-LN",
+            module="pre_ln",
+            layer="`h + f(LN(h))`, megatron's own",
+            changes_layer=False,
+        ),
         LayerVariantInfo(
             "post_ln",
             "Post-LN",
             module="post_ln",
+            layer="`LN(h + f(h))`",
             lns_refusal=_POST_NORM_REFUSAL,
             hf_refusal="Post-LN normalises after the residual add, LN(h + f(h))",
         ),
@@ -57,6 +65,7 @@ REGISTRY: dict[str, LayerVariantInfo] = {
             "deepnorm",
             "DeepNorm",
             module="deepnorm",
+            layer="`LN(alpha*h + f(h))`, DeepNet's alpha and beta from `num_layers`",
             lns_refusal=_POST_NORM_REFUSAL,
             hf_refusal=(
                 "DeepNorm scales the residual by alpha = (2N)^(1/4) before a norm after the "
@@ -67,6 +76,7 @@ REGISTRY: dict[str, LayerVariantInfo] = {
             "mix_ln",
             "Mix-LN",
             module="mix_ln",
+            layer="Post-LN in the first `mix_ln_post_fraction` of layers, Pre-LN after",
             lns_refusal=_POST_NORM_REFUSAL,
             hf_refusal="Mix-LN's first layers are Post-LN, with the norm after the residual add",
             heterogeneous_layers=True,
@@ -75,6 +85,7 @@ REGISTRY: dict[str, LayerVariantInfo] = {
             "layerscale",
             "LayerScale",
             module="layerscale",
+            layer="per-channel learnable branch scale",
             branch_gains=("self_attn_bda.layerscale", "mlp_bda.layerscale"),
             per_channel_gain=True,
         ),
@@ -82,12 +93,14 @@ REGISTRY: dict[str, LayerVariantInfo] = {
             "skipinit",
             "SkipInit",
             module="skipinit",
+            layer="scalar branch gate from 0",
             branch_gains=("self_attn_bda.gate", "mlp_bda.gate"),
         ),
         LayerVariantInfo(
             "peri_ln",
             "Peri-LN",
             module="peri_ln",
+            layer="`h + LN(f(LN(h)))`",
             lns_refusal=(
                 "normalises every branch's output before the residual add, which undoes a "
                 "scale on the branch's input"
@@ -102,6 +115,7 @@ REGISTRY: dict[str, LayerVariantInfo] = {
             "gpas",
             "GPAS",
             module="gpas",
+            layer="`x - SiLU(alpha_l)*sg(x)` after each add",
             hf_refusal=(
                 "GPAS scales the residual stream after each add by a learned 1 - SiLU(alpha_l)"
             ),

@@ -10,12 +10,20 @@ from megatron_lns.config.choices import (
     NORM_SCALING_CHOICES,
     OUTPUT_LAYER_INITS,
 )
+from megatron_lns.config.layer_variants import LNS_VARIANTS, REGISTRY
 from megatron_lns.config.rules import (
     one_of,
     positive,
     probability,
 )
 from megatron_lns.config.settings import HF_CONVERTER, setting, to
+
+# The layer_variant row of docs/configuration.md, from the registry.
+_VARIANT_LAYERS = (
+    ", ".join(f"`{name}` ({info.layer})" for name, info in REGISTRY.items())
+    + f". `norm_scaling: lns` only with {', '.join(f'`{n}`' for n in LNS_VARIANTS)}; other "
+    "than `pre_ln` needs `transformer_engine: false`"
+)
 
 
 @dataclass
@@ -52,14 +60,8 @@ class LnsSettings:
         target="layer_spec.layer_variant",
         group="lns",
         doc=(
-            "registered in `config/layer_variants.py` ([variants.md](variants.md)): `pre_ln`, "
-            "`post_ln` (`LN(h + f(h))`), `deepnorm` (`LN(alpha*h + f(h))`, DeepNet's alpha and "
-            "beta from `num_layers`), `mix_ln` (Post-LN in the first `mix_ln_post_fraction` of "
-            "layers, Pre-LN after), `layerscale` (per-channel learnable branch scale), "
-            "`skipinit` (scalar branch gate from 0), `peri_ln` (`h + LN(f(LN(h)))`), `gpas` "
-            "(`x - SiLU(alpha_l)*sg(x)` after each add). `norm_scaling: lns` only with `pre_ln`,"
-            " `layerscale`, `skipinit`, `gpas`; other than `pre_ln` needs `transformer_engine: "
-            "false`"
+            "registered in `config/layer_variants.py` ([variants.md](variants.md)): "
+            + _VARIANT_LAYERS
         ),
         shapes=True,
         hf=HF_CONVERTER,

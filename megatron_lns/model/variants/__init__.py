@@ -2,18 +2,8 @@
 entry in ``megatron_lns/config/layer_variants.py`` (its name, ``compare`` label, LNS rule,
 Hugging Face refusal and this package's module), selected by ``model.layer_variant``.
 
-================  ==========================================  ========================
-variant           layer                                       module
-================  ==========================================  ========================
-``pre_ln``        ``h + f(LN(h))`` (megatron's own)           ``pre_ln.py``
-``post_ln``       ``LN(h + f(h))``                            ``post_ln.py``
-``deepnorm``      ``LN(alpha h + f(h))``, beta-scaled init    ``deepnorm.py``
-``mix_ln``        Post-LN first, Pre-LN after                 ``mix_ln.py``
-``layerscale``    ``h + diag(g) f(LN(h))``                    ``layerscale.py``
-``skipinit``      ``h + a f(LN(h))``, ``a`` from 0            ``skipinit.py``
-``peri_ln``       ``h + LN(f(LN(h)))``                        ``peri_ln.py``
-``gpas``          ``x - SiLU(alpha) sg(x)`` after each add    ``gpas.py``
-================  ==========================================  ========================
+Each module is named by its entry (``LayerVariantInfo.module``), which also says what the
+variant's layer computes (``layer``).
 
 A variant module has ``build(layer, settings)``, which rebuilds what the variant changes in
 a megatron layer after construction (:class:`VariantTransformerLayer`), and may have
