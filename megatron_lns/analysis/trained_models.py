@@ -440,10 +440,10 @@ def _report_from_dict(result: dict) -> DepthReport:
 
 
 def _run(cfg, *args) -> None:
-    from megatron_lns.runtime import run_job
+    from megatron_lns.training.entry_point import run_on_every_rank
 
-    run_job(
-        analysis_job, cfg.trainer.num_nodes, cfg.trainer.devices, cfg, *args,
+    run_on_every_rank(
+        cfg, analysis_job, *args,
         multi_node_hint=" (torchrun or srun starting `megatron-lns analyze` on every rank), "
         "or set trainer.num_nodes=1",
     )  # fmt: skip

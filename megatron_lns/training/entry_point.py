@@ -43,15 +43,21 @@ def train_job(cfg: ExperimentConfig, job: JobEnvironment | None = None) -> None:
     Trainer(cfg, job=job).fit()
 
 
-def run_on_every_rank(cfg: ExperimentConfig, job: Callable[..., Any], *args: Any) -> None:
+def run_on_every_rank(
+    cfg: ExperimentConfig,
+    job: Callable[..., Any],
+    *args: Any,
+    multi_node_hint: str = ": `megatron-lns submit` on SLURM, or one process per GPU started by "
+    "torchrun or srun",
+) -> None:
     """Run ``job(cfg, *args)`` on every rank: in-process under torchrun/SLURM or for one
-    device, else as ``trainer.devices`` local processes."""
+    device, else as ``trainer.devices`` local processes. ``multi_node_hint`` ends the
+    refusal of a multi-node config started by hand on one node."""
     from megatron_lns.runtime import run_job
 
     run_job(
         job, cfg.trainer.num_nodes, cfg.trainer.devices, cfg, *args,
-        multi_node_hint=": `megatron-lns submit` on SLURM, or one process per GPU started by "
-        "torchrun or srun",
+        multi_node_hint=multi_node_hint,
     )  # fmt: skip
 
 
