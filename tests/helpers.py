@@ -420,3 +420,17 @@ def parameters_per_rank(configs: list, vocab_size: int) -> list[int]:
         chunks = build_model_chunks(model_config(cfg, vocab_size), layout, device)
         counts.append(sum(p.numel() for chunk in chunks for p in chunk.parameters()))
     return counts
+
+
+def bundled_config_inputs(path: Path) -> list[str]:
+    """Stand-ins for the data and tokenizer a bundled config leaves to the user (``???``)."""
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.load(path)
+    overrides = []
+    if OmegaConf.is_missing(raw.model.data, "data_prefix"):
+        overrides.append("model.data.data_prefix=[/data/corpus_text_document]")
+    for key in raw.model.tokenizer.keys():  # noqa: SIM118 - `in` skips ??? values
+        if OmegaConf.is_missing(raw.model.tokenizer, key):
+            overrides.append(f"model.tokenizer.{key}=/models/tokenizer")
+    return overrides

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from helpers import fixed_microbatches, run_distributed, tiny_config
-from reference_llama import ReferenceLlama
+from helpers import fixed_microbatches, forward_backward_at, run_distributed, tiny_config
+from reference_llama import ReferenceLlama, reference_sizes
 
 from megatron_lns.model.language_model import build_model
 from megatron_lns.model.specs import get_lns_layer_spec
@@ -53,12 +53,7 @@ def test_logits_and_gradients_match_independent_reference(seeded, variant, norm_
     model = build_model(cfg)[0].double()
     _perturb_norms_and_gains(model)
     reference = ReferenceLlama(
-        num_layers=cfg.num_layers,
-        hidden_size=cfg.hidden_size,
-        num_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_query_groups,
-        ffn_hidden_size=cfg.ffn_hidden_size,
-        vocab_size=cfg.vocab_size,
+        **reference_sizes(cfg),
         lns=norm_scaling == "lns",
         variant=variant,
         mix_ln_post_layers=3,
@@ -277,7 +272,7 @@ def _extra_parameters(model) -> dict[str, torch.Tensor]:
 
 
 def parallel_variants_worker(tmp: str):
-    from test_model_parallel import _full_grads, _grads_by_global_name, _run
+    from test_model_parallel import _full_grads, _grads_by_global_name
 
     from megatron_lns.training.checkpoint import save_model_weights
 
@@ -288,7 +283,7 @@ def parallel_variants_worker(tmp: str):
         )
         batches = fixed_microbatches(cfg.vocab_size, cfg.seq_length, num_microbatches=2)
         base_ckpt, tp2_ckpt = f"{tmp}/{variant}_tp1", f"{tmp}/{variant}_tp2"
-        model, base_loss = _run(cfg, ParallelLayout(), batches)
+        model, base_loss = forward_backward_at(cfg, ParallelLayout(), batches)
         # Move the gains off their init so the checkpoint carries values a fresh model lacks.
         with torch.no_grad():
             for name, param in model[0].module.named_parameters():
@@ -296,7 +291,7 @@ def parallel_variants_worker(tmp: str):
                     param.add_(0.25)
         saved = _extra_parameters(model)
         save_model_weights(model, base_ckpt)
-        model, base_loss = _run(cfg, ParallelLayout(), batches, base_ckpt)
+        model, base_loss = forward_backward_at(cfg, ParallelLayout(), batches, base_ckpt)
         results = {"saved": saved, "loaded": {"tp1": _extra_parameters(model)}}
         results["tp1"] = (base_loss, _full_grads(model, gated=True))
         results["pp1"] = (base_loss, _grads_by_global_name(model))
@@ -304,16 +299,18 @@ def parallel_variants_worker(tmp: str):
             "tp2": ParallelLayout(tensor=2),
             "tp2_sp": ParallelLayout(tensor=2, sequence_parallel=True),
         }.items():
-            model, loss = _run(cfg, layout, batches, base_ckpt)
+            model, loss = forward_backward_at(cfg, layout, batches, base_ckpt)
             results[name] = (loss, _full_grads(model, gated=True))
             results["loaded"][name] = _extra_parameters(model)
         save_model_weights(model, tp2_ckpt)
-        _, results["tp2_ckpt_at_tp1"] = _run(cfg, ParallelLayout(), batches, tp2_ckpt)
+        _, results["tp2_ckpt_at_tp1"] = forward_backward_at(
+            cfg, ParallelLayout(), batches, tp2_ckpt
+        )
         for name, layout in {
             "pp2": ParallelLayout(pipeline=2),
             "pp2_vp2": ParallelLayout(pipeline=2, virtual_pipeline=2),
         }.items():
-            model, loss = _run(cfg, layout, batches, base_ckpt)
+            model, loss = forward_backward_at(cfg, layout, batches, base_ckpt)
             results[name] = (loss, _grads_by_global_name(model))
             results["loaded"][name] = _extra_parameters(model)
             results[name + "_post_norm"] = {

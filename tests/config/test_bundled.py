@@ -4,7 +4,7 @@ switches each to its hybrid twin, which validates at the config's own layout and
 the same parameters under the twin's names."""
 
 import pytest
-from omegaconf import OmegaConf
+from helpers import bundled_config_inputs
 
 from megatron_lns.config import hybrid_pattern, load_config, validate
 from megatron_lns.config.bundled import bundled_config_dir, bundled_config_names
@@ -17,15 +17,7 @@ NARROW = ["model.hidden_size=64", "model.ffn_hidden_size=128", "model.num_attent
 
 
 def _inputs(name: str) -> list[str]:
-    """Stand-ins for the data and tokenizer a config leaves to the user (``???``)."""
-    raw = OmegaConf.load(bundled_config_dir() / f"{name}.yaml")
-    overrides = []
-    if OmegaConf.is_missing(raw.model.data, "data_prefix"):
-        overrides.append("model.data.data_prefix=[/data/corpus_text_document]")
-    for key in raw.model.tokenizer.keys():  # noqa: SIM118 - `in` skips ??? values
-        if OmegaConf.is_missing(raw.model.tokenizer, key):
-            overrides.append(f"model.tokenizer.{key}=/models/tokenizer")
-    return overrides
+    return bundled_config_inputs(bundled_config_dir() / f"{name}.yaml")
 
 
 def _narrow(cfg) -> list[str]:

@@ -6,7 +6,7 @@ import sys
 import warnings
 
 import pytest
-from helpers import FIXTURES, ROOT, fresh_launch_env, read_only
+from helpers import FIXTURES, ROOT, bundled_config_inputs, fresh_launch_env, read_only
 from omegaconf import OmegaConf
 
 from megatron_lns.config import ConfigError, load_config, to_yaml, validate
@@ -311,13 +311,7 @@ def test_cli_reports_config_errors_in_one_line():
     "path", sorted((ROOT / "nemo_configs").glob("*.yaml")), ids=lambda p: p.stem
 )
 def test_shipped_configs_load_and_validate(path):
-    raw = OmegaConf.load(path)
-    overrides = []
-    if OmegaConf.is_missing(raw.model.data, "data_prefix"):
-        overrides.append("model.data.data_prefix=[/data/corpus_text_document]")
-    for key in raw.model.tokenizer.keys():  # noqa: SIM118 - `in` skips ??? values
-        if OmegaConf.is_missing(raw.model.tokenizer, key):
-            overrides.append(f"model.tokenizer.{key}=/models/tokenizer")
+    overrides = bundled_config_inputs(path)
     cfg = load_config(path, overrides)
     validate(cfg, check_files=False)
     assert cfg.model.norm_scaling == "lns"
