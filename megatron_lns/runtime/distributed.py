@@ -10,6 +10,7 @@ without writing them: only launchers set them.
 from __future__ import annotations
 
 import os
+import random
 import socket
 from typing import Literal
 
@@ -124,7 +125,30 @@ def destroy_distributed() -> None:
 
 
 def free_port() -> int:
-    """A TCP port on localhost that nothing listens on right now."""
+    """A TCP port on localhost that nothing listens on right now, for the rank-0 store of
+    local ranks. Drawn below the kernel's ephemeral range: a port from that range (what
+    binding to port 0 gives) can be taken by any process's outgoing connection before rank
+    0 listens on it, which ended ranks with EADDRINUSE while other jobs shared the machine."""
+    floor = _ephemeral_port_floor()
+    draw = random.SystemRandom()  # not the seeded global generator, which forks share
+    for _ in range(100):
+        port = draw.randrange(max(1024, floor - 16384), floor)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_port_floor(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The lowest port the kernel hands out for outgoing connections (Linux; 32768, its
+    default, where the file cannot be read)."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
