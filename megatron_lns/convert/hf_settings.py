@@ -24,11 +24,17 @@ from megatron_lns.config.settings import HF_CONVERTER, HF_REFUSE, Declared, decl
 from megatron_lns.convert.errors import ConversionError
 
 
-def _mapped(m: Any) -> Iterator[tuple[Declared, Any]]:
-    """The model section's own keys (not its subsections') with an ``hf`` role, and values."""
-    for item in declared_settings(type(m)):
+def _with_hf_role(model_cls: type) -> Iterator[Declared]:
+    """The model section's own keys (not its subsections') with an ``hf`` role."""
+    for item in declared_settings(model_cls):
         if "." not in item.key and item.setting.hf is not None:
-            yield item, getattr(m, item.name)
+            yield item
+
+
+def _mapped(m: Any) -> Iterator[tuple[Declared, Any]]:
+    """:func:`_with_hf_role`'s settings of the section ``m``, with their values."""
+    for item in _with_hf_role(type(m)):
+        yield item, getattr(m, item.name)
 
 
 def refuse_unexportable(m: Any) -> None:
@@ -44,8 +50,8 @@ def refuse_unexportable(m: Any) -> None:
 
 def apply_to_hf_config(m: Any, config: Any, hf_class: str) -> None:
     """Write every setting declared with a ``config.json`` field into ``config`` (the
-    ``transformers`` config the architecture made) where the value is not the default and
-    the architecture wrote another; refuse one whose field ``hf_class`` does not have."""
+    ``transformers`` config the architecture made) where the value is not the default;
+    refuse one whose field ``hf_class`` does not have."""
     for item, value in _mapped(m):
         field = item.setting.hf
         if field in (HF_REFUSE, HF_CONVERTER) or value == item.default:
@@ -55,18 +61,16 @@ def apply_to_hf_config(m: Any, config: Any, hf_class: str) -> None:
                 f"model.{item.key}={value} cannot be exported: {hf_class}'s config.json has "
                 f"no field {field}"
             )
-        if getattr(config, field) != value:
-            setattr(config, field, value)
+        setattr(config, field, value)
 
 
 def settings_from_hf_config(config: Any, model_cls: type, taken: set[str]) -> dict[str, Any]:
     """The model settings declared with a ``config.json`` field that ``config`` holds, by
     key, except those in ``taken`` (the architecture's own)."""
+    fields = config.to_dict()
     settings = {}
-    for item in declared_settings(model_cls):
+    for item in _with_hf_role(model_cls):
         field = item.setting.hf
-        if "." in item.key or item.key in taken or field in (None, HF_REFUSE, HF_CONVERTER):
-            continue
-        if field in config.to_dict():
+        if item.key not in taken and field not in (HF_REFUSE, HF_CONVERTER) and field in fields:
             settings[item.key] = getattr(config, field)
     return settings
