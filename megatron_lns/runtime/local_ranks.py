@@ -37,9 +37,9 @@ from megatron_lns.base.errors import (
 )
 from megatron_lns.config.layout import world_size
 from megatron_lns.runtime.distributed import destroy_distributed, free_port
+from megatron_lns.runtime.job import STOP_SIGNALS  # what the ranks stop on is what is forwarded
 from megatron_lns.runtime.launcher_env import launcher_environment
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # Seconds the other ranks get to exit on their own after one failed, then again after
 # SIGTERM, before SIGKILL: a rank blocked in a collective with a dead peer never returns.
 FAILURE_GRACE_SECONDS = 2.0
