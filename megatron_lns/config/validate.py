@@ -82,7 +82,7 @@ def validate(
         m.pipeline_model_parallel_size,
         m.virtual_pipeline_model_parallel_size,
     )
-    heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
+    heads, groups = m.num_attention_heads, model_derived.query_groups(m)
     tp_key = "model.tensor_model_parallel_size"
     _check_head_size(m)
     _divisible("model.num_attention_heads", heads, "model.num_query_groups", groups)

@@ -473,7 +473,7 @@ def build_model(
 def _common_model_args(config: GPTModelConfig, vp: int | None) -> dict:
     return dict(
         vocab_size=config.vocab_size,
-        max_sequence_length=config.max_position_embeddings or config.seq_length,
+        max_sequence_length=model_derived.max_positions(config, config.seq_length),
         share_embeddings_and_output_weights=config.share_embeddings_and_output_weights,
         position_embedding_type=config.position_embedding_type,
         rotary_base=config.rotary_base,
