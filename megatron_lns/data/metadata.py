@@ -23,6 +23,9 @@ class DatasetMetadata:
     max_token_id: int
     num_documents: int
     num_tokens: int
+    # sha256 of PREFIX.idx then PREFIX.bin, computed by ``preprocess`` as it writes them:
+    # what a checkpoint records of the data it was trained on. None in older datasets.
+    dataset_id: str | None = None
 
     @staticmethod
     def path_for(prefix: str | Path) -> Path:
