@@ -1,4 +1,5 @@
-"""``megatron-lns preprocess``: jsonl / text -> megatron indexed dataset."""
+"""``megatron-lns preprocess``: a corpus (JSON lines, parquet, text; .gz/.zst) -> megatron
+indexed dataset, resumable, in worker processes, or split over the tasks of a SLURM job."""
 
 from __future__ import annotations
 
@@ -10,18 +11,47 @@ from megatron_lns.data.tokenizer import TOKENIZER_LIBRARIES
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    prep = commands.add_parser("preprocess", help="jsonl / text -> megatron indexed dataset")
-    prep.add_argument(
-        "--input", nargs="+", required=True, help=".jsonl files or text files (a document per line)"
+    prep = commands.add_parser(
+        "preprocess", help="corpus (jsonl, parquet, text; .gz/.zst) -> megatron indexed dataset"
     )
     prep.add_argument(
-        "--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx, PREFIX.json"
+        "--input",
+        nargs="+",
+        required=True,
+        help="files, directories and quoted globs: .jsonl/.json (plain, .gz, .zst), .parquet, "
+        "or text (a document per line)",
+    )
+    prep.add_argument(
+        "--output-prefix",
+        required=True,
+        help="writes PREFIX.bin/.idx/.json/.manifest.json; work in progress in PREFIX.parts/",
     )
     prep.add_argument("--tokenizer-library", default="byte", choices=TOKENIZER_LIBRARIES)
     prep.add_argument("--tokenizer-type", default=None, help="Hugging Face tokenizer directory")
     prep.add_argument("--tokenizer-model", default=None, help="SentencePiece .model file")
-    prep.add_argument("--json-key", default="text")
-    prep.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    prep.add_argument("--json-key", default="text", help="the text's key (parquet: its column)")
+    prep.add_argument(
+        "--workers", type=int, default=len(os.sched_getaffinity(0)), help="cores to use"
+    )
+    prep.add_argument(
+        "--max-bad-records",
+        default="0",
+        help="skip up to N malformed records (or a fraction, 0.001), each reported; "
+        "default 0: the first one stops the run",
+    )
+    prep.add_argument(
+        "--overwrite", action="store_true", help="replace an existing dataset at PREFIX"
+    )
+    prep.add_argument(
+        "--plan-only", action="store_true", help="check and record the plan, tokenize nothing"
+    )
+    prep.add_argument(
+        "--task",
+        default=None,
+        metavar="I/N|slurm",
+        help="tokenize task I's share of N (slurm: SLURM_PROCID/SLURM_NTASKS), merge nothing; "
+        "needs --plan-only first",
+    )
     prep.add_argument("--quiet", action="store_true", help="no progress bar")
     prep.set_defaults(func=run)
 
@@ -34,45 +64,67 @@ TOKENIZER_FLAGS = {
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    """Refuse, naming the flag, what the library would refuse in the words of the config
-    keys, or mis-name: a tokenizer without its file, an output prefix that ends in '/'
-    (``Path`` drops the '/', so ``data/new/`` wrote ``data/new.bin``); an input that is
-    not a file, before the progress bar starts."""
-    from megatron_lns.base.path_kind import not_a_file
+    """Refuse, naming the flag, what would fail later or mean something else: a tokenizer
+    without its file, an output prefix that ends in '/' (``Path`` drops the '/', so
+    ``data/new/`` wrote ``data/new.bin``), a worker count below one."""
     from megatron_lns.data.preprocess import PreprocessError
 
-    for path in args.input:
-        why = not_a_file(path)
-        if why:
-            raise PreprocessError(f"input file {path} {why}")
     needed = TOKENIZER_FLAGS.get(args.tokenizer_library)
     if needed and not getattr(args, needed[0]):
         raise PreprocessError(f"--tokenizer-library {args.tokenizer_library} needs {needed[1]}")
     prefix = args.output_prefix
     if prefix.endswith(("/", os.sep)):
-        example = f"{prefix}{Path(args.input[0]).stem}"
+        example = f"{prefix}{Path(args.input[0]).name.split('.')[0]}"
         raise PreprocessError(
             f"output prefix {prefix} ends in '/': it names the files, not a directory "
             f"(e.g. {example} writes {example}.bin)"
         )
+    if args.workers < 1:
+        raise PreprocessError(f"--workers {args.workers}: give at least 1")
+    if args.task is not None and args.plan_only:
+        raise PreprocessError("--task and --plan-only: give one (the plan comes first)")
+
+
+def parse_task(text: str | None) -> tuple[int, int] | None:
+    """``--task I/N`` or ``slurm`` (this srun task of the job's)."""
+    from megatron_lns.data.preprocess import PreprocessError
+
+    if text is None:
+        return None
+    if text == "slurm":
+        try:
+            text = f"{os.environ['SLURM_PROCID']}/{os.environ['SLURM_NTASKS']}"
+        except KeyError as missing:
+            raise PreprocessError(
+                f"--task slurm outside an srun task: {missing.args[0]} is not set"
+            ) from None
+    task, _, tasks = text.partition("/")
+    if not (task.isdigit() and tasks.isdigit() and int(task) < int(tasks)):
+        raise PreprocessError(f"--task {text}: give I/N with 0 <= I < N, or slurm")
+    return int(task), int(tasks)
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_lns.data.preprocess import preprocess, read_documents
+    from megatron_lns.data.preprocess import CorpusRun, preprocess_corpus
+    from megatron_lns.data.unit_worker import BadRecordLimit, TokenizerSpec
 
     check_arguments(args)
-    metadata = preprocess(
-        read_documents(args.input, args.json_key),
-        args.output_prefix,
-        library=args.tokenizer_library,
-        tokenizer_type=args.tokenizer_type,
-        tokenizer_model=args.tokenizer_model,
-        workers=args.workers,
-        progress=not args.quiet,
+    outcome = preprocess_corpus(
+        CorpusRun(
+            inputs=args.input,
+            output_prefix=Path(args.output_prefix),
+            tokenizer=TokenizerSpec(
+                args.tokenizer_library, args.tokenizer_type, args.tokenizer_model
+            ),
+            json_key=args.json_key,
+            workers=args.workers,
+            bad_records=BadRecordLimit.parse(args.max_bad_records),
+            overwrite=args.overwrite,
+            progress=not args.quiet,
+            task=parse_task(args.task),
+            plan_only=args.plan_only,
+        )
     )
-    print(
-        f"wrote {args.output_prefix}.bin/.idx: {metadata.num_documents} documents, "
-        f"{metadata.num_tokens} tokens, tokenizer {metadata.tokenizer} "
-        f"(vocab {metadata.vocab_size})"
-    )
+    for line in outcome.lines:
+        print(line)
     return 0

@@ -46,10 +46,8 @@ def check_token_file(prefix: str) -> None:
         )
 
 
-def _read_index(prefix: str) -> tuple[int, np.ndarray]:
-    """(bytes per token, tokens of each sequence) of ``PREFIX.idx``."""
-    import numpy as np
-
+def read_index_header(prefix: str) -> tuple[int, int, int]:
+    """(bytes per token, sequence count, offset of the lengths) of ``PREFIX.idx``."""
     path = f"{prefix}.idx"
     try:
         with open(path, "rb") as f:
@@ -67,8 +65,17 @@ def _read_index(prefix: str) -> tuple[int, np.ndarray]:
         raise DataError(f"{path} is a megatron index of version {version}, not 1")
     if code not in TOKEN_BYTES:
         raise DataError(f"{path} names an unknown token type (code {code})")
+    return TOKEN_BYTES[code], count, len(header)
+
+
+def _read_index(prefix: str) -> tuple[int, np.ndarray]:
+    """(bytes per token, tokens of each sequence) of ``PREFIX.idx``."""
+    import numpy as np
+
+    path = f"{prefix}.idx"
+    token_bytes, count, offset = read_index_header(prefix)
     try:
-        lengths = np.fromfile(path, dtype=np.int32, count=count, offset=len(header))
+        lengths = np.fromfile(path, dtype=np.int32, count=count, offset=offset)
     except OSError as err:
         raise DataError(f"cannot read {path}: {err.strerror or err}") from None
     if len(lengths) < count:
@@ -76,4 +83,4 @@ def _read_index(prefix: str) -> tuple[int, np.ndarray]:
             f"{path} is cut short: it lists {count} documents but holds the lengths of "
             f"{len(lengths)}; preprocess the data again"
         )
-    return TOKEN_BYTES[code], lengths
+    return token_bytes, lengths

@@ -86,6 +86,14 @@ class HuggingFaceTokenizer(_Identified):
     def encode(self, text: str) -> list[int]:
         return self._tok(text, add_special_tokens=False)["input_ids"]
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """What ``encode`` gives each text, from the Rust encoder's batch path (its
+        threads: ``RAYON_NUM_THREADS``, set before the first batch) for a fast tokenizer."""
+        backend = getattr(self._tok, "backend_tokenizer", None) if self._tok.is_fast else None
+        if backend is None:
+            return [self.encode(text) for text in texts]
+        return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+
 
 class SentencePieceTokenizer(_Identified):
     def __init__(self, model_path: str) -> None:
@@ -108,6 +116,10 @@ class SentencePieceTokenizer(_Identified):
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
+
+    def encode_batch(self, texts: list[str], threads: int = 1) -> list[list[int]]:
+        """What ``encode`` gives each text, from SentencePiece's batch path (C++ threads)."""
+        return self._sp.encode(texts, num_threads=threads)
 
 
 def tokenizer_name(

@@ -16,7 +16,6 @@ without torchrun, and what the tests use. The launcher owns its ranks:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import sys
@@ -35,6 +34,7 @@ from megatron_lns.base.errors import (
     debug_enabled,
     report_user_error_once,
 )
+from megatron_lns.base.parent_death import die_with_parent
 from megatron_lns.config.layout import world_size
 from megatron_lns.runtime.distributed import destroy_distributed, free_port
 from megatron_lns.runtime.job import STOP_SIGNALS  # what the ranks stop on is what is forwarded
@@ -48,9 +48,7 @@ FAILURE_GRACE_SECONDS = 2.0
 def _die_with_parent() -> None:
     """Ask the kernel to send SIGTERM to this process when its parent dies (Linux): the
     launcher, or the forkserver, which exits as soon as the launcher is gone."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    die_with_parent(signal.SIGTERM)
 
 
 def _share_cpu_threads(world_size: int) -> None:

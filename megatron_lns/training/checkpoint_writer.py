@@ -27,11 +27,9 @@ that training goes on updating.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import multiprocessing
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -41,6 +39,7 @@ from pathlib import Path
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_lns.base.parent_death import die_with_parent
 from megatron_lns.training.checkpoint import save_checkpoint, start_checkpoint_save
 from megatron_lns.training.checkpoint_dirs import TrainingState
 from megatron_lns.training.checkpoint_io import (
@@ -56,9 +55,7 @@ def _follow_rank(rank_pid: int) -> None:
     """In a process forked by a rank: die with it, and leave stop signals to it."""
     for sig in _STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    die_with_parent(signal.SIGKILL)
     if os.getppid() != rank_pid:  # the rank died before the line above
         os._exit(1)
 

@@ -100,7 +100,7 @@ def test_job_failing_at_run_time_ends_failed_without_requeue(slurm, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"line {i} of a tiny corpus\n" for i in range(200)))
     prefix = tmp_path / "data" / "corpus"
-    preprocess(read_documents([corpus]), prefix, workers=1)
+    preprocess(read_documents([corpus]), prefix)
     # Held at submit (the data exists then); the data disappears before it starts.
     job = submit(
         slurm, tmp_path, f"model.data.data_prefix=[{prefix}]", "cluster.sbatch_args=[--hold]"

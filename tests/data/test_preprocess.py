@@ -48,7 +48,6 @@ def test_round_trip_through_megatron_indexed_dataset(tmp_path, library, factory)
         DOCS[:50],
         tmp_path / "data",
         library,
-        workers=2 if library == "huggingface" else 1,
         **files.preprocess_options(),
     )
     tokenizer = files.build()
@@ -75,7 +74,7 @@ def test_large_vocab_is_stored_as_int32_not_wrapped(tmp_path):
     original = pre.build_tokenizer
     pre.build_tokenizer = lambda *a, **k: Fake()
     try:
-        preprocess(["x"], tmp_path / "wide", workers=1)
+        preprocess(["x"], tmp_path / "wide")
     finally:
         pre.build_tokenizer = original
     assert _read_back(tmp_path / "wide") == [[*ids, 79_999]]
@@ -184,7 +183,8 @@ def test_a_full_disk_is_one_line_and_leaves_no_dataset_that_looks_complete(
     tmp_path, capsys, existing
 ):
     """The tokens outgrow the disk: one line naming the output; neither a new ``.bin``/
-    ``.idx`` pair nor temporary files remain, and an older dataset stays as it was."""
+    ``.idx`` pair nor temporary files remain (``PREFIX.parts`` keeps only the plan), and an
+    older dataset stays as it was."""
     from helpers import small_filesystem
 
     from megatron_lns.cli import main
@@ -197,10 +197,12 @@ def test_a_full_disk_is_one_line_and_leaves_no_dataset_that_looks_complete(
             preprocess(DOCS[:5], prefix)
             before = {p.name: p.read_bytes() for p in prefix.parent.iterdir()}
         status = main(["preprocess", "--input", str(corpus), "--output-prefix", str(prefix),
-                       "--workers", "1", "--quiet"])  # fmt: skip
+                       "--workers", "1", "--quiet", "--overwrite"])  # fmt: skip
         err = capsys.readouterr().err.strip()
         assert status == 2
         assert err.startswith(f"error: cannot write {prefix}.bin: no space left on device (")
         assert "\n" not in err
-        left = {p.name: p.read_bytes() for p in prefix.parent.iterdir()}
+        left = {p.name: p.read_bytes() for p in prefix.parent.iterdir() if p.is_file()}
         assert left == (before if existing else {})
+        work = sorted(p.name for p in prefix.parent.glob("corpus.parts/**/*") if p.is_file())
+        assert work == ["000000.lock", "lock", "plan.json"]

@@ -1,0 +1,84 @@
+"""The published files of a dataset: where they go, and how they get there whole.
+
+Everything is written under a temporary name beside the output and renamed into place
+at the end, with Ctrl-C and SIGTERM noted and acted on only at safe points.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+from megatron_lns.data.corpus_inputs import PreprocessError
+
+OUTPUT_SUFFIXES = (".bin", ".idx", ".json", ".manifest.json")
+
+
+class StopSignals:
+    """Ctrl-C and SIGTERM, noted when they arrive and acted on at a safe point.
+
+    Raising from the handler itself could interrupt a queue or a rename halfway, so the
+    handler only records the signal and :meth:`check` raises: ``KeyboardInterrupt`` for
+    SIGINT, ``SystemExit(128 + signum)`` for SIGTERM; the cleanup runs as for any error.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.previous: dict = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.received = self.received or signum
+
+    def check(self) -> None:
+        if self.received == signal.SIGINT:
+            raise KeyboardInterrupt
+        if self.received is not None:
+            raise SystemExit(128 + self.received)
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def publish(temporary: str, output_prefix: Path, suffixes: tuple[str, ...]) -> None:
+    """Rename the finished files into place, ``.json`` last, with Ctrl-C and SIGTERM held
+    back so a signal cannot leave a new ``.bin`` beside an old ``.idx``."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        for suffix in suffixes:
+            os.replace(f"{temporary}{suffix}", f"{output_prefix}{suffix}")
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def check_output_place(output_prefix: Path) -> None:
+    for suffix in OUTPUT_SUFFIXES:
+        if Path(f"{output_prefix}{suffix}").is_dir():  # found before tokenizing, not after
+            raise PreprocessError(f"cannot write {output_prefix}{suffix}: it is a directory")
+    try:
+        output_prefix.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise PreprocessError(f"cannot create {output_prefix.parent}: {err.strerror}") from None
+    if not os.access(output_prefix.parent, os.W_OK | os.X_OK):
+        raise PreprocessError(f"cannot write to {output_prefix.parent}: permission denied")
+
+
+def temporary_prefix(output_prefix: Path) -> str:
+    # Unique per process and host: concurrent writers of one prefix never share a file.
+    return str(output_prefix.with_name(f"{output_prefix.name}.tmp-{uuid.uuid4().hex[:12]}"))
+
+
+def remove_temporaries(temporary: str) -> None:
+    for suffix in (*OUTPUT_SUFFIXES, ".lengths"):
+        Path(f"{temporary}{suffix}").unlink(missing_ok=True)

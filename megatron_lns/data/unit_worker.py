@@ -1,0 +1,210 @@
+"""Tokenizing one unit of the plan into ``PREFIX.parts/units/NNNNNN.bin/.idx`` + receipt.
+
+A unit is written under a temporary name and renamed into place, its receipt last: an
+error, a kill or a stop midway leaves no file that looks finished, and the next run that
+takes the unit's lock names and removes what was left. Worker processes run
+:func:`worker_main`; a run with one worker calls :func:`tokenize_unit` in its own process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from megatron_lns.base.disk import disk_full_reported
+from megatron_lns.base.errors import UserError
+from megatron_lns.base.parent_death import die_with_parent
+from megatron_lns.data.corpus_inputs import PreprocessError, input_format
+from megatron_lns.data.corpus_reader import read_batches
+from megatron_lns.data.document_encoder import encode_documents
+from megatron_lns.data.preprocess_plan import FileLock, PartsDirectory, Unit
+from megatron_lns.data.token_files import TokenFileWriter, token_dtype
+from megatron_lns.data.tokenizer import Tokenizer, build_tokenizer
+
+# report(kind, payload): "bad" (a line), "progress" ((input bytes, documents, tokens)),
+# "removed" (a stale temporary's path)
+Report = Callable[[str, object], None]
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """A tokenizer as the command line names it: what a worker process builds its own from."""
+
+    library: str
+    type: str | None = None
+    model: str | None = None
+
+    def build(self) -> Tokenizer:
+        return build_tokenizer(self.library, self.type, self.model)
+
+
+@dataclass(frozen=True)
+class BadRecordLimit:
+    """``--max-bad-records``: a count (0: the first bad record stops the run) or a
+    fraction of the records (documents and bad ones) below 1."""
+
+    count: int | None = 0
+    fraction: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> BadRecordLimit:
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if value >= 1 and value == int(value):
+            return cls(count=int(value))
+        if 0 <= value < 1:
+            return cls(count=None, fraction=value) if value else cls(count=0)
+        raise PreprocessError(
+            f"--max-bad-records {text}: give a count (10) or a fraction of the records (0.001)"
+        )
+
+    def exceeded(self, bad: int, records: int) -> str | None:
+        if self.count is not None and bad > self.count:
+            return f"more than --max-bad-records {self.count}"
+        if self.fraction is not None and records and bad / records > self.fraction:
+            share = f"{bad / records:.4%} of {records} records"
+            return f"{share}, more than --max-bad-records {self.fraction}"
+        return None
+
+
+def tokenize_unit(
+    unit: Unit,
+    parts: PartsDirectory,
+    tokenizer: Tokenizer,
+    json_key: str,
+    limit: BadRecordLimit,
+    report: Report,
+    threads: int = 1,
+) -> dict | None:
+    """Tokenize ``unit`` and publish it with its receipt (returned); None when another
+    process holds the unit."""
+    lock = FileLock(Path(f"{parts.prefix(unit)}.lock"))
+    if not lock.acquire():
+        return None
+    try:
+        if receipt := parts.receipt(unit):  # finished by another process meanwhile
+            return receipt
+        for stale in parts.temporaries(unit):
+            stale.unlink(missing_ok=True)
+            report("removed", str(stale))
+        parts.forget(unit)  # an earlier input's files
+        kept = f"; the finished units are kept in {parts.root}"
+        with disk_full_reported(f"{parts.output_prefix}.bin", then=kept):
+            return _write_unit(unit, parts, tokenizer, json_key, limit, report, threads)
+    finally:
+        lock.release()
+
+
+def _write_unit(
+    unit: Unit,
+    parts: PartsDirectory,
+    tokenizer: Tokenizer,
+    json_key: str,
+    limit: BadRecordLimit,
+    report: Report,
+    threads: int,
+) -> dict:
+    started = time.monotonic()
+    temporary = f"{parts.prefix(unit)}.tmp-{uuid.uuid4().hex[:12]}"
+    writer = TokenFileWriter(temporary, token_dtype(tokenizer.vocab_size))
+    path = Path(unit.path)
+    bad: list[str] = []
+    max_token_id = -1
+    try:
+        batches = read_batches(path, input_format(path), json_key, unit.start, unit.end)
+        for batch in batches:
+            for record in batch.bad:
+                bad.append(str(record))
+                if limit.count == 0:
+                    raise PreprocessError(
+                        f"{record} (--max-bad-records N tolerates up to N bad records)"
+                    )
+                report("bad", f"bad record {record}")
+                if why := limit.exceeded(len(bad), 0):
+                    raise PreprocessError(f"{record}: {len(bad)} bad records, {why}")
+            ids, lengths = encode_documents(tokenizer, batch.texts, threads)
+            if len(ids):
+                max_token_id = max(max_token_id, int(ids.max()))
+            writer.add(ids, lengths)
+            report("progress", (batch.input_bytes, len(lengths), len(ids)))
+        if writer.documents == 0 and not bad and unit.start == 0 and unit.end is None:
+            raise PreprocessError(f"{unit.path} holds no documents (an empty shard)")
+        if why := limit.exceeded(len(bad), writer.documents + len(bad)):
+            raise PreprocessError(f"{unit.describe()}: {len(bad)} bad records, {why}")
+        writer.finish()
+        for suffix in (".bin", ".idx"):
+            os.replace(f"{temporary}{suffix}", f"{parts.prefix(unit)}{suffix}")
+    except BaseException:
+        writer.discard()
+        raise
+    receipt = {
+        "documents": writer.documents,
+        "tokens": writer.tokens,
+        "max_token_id": max_token_id,
+        "bad_records": bad,
+        "input_bytes": unit.bytes,
+        "seconds": round(time.monotonic() - started, 3),
+    }
+    parts.write_receipt(unit, receipt)
+    return parts.receipt(unit) or receipt
+
+
+def worker_main(
+    spec: TokenizerSpec,
+    output_prefix: str,
+    json_key: str,
+    limit: BadRecordLimit,
+    threads: int,
+    units,  # multiprocessing queue of Unit, then None
+    results,  # multiprocessing queue of (kind, unit index, payload)
+) -> None:
+    """A worker process: tokenize units from ``units`` until None; every event goes to
+    ``results``. Ctrl-C is the parent's to act on (it stops the workers)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL)
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
+    parts = PartsDirectory(Path(output_prefix))
+    try:
+        tokenizer = spec.build()
+    except Exception as err:
+        results.put(("error", -1, _describe(err)))
+        return
+    while (unit := units.get()) is not None:
+        results.put(("start", unit.index, None))
+
+        def report(kind: str, payload: object, index: int = unit.index) -> None:
+            results.put((kind, index, payload))
+
+        try:
+            receipt = tokenize_unit(unit, parts, tokenizer, json_key, limit, report, threads)
+        except Exception as err:
+            results.put(("error", unit.index, _describe(err)))
+            return
+        results.put(("done" if receipt is not None else "held", unit.index, receipt))
+
+
+def _describe(err: BaseException) -> tuple[bool, str]:
+    """(whether it is the user's to fix, the one line or the traceback)."""
+    from megatron_lns.base.disk import as_user_error
+
+    user = as_user_error(err)
+    if user is not None:
+        return True, str(user)
+    if isinstance(err, UserError):
+        return True, str(err)
+    return False, "".join(traceback.format_exception(err))
+
+
+def max_token_id(receipts: list[dict]) -> int:
+    return int(np.max([r["max_token_id"] for r in receipts])) if receipts else -1
