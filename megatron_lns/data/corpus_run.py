@@ -342,6 +342,15 @@ class _Runner:
                 held = self._tokenize_here(todo, tokenizer, progress)
             else:
                 held = self._tokenize_in_workers(todo, progress)
+        except (KeyboardInterrupt, SystemExit):
+            progress.close()
+            kept = sum(self.parts.receipt(u) is not None for u in todo)
+            print(
+                f"stopped: {kept} of the {len(todo)} units to do were finished and are kept in "
+                f"{self.parts.units}; rerun the same command to continue",
+                file=sys.stderr,
+            )
+            raise
         finally:
             progress.close()
         self.lines.append(f"tokenized {len(todo) - len(held)} units: {progress.summary()}")
@@ -401,6 +410,7 @@ class _Runner:
                     try:
                         kind, index, payload = results.get(timeout=0.2)
                     except queue.Empty:
+                        stop.check()  # a signal to the group may have reached a worker first
                         self._check_workers(workers, in_flight, by_index)
                         continue
                     if kind == "start":
@@ -420,14 +430,11 @@ class _Runner:
                         self._event(progress, kind, payload)
                 finished = True
             finally:
-                for worker in workers:
-                    if worker.is_alive():
-                        worker.terminate()
-                for worker in workers:
-                    worker.join(10)
+                for worker in workers:  # they ignore SIGTERM (see worker_main)
                     if worker.is_alive():
                         worker.kill()
-                        worker.join()
+                for worker in workers:
+                    worker.join()
                 for channel in (pending, results):
                     channel.cancel_join_thread()
                     channel.close()

@@ -169,8 +169,10 @@ def worker_main(
     results,  # multiprocessing queue of (kind, unit index, payload)
 ) -> None:
     """A worker process: tokenize units from ``units`` until None; every event goes to
-    ``results``. Ctrl-C is the parent's to act on (it stops the workers)."""
+    ``results``. Ctrl-C and SIGTERM, which reach the whole process group (a terminal,
+    ``timeout``, srun), are the parent's to act on: it kills the workers and cleans up."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL)
     os.environ["RAYON_NUM_THREADS"] = str(threads)
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
