@@ -438,10 +438,9 @@ class _Runner:
                 for channel in (pending, results):
                     channel.cancel_join_thread()
                     channel.close()
-                if not finished:  # what the stopped workers were writing
-                    for index in in_flight:
-                        for stale in self.parts.temporaries(by_index[index]):
-                            stale.unlink(missing_ok=True)
+                if not finished:  # what the killed workers were writing
+                    for unit in todo:
+                        self.parts.remove_abandoned(unit)
         return held
 
     @staticmethod

@@ -209,6 +209,20 @@ class PartsDirectory:
     def temporaries(self, unit: Unit) -> list[Path]:
         return sorted(self.units.glob(f"{unit.name}.tmp-*"))
 
+    def lock(self, unit: Unit) -> FileLock:
+        return FileLock(Path(f"{self.prefix(unit)}.lock"))
+
+    def remove_abandoned(self, unit: Unit) -> None:
+        """Remove the temporaries of ``unit`` unless a process is writing it (holds its
+        lock): what this run's stopped workers left."""
+        lock = self.lock(unit)
+        if lock.acquire():
+            try:
+                for path in self.temporaries(unit):
+                    path.unlink(missing_ok=True)
+            finally:
+                lock.release()
+
 
 def write_json_atomically(path: Path, data: dict) -> None:
     temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")

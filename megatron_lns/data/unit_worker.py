@@ -25,7 +25,7 @@ from megatron_lns.base.parent_death import die_with_parent
 from megatron_lns.data.corpus_inputs import PreprocessError, input_format
 from megatron_lns.data.corpus_reader import read_batches
 from megatron_lns.data.document_encoder import encode_documents
-from megatron_lns.data.preprocess_plan import FileLock, PartsDirectory, Unit
+from megatron_lns.data.preprocess_plan import PartsDirectory, Unit
 from megatron_lns.data.token_files import TokenFileWriter, token_dtype
 from megatron_lns.data.tokenizer import Tokenizer, build_tokenizer
 
@@ -88,7 +88,7 @@ def tokenize_unit(
 ) -> dict | None:
     """Tokenize ``unit`` and publish it with its receipt (returned); None when another
     process holds the unit."""
-    lock = FileLock(Path(f"{parts.prefix(unit)}.lock"))
+    lock = parts.lock(unit)
     if not lock.acquire():
         return None
     try:
