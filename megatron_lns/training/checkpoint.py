@@ -211,7 +211,7 @@ def start_checkpoint_save(
     """
     final, partial = prepare_partial(root, state.iteration)
     # A copy: the request outlives this step, the trainer's state does not.
-    saved = TrainingState(state.iteration, state.consumed_samples)
+    saved = TrainingState(state.iteration, state.consumed_samples, dict(state.data))
     sharded = _state_dict(model, optimizer, scheduler, saved, True, config_yaml=config_yaml)
     request = start_sharded_save(sharded, partial, strategy, results_queue)
     request.add_finalize_fn(lambda: commit(partial, final, saved, config_yaml))

@@ -5,7 +5,8 @@ Layout under the experiment directory::
     checkpoints/iter_0000100/           a complete checkpoint
         (dist_checkpointing shards)     model, optimizer, scheduler, RNG, data position
         config.yaml                     the resolved experiment config
-        complete.json                   written last: the commit marker
+        complete.json                   written last: the commit marker, with the
+                                        identity of the data trained on (``DATA``)
     checkpoints/iter_0000200.partial/   a save in progress (or one that was killed)
 
 Only a directory with the marker counts (``checkpoint_io.commit`` writes it last), so a
@@ -15,7 +16,7 @@ killed save is never resumed from. Torch-free: listing checkpoints needs no mode
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_lns.base.errors import UserError
@@ -25,6 +26,9 @@ COMPLETE_MARKER = "complete.json"
 # Set in the marker of a checkpoint that holds model weights only (``import-hf`` writes
 # them): training starts from it with a fresh optimizer and schedule.
 WEIGHTS_ONLY = "weights_only"
+# The marker's record of the data a run trained on: ``model.data.data_prefix`` entry ->
+# ``data.metadata.dataset_identity`` of its files (``data_change.py``).
+DATA = "data"
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -46,6 +50,9 @@ class TrainingState:
 
     iteration: int = 0
     consumed_samples: int = 0
+    # The identity of the files of each data_prefix entry the run reads (the marker's
+    # ``DATA``); empty where none is known (a weights-only checkpoint, a fresh state).
+    data: dict[str, str] = field(default_factory=dict)
 
 
 def checkpoint_path(root: str | Path, iteration: int) -> Path:

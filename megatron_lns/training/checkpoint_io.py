@@ -61,6 +61,7 @@ from megatron_lns.model.language_model import unwrap
 from megatron_lns.training import provenance
 from megatron_lns.training.checkpoint_dirs import (
     COMPLETE_MARKER,
+    DATA,
     CheckpointError,
     CheckpointMismatchError,
     TrainingState,
@@ -431,6 +432,8 @@ def commit(partial: Path, final: Path, state: TrainingState, config_yaml: str) -
                 "consumed_samples": state.consumed_samples,
                 CHECKPOINT_ID: new_checkpoint_id(),
             }
+            if state.data:
+                marker[DATA] = state.data
             (partial / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
         except OSError as err:
             raise write_failure(final, partial, err) from err

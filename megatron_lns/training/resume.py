@@ -13,6 +13,10 @@
   anything is loaded, naming the keys, unless ``exp_manager.override_opt_param_scheduler``
   (Megatron-LM's ``--override-opt_param-scheduler``) says to continue with the new
   schedule from the checkpoint's step.
+* A checkpoint records the identity of the data it was trained on; a resume on other
+  token files under the same ``model.data.data_prefix`` entry is refused before anything
+  is loaded, naming the prefix, unless ``exp_manager.resume_with_changed_data``
+  (``data_change.py``).
 * A save that was started but never committed (the run was killed while writing it:
   ``scancel`` past KillWait, a SIGKILL, a node failure) leaves ``iter_N.partial``; the
   next run says so and which complete checkpoint it resumes from instead
@@ -34,6 +38,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from megatron.core import dist_checkpointing
@@ -55,6 +60,12 @@ from megatron_lns.training.checkpoint import (
     layout_record,
     load_checkpoint,
     load_strategy,
+)
+from megatron_lns.training.data_change import (
+    DataChangedError,
+    DataInUse,
+    check_data,
+    data_record,
 )
 from megatron_lns.training.rewind import branch_to_continue
 
@@ -157,13 +168,18 @@ def resume(
     model: list,
     optimizer: MegatronOptimizer,
     scheduler: OptimizerParamScheduler,
+    data: Sequence[DataInUse] = (),
+    say: Callable[[str], None] = print,
 ) -> tuple[TrainingState, Path | None]:
-    """Load the checkpoint this run resumes from; a fresh state when there is none."""
+    """Load the checkpoint this run resumes from; a fresh state when there is none. The
+    state records ``data``, the data this run reads (``data_change.py``); ``say`` prints
+    the line of a data change that the config allows."""
     candidates = checkpoints_to_try(cfg, checkpoint_dir)
     override = cfg.exp_manager.override_opt_param_scheduler
     for index, path in enumerate(candidates):
         try:
             saved = _saved_schedule(path)
+            data_note = check_data(path, data, cfg.exp_manager.resume_with_changed_data)
             changes = schedule_changes(saved, scheduler)
             if changes and not override:
                 raise ScheduleChangedError(
@@ -190,15 +206,18 @@ def resume(
                 raise named_by_config_keys(err, path, cfg) from err
         except CheckpointError as err:
             if index + 1 == len(candidates) or isinstance(
-                err, (ScheduleChangedError, CheckpointMismatchError)
+                err, (ScheduleChangedError, CheckpointMismatchError, DataChangedError)
             ):
                 raise
             print(f"warning: skipping unreadable checkpoint: {err}", flush=True)
             continue
         _set_param_group_lr_bounds(optimizer, scheduler.max_lr, scheduler.min_lr)
         scheduler.step(increment=0)  # the LR of the resumed step under this schedule
+        if data_note is not None:
+            say(data_note)
+        state.data = data_record(data)
         return state, path
-    return TrainingState(), None
+    return TrainingState(data=data_record(data)), None
 
 
 def named_by_config_keys(

@@ -45,6 +45,7 @@ from megatron_lns.training.build import (
 )
 from megatron_lns.training.checkpoint_dirs import CHECKPOINT_DIR_RE, latest_complete_checkpoint
 from megatron_lns.training.checkpoint_writer import CheckpointWriter
+from megatron_lns.training.data_change import data_in_use
 from megatron_lns.training.manual_gc import ManualGarbageCollection
 from megatron_lns.training.metrics import MetricsLogger, Throughput, say
 from megatron_lns.training.moe_metrics import MoEMetrics
@@ -199,9 +200,12 @@ class Trainer:
         tokenizer = build_tokenizer(*tokenizer_spec(cfg))
         self.fast_paths = fast_paths(cfg, self.device)
         self.model_config = model_config(cfg, tokenizer.vocab_size, self.fast_paths)
-        self.splits = dataset_settings(cfg).build(
+        data = dataset_settings(cfg)
+        self.splits = data.build(
             tokenizer_spec(cfg), self.model_config.vocab_size, dataset_num_samples(cfg)
         )
+        # What each checkpoint records of the data, and a resume compares (issue 34).
+        self.data_in_use = data_in_use(data.blend, data.blend.resolved(*tokenizer_spec(cfg)))
 
         trainable = build_trainable_from_config(
             cfg, self.model_config, self.device, self.fast_paths
@@ -241,7 +245,13 @@ class Trainer:
         )
 
         self.state, self.resumed_path = resume(
-            cfg, self.checkpoint_dir, self.model, self.optimizer, self.scheduler
+            cfg,
+            self.checkpoint_dir,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.data_in_use,
+            self._print,
         )
         self.resumed_from = self.state.iteration
         set_abandoned_branch_aside(

@@ -75,6 +75,15 @@ class ExpManagerConfig:
             "config's LR schedule and weight decay instead of refusing a changed one"
         ),
     )
+    resume_with_changed_data: bool = setting(
+        False,
+        doc=(
+            "not in NeMo: resume although the token files of a `model.data.data_prefix` entry "
+            "are not those the checkpoint was trained on (other documents preprocessed into "
+            "the same prefix), instead of refusing; one line names the changed prefixes (see "
+            "[resuming.md](resuming.md#changed-data))"
+        ),
+    )
     create_tensorboard_logger: bool = setting(True, doc="TensorBoard scalars under `tensorboard/`")
     create_wandb_logger: bool = setting(
         False, doc="Weights & Biases, if `wandb` is installed (a message says so if not)"
