@@ -49,12 +49,10 @@ class DataInUse:
 
 
 def data_in_use(blend: DataBlend, resolved: DataBlend) -> list[DataInUse]:
-    """The identity of each entry of ``blend``; ``resolved`` is the same blend with its
-    built-in corpora prepared (``DataBlend.resolved``)."""
-    return [
-        DataInUse(name, prefix, dataset_identity(prefix))
-        for name, prefix in zip(blend.prefixes, resolved.prefixes, strict=True)
-    ]
+    """The identity of each entry of ``blend``, once each; ``resolved`` is the same blend
+    with its built-in corpora prepared (``DataBlend.resolved``)."""
+    entries = dict(zip(blend.prefixes, resolved.prefixes, strict=True))
+    return [DataInUse(name, prefix, dataset_identity(prefix)) for name, prefix in entries.items()]
 
 
 def data_record(data: Sequence[DataInUse]) -> dict[str, str]:
