@@ -7,11 +7,12 @@ written (``builtin:pydoc``: the corpus as prepared in the cache), from
 ``data.metadata.dataset_identity``. A resume whose files under an entry the checkpoint
 names are other ones (another corpus preprocessed into the same prefix) is refused before
 anything is loaded, naming the prefix, unless ``exp_manager.resume_with_changed_data``:
-then one line says so and training continues on the new data. Its sample order, position
-and cached index mappings are the new data's: the samples seen after the resume are not
-those the checkpoint's run would have seen. An entry added to or removed from the blend
-is a config change (reported with the others, ``provenance.py``), not checked here; a
-checkpoint written before checkpoints recorded their data resumes as before.
+then one line says so and training continues on the new data: the position (a sample
+count) carries over, the sample order and cached index mappings are the new data's, so
+the samples seen after the resume are not those the checkpoint's run would have seen.
+An entry added to or removed from the blend is a config change (reported with the
+others, ``provenance.py``), not checked here; a checkpoint written before checkpoints
+recorded their data resumes as before.
 
 Torch-free: reading a marker and hashing index files needs no model.
 """
