@@ -141,7 +141,7 @@ class _Runner:
         run = self.run
         if run.workers <= 1:  # this process tokenizes: on one core, as asked
             os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        tokenizer = run.tokenizer.build()
+        tokenizer = self.tokenizer = run.tokenizer.build()
         files = expand_inputs(run.inputs)
         settings = Settings(
             tokenizer=tokenizer.name,
@@ -391,7 +391,8 @@ class _Runner:
             pending.put(unit)
         for _ in range(processes):
             pending.put(None)
-        arguments = (run.tokenizer, str(self.prefix), run.json_key, run.bad_records, threads)
+        spec = run.tokenizer.for_workers(self.tokenizer)
+        arguments = (spec, str(self.prefix), run.json_key, run.bad_records, threads)
         workers = [
             context.Process(target=worker_main, args=(*arguments, pending, results), daemon=True)
             for _ in range(processes)

@@ -1,7 +1,10 @@
 """The plan of a preprocessing run: its settings, its units of work, and which are done.
 
 The unit of work is an input file, or a byte range of ``UNIT_BYTES`` of a large
-uncompressed line file (the lines that start in it). Units depend only on the inputs, never
+uncompressed line file (the lines that start in it): one 120 MB JSONL file then keeps
+two workers busy, each on its own core, rather than one process on two tokenizer threads
+(a Rust batch encoder gains about 1.5x from a second thread, a second process 2x).
+Units depend only on the inputs, never
 on the number of workers, tasks or nodes, and the dataset is their outputs concatenated
 in order: so its bytes are the same however the work was split, and whether it was resumed.
 
@@ -32,7 +35,7 @@ from typing import IO
 
 from megatron_lns.data.corpus_inputs import PreprocessError, input_format
 
-UNIT_BYTES = 256 << 20
+UNIT_BYTES = 32 << 20
 PLAN_FORMAT = 1
 
 

@@ -95,6 +95,32 @@ class HuggingFaceTokenizer(_Identified):
         return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
 
 
+    def backend_json(self) -> str | None:
+        """The fast tokenizer's Rust backend as loaded (with whatever transformers set on
+        it), serialized: what :class:`RustBackendTokenizer` rebuilds. None for a slow one."""
+        backend = getattr(self._tok, "backend_tokenizer", None) if self._tok.is_fast else None
+        return None if backend is None else backend.to_str()
+
+
+class RustBackendTokenizer(_Identified):
+    """The Rust backend of a Hugging Face fast tokenizer, rebuilt from the JSON of one that
+    a parent process loaded: the ids of :meth:`HuggingFaceTokenizer.encode_batch`, which
+    calls that very backend, in a worker that imports neither transformers nor torch
+    (seconds per process)."""
+
+    def __init__(self, name: str, vocab_size: int, eod: int, backend_json: str) -> None:
+        from tokenizers import Tokenizer as FastTokenizer
+
+        self.name, self.vocab_size, self.eod = name, vocab_size, eod
+        self._backend = FastTokenizer.from_str(backend_json)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._backend.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_batch([text])[0]
+
+
 class SentencePieceTokenizer(_Identified):
     def __init__(self, model_path: str) -> None:
         import sentencepiece

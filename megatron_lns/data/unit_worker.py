@@ -27,7 +27,12 @@ from megatron_lns.data.corpus_reader import read_batches
 from megatron_lns.data.document_encoder import encode_documents
 from megatron_lns.data.preprocess_plan import PartsDirectory, Unit
 from megatron_lns.data.token_files import TokenFileWriter, token_dtype
-from megatron_lns.data.tokenizer import Tokenizer, build_tokenizer
+from megatron_lns.data.tokenizer import (
+    HuggingFaceTokenizer,
+    RustBackendTokenizer,
+    Tokenizer,
+    build_tokenizer,
+)
 
 # report(kind, payload): "bad" (a line), "progress" ((input bytes, documents, tokens)),
 # "removed" (a stale temporary's path)
@@ -36,14 +41,27 @@ Report = Callable[[str, object], None]
 
 @dataclass(frozen=True)
 class TokenizerSpec:
-    """A tokenizer as the command line names it: what a worker process builds its own from."""
+    """A tokenizer as the command line names it: what a worker process builds its own from.
+
+    ``backend`` (set by :meth:`for_workers`) carries a loaded Hugging Face fast tokenizer's
+    Rust backend, so that workers rebuild it without importing transformers and torch."""
 
     library: str
     type: str | None = None
     model: str | None = None
+    backend: tuple[str, int, int, str] | None = None  # name, vocab size, EOD, backend JSON
 
     def build(self) -> Tokenizer:
+        if self.backend is not None:
+            return RustBackendTokenizer(*self.backend)
         return build_tokenizer(self.library, self.type, self.model)
+
+    def for_workers(self, loaded: Tokenizer) -> TokenizerSpec:
+        """This spec for worker processes, given the tokenizer the parent loaded from it."""
+        if isinstance(loaded, HuggingFaceTokenizer) and (json := loaded.backend_json()):
+            backend = (loaded.name, loaded.vocab_size, loaded.eod, json)
+            return TokenizerSpec(self.library, self.type, self.model, backend)
+        return self
 
 
 @dataclass(frozen=True)
