@@ -203,7 +203,9 @@ class PartsDirectory:
         return receipt
 
     def write_receipt(self, unit: Unit, receipt: dict) -> None:
-        write_json_atomically(Path(f"{self.prefix(unit)}.json"), {"unit": asdict(unit), **receipt})
+        path = Path(f"{self.prefix(unit)}.json")
+        temporary = self.units / f"{unit.name}.tmp-{os.getpid()}.json"  # one of temporaries()
+        write_json_atomically(path, {"unit": asdict(unit), **receipt}, temporary)
 
     def forget(self, unit: Unit) -> None:
         for suffix in (".json", ".bin", ".idx"):
@@ -227,8 +229,8 @@ class PartsDirectory:
                 lock.release()
 
 
-def write_json_atomically(path: Path, data: dict) -> None:
-    temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+def write_json_atomically(path: Path, data: dict, temporary: Path | None = None) -> None:
+    temporary = temporary or path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
         temporary.write_text(json.dumps(data, indent=1) + "\n")
         os.replace(temporary, path)
