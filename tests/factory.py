@@ -154,8 +154,9 @@ class Factory:
 
         return self.built("sentencepiece", options, build) / "sp.model"
 
-    def hf_bpe(self) -> Path:
-        """A real Hugging Face tokenizer directory, trained here (no download)."""
+    def hf_bpe(self, byte_alphabet: bool = False) -> Path:
+        """A real Hugging Face tokenizer directory, trained here (no download); with
+        ``byte_alphabet``, every byte has its own token, as in GPT-2's and LLaMA 3's."""
 
         def build(directory: Path) -> None:
             from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -165,13 +166,20 @@ class Factory:
 
             tok = Tokenizer(models.BPE(unk_token="<unk>"))
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-            trainer = trainers.BpeTrainer(vocab_size=HF_BPE_VOCAB, special_tokens=["<unk>", "</s>"])
+            alphabet = pre_tokenizers.ByteLevel.alphabet() if byte_alphabet else []
+            trainer = trainers.BpeTrainer(
+                vocab_size=HF_BPE_VOCAB + len(alphabet),
+                special_tokens=["<unk>", "</s>"],
+                initial_alphabet=alphabet,
+            )
             tok.train_from_iterator(demo_documents()[:HF_BPE_TRAIN_DOCS], trainer)
             PreTrainedTokenizerFast(
                 tokenizer_object=tok, unk_token="<unk>", eos_token="</s>"
             ).save_pretrained(directory)
 
         recipe = {"vocab_size": HF_BPE_VOCAB, "documents": HF_BPE_TRAIN_DOCS}
+        if byte_alphabet:
+            recipe["byte_alphabet"] = True
         return self.built("hf_bpe", recipe, build)
 
     def tokenizer(self, library: str) -> TokenizerFiles:

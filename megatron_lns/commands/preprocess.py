@@ -29,6 +29,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     prep.add_argument("--tokenizer-library", default="byte", choices=TOKENIZER_LIBRARIES)
     prep.add_argument("--tokenizer-type", default=None, help="Hugging Face tokenizer directory")
     prep.add_argument("--tokenizer-model", default=None, help="SentencePiece .model file")
+    prep.add_argument(
+        "--encoder",
+        default="standard",
+        choices=("standard", "gigatoken"),
+        help="gigatoken: the same ids from an exact fast re-implementation of byte-level BPE "
+        "and SentencePiece BPE (pip install 'megatron-lns[fast]')",
+    )
     prep.add_argument("--json-key", default="text", help="the text's key (parquet: its column)")
     prep.add_argument(
         "--workers", type=int, default=len(os.sched_getaffinity(0)), help="cores to use"
@@ -114,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             inputs=args.input,
             output_prefix=Path(args.output_prefix),
             tokenizer=TokenizerSpec(
-                args.tokenizer_library, args.tokenizer_type, args.tokenizer_model
+                args.tokenizer_library, args.tokenizer_type, args.tokenizer_model, args.encoder
             ),
             json_key=args.json_key,
             workers=args.workers,

@@ -27,6 +27,11 @@ def encode_documents(
         flat = np.frombuffer(b"".join(encoded), dtype=np.uint8).astype(np.int32)
         ids = np.insert(flat, np.cumsum(lengths), tokenizer.eod)
         return ids, (lengths + 1).astype(np.int32)
+    if hasattr(tokenizer, "encode_flat"):  # --encoder gigatoken
+        flat, lengths = tokenizer.encode_flat(texts, parallel=threads > 1)
+        _check_ids(tokenizer, flat)
+        ids = np.insert(flat.astype(np.int32), np.cumsum(lengths), tokenizer.eod)
+        return ids, (lengths + 1).astype(np.int32)
     if isinstance(tokenizer, SentencePieceTokenizer):
         batch = tokenizer.encode_batch(texts, threads=threads)
     elif hasattr(tokenizer, "encode_batch"):
@@ -39,11 +44,17 @@ def encode_documents(
         flat += document
         flat.append(eod)
     ids = np.array(flat, dtype=np.int64)
-    top = int(ids.max())
-    if ids.min() < 0 or top >= tokenizer.vocab_size:
-        raise PreprocessError(
-            f"tokenizer {tokenizer.name} produced id {top} outside its vocab of "
-            f"{tokenizer.vocab_size}"
-        )
+    _check_ids(tokenizer, ids)
     lengths = np.fromiter((len(d) + 1 for d in batch), dtype=np.int32, count=len(batch))
     return ids.astype(np.int32), lengths
+
+
+def _check_ids(tokenizer: Tokenizer, ids: np.ndarray) -> None:
+    if not len(ids):
+        return
+    low, top = int(ids.min()), int(ids.max())
+    if low < 0 or top >= tokenizer.vocab_size:
+        raise PreprocessError(
+            f"tokenizer {tokenizer.name} produced id {top if top >= 0 else low} outside its "
+            f"vocab of {tokenizer.vocab_size}"
+        )

@@ -94,7 +94,6 @@ class HuggingFaceTokenizer(_Identified):
             return [self.encode(text) for text in texts]
         return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
 
-
     def backend_json(self) -> str | None:
         """The fast tokenizer's Rust backend as loaded (with whatever transformers set on
         it), serialized: what :class:`RustBackendTokenizer` rebuilds. None for a slow one."""
@@ -112,7 +111,11 @@ class RustBackendTokenizer(_Identified):
         from tokenizers import Tokenizer as FastTokenizer
 
         self.name, self.vocab_size, self.eod = name, vocab_size, eod
+        self._json = backend_json
         self._backend = FastTokenizer.from_str(backend_json)
+
+    def backend_json(self) -> str:
+        return self._json
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._backend.encode_batch_fast(texts, add_special_tokens=False)]

@@ -8,6 +8,7 @@ takes the unit's lock names and removes what was left. Worker processes run
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -25,6 +26,7 @@ from megatron_lns.base.parent_death import die_with_parent
 from megatron_lns.data.corpus_inputs import PreprocessError, input_format
 from megatron_lns.data.corpus_reader import read_batches
 from megatron_lns.data.document_encoder import encode_documents
+from megatron_lns.data.gigatoken_encoder import GigatokenTokenizer
 from megatron_lns.data.preprocess_plan import PartsDirectory, Unit
 from megatron_lns.data.token_files import TokenFileWriter, token_dtype
 from megatron_lns.data.tokenizer import (
@@ -49,18 +51,24 @@ class TokenizerSpec:
     library: str
     type: str | None = None
     model: str | None = None
+    encoder: str = "standard"  # or "gigatoken" (gigatoken_encoder.py)
     backend: tuple[str, int, int, str] | None = None  # name, vocab size, EOD, backend JSON
 
     def build(self) -> Tokenizer:
         if self.backend is not None:
-            return RustBackendTokenizer(*self.backend)
-        return build_tokenizer(self.library, self.type, self.model)
+            tokenizer = RustBackendTokenizer(*self.backend)
+        else:
+            tokenizer = build_tokenizer(self.library, self.type, self.model)
+        if self.encoder == "gigatoken":
+            return GigatokenTokenizer(tokenizer, self.model)
+        return tokenizer
 
     def for_workers(self, loaded: Tokenizer) -> TokenizerSpec:
         """This spec for worker processes, given the tokenizer the parent loaded from it."""
+        loaded = getattr(loaded, "reference", loaded)  # the tokenizer under gigatoken
         if isinstance(loaded, HuggingFaceTokenizer) and (json := loaded.backend_json()):
             backend = (loaded.name, loaded.vocab_size, loaded.eod, json)
-            return TokenizerSpec(self.library, self.type, self.model, backend)
+            return dataclasses.replace(self, backend=backend)
         return self
 
 
@@ -166,6 +174,7 @@ def _write_unit(
         writer.discard()
         raise
     receipt = {
+        "encoder": "gigatoken" if isinstance(tokenizer, GigatokenTokenizer) else "standard",
         "documents": writer.documents,
         "tokens": writer.tokens,
         "max_token_id": max_token_id,
