@@ -94,8 +94,15 @@ class _Progress:
         if show:
             from tqdm import tqdm
 
+            # In a job's log (not a terminal) a line every 30 s, not every 0.1 s.
+            interval = 0.1 if sys.stderr.isatty() else 30.0
             self.bar = tqdm(
-                total=total_bytes, unit="B", unit_scale=True, desc=label, file=sys.stderr
+                total=total_bytes,
+                unit="B",
+                unit_scale=True,
+                desc=label,
+                file=sys.stderr,
+                mininterval=interval,
             )
 
     def update(self, input_bytes: int, documents: int, tokens: int) -> None:
