@@ -325,10 +325,10 @@ def wrap_command(options: list[str], command: list[str]) -> str:
     return " \\\n    ".join([*options, " ".join(command)])
 
 
-def env_exports(cfg: ExperimentConfig) -> str:
+def env_exports(c: ClusterConfig) -> str:
     exports = [
         f"export {name}={quote(f'cluster.env_vars.{name}', value)}"
-        for name, value in cfg.cluster.env_vars.items()
+        for name, value in c.env_vars.items()
     ]
     return "\n".join(exports) if exports else "# (no cluster.env_vars)"
 
@@ -355,7 +355,7 @@ def render_sbatch(cfg: ExperimentConfig, paths: JobPaths, python: str) -> str:
         "checkpoint_dir": quote("exp_manager.exp_dir", paths.run_dir / "checkpoints"),
         "max_requeues": str(c.max_requeues),
         "lead_s": str(c.preemption_signal_lead_s),
-        "env_exports": env_exports(cfg),
+        "env_exports": env_exports(c),
         "srun_command": srun_command(cfg, paths, python),
     }
     return fill_template(TEMPLATE, values)
