@@ -60,7 +60,11 @@ def submit_preprocess(args: argparse.Namespace) -> int:
         nodes=nodes,
         arguments=tuple(arguments),
         output_prefix=prefix,
-        read_and_written=(prefix.parent, *_input_places(inputs), *tokenizer_files),
+        read_and_written=(
+            ("--output-prefix", prefix.parent),
+            *(("--input", place) for place in _input_places(inputs)),
+            *tokenizer_files,
+        ),
         workdir=workdir,
         python="python" if cluster.container_image else sys.executable,
         stamp=stamp,
@@ -131,7 +135,7 @@ def _arguments(args: argparse.Namespace, inputs: list[str], prefix: Path):
         if value is not None:
             if Path(value).exists():
                 value = os.path.abspath(value)
-                files.append(Path(value))
+                files.append((flag, Path(value)))
             words += [flag, value]
     words += ["--max-bad-records", str(args.max_bad_records)]
     if args.workers is not None:  # else each task takes its own CPUs

@@ -66,7 +66,8 @@ class PreprocessJob:
     nodes: int
     arguments: tuple[str, ...]  # preprocess's, for every step (absolute paths)
     output_prefix: Path  # absolute
-    read_and_written: tuple[Path, ...]  # what a container must see at the same path
+    # What a container must see at the same path, each with the flag that gives it.
+    read_and_written: tuple[tuple[str, Path], ...]
     workdir: Path
     python: str
     stamp: str
@@ -102,12 +103,13 @@ class PreprocessJob:
 def render_preprocess_sbatch(job: PreprocessJob) -> str:
     c = job.cluster
     if c.container_image:
-        for path in job.read_and_written:
+        for flag, path in job.read_and_written:
             if not same_path_mount(c.container_mounts, path):
+                place = path if path.is_dir() else path.parent
                 raise ConfigError(
-                    f"{path} must be mounted at the same path in the container (the steps "
-                    f"read and write it there): add '{path.parent}:{path.parent}' or a "
-                    f"parent to cluster.container_mounts (now {c.container_mounts})"
+                    f"{flag} {path} must be mounted at the same path in the container (the "
+                    f"job's steps run there): add '{place}:{place}' or a parent to "
+                    f"cluster.container_mounts (now {c.container_mounts})"
                 )
     lines = [
         directive("cluster.job_name_prefix", "--job-name", job.name),
@@ -116,6 +118,8 @@ def render_preprocess_sbatch(job: PreprocessJob) -> str:
         *log_directives("--output-prefix", job.log_dir),
         *cluster_directives(c),
     ]
+    if c.max_requeues == 0:  # not even by SLURM's default (JobRequeue=1)
+        lines.append("#SBATCH --no-requeue")
     whole_nodes = c.cpus_per_task is None
     if whole_nodes and not c.exclusive:
         # One task per node, which should have all of the node's CPUs.
