@@ -139,9 +139,14 @@ def run(args: argparse.Namespace) -> int:
         from megatron_lns.commands.preprocess_submit import submit_preprocess
 
         return submit_preprocess(args)
-    if args.overrides or args.dry_run or args.nodes is not None:
-        given = args.overrides[:1] or ["--dry-run" if args.dry_run else f"--nodes {args.nodes}"]
-        raise PreprocessError(f"{given[0]}: only with --submit CONFIG")
+    if args.overrides:
+        raise PreprocessError(
+            f"unrecognized arguments: {' '.join(args.overrides)} (KEY=VALUE overrides of "
+            "the cluster: section go with --submit CONFIG)"
+        )
+    if args.dry_run or args.nodes is not None:
+        given = "--dry-run" if args.dry_run else f"--nodes {args.nodes}"
+        raise PreprocessError(f"{given}: only with --submit CONFIG")
     outcome = preprocess_corpus(
         CorpusRun(
             inputs=args.input,
