@@ -80,7 +80,7 @@ def test_the_script_plans_tokenizes_on_every_node_and_merges(tmp_path, capsys, p
     assert "export HF_HOME=/x" in script
     steps = [line.strip() for line in script.splitlines() if " -m megatron_lns.cli " in line]
     assert len(steps) == 3
-    assert steps[0].endswith("--quiet --plan-only")
+    assert steps[0].endswith('--quiet --plan-only | tee "$plan_output"')
     assert steps[1].endswith("--quiet --task slurm")
     assert steps[2].endswith("--quiet")
     assert f"--input '{plain_corpus}/*.jsonl.gz' --output-prefix {tmp_path}/out/corpus" in script
@@ -210,15 +210,19 @@ def test_submit_flags_without_submit_are_refused(capsys, plain_corpus):
 # --- the script itself, run by bash against a stand-in for srun --------------------------
 
 FAKE_SRUN = r"""#!/bin/bash
-# One line per call: its arguments; exits with the next of $FAKE_CODES.
+# One line per call: its arguments; prints $FAKE_PLAN_SAYS for the plan; exits with the
+# next of $FAKE_CODES.
 printf '%s\n' "$*" >> "$FAKE_OUT/calls"
+[[ $* == *--plan-only* ]] && echo "${FAKE_PLAN_SAYS:-planned 3 units}"
 calls=$(wc -l < "$FAKE_OUT/calls")
 codes=($FAKE_CODES)
 exit "${codes[calls - 1]:-0}"
 """
 
 
-def _run_script(tmp_path, capsys, plain_corpus, codes, restart=0, config="cluster: {}\n"):
+def _run_script(
+    tmp_path, capsys, plain_corpus, codes, restart=0, config="cluster: {}\n", plan_says=""
+):
     _, script, err = _render(capsys, plain_corpus, _config(tmp_path, config))
     assert script, err
     bin_dir = tmp_path / "bin"
@@ -235,6 +239,7 @@ def _run_script(tmp_path, capsys, plain_corpus, codes, restart=0, config="cluste
         "SLURM_JOB_NUM_NODES": "2",
         "SLURM_CPUS_ON_NODE": "8",
         "SLURM_RESTART_COUNT": str(restart),
+        "FAKE_PLAN_SAYS": plan_says,
     }
     result = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True)
     calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
@@ -290,3 +295,18 @@ def test_no_requeue_without_max_requeues(tmp_path, capsys, plain_corpus):
     )
     assert code == 0, err
     assert "\n#SBATCH --requeue\n" not in script and "\n#SBATCH --no-requeue\n" in script
+
+
+def test_a_dataset_up_to_date_ends_the_job_after_the_plan(tmp_path, capsys, plain_corpus):
+    """What the plan says of a dataset published with the same plan (here by a real run)
+    is what the script looks for."""
+    prefix = tmp_path / "out" / "corpus"
+    args = ["preprocess", "--input", str(plain_corpus), "--output-prefix", str(prefix)]
+    assert main([*args, "--quiet"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--quiet", "--plan-only"]) == 0
+    says = capsys.readouterr().out.strip()
+    result, steps, _ = _run_script(tmp_path, capsys, plain_corpus, [0], plan_says=says)
+    assert result.returncode == 0, result.stdout
+    assert steps == ["plan"]
+    assert "finished: the dataset was up to date" in result.stdout
