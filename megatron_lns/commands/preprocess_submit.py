@@ -52,7 +52,8 @@ def submit_preprocess(args: argparse.Namespace) -> int:
     prefix = Path(os.path.abspath(args.output_prefix))
     inputs = [os.path.abspath(text) for text in args.input]
     expand_inputs(inputs)  # a missing input is refused here, not after the queue
-    check_output_place(prefix)
+    if not args.dry_run:  # (which creates the output's directory)
+        check_output_place(prefix)
     arguments, tokenizer_files = _arguments(args, inputs, prefix)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     job = PreprocessJob(
@@ -135,7 +136,7 @@ def _arguments(args: argparse.Namespace, inputs: list[str], prefix: Path):
         if value is not None:
             if Path(value).exists():
                 value = os.path.abspath(value)
-                files.append((flag, Path(value)))
+                files.append((flag, _directory(Path(value))))
             words += [flag, value]
     words += ["--max-bad-records", str(args.max_bad_records)]
     if args.workers is not None:  # else each task takes its own CPUs
@@ -146,7 +147,7 @@ def _arguments(args: argparse.Namespace, inputs: list[str], prefix: Path):
 
 
 def _input_places(inputs: list[str]) -> list[Path]:
-    """Where each input is: its path up to the first glob character."""
+    """The directory of each input: its path up to the first glob character."""
     places = []
     for text in inputs:
         plain = []
@@ -154,5 +155,9 @@ def _input_places(inputs: list[str]) -> list[Path]:
             if any(c in part for c in "*?["):
                 break
             plain.append(part)
-        places.append(Path(*plain))
+        places.append(_directory(Path(*plain)))
     return places
+
+
+def _directory(path: Path) -> Path:
+    return path if path.is_dir() else path.parent

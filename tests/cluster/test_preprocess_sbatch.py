@@ -84,6 +84,7 @@ def test_the_script_plans_tokenizes_on_every_node_and_merges(tmp_path, capsys, p
     assert steps[1].endswith("--quiet --task slurm")
     assert steps[2].endswith("--quiet")
     assert f"--input '{plain_corpus}/*.jsonl.gz' --output-prefix {tmp_path}/out/corpus" in script
+    assert not (tmp_path / "out").exists(), "--dry-run wrote something"
 
 
 def test_an_output_sbatch_cannot_log_beside_is_refused_naming_the_flag(tmp_path, capsys, corpus):
@@ -137,8 +138,18 @@ def test_a_container_must_see_the_output_at_its_own_path(tmp_path, capsys, plain
     config = _config(tmp_path, "cluster:\n  container_image: img\n  container_mounts: [/a:/a]\n")
     code, _, err = _render(capsys, plain_corpus, config)
     assert code != 0
-    assert f"--output-prefix {tmp_path}/out must be mounted at the same path in the " in err
+    assert f"--output-prefix: {tmp_path}/out must be mounted at the same path in the " in err
     assert f"add '{tmp_path}/out:{tmp_path}/out' or a parent to cluster.container_mounts" in err
+
+
+def test_a_container_must_see_the_inputs_at_their_own_path(tmp_path, capsys, plain_corpus):
+    out = tmp_path / "out"
+    config = _config(
+        tmp_path, f"cluster:\n  container_image: img\n  container_mounts: ['{out}:{out}']\n"
+    )
+    code, _, err = _render(capsys, plain_corpus, config)
+    assert code != 0
+    assert f"--input: {plain_corpus} must be mounted at the same path in the container" in err
 
 
 @pytest.mark.parametrize(

@@ -66,7 +66,7 @@ class PreprocessJob:
     nodes: int
     arguments: tuple[str, ...]  # preprocess's, for every step (absolute paths)
     output_prefix: Path  # absolute
-    # What a container must see at the same path, each with the flag that gives it.
+    # The directories a container must see at the same path, each with its flag.
     read_and_written: tuple[tuple[str, Path], ...]
     workdir: Path
     python: str
@@ -103,11 +103,10 @@ class PreprocessJob:
 def render_preprocess_sbatch(job: PreprocessJob) -> str:
     c = job.cluster
     if c.container_image:
-        for flag, path in job.read_and_written:
-            if not same_path_mount(c.container_mounts, path):
-                place = path if path.is_dir() else path.parent
+        for flag, place in job.read_and_written:
+            if not same_path_mount(c.container_mounts, place):
                 raise ConfigError(
-                    f"{flag} {path} must be mounted at the same path in the container (the "
+                    f"{flag}: {place} must be mounted at the same path in the container (the "
                     f"job's steps run there): add '{place}:{place}' or a parent to "
                     f"cluster.container_mounts (now {c.container_mounts})"
                 )
