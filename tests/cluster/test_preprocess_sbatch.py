@@ -80,9 +80,9 @@ def test_the_script_plans_tokenizes_on_every_node_and_merges(tmp_path, capsys, p
     assert "export HF_HOME=/x" in script
     steps = [line.strip() for line in script.splitlines() if " -m megatron_lns.cli " in line]
     assert len(steps) == 3
-    assert steps[0].endswith('--quiet --plan-only | tee "$plan_output"')
-    assert steps[1].endswith("--quiet --task slurm")
-    assert steps[2].endswith("--quiet")
+    assert steps[0].endswith('--plan-only | tee "$plan_output"')
+    assert steps[1].endswith("--task slurm")
+    assert steps[2].endswith("--max-bad-records 0")  # the merge: no step option
     assert f"--input '{plain_corpus}/*.jsonl.gz' --output-prefix {tmp_path}/out/corpus" in script
     assert not (tmp_path / "out").exists(), "--dry-run wrote something"
 

@@ -164,7 +164,6 @@ def _step(job: PreprocessJob, srun_options: list[str], step_arguments: list[str]
         CLI_MODULE,
         "preprocess",
         *(quote("preprocess argument", word) for word in job.arguments),
-        "--quiet",
         *step_arguments,
     ]
     return wrap_command(options, command)
