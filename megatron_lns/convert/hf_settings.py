@@ -10,7 +10,8 @@ or refused by its declaration alone:
 * export refuses a non-default value of a setting declared ``HF_REFUSE``, naming the key,
   and one mapped to a field the architecture's ``config.json`` does not have;
 * export writes a mapped field the architecture left at another value;
-* import reads a mapped field that the architecture did not already turn into a setting.
+* import reads a mapped field that the architecture did not already turn into a setting,
+  and counts every mapped field as accounted for (``mapped_hf_fields``).
 
 Nothing here imports torch.
 """
@@ -46,6 +47,12 @@ def refuse_unexportable(m: Any) -> None:
                 f"model.{item.key}={value} cannot be exported: no Hugging Face config.json "
                 f"field holds it (only the default, {item.default}, exports)"
             )
+
+
+def mapped_hf_fields(model_cls: type) -> set[str]:
+    """The ``config.json`` fields the model settings are declared with: import maps each."""
+    fields = {item.setting.hf for item in _with_hf_role(model_cls)}
+    return {field for field in fields if field not in (HF_REFUSE, HF_CONVERTER)}
 
 
 def apply_to_hf_config(m: Any, config: Any, hf_class: str) -> None:
