@@ -22,6 +22,9 @@ from megatron_lns.training.goodput import duration
 
 # Most seconds between two ``trained`` lines: what a crash can leave unrecorded.
 RECORD_EVERY_S = 30.0
+# Fewest seconds between two ``trained`` lines of logged steps: a run that logs every
+# fast step writes no line per step (the batch script reads the whole file at each start).
+RECORD_LOGGED_AFTER_S = 5.0
 
 
 class AttemptRecorder:
@@ -79,6 +82,11 @@ class AttemptRecorder:
         self.train_s += seconds
         self.step, self.samples = step, samples
         if time.monotonic() - self.last_line >= RECORD_EVERY_S:
+            self._append("trained", **self._totals())
+
+    def logged(self) -> None:
+        """The step was logged on the console: a line too, unless one is only seconds old."""
+        if time.monotonic() - self.last_line >= RECORD_LOGGED_AFTER_S:
             self._append("trained", **self._totals())
 
     def committed(self) -> None:

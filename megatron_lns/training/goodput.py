@@ -13,7 +13,8 @@ the attempt's start as its launcher saw it (a SLURM batch script's start, else t
 launcher process's) to the first step, of which ``load_s`` loading the checkpoint.
 ``trained``: the attempt so far (cumulative: ``steps`` training steps in ``train_s``
 seconds, the training loop blocked ``save_s`` seconds in checkpoint saves and ``eval_s``
-in evaluation), at most every half minute and at each committed checkpoint. ``ended``:
+in evaluation), with the console's log line (unless the last line is seconds old), at
+least every half minute, and at each committed checkpoint. ``ended``:
 the same at a clean end (``finished``: max_steps; ``stopped``: a stop request or
 exit_interval, its checkpoint committed; ``failed``: an error the trainer raised). A
 crash or a kill writes nothing: an attempt without ``ended`` ended at its last line.

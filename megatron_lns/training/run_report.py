@@ -61,6 +61,16 @@ class RunReport:
             return None
         return max(0, self.max_steps - self.step) * self.step_s
 
+    def endings(self) -> list[str]:
+        """How each attempt ended: as recorded, else ``running`` (the last one, while the
+        run directory's lock is held) or ``killed or crashed`` (no end recorded)."""
+        attempts = self.goodput.attempts
+        running = self.state.startswith("running")
+        return [
+            a.how or ("running" if running and a is attempts[-1] else "killed or crashed")
+            for a in attempts
+        ]
+
     def to_json(self) -> dict[str, Any]:
         g = self.goodput
         return {
@@ -86,10 +96,9 @@ class RunReport:
                 {
                     "job_id": a.job_id, "restart": a.restart, "start": a.start,
                     "wall_s": a.wall_s, "from_step": a.first_step, "to_step": a.last_step,
-                    "steps": a.steps, "ended": a.how or "no end recorded",
-                    "lost_steps": a.lost_steps,
+                    "steps": a.steps, "ended": ended, "lost_steps": a.lost_steps,
                 }
-                for a in g.attempts
+                for a, ended in zip(g.attempts, self.endings(), strict=True)
             ],
         }  # fmt: skip
 
@@ -100,7 +109,7 @@ class RunReport:
         lines = [f"run {self.run_dir}: {self.state}", f"step {self.step}{of}{tokens}"]
         newest = self.newest_checkpoint
         lines.append(f"newest complete checkpoint: {newest.name if newest else 'none yet'}")
-        ends = [a.how or "no end recorded" for a in g.attempts]
+        ends = self.endings()
         said = ", ".join(f"{ends.count(e)} {e}" for e in dict.fromkeys(ends))
         restarts = max(0, len(g.attempts) - 1)
         lines.append(f"attempts: {len(g.attempts)} ({said}); restarts: {restarts}")

@@ -463,6 +463,7 @@ class Trainer:
         if self.moe_metrics is not None:
             moe, per_layer = self.moe_metrics.report(get_num_microbatches())
             metrics.update(moe)
+        self.attempt.logged()
         eta = self.attempt.time_to(self.cfg.trainer.max_steps)
         note = f"time_to_max_steps {eta}" if eta is not None else ""
         self.logger.log(self.state.iteration, metrics, note=note)

@@ -177,3 +177,25 @@ def test_only_rank_0_writes(tmp_path):
     recorder.began(0, 0)
     recorder.ended("finished")
     assert not (tmp_path / RUN_PROGRESS_FILE).exists()
+
+
+def test_log_lines_are_recorded_unless_the_last_record_is_seconds_old(tmp_path, monkeypatch):
+    """A crash loses the record of what it trained since the last line: a line goes with
+    each console log line (not one per fast step), and at least every half minute."""
+    clock = {"now": 0.0}
+    monkeypatch.setattr("time.monotonic", lambda: clock["now"])
+    recorder = AttemptRecorder(tmp_path, LocalJob(), print, True)
+    recorder.began(0, 0)
+    recorder.step_done(1, 1.0, 4)
+    recorder.logged()  # the record of `began` is a moment old: no line
+    clock["now"] = 6.0
+    recorder.step_done(2, 1.0, 8)
+    recorder.logged()
+    clock["now"] = 40.0
+    recorder.step_done(3, 1.0, 12)  # not logged, but 34 s after the last line
+    lines = (tmp_path / RUN_PROGRESS_FILE).read_text().splitlines()
+    assert [line.split()[2:4] for line in lines] == [
+        ["began", "0"],
+        ["trained", "2"],
+        ["trained", "3"],
+    ]
