@@ -180,12 +180,11 @@ def account(events: list[ProgressEvent], resumable_step: int | None) -> Goodput:
         rows["checkpoint saves"] += attempt.save_s
         rows["evaluation"] += attempt.eval_s
         rows["lost work"] += attempt.lost_s
-        rows["other"] += attempt.wall_s
     for before, after in itertools.pairwise(attempts):
         rows["restarts, queue wait"] += queue_wait_s(before, after)
-    accounted = sum(value for key, value in rows.items() if key != "other")
-    wall = rows["other"] + rows["restarts, queue wait"]
-    rows["other"] = max(0.0, wall - accounted)  # rounding of the records, never below 0
+    wall = sum(attempt.wall_s for attempt in attempts) + rows["restarts, queue wait"]
+    # What no record names; never below 0 (the records are rounded to 10 ms).
+    rows["other"] = max(0.0, wall - sum(rows.values()))
     return Goodput(attempts, rows)
 
 
