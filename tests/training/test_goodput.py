@@ -199,3 +199,22 @@ def test_log_lines_are_recorded_unless_the_last_record_is_seconds_old(tmp_path, 
         ["trained", "2"],
         ["trained", "3"],
     ]
+
+
+def test_a_local_attempt_starts_when_its_process_did():
+    """Start-up counts from the process's start, its imports included: a process that
+    waits a second before it asks says it started a second ago."""
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import time; time.sleep(1.0)\n"
+        "from megatron_lns.runtime.job import LocalJob\n"
+        "print(LocalJob().attempt_started_at(), time.time())"
+    )
+    before = time.time()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    started, asked = (float(word) for word in done.stdout.split())
+    assert before - 0.1 <= started <= before + 2.0  # forked at once, even on a busy machine
+    assert asked - started >= 1.0
