@@ -11,6 +11,7 @@ run trains.
 from __future__ import annotations
 
 import json
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.runtime.progress_file import RUN_PROGRESS_FILE, read_events
 from megatron_lns.training.checkpoint_dirs import CHECKPOINT_DIR_RE, latest_complete_checkpoint
 from megatron_lns.training.goodput import Goodput, account, duration, goodput_table
-from megatron_lns.training.run_dir import LOCK_NAME
+from megatron_lns.training.run_dir import LOCK_NAME, pid_alive
 from megatron_lns.training.run_status import RUN_STATUS_FILE
 
 
@@ -142,21 +143,33 @@ def _setting(config: dict[str, Any], *keys: str) -> int | None:
     return config if isinstance(config, int) and not isinstance(config, bool) else None
 
 
-def _state(run_dir: Path, goodput: Goodput) -> str:
-    if (run_dir / LOCK_NAME).is_file():
-        try:
-            holder = json.loads((run_dir / LOCK_NAME).read_text())
-            where = f" (process {holder['pid']} on {holder['host']})"
-        except (OSError, ValueError, KeyError, TypeError):
-            where = ""
-        return f"running{where}"
+def _lock_holder(run_dir: Path) -> str | None:
+    """Who holds the run directory's lock (``process P on HOST``; ``""`` when its record
+    cannot be read), or None when no run does: no lock, or one left on this host by a
+    process that is gone (a killed run; the next run takes it over)."""
+    path = run_dir / LOCK_NAME
+    if not path.is_file():
+        return None
+    try:
+        holder = json.loads(path.read_text())
+        pid, host = holder["pid"], holder["host"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    if host == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid):
+        return None
+    return f"process {pid} on {host}"
+
+
+def _state(run_dir: Path, goodput: Goodput, holder: str | None) -> str:
+    if holder is not None:
+        return f"running ({holder})" if holder else "running"
     last = goodput.attempts[-1].how if goodput.attempts else None
     if last is not None:
         return last
     status = run_dir / RUN_STATUS_FILE
     if status.is_file() and status.read_text().split()[:1] in (["finished"], ["stopped"]):
         return status.read_text().split()[0]
-    return "ended without a record (crashed or killed)" if goodput.attempts else "not started"
+    return "ended without a record (killed or crashed)" if goodput.attempts else "not started"
 
 
 def run_report(run_dir: str | Path) -> RunReport:
@@ -172,9 +185,9 @@ def run_report(run_dir: str | Path) -> RunReport:
     config = _config(run_dir)
     newest = latest_complete_checkpoint(run_dir / "checkpoints")
     newest_step = int(CHECKPOINT_DIR_RE.match(newest.name).group(1)) if newest else 0
-    running = (run_dir / LOCK_NAME).is_file()
+    holder = _lock_holder(run_dir)
     events = read_events(run_dir)
-    goodput = account(events, None if running else newest_step)
+    goodput = account(events, None if holder is not None else newest_step)
     attempts = goodput.attempts
     last = attempts[-1] if attempts else None
     seq_length = _setting(config, "model", "encoder_seq_length") or _setting(
@@ -187,7 +200,7 @@ def run_report(run_dir: str | Path) -> RunReport:
         step=max(last.last_step if last else 0, newest_step),
         samples=last.samples if last else None,
         newest_checkpoint=newest,
-        state=_state(run_dir, goodput),
+        state=_state(run_dir, goodput, holder),
         goodput=goodput,
         last_record_at=max((a.last_at for a in attempts), default=None),
     )

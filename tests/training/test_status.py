@@ -5,6 +5,9 @@ numbers of a real tiny run."""
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -80,10 +83,14 @@ def test_a_run_that_is_running_has_lost_nothing_yet(tmp_path):
     report = run_report(run)
     assert report.state == "running (process 123 on node7)"
     assert report.goodput.rows["lost work"] == 0
-    (run / ".lock").unlink()  # gone without an end: killed; back to step 40
+    # The lock of a process that is gone, on this host: killed; back to step 40.
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    (run / ".lock").write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname()}))
     report = run_report(run)
-    assert report.state == "ended without a record (crashed or killed)"
+    assert report.state == "ended without a record (killed or crashed)"
     assert report.goodput.rows["lost work"] == pytest.approx(8)
+    assert report.endings() == ["killed or crashed"]
 
 
 def _error_of(capsys, *args: str) -> str:
