@@ -28,6 +28,11 @@ from megatron_lns.training.run_dir import LOCK_NAME, pid_alive
 from megatron_lns.training.run_status import RUN_STATUS_FILE
 
 
+def _rounded(value: float | None, digits: int = 2) -> float | None:
+    """As the records hold it (10 ms), not with a sum's float noise."""
+    return None if value is None else round(value, digits)
+
+
 class NotARunDirectory(UserError):
     """The directory given is not a run's (``<exp_manager.exp_dir>/<exp_manager.name>``)."""
 
@@ -86,17 +91,17 @@ class RunReport:
             ),
             "attempts": len(g.attempts),
             "restarts": max(0, len(g.attempts) - 1),
-            "step_s": self.step_s,
-            "time_to_max_steps_s": self.time_to_max_steps_s,
+            "step_s": _rounded(self.step_s, 4),
+            "time_to_max_steps_s": _rounded(self.time_to_max_steps_s),
             "last_record_at": self.last_record_at,
-            "wall_s": g.wall_s,
-            "goodput": g.fraction,
-            "seconds": {name.replace(", ", "_").replace(" ", "_").replace("-", "_"): value
+            "wall_s": _rounded(g.wall_s),
+            "goodput": _rounded(g.fraction, 4),
+            "seconds": {name.replace(", ", "_").replace(" ", "_").replace("-", "_"): _rounded(value)
                         for name, value in g.rows.items()},
             "attempt_list": [
                 {
-                    "job_id": a.job_id, "restart": a.restart, "start": a.start,
-                    "wall_s": a.wall_s, "from_step": a.first_step, "to_step": a.last_step,
+                    "job_id": a.job_id, "restart": a.restart, "start": _rounded(a.start),
+                    "wall_s": _rounded(a.wall_s), "from_step": a.first_step, "to_step": a.last_step,
                     "steps": a.steps, "ended": ended, "lost_steps": a.lost_steps,
                 }
                 for a, ended in zip(g.attempts, self.endings(), strict=True)
