@@ -69,7 +69,7 @@ def test_status_json_is_for_machines(tmp_path, capsys):
     assert report["seconds"]["lost_work"] == pytest.approx(8)
     assert report["seconds"]["restarts_queue_wait"] == 0  # a local run: no queue
     assert report["goodput"] == round(48 / 130, 4)
-    assert report["wall_s"] == pytest.approx(sum(report["seconds"].values()))
+    assert report["wall_s"] == pytest.approx(sum(report["seconds"].values()), abs=0.05)
     assert [a["lost_steps"] for a in report["attempt_list"]] == [10, 0]
 
 
