@@ -1,5 +1,5 @@
 """``megatron-lns`` command line: train, plan, submit, compare, demo, preprocess, export-hf,
-import-hf, analyze.
+import-hf, analyze, status.
 
 Errors in the input (config, data, checkpoints, run directory) end the command with one
 line, ``error: ...``, and exit code 2; ``MEGATRON_LNS_DEBUG=1`` shows their traceback.
@@ -20,12 +20,13 @@ from megatron_lns.commands import (
     import_hf,
     plan,
     preprocess,
+    status,
     submit,
     train,
 )
 
 # Every command, in the order ``--help`` lists them: a module of megatron_lns.commands.
-COMMANDS = [train, plan, submit, compare, demo, preprocess, export_hf, import_hf, analyze]
+COMMANDS = [train, plan, submit, compare, demo, preprocess, export_hf, import_hf, analyze, status]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -145,6 +145,7 @@ def _bad_input_of_every_command(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "export-hf": (["export-hf", missing, out], missing),
         "import-hf": (["import-hf", missing, out], missing),
         "analyze": (["analyze", missing], missing),
+        "status": (["status", missing], missing),
     }
 
 

@@ -9,7 +9,9 @@ every scheduler and sits behind :class:`JobEnvironment`:
   is stale (a pid means nothing there: only the scheduler can say that job has ended);
 - the time the job is given (a time slice's length), where the scheduler sets one;
 - which signals ask for a checkpoint and a clean stop;
-- the records a scheduler's launcher reads between runs (progress across requeues).
+- the records a scheduler's launcher reads between runs (progress across requeues);
+- when this attempt of the run started, as its launcher saw it, from which the trainer's
+  accounting of the run's wall time (``training/goodput.py``) measures its start-up.
 
 :class:`LocalJob` is a run that no scheduler watches. Cluster backends implement the rest
 (``megatron_lns/cluster/<backend>/job.py``) and the command that starts a run chooses one
@@ -19,12 +21,16 @@ Torch-free, so that ``submit`` on a login node can import the backends.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
+import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
+
+from megatron_lns.runtime.progress_file import LOCAL_JOB_ID
 
 # SIGUSR1 is what schedulers send ahead of a time limit or pre-emption (SLURM's
 # ``--signal``); a second SIGINT interrupts at once (the trainer's stop request).
@@ -69,6 +75,20 @@ class ProgressRecords(Protocol):
         ...
 
 
+def process_start_time() -> float:
+    """Epoch seconds at which this process started (Linux's ``/proc``), so that the
+    imports before any of our code runs count as start-up; now, where ``/proc`` cannot
+    tell."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
 class JobEnvironment(ABC):
     """The job this process runs in (module doc). Picklable: local ranks receive it."""
 
@@ -85,6 +105,18 @@ class JobEnvironment(ABC):
     @property
     def host(self) -> str:
         return socket.gethostname()
+
+    @property
+    def record_id(self) -> str:
+        """The job as the run's records (``run_progress``) name it: the scheduler's id, or
+        ``local``; with :attr:`restart_count` it names an attempt of a scheduled job."""
+        return self.job_id or LOCAL_JOB_ID
+
+    def attempt_started_at(self) -> float:
+        """Epoch seconds at which this attempt of the run started, as its launcher saw it
+        (a batch script's start, the container's included): the start of its start-up.
+        By default, this process's start."""
+        return process_start_time()
 
     def lock_record(self) -> dict[str, object]:
         """What the run directory's lock records of this job, beside pid, host and start."""
@@ -111,8 +143,15 @@ class JobEnvironment(ABC):
 @dataclass(frozen=True)
 class LocalJob(JobEnvironment):
     """A run that no scheduler watches: ``megatron-lns train`` or torchrun by hand, the
-    ranks of ``compare``, tests. Its lock is judged by its process alone."""
+    ranks of ``compare``, tests. Its lock is judged by its process alone. ``started_at``:
+    the start of the process that made it (the launcher of local ranks, which receive it
+    pickled), so that spawning the ranks counts as start-up."""
+
+    started_at: float = field(default_factory=process_start_time, compare=False)
 
     @property
     def job_id(self) -> str | None:
         return None
+
+    def attempt_started_at(self) -> float:
+        return self.started_at

@@ -134,7 +134,11 @@ class MetricsLogger:
             else:
                 self.wandb_run = wandb_lib.init(**{"name": run_name, **(wandb_kwargs or {})})
 
-    def log(self, step: int, metrics: dict[str, float], console: bool = True) -> None:
+    def log(
+        self, step: int, metrics: dict[str, float], console: bool = True, note: str = ""
+    ) -> None:
+        """Log ``metrics`` of ``step`` everywhere (the console too unless ``console`` is
+        false); ``note`` ends the console line only (the time left to max_steps)."""
         if not self.active:
             return
         if self.jsonl is not None:
@@ -148,7 +152,7 @@ class MetricsLogger:
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)
         if console:
-            parts = [f"{k} {_fmt(v)}" for k, v in metrics.items()]
+            parts = [f"{k} {_fmt(v)}" for k, v in metrics.items()] + ([note] if note else [])
             say(f"[{self.console_label}] step {step:6d}  " + "  ".join(parts))
 
     def _append_row(self, step: int, row: str) -> None:

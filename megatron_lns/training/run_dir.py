@@ -41,7 +41,7 @@ def holds_a_run(run_dir: Path) -> bool:
     return has_checkpoints or (run_dir / "metrics.jsonl").is_file()
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -90,7 +90,7 @@ class RunDirLock:
         pid, host = holder.get("pid"), holder.get("host")
         run_dir = self.path.parent
         if host == self.owner["host"]:
-            if isinstance(pid, int) and not _pid_alive(pid):
+            if isinstance(pid, int) and not pid_alive(pid):
                 print(
                     f"note: removing the stale lock of process {pid}, which is gone, on {run_dir}"
                 )

@@ -33,6 +33,7 @@ from megatron_lns.data.datasets import held_out_batches, micro_batch_loader
 from megatron_lns.data.tokenizer import build_tokenizer
 from megatron_lns.runtime import init_distributed
 from megatron_lns.runtime.job import JobEnvironment, LocalJob, ProgressRecords, ProgressSettings
+from megatron_lns.training.attempt_recorder import AttemptRecorder
 from megatron_lns.training.batch_size import init_batch_size_calculator
 from megatron_lns.training.build import (
     build_trainable_from_config,
@@ -55,6 +56,7 @@ from megatron_lns.training.resume import (
     interrupted_save_note,
     resume,
 )
+from megatron_lns.training.run_report import run_report
 from megatron_lns.training.run_start import claim_run_directory, set_abandoned_branch_aside
 from megatron_lns.training.run_status import write_run_status
 from megatron_lns.training.step import (
@@ -163,6 +165,8 @@ class Trainer:
             self._print,
         )
         self.progress = self._progress_recorder() if self.is_rank0 else None
+        # This attempt's wall time, for goodput (rank 0 writes it to run_progress).
+        self.attempt = AttemptRecorder(self.run_dir, self.job, self._print, self.is_rank0)
         self.checkpoints = CheckpointWriter(
             self.checkpoint_dir,
             asynchronous=cfg.exp_manager.checkpoint_callback_params.async_save,
@@ -189,6 +193,7 @@ class Trainer:
         return self.job.progress_records(self.run_dir, settings)
 
     def _checkpoint_committed(self, path: Path, seconds: float) -> None:
+        self.attempt.committed()
         if self.progress is not None:
             step = int(CHECKPOINT_DIR_RE.match(path.name).group(1))
             for line in self.progress.committed(step, seconds):
@@ -244,15 +249,16 @@ class Trainer:
             m.global_batch_size, m.micro_batch_size, self.dp_size
         )
 
-        self.state, self.resumed_path = resume(
-            cfg,
-            self.checkpoint_dir,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            self.data_in_use,
-            self._print,
-        )
+        with self.attempt.timing("load"):
+            self.state, self.resumed_path = resume(
+                cfg,
+                self.checkpoint_dir,
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                self.data_in_use,
+                self._print,
+            )
         self.resumed_from = self.state.iteration
         set_abandoned_branch_aside(
             self.checkpoint_dir,
@@ -321,6 +327,18 @@ class Trainer:
         """``run_status`` tells a launcher (a scheduler's batch script) whether to requeue."""
         if self.is_rank0:
             write_run_status(self.run_dir, summary.stopped_early, self.state.iteration)
+
+    def _attempt_ended(self, how: str) -> None:
+        """Record how this attempt ended, and print where the run is and its goodput so
+        far (rank 0; what ``megatron-lns status`` prints)."""
+        self.attempt.ended(how)
+        if self.is_rank0:
+            try:
+                lines = run_report(self.run_dir).lines()
+            except (UserError, OSError) as err:
+                lines = [f"warning: no goodput report: {err}"]
+            for line in lines:
+                self._print(line)
 
     def _print(self, message: str) -> None:
         if self.is_rank0:
@@ -396,7 +414,7 @@ class Trainer:
         for chunk in self.model:
             chunk.eval()
         loss_sum = tokens = 0.0
-        with self.megatron_timers.paused():
+        with self.megatron_timers.paused(), self.attempt.timing("eval"):
             for batches in self.validation_microbatches():
                 result = forward_backward(self.model, batches, forward_only=True)
                 loss_sum += result.loss * result.num_tokens
@@ -417,15 +435,17 @@ class Trainer:
         With ``async_save`` the checkpoint is written in the background and counts once
         :meth:`wait_for_checkpoints` (or a later step's poll) has committed it.
         """
-        sync_parameters(self.model)  # with overlap_param_sync the weights lag the update
-        return self.checkpoints.save(
-            self.model, self.optimizer, self.scheduler, self.state, self.config_yaml
-        )
+        with self.attempt.timing("save"):
+            sync_parameters(self.model)  # with overlap_param_sync the weights lag the update
+            return self.checkpoints.save(
+                self.model, self.optimizer, self.scheduler, self.state, self.config_yaml
+            )
 
     def wait_for_checkpoints(self) -> None:
         """Wait for checkpoints being written in the background and commit them (all
         ranks must call it)."""
-        self.checkpoints.wait()
+        with self.attempt.timing("save"):
+            self.checkpoints.wait()
 
     def _log_train_step(self, result: StepResult, lr: float, tokens_per_second: float) -> None:
         """The step's line (every rank calls it: the MoE metrics are reduced across ranks)."""
@@ -443,7 +463,10 @@ class Trainer:
         if self.moe_metrics is not None:
             moe, per_layer = self.moe_metrics.report(get_num_microbatches())
             metrics.update(moe)
-        self.logger.log(self.state.iteration, metrics)
+        self.attempt.logged()
+        eta = self.attempt.time_to(self.cfg.trainer.max_steps)
+        note = f"time_to_max_steps {eta}" if eta is not None else ""
+        self.logger.log(self.state.iteration, metrics, note=note)
         if per_layer:
             self.logger.log(self.state.iteration, per_layer, console=False)
 
@@ -465,6 +488,7 @@ class Trainer:
         checkpointing on the configured intervals."""
         cfg, t = self.cfg, self.cfg.trainer
         summary = RunSummary(cfg.exp_manager.name, self.run_dir, t.max_steps, self.resumed_from)
+        self.attempt.began(self.state.iteration, self.state.consumed_samples)
         if self.state.iteration >= t.max_steps:
             self._print(
                 f"nothing to do: {self.resumed_path} is at step {self.state.iteration} and "
@@ -473,6 +497,7 @@ class Trainer:
             self.close()
             summary.steps = self.state.iteration
             self._write_run_status(summary)
+            self._attempt_ended("finished")
             return summary
         stop = self.stop_request
         every = cfg.exp_manager.checkpoint_callback_params.every_n_train_steps
@@ -490,10 +515,12 @@ class Trainer:
                     result = self.train_step()
                 seconds = time.perf_counter() - start
                 throughput.add(result.num_tokens, seconds)
+                self.attempt.step_done(self.state.iteration, seconds, self.state.consumed_samples)
                 if self.progress is not None:
                     self.progress.step_done(seconds)
                 step, advanced = self.state.iteration, result.update_successful
-                self.checkpoints.poll()  # commit a background save every rank has written
+                with self.attempt.timing("save"):  # commit a save every rank has written
+                    self.checkpoints.poll()
                 if advanced:
                     self.manual_gc.after_step(step)
                     summary.train_losses.append((step, result.loss))
@@ -528,9 +555,13 @@ class Trainer:
             if summary.stopped_early:
                 step = self.state.iteration
                 self._print(f"stopping at step {step} (checkpoint saved; rerun to resume)")
+        except BaseException:
+            self.attempt.ended("failed")
+            raise
         finally:
             self.close()
         self._write_run_status(summary)
+        self._attempt_ended("stopped" if summary.stopped_early else "finished")
         summary.steps = self.state.iteration
         throughput.close_window()
         summary.tokens_per_second = throughput.overall

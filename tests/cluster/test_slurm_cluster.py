@@ -29,6 +29,7 @@ from slurm_jobs import (
 
 from megatron_lns.data.preprocess import preprocess, read_documents
 from megatron_lns.training.checkpoint import latest_complete_checkpoint
+from megatron_lns.training.run_report import run_report
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # one at a time: tests/conftest.py
 
@@ -88,12 +89,25 @@ def test_preempted_job_requeues_and_continues_the_loss_curve_exactly(
     # What the progress guard read (docs/cluster.md#progress-guard): each run's start
     # with the newest checkpoint, the step it resumed from, the warning, the commits.
     lines = [line.split() for line in (run_dir / "run_progress").read_text().splitlines()]
-    events = sorted((run, event, step) for job_, run, event, step, *_ in lines if job_ == job.id)
+    accounting = ("began", "trained", "ended")  # the goodput's lines, below
+    events = sorted(
+        (run, event, step)
+        for job_, run, event, step, *_ in lines
+        if job_ == job.id and event not in accounting
+    )
     stopped = str(stopped_at)
     assert events == sorted([
         ("0", "start", "0"), ("0", "resumed", "0"), ("0", "warned", "-"), ("0", "saved", stopped),
         ("1", "start", stopped), ("1", "resumed", stopped), ("1", "saved", str(MAX_STEPS)),
     ]), lines  # fmt: skip
+    # Where the job's wall time went (megatron-lns status): two attempts of one job, the
+    # first stopped on the warning, the time in the queue between them counted.
+    report = run_report(run_dir)
+    assert [(a.job_id, a.restart, a.how) for a in report.goodput.attempts] == [
+        (job.id, 0, "stopped"), (job.id, 1, "finished"),
+    ]  # fmt: skip
+    assert report.goodput.rows["restarts, queue wait"] > 0
+    assert report.goodput.rows["lost work"] == 0 and min(report.goodput.rows.values()) >= 0
 
 
 def test_job_failing_at_run_time_ends_failed_without_requeue(slurm, tmp_path):

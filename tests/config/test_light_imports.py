@@ -80,14 +80,30 @@ def test_dry_runs_import_neither_torch_nor_megatron(command, tmp_path):
         f"exp_manager.exp_dir={tmp_path / 'runs'}",
         f"cluster.container_mounts=[{tmp_path}:{tmp_path}]",
     ]
-    code = (
-        "import runpy, sys\n"
-        "sys.argv = ['megatron-lns', *sys.argv[1:]]\n"
-        "try:\n"
-        "    runpy.run_module('megatron_lns.cli', run_name='__main__')\n"
-        "except SystemExit as exit:\n"
-        "    assert not exit.code, exit.code\n"
-        f"print('HEAVY:' + ','.join(m for m in {HEAVY!r} if m in sys.modules))\n"
-    )
-    imported = _heavy_modules_imported(code, command, str(OLMO), *overrides, "--dry-run")
+    imported = _heavy_modules_imported(COMMAND_PROBE, command, str(OLMO), *overrides, "--dry-run")
     assert imported == []
+
+
+# A whole command in a fresh interpreter, then the heavy modules it imported.
+COMMAND_PROBE = (
+    "import runpy, sys\n"
+    "sys.argv = ['megatron-lns', *sys.argv[1:]]\n"
+    "try:\n"
+    "    runpy.run_module('megatron_lns.cli', run_name='__main__')\n"
+    "except SystemExit as exit:\n"
+    "    assert not exit.code, exit.code\n"
+    f"print('HEAVY:' + ','.join(m for m in {HEAVY!r} if m in sys.modules))\n"
+)
+
+
+def test_status_imports_neither_torch_nor_megatron(tmp_path):
+    """``status RUN_DIR`` is asked on a login node while the run trains: it answers at once."""
+    run = tmp_path / "lns"
+    (run / "checkpoints" / "iter_0000002").mkdir(parents=True)
+    (run / "checkpoints" / "iter_0000002" / "complete.json").write_text("{}")
+    (run / "config.yaml").write_text("trainer:\n  max_steps: 10\n")
+    (run / "run_progress").write_text(
+        "local 0 began 0 at=100 startup_s=5 load_s=0 samples=0\n"
+        "local 0 trained 2 at=110 steps=2 train_s=8 save_s=1 eval_s=0 samples=8\n"
+    )
+    assert _heavy_modules_imported(COMMAND_PROBE, "status", str(run)) == []

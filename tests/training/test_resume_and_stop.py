@@ -17,6 +17,7 @@ from helpers import DEMO_CONFIG as DEMO
 from helpers import ROOT, TINY_RUN_OVERRIDES, fresh_launch_env, run_distributed, tiny_run_config
 
 from megatron_lns.training.checkpoint import latest_complete_checkpoint
+from megatron_lns.training.run_report import run_report
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("private_corpus_cache")]
 
@@ -75,6 +76,9 @@ def test_a_nan_validation_loss_stops_the_run_before_the_checkpoint_of_its_step(t
     result = _run(tmp_path, cfg)
     assert result["error"].startswith("step 2: validation loss nan: the run diverged")
     assert latest_complete_checkpoint(tmp_path / "lns" / "checkpoints") is None
+    # Its goodput: an attempt that failed, whose two steps a rerun trains again.
+    (attempt,) = run_report(tmp_path / "lns").goodput.attempts
+    assert (attempt.how, attempt.last_step, attempt.lost_steps) == ("failed", 2, 2)
 
 
 @pytest.mark.long
@@ -237,6 +241,16 @@ def test_sigterm_stops_both_ranks_of_a_local_run_which_then_resumes_bitwise(tmp_
         (r["step"], r["loss"]) for r in _metrics(tmp_path / "straight" / "lns") if "loss" in r
     ]
     assert losses == expected  # bitwise, and no step logged twice
+    # Where the run's time went (megatron-lns status): two attempts, the first stopped
+    # cleanly (nothing lost), each with its start-up from the launcher's start.
+    report = run_report(tmp_path / "lns")
+    attempts = report.goodput.attempts
+    assert [(a.how, a.first_step, a.last_step) for a in attempts] == [
+        ("stopped", 0, stopped_at), ("finished", stopped_at, 40),
+    ]  # fmt: skip
+    assert all(a.startup_s > 0 for a in attempts) and attempts[1].load_s > 0
+    assert report.goodput.rows["lost work"] == 0 and min(report.goodput.rows.values()) >= 0
+    assert "goodput " in resumed.stdout.read()
 
 
 @pytest.mark.long

@@ -142,7 +142,9 @@ def test_under_the_batch_script_the_run_records_its_progress_and_warns(
     )
     validate(cfg)
     run_distributed(_fit, 1, tmp_path, cfg)
-    lines = (tmp_path / "lns" / "run_progress").read_text().splitlines()
+    all_lines = (tmp_path / "lns" / "run_progress").read_text().splitlines()
+    accounting = [line for line in all_lines if line.split()[2] in ("began", "trained", "ended")]
+    lines = [line for line in all_lines if line not in accounting]
     assert [line.split()[:4] for line in lines] == [
         ["42", "1", "resumed", "0"],
         ["42", "1", "saved", "2"],
@@ -151,7 +153,18 @@ def test_under_the_batch_script_the_run_records_its_progress_and_warns(
     ]
     assert int(lines[0].split()[4].removeprefix("startup_s=")) >= 1000
     assert lines[0].split()[5] == "every=2"
+    # The goodput accounting (training/goodput.py), of SLURM's attempt: start-up from the
+    # batch script's start; a line at each commit; the end.
+    words = [line.split()[:4] for line in accounting]
+    assert words[0] == ["42", "1", "began", "0"] and words[-1] == ["42", "1", "ended", "4"]
+    # (a line every half minute as well, on a machine slow enough for one)
+    assert {"2", "4"} <= {step for *_, event, step in words if event == "trained"}
+    assert float(accounting[0].split()[5].removeprefix("startup_s=")) >= 1000
+    assert "how=finished" in accounting[-1]
     out = capfd.readouterr().out
+    # The periodic log line estimates the time left; the attempt ends with the goodput.
+    assert "time_to_max_steps " in out
+    assert "step 4 of 4" in out and "goodput " in out, out
     warnings = [line for line in out.splitlines() if "warning: " in line]
     assert len(warnings) == 1, out
     assert "warning: the time limit (600 s) minus cluster.preemption_signal_lead_s (60 s) is " \

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from megatron_lns.cluster.slurm import job as slurm_job
 from megatron_lns.cluster.slurm.job import GONE, LIVE_STATES, SlurmJob, SlurmQueryError
-from megatron_lns.cluster.slurm.progress import ProgressRecorder, time_limit
+from megatron_lns.cluster.slurm.progress import BATCH_START_ENV, ProgressRecorder, time_limit
 from megatron_lns.runtime.job import ForeignLock, JobEnvironment, ProgressSettings
 
 # The key of the lock's JSON that holds the job (SlurmJob.record()).
@@ -79,6 +79,12 @@ class SlurmEnvironment(JobEnvironment):
 
     def time_limit_s(self, configured: float | None) -> float | None:
         return time_limit(configured)
+
+    def attempt_started_at(self) -> float:
+        """The batch script's start (a container's start counts as start-up); this
+        process's start under ``srun`` by hand."""
+        batch_start = os.environ.get(BATCH_START_ENV, "").strip()
+        return float(batch_start) if batch_start.isdigit() else super().attempt_started_at()
 
     def progress_records(
         self, run_dir: Path, settings: ProgressSettings

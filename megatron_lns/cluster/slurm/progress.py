@@ -17,7 +17,9 @@ first step, the container's start and the checkpoint's load included; ``every``:
 checkpoint interval) and, once each checkpoint is committed (as ``run_status``: after
 the rename), ``saved S`` (``step_s``: mean seconds per training step of this run;
 ``save_s``: from the save's start to its commit). Each line is one ``write`` to a file
-opened with ``O_APPEND``, so lines never interleave.
+opened with ``O_APPEND``, so lines never interleave. The format is
+:mod:`megatron_lns.runtime.progress_file`'s; the trainer's accounting of every run's wall
+time (``began``, ``trained``, ``ended``: ``training/goodput.py``) shares the file.
 
 At its first commit the trainer also checks that the time it is given can make progress
 (:func:`coverage_warnings`) and warns once when it cannot: in its own output (the run's
@@ -29,57 +31,23 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_lns.cluster.slurm.job import SlurmJob
 from megatron_lns.runtime.job import ProgressSettings
+from megatron_lns.runtime.progress_file import RUN_PROGRESS_FILE, append_line
+from megatron_lns.runtime.progress_file import read_events as read_events  # the guard's reader
 
-RUN_PROGRESS_FILE = "run_progress"
 # Exported by the batch script (epoch seconds of its start): the trainer records only
 # under it, and measures start-up from it (the container's start included).
 BATCH_START_ENV = "MEGATRON_LNS_BATCH_START"
 
 
-@dataclass(frozen=True)
-class ProgressEvent:
-    job_id: str
-    restart: int
-    event: str
-    step: int | None
-    fields: dict[str, str] = field(default_factory=dict)
-    text: str = ""  # the words after the step (a warning's text)
-
-
 def append_event(
     run_dir: Path, job: SlurmJob, event: str, step: int | None, text: str = "", **fields
 ) -> None:
-    """Append one line (one ``write``; ``O_APPEND`` keeps concurrent lines whole)."""
-    words = [job.job_id, str(job.restart_count), event, "-" if step is None else str(step)]
-    words += [f"{key}={value}" for key, value in fields.items()]
-    words += text.split()  # one line whatever the text holds
-    fd = os.open(Path(run_dir) / RUN_PROGRESS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (" ".join(words) + "\n").encode())
-    finally:
-        os.close(fd)
-
-
-def read_events(run_dir: Path) -> list[ProgressEvent]:
-    """Every well-formed line of ``run_progress`` (none when there is no file)."""
-    path = Path(run_dir) / RUN_PROGRESS_FILE
-    if not path.is_file():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        words = line.split()
-        if len(words) < 4 or not words[1].isdigit():
-            continue
-        step = int(words[3]) if words[3].isdigit() else None
-        pairs = dict(word.split("=", 1) for word in words[4:] if "=" in word)
-        text = " ".join(words[4:])
-        events.append(ProgressEvent(words[0], int(words[1]), words[2], step, pairs, text))
-    return events
+    """Append one line for ``job`` (:func:`~megatron_lns.runtime.progress_file.append_line`)."""
+    append_line(run_dir, job.job_id, job.restart_count, event, step, text, **fields)
 
 
 def _epoch(env: Mapping[str, str], name: str) -> float | None:

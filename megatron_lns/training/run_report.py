@@ -1,0 +1,211 @@
+"""Where a run is, and its goodput, read from its run directory alone.
+
+What ``megatron-lns status RUN_DIR`` prints and the trainer prints at the end of each
+attempt: the step against ``trainer.max_steps`` (from the run's ``config.yaml``), the
+tokens trained, the newest complete checkpoint, the attempts and what ended them, the
+time to ``max_steps`` at the rate the last attempt measured, and the accounting of the
+wall time (:mod:`.goodput`). Read-only and torch-free: it runs on a login node while the
+run trains.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megatron_lns.base.errors import UserError
+from megatron_lns.config.sources import RUN_CONFIG
+from megatron_lns.runtime.progress_file import RUN_PROGRESS_FILE, read_events
+from megatron_lns.training.checkpoint_dirs import CHECKPOINT_DIR_RE, latest_complete_checkpoint
+from megatron_lns.training.goodput import Goodput, account, duration, goodput_table
+from megatron_lns.training.run_dir import LOCK_NAME, pid_alive
+from megatron_lns.training.run_status import RUN_STATUS_FILE
+
+
+def _rounded(value: float | None, digits: int = 2) -> float | None:
+    """As the records hold it (10 ms), not with a sum's float noise."""
+    return None if value is None else round(value, digits)
+
+
+class NotARunDirectory(UserError):
+    """The directory given is not a run's (``<exp_manager.exp_dir>/<exp_manager.name>``)."""
+
+
+@dataclass
+class RunReport:
+    run_dir: Path
+    max_steps: int | None
+    seq_length: int | None
+    step: int
+    samples: int | None
+    newest_checkpoint: Path | None
+    state: str  # finished / stopped / running / ended without a record
+    goodput: Goodput
+    last_record_at: float | None
+
+    @property
+    def tokens(self) -> int | None:
+        known = self.samples is not None and self.seq_length is not None
+        return self.samples * self.seq_length if known else None
+
+    @property
+    def step_s(self) -> float | None:
+        """Wall seconds per step of the last attempt that trained (saves and evaluation
+        included, start-up not)."""
+        rates = [a.step_s for a in self.goodput.attempts if a.step_s]
+        return rates[-1] if rates else None
+
+    @property
+    def time_to_max_steps_s(self) -> float | None:
+        if self.max_steps is None or self.step_s is None:
+            return None
+        return max(0, self.max_steps - self.step) * self.step_s
+
+    def endings(self) -> list[str]:
+        """How each attempt ended: as recorded, else ``running`` (the last one, while the
+        run directory's lock is held) or ``killed or crashed`` (no end recorded)."""
+        attempts = self.goodput.attempts
+        running = self.state.startswith("running")
+        return [
+            a.how or ("running" if running and a is attempts[-1] else "killed or crashed")
+            for a in attempts
+        ]
+
+    def to_json(self) -> dict[str, Any]:
+        g = self.goodput
+        return {
+            "run_dir": str(self.run_dir),
+            "state": self.state,
+            "step": self.step,
+            "max_steps": self.max_steps,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "newest_checkpoint": None if self.newest_checkpoint is None else str(
+                self.newest_checkpoint
+            ),
+            "attempts": len(g.attempts),
+            "restarts": max(0, len(g.attempts) - 1),
+            "step_s": _rounded(self.step_s, 4),
+            "time_to_max_steps_s": _rounded(self.time_to_max_steps_s),
+            "last_record_at": self.last_record_at,
+            "wall_s": _rounded(g.wall_s),
+            "goodput": _rounded(g.fraction, 4),
+            "seconds": {name.replace(", ", "_").replace(" ", "_").replace("-", "_"): _rounded(value)
+                        for name, value in g.rows.items()},
+            "attempt_list": [
+                {
+                    "job_id": a.job_id, "restart": a.restart, "start": _rounded(a.start),
+                    "wall_s": _rounded(a.wall_s), "from_step": a.first_step, "to_step": a.last_step,
+                    "steps": a.steps, "ended": ended, "lost_steps": a.lost_steps,
+                }
+                for a, ended in zip(g.attempts, self.endings(), strict=True)
+            ],
+        }  # fmt: skip
+
+    def lines(self) -> list[str]:
+        g = self.goodput
+        of = f" of {self.max_steps}" if self.max_steps is not None else ""
+        tokens = f", {self.tokens:,} tokens" if self.tokens is not None else ""
+        lines = [f"run {self.run_dir}: {self.state}", f"step {self.step}{of}{tokens}"]
+        newest = self.newest_checkpoint
+        lines.append(f"newest complete checkpoint: {newest.name if newest else 'none yet'}")
+        ends = self.endings()
+        said = ", ".join(f"{ends.count(e)} {e}" for e in dict.fromkeys(ends))
+        restarts = max(0, len(g.attempts) - 1)
+        lines.append(f"attempts: {len(g.attempts)} ({said}); restarts: {restarts}")
+        if self.time_to_max_steps_s:  # none for a finished run
+            lines.append(
+                f"time to max_steps: {duration(self.time_to_max_steps_s)} at "
+                f"{self.step_s:.3g} s per step (the last attempt's rate, saves and "
+                "evaluation included)"
+            )
+        if self.last_record_at is not None:
+            at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.last_record_at))
+            lines.append(f"wall time accounted up to the last record, {at}:")
+        return lines + goodput_table(g)
+
+
+def _config(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / RUN_CONFIG
+    if not path.is_file():
+        return {}
+    try:
+        config = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise NotARunDirectory(f"cannot read {path}: {err}".splitlines()[0]) from None
+    return config if isinstance(config, dict) else {}
+
+
+def _setting(config: dict[str, Any], *keys: str) -> int | None:
+    for key in keys:
+        config = config.get(key) if isinstance(config, dict) else None
+    return config if isinstance(config, int) and not isinstance(config, bool) else None
+
+
+def _lock_holder(run_dir: Path) -> str | None:
+    """Who holds the run directory's lock (``process P on HOST``; ``""`` when its record
+    cannot be read), or None when no run does: no lock, or one left on this host by a
+    process that is gone (a killed run; the next run takes it over)."""
+    path = run_dir / LOCK_NAME
+    if not path.is_file():
+        return None
+    try:
+        holder = json.loads(path.read_text())
+        pid, host = holder["pid"], holder["host"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    if host == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid):
+        return None
+    return f"process {pid} on {host}"
+
+
+def _state(run_dir: Path, goodput: Goodput, holder: str | None) -> str:
+    if holder is not None:
+        return f"running ({holder})" if holder else "running"
+    last = goodput.attempts[-1].how if goodput.attempts else None
+    if last is not None:
+        return last
+    status = run_dir / RUN_STATUS_FILE
+    if status.is_file() and status.read_text().split()[:1] in (["finished"], ["stopped"]):
+        return status.read_text().split()[0]
+    return "ended without a record (killed or crashed)" if goodput.attempts else "not started"
+
+
+def run_report(run_dir: str | Path) -> RunReport:
+    """Read ``run_dir`` (module doc); :class:`NotARunDirectory` when it is none."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise NotARunDirectory(f"{run_dir}: no such directory")
+    if not any((run_dir / name).exists() for name in (RUN_CONFIG, RUN_PROGRESS_FILE)):
+        raise NotARunDirectory(
+            f"{run_dir} is not a run directory (no {RUN_CONFIG} or {RUN_PROGRESS_FILE}): give "
+            "<exp_manager.exp_dir>/<exp_manager.name>"
+        )
+    config = _config(run_dir)
+    newest = latest_complete_checkpoint(run_dir / "checkpoints")
+    newest_step = int(CHECKPOINT_DIR_RE.match(newest.name).group(1)) if newest else 0
+    holder = _lock_holder(run_dir)
+    events = read_events(run_dir)
+    goodput = account(events, None if holder is not None else newest_step)
+    attempts = goodput.attempts
+    last = attempts[-1] if attempts else None
+    seq_length = _setting(config, "model", "encoder_seq_length") or _setting(
+        config, "model", "data", "seq_length"
+    )
+    return RunReport(
+        run_dir=run_dir,
+        max_steps=_setting(config, "trainer", "max_steps"),
+        seq_length=seq_length,
+        step=max(last.last_step if last else 0, newest_step),
+        samples=last.samples if last else None,
+        newest_checkpoint=newest,
+        state=_state(run_dir, goodput, holder),
+        goodput=goodput,
+        last_record_at=max((a.last_at for a in attempts), default=None),
+    )

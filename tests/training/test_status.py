@@ -1,0 +1,133 @@
+"""``megatron-lns status RUN_DIR``: where a run is and its goodput, from a synthetic run
+directory (text and ``--json``), one-line errors for what is no run directory, and the
+numbers of a real tiny run."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from megatron_lns.cli import main
+from megatron_lns.runtime.progress_file import RUN_PROGRESS_FILE
+from megatron_lns.training.run_report import run_report
+
+CONFIG = "trainer:\n  max_steps: 100\nmodel:\n  encoder_seq_length: 128\n"
+
+
+def _totals(steps, train, save, samples):
+    return f"steps={steps} train_s={train} save_s={save} eval_s=0 samples={samples}"
+
+
+def _run_dir(tmp_path, *checkpoints: int):
+    """A run that crashed at step 50 (newest checkpoint then: 40), was resumed, and stopped
+    at step 60 with a checkpoint: 60 of 100 steps, 4 sequences a step."""
+    run = tmp_path / "lns"
+    run.mkdir()
+    (run / "config.yaml").write_text(CONFIG)
+    (run / RUN_PROGRESS_FILE).write_text(
+        "local 0 began 0 at=1030 startup_s=30 load_s=0 samples=0\n"
+        f"local 0 trained 50 at=1080 {_totals(50, 40, 2, 200)}\n"
+        "local 0 began 40 at=2020 startup_s=20 load_s=4 samples=160\n"
+        f"local 0 ended 60 at=2050 how=stopped {_totals(20, 16, 6, 240)}\n"
+    )
+    for step in checkpoints:
+        checkpoint = run / "checkpoints" / f"iter_{step:07d}"
+        checkpoint.mkdir(parents=True)
+        (checkpoint / "complete.json").write_text("{}")
+    return run
+
+
+def test_status_says_where_the_run_is_and_its_goodput(tmp_path, capsys):
+    run = _run_dir(tmp_path, 40, 60)
+    assert main(["status", str(run)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:4] == [
+        f"run {run}: stopped",
+        "step 60 of 100, 30,720 tokens",  # 240 sequences of 128 tokens
+        "newest complete checkpoint: iter_0000060",
+        "attempts: 2 (1 killed or crashed, 1 stopped); restarts: 1",
+    ]
+    # 40 steps left at 30 s / 20 steps since the last attempt's first step.
+    assert out[4].startswith("time to max_steps: 1m 00s at 1.5 s per step")
+    table = {line[:22].strip(): line[22:].split() for line in out[6:-1]}
+    assert table["lost work"] == ["8.0", "8.0", "s", "6.2%"]  # 10 steps at 0.8 s
+    assert table["wall time"] == ["130.0", "2m", "10s", "100.0%"]  # 80 s + 50 s
+    assert out[-1] == "goodput 36.9% (productive steps over wall time)"  # (32 + 16) / 130
+
+
+def test_status_json_is_for_machines(tmp_path, capsys):
+    assert main(["status", str(_run_dir(tmp_path, 40, 60)), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["step"], report["max_steps"], report["tokens"]) == (60, 100, 30720)
+    assert (report["attempts"], report["restarts"], report["state"]) == (2, 1, "stopped")
+    assert report["newest_checkpoint"].endswith("iter_0000060")
+    assert report["time_to_max_steps_s"] == pytest.approx(60)
+    assert report["seconds"]["lost_work"] == pytest.approx(8)
+    assert report["seconds"]["restarts_queue_wait"] == 0  # a local run: no queue
+    assert report["goodput"] == round(48 / 130, 4)
+    assert report["wall_s"] == pytest.approx(sum(report["seconds"].values()), abs=0.05)
+    assert [a["lost_steps"] for a in report["attempt_list"]] == [10, 0]
+
+
+def test_a_run_that_is_running_has_lost_nothing_yet(tmp_path):
+    run = _run_dir(tmp_path, 40)
+    (run / RUN_PROGRESS_FILE).write_text(
+        "local 0 began 0 at=1030 startup_s=30 load_s=0 samples=0\n"
+        f"local 0 trained 50 at=1080 {_totals(50, 40, 2, 200)}\n"
+    )
+    (run / ".lock").write_text(json.dumps({"pid": 123, "host": "node7"}))
+    report = run_report(run)
+    assert report.state == "running (process 123 on node7)"
+    assert report.goodput.rows["lost work"] == 0
+    # The lock of a process that is gone, on this host: killed; back to step 40.
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    (run / ".lock").write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname()}))
+    report = run_report(run)
+    assert report.state == "ended without a record (killed or crashed)"
+    assert report.goodput.rows["lost work"] == pytest.approx(8)
+    assert report.endings() == ["killed or crashed"]
+
+
+def _error_of(capsys, *args: str) -> str:
+    assert main(list(args)) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def test_what_is_no_run_directory_is_said_in_one_line(tmp_path, capsys):
+    assert _error_of(capsys, "status", str(tmp_path / "nope")) == (
+        f"error: {tmp_path / 'nope'}: no such directory"
+    )
+    assert _error_of(capsys, "status", str(tmp_path)) == (
+        f"error: {tmp_path} is not a run directory (no config.yaml or run_progress): give "
+        "<exp_manager.exp_dir>/<exp_manager.name>"
+    )
+    (tmp_path / "config.yaml").write_text("trainer: [unclosed\n")
+    assert _error_of(capsys, "status", str(tmp_path)).startswith(
+        f"error: cannot read {tmp_path / 'config.yaml'}: "
+    )
+
+
+def test_a_real_tiny_run_accounts_its_wall_time(straight_tiny_run):
+    """The six-step tiny run (checkpoints at steps 3 and 6), trained straight through."""
+    report = run_report(straight_tiny_run["run_dir"])
+    assert (report.state, report.step, report.max_steps) == ("finished", 6, 6)
+    assert report.newest_checkpoint.name == "iter_0000006"
+    assert report.tokens == 6 * 4 * 32  # 6 steps of 4 sequences of 32 tokens
+    assert report.time_to_max_steps_s == 0
+    (attempt,) = report.goodput.attempts
+    assert (attempt.first_step, attempt.last_step, attempt.steps) == (0, 6, 6)
+    rows, wall = report.goodput.rows, report.goodput.wall_s
+    assert min(rows.values()) >= 0 and rows["lost work"] == rows["restarts, queue wait"] == 0
+    assert rows["productive steps"] > 0 and rows["checkpoint saves"] > 0
+    assert rows["evaluation"] > 0 and rows["start-up"] > 0
+    # What the attempt measured covers its wall time, but for what is neither a step, nor
+    # start-up, a save or an evaluation (logging, the end of the run): a few seconds.
+    assert wall == pytest.approx(attempt.wall_s)
+    assert rows["other"] < max(5.0, 0.2 * wall), report.lines()
