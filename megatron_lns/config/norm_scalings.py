@@ -77,6 +77,12 @@ NORM_SCALINGS: tuple[str, ...] = tuple(REGISTRY)
 UNSCALED: tuple[str, ...] = tuple(n for n, info in REGISTRY.items() if not info.scales_pre_norms)
 
 
+def imported_norm_scaling(lns: bool) -> str:
+    """The rule whose factors imported Hugging Face weights carry: import-hf's ``--lns``
+    says LNS's (the factor export folds into the pre-norm weights); without it none."""
+    return REGISTRY["lns"].name if lns else UNSCALED[0]
+
+
 def norm_scaling_info(name: str) -> NormScalingInfo:
     """The registered rule ``name``; an unknown name is refused with the known ones."""
     if name not in REGISTRY:
