@@ -120,7 +120,7 @@ REGISTRY: dict[str, LayerVariantInfo] = {
                     float,
                     0.25,
                     probability,
-                    doc="Mix-LN: layers `l <= floor(fraction * num_layers)` are Post-LN; in [0, 1]",
+                    doc="Mix-LN: layers `l <= floor(fraction * num_layers)` are Post-LN; in [0, 1)",
                     shapes=True,
                     hf=HF_CONVERTER,
                 ),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megatron_lns.config.layer_variants import LNS_VARIANTS, VARIANT_KEYS
+from megatron_lns.config.layer_variants import LNS_VARIANTS, VARIANT_KEYS, VariantKey
 from megatron_lns.config.layer_variants import REGISTRY as LAYER_VARIANTS
 from megatron_lns.config.norm_scalings import REGISTRY as NORM_SCALINGS
 from megatron_lns.config.output_inits import REGISTRY as OUTPUT_INITS
@@ -74,12 +74,18 @@ class _SharedLnsSettings:
     )
 
 
+def lns_settings_class(keys: tuple[VariantKey, ...]) -> type:
+    """The ``lns`` section with the variants' own ``keys`` after the shared keys."""
+    cls = dataclasses.make_dataclass(
+        "LnsSettings",
+        [(key.name, key.type, key.field) for key in keys],
+        bases=(_SharedLnsSettings,),
+    )
+    cls.__module__ = __name__
+    cls.__doc__ = "``model``'s LNS and layer-variant keys (the ``lns`` table)."
+    return cls
+
+
 # ``model``'s LNS and layer-variant keys (the ``lns`` table): the shared ones, then every
 # registered variant's own.
-LnsSettings = dataclasses.make_dataclass(
-    "LnsSettings",
-    [(key.name, key.type, key.field) for key in VARIANT_KEYS],
-    bases=(_SharedLnsSettings,),
-)
-LnsSettings.__module__ = __name__
-LnsSettings.__doc__ = "``model``'s LNS and layer-variant keys (the ``lns`` table)."
+LnsSettings = lns_settings_class(VARIANT_KEYS)
