@@ -12,7 +12,9 @@ from megatron_lns.model.variants.settings import VariantSettings
 
 def build(layer: torch.nn.Module, settings: VariantSettings) -> None:
     for slot in ("self_attn_bda", "mlp_bda"):
-        branch = ResidualBranch(
-            layer.config, gain="layerscale", layerscale_init=settings.option("layerscale_init")
+        config = layer.config
+        start = torch.full(
+            (config.hidden_size,), settings.option("layerscale_init"), dtype=config.params_dtype
         )
+        branch = ResidualBranch(config, gain=("layerscale", start))
         setattr(layer, slot, branch)
