@@ -108,3 +108,30 @@ def test_train_refuses_a_stale_launcher_environment_in_one_line(tmp_path, env, d
     assert done.stderr.startswith(message), done.stderr
     assert done.stderr.count("\n") == 1 and "unset RANK WORLD_SIZE" in done.stderr
     assert not (tmp_path / "lns").exists()  # nothing trained
+
+
+def test_a_rank_of_an_external_launch_destroys_its_process_groups_on_every_exit():
+    """srun's and torchrun's ranks run the job in-process: the process groups must be
+    gone before the interpreter tears down, after a success and after an error (a group
+    alive then can end the rank in std::terminate, which fails a finished SLURM job)."""
+    script = (
+        "import torch.distributed as dist\n"
+        "from megatron_lns.runtime import ParallelLayout, init_distributed, run_job\n"
+        "def job(fail):\n"
+        "    init_distributed(ParallelLayout(), device='cpu')\n"
+        "    if fail:\n"
+        "        raise RuntimeError('boom')\n"
+        "run_job(job, 1, 1, False, multi_node_hint='')\n"
+        "print('after success:', dist.is_initialized())\n"
+        "try:\n"
+        "    run_job(job, 1, 1, True, multi_node_hint='')\n"
+        "except RuntimeError:\n"
+        "    print('after error:', dist.is_initialized())\n"
+    )
+    from megatron_lns.runtime.distributed import free_port
+
+    launch = {**FULL, "RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(free_port())}
+    env = fresh_launch_env(**launch, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["after success: False", "after error: False"]

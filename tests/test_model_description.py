@@ -15,7 +15,7 @@ from hf_parity import run_config
 
 from megatron_lns.config import to_yaml
 from megatron_lns.config.schema import ExperimentConfig, ModelConfig
-from megatron_lns.config.settings import HF_REFUSE, setting, shaping_keys
+from megatron_lns.config.settings import HF_CONVERTER, HF_REFUSE, setting, shaping_keys
 from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.convert.architectures import architecture_for_model_config
 from megatron_lns.convert.errors import ConversionError
@@ -93,6 +93,15 @@ def test_export_refuses_a_non_default_value_no_hugging_face_field_holds_by_name(
         "model.widget=3 cannot be exported: no Hugging Face config.json field holds it "
         "(only the default, 0, exports)"
     )
+
+
+def test_export_refuses_with_the_reason_the_declaration_gives():
+    experiment = declared_with(**SHAPES, hf_refusal="no stock model has widgets")
+    with pytest.raises(ConversionError) as refused:
+        architecture_for_model_config(with_widget(experiment, 3).model)
+    assert str(refused.value) == "model.widget=3 cannot be exported: no stock model has widgets"
+    with pytest.raises(ValueError, match="hf_refusal says why export refuses"):
+        setting(0, doc="a width", hf=HF_CONVERTER, hf_refusal="why")
 
 
 def test_export_writes_a_setting_declared_with_a_config_json_field():

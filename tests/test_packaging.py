@@ -68,6 +68,11 @@ def test_wheel_contains_every_bundled_config(installed_wheel):
         f"megatron_lns/nemo_configs/{p.name}" for p in (ROOT / "nemo_configs").glob("*.yaml")
     }
     assert expected and expected <= names
+    # The batch scripts of `submit` and `preprocess --submit`.
+    assert {
+        "megatron_lns/slurm/sbatch.template",
+        "megatron_lns/slurm/preprocess.sbatch.template",
+    } <= names
 
 
 def test_installed_cli_resolves_bundled_configs_outside_the_repo(installed_wheel, tmp_path):

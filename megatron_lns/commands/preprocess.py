@@ -38,7 +38,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     prep.add_argument("--json-key", default="text", help="the text's key (parquet: its column)")
     prep.add_argument(
-        "--workers", type=int, default=len(os.sched_getaffinity(0)), help="cores to use"
+        "--workers",
+        type=int,
+        default=None,
+        help="cores to use (default: all this process may use; in a SLURM job, the task's)",
     )
     prep.add_argument(
         "--max-bad-records",
@@ -60,7 +63,23 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "needs --plan-only first",
     )
     prep.add_argument("--quiet", action="store_true", help="no progress bar")
-    prep.set_defaults(func=run)
+    prep.add_argument(
+        "--submit",
+        nargs="+",
+        default=None,
+        metavar="CONFIG [KEY=VALUE]",
+        help="run as a SLURM job, with CONFIG's cluster: section (and cluster.* overrides) "
+        "as `megatron-lns submit` reads it",
+    )
+    prep.add_argument(
+        "--nodes", type=int, default=None, help="with --submit: the nodes to tokenize on (1)"
+    )
+    prep.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="with --submit: print the sbatch script; write and submit nothing",
+    )
+    prep.set_defaults(func=run, overrides=[])
 
 
 # The flag each tokenizer library needs, and what it names.
@@ -86,7 +105,7 @@ def check_arguments(args: argparse.Namespace) -> None:
             f"output prefix {prefix} ends in '/': it names the files, not a directory "
             f"(e.g. {example} writes {example}.bin)"
         )
-    if args.workers < 1:
+    if args.workers is not None and args.workers < 1:
         raise PreprocessError(f"--workers {args.workers}: give at least 1")
     if args.task is not None and args.plan_only:
         raise PreprocessError("--task and --plan-only: give one (the plan comes first)")
@@ -112,10 +131,22 @@ def parse_task(text: str | None) -> tuple[int, int] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_lns.data.preprocess import CorpusRun, preprocess_corpus
+    from megatron_lns.data.preprocess import CorpusRun, PreprocessError, preprocess_corpus
     from megatron_lns.data.unit_worker import BadRecordLimit, TokenizerSpec
 
     check_arguments(args)
+    if args.submit is not None:
+        from megatron_lns.commands.preprocess_submit import submit_preprocess
+
+        return submit_preprocess(args)
+    if args.overrides:
+        raise PreprocessError(
+            f"unrecognized arguments: {' '.join(args.overrides)} (KEY=VALUE overrides of "
+            "the cluster: section go with --submit CONFIG)"
+        )
+    if args.dry_run or args.nodes is not None:
+        given = "--dry-run" if args.dry_run else f"--nodes {args.nodes}"
+        raise PreprocessError(f"{given}: only with --submit CONFIG")
     outcome = preprocess_corpus(
         CorpusRun(
             inputs=args.input,
@@ -124,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
                 args.tokenizer_library, args.tokenizer_type, args.tokenizer_model, args.encoder
             ),
             json_key=args.json_key,
-            workers=args.workers,
+            workers=args.workers or len(os.sched_getaffinity(0)),
             bad_records=BadRecordLimit.parse(args.max_bad_records),
             overwrite=args.overwrite,
             progress=not args.quiet,

@@ -11,6 +11,7 @@ import re
 
 from megatron_lns.config.loader import ConfigError
 from megatron_lns.config.schema import ExperimentConfig
+from megatron_lns.config.sections.cluster import ClusterConfig
 
 # SLURM accepts: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
 _TIME = re.compile(r"^(?:(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?|(\d+)(?::(\d+)(?::(\d+))?)?)$")
@@ -50,27 +51,12 @@ def job_name(cfg: ExperimentConfig, submission: str = "") -> str:
 
 def validate_cluster(cfg: ExperimentConfig) -> None:
     c, t = cfg.cluster, cfg.trainer
-    if c.time_limit is not None:
-        if not isinstance(c.time_limit, str):
-            raise ConfigError(
-                f"cluster.time_limit={c.time_limit!r} must be a quoted string such as "
-                '"04:00:00" or "1-12:00:00" (YAML reads an unquoted 4:00:00 as the number '
-                "14400)"
-            )
-        try:
-            limit = time_limit_seconds(c.time_limit)
-        except ValueError:
-            raise ConfigError(
-                f"cluster.time_limit={c.time_limit!r} is not a SLURM time (minutes, M:S, "
-                "H:M:S, D-H, D-H:M or D-H:M:S)"
-            ) from None
-        if limit is not None and limit <= c.preemption_signal_lead_s:
-            raise ConfigError(
-                f"cluster.preemption_signal_lead_s ({c.preemption_signal_lead_s}) must be "
-                f"shorter than cluster.time_limit ({c.time_limit} = {limit} s)"
-            )
-    if c.mem is not None and not _MEM.match(c.mem):
-        raise ConfigError(f"cluster.mem={c.mem!r} is not a SLURM size such as 0, 500G or 64000M")
+    limit = validate_cluster_settings(c)
+    if limit is not None and limit <= c.preemption_signal_lead_s:
+        raise ConfigError(
+            f"cluster.preemption_signal_lead_s ({c.preemption_signal_lead_s}) must be "
+            f"shorter than cluster.time_limit ({c.time_limit} = {limit} s)"
+        )
     if c.gpus_per_node is not None:
         if t.accelerator == "cpu" and c.gpus_per_node:
             raise ConfigError(
@@ -92,6 +78,28 @@ def validate_cluster(cfg: ExperimentConfig) -> None:
             "name may hold only "
             "letters, digits and _.:+- (it names the log files)"
         )
+
+
+def validate_cluster_settings(c: ClusterConfig) -> int | None:
+    """The checks of the keys every job takes as they are (training's and
+    preprocessing's); the time limit in seconds (None: none or unlimited)."""
+    limit = None
+    if c.time_limit is not None:
+        if not isinstance(c.time_limit, str):
+            raise ConfigError(
+                f"cluster.time_limit={c.time_limit!r} must be a quoted string such as "
+                '"04:00:00" or "1-12:00:00" (YAML reads an unquoted 4:00:00 as the number '
+                "14400)"
+            )
+        try:
+            limit = time_limit_seconds(c.time_limit)
+        except ValueError:
+            raise ConfigError(
+                f"cluster.time_limit={c.time_limit!r} is not a SLURM time (minutes, M:S, "
+                "H:M:S, D-H, D-H:M or D-H:M:S)"
+            ) from None
+    if c.mem is not None and not _MEM.match(c.mem):
+        raise ConfigError(f"cluster.mem={c.mem!r} is not a SLURM size such as 0, 500G or 64000M")
     if c.container_mounts and not c.container_image:
         raise ConfigError("cluster.container_mounts needs cluster.container_image")
     for name in c.env_vars:
@@ -106,3 +114,9 @@ def validate_cluster(cfg: ExperimentConfig) -> None:
         for arg in args:
             if not str(arg).startswith("-"):
                 raise ConfigError(f"{key}: {arg!r} is not an option (one option per item)")
+    return limit
+
+
+def valid_job_name(name: str) -> bool:
+    """Whether SLURM takes ``name`` as is and it can name log files."""
+    return bool(_JOB_NAME.match(name))

@@ -38,7 +38,10 @@ A model setting also says what a checkpoint and a Hugging Face model make of it:
 * ``hf``: its role in Hugging Face export and import. A ``config.json`` field name: the
   field it becomes on export and is read from on import (written and read by the
   architecture where it names the field, else as it is: ``convert/hf_settings.py``);
-  :data:`HF_REFUSE`: export refuses a value other than the default, naming the key;
+  :data:`HF_REFUSE`: export refuses a value other than the default (or what a null
+  default means, ``null_means``), naming the key and, where ``hf_refusal`` says it, why no
+  Hugging Face model holds another value; an imported MoE model routes with the defaults
+  of the MoE settings declared so;
   :data:`HF_CONVERTER`: the converters map it value by value, or refuse a value by name
   (``convert/architectures``: the norm picks the class, the MoE fields differ per class).
   A setting that shapes parameters must say one;
@@ -96,6 +99,8 @@ class Setting:
     free_form: bool = False
     shapes: bool = False
     hf: str | None = None
+    # Why no Hugging Face model holds a value other than the default (hf=HF_REFUSE only).
+    hf_refusal: str | None = None
     params: Params | None = None
 
     @property
@@ -128,6 +133,7 @@ def setting(
     free_form: bool = False,
     shapes: bool = False,
     hf: str | None = None,
+    hf_refusal: str | None = None,
     params: Params | None = None,
     default_factory: Callable[[], Any] | None = None,
 ) -> Any:
@@ -143,6 +149,8 @@ def setting(
         )
     if hf is not None and not hf.isidentifier():
         raise ValueError(f"hf={hf!r} is not a config.json field name")
+    if hf_refusal is not None and hf != HF_REFUSE:
+        raise ValueError(f"hf_refusal says why export refuses: it needs hf={HF_REFUSE!r} ({doc!r})")
     if params is not None and not shapes:
         raise ValueError(f"a setting whose parameters plan counts shapes them ({doc!r})")
     declared = Setting(
@@ -158,6 +166,7 @@ def setting(
         free_form=free_form,
         shapes=shapes,
         hf=hf,
+        hf_refusal=hf_refusal,
         params=params,
     )
     kwargs: dict[str, Any] = {"metadata": {SETTING: declared}}

@@ -42,7 +42,8 @@ from megatron_lns.config.schema import ExperimentConfig, ModelConfig
 from megatron_lns.config.sources import RUN_CONFIG, config_file, load_run_config
 from megatron_lns.convert.architectures import Architecture, architecture_for_hf_config
 from megatron_lns.convert.errors import ConversionError
-from megatron_lns.convert.hf_settings import settings_from_hf_config
+from megatron_lns.convert.hf_fields import FieldReads, refuse_unaccounted_fields
+from megatron_lns.convert.hf_settings import mapped_hf_fields, settings_from_hf_config
 from megatron_lns.convert.hf_tokenizer import HF_TOKENIZER_FILES, training_tokenizer
 from megatron_lns.convert.mapping import (
     EMBEDDING,
@@ -94,7 +95,7 @@ def import_hf(
     check_output_dir(out_dir, overwrite)
     check_apart(out_dir, hf_dir)
     hf_config = read_hf_config(hf_dir)
-    arch = architecture_for_hf_config(hf_config, lns)
+    arch, hf_vocab = _read_architecture(hf_dir, hf_config, lns)
     base = _read_base_config(base_config)
     copy_tokenizer = not _user_sets(base, overrides, "model.tokenizer")
     if copy_tokenizer and not _tokenizer_files(hf_dir):
@@ -111,7 +112,6 @@ def import_hf(
         source_tokenizer.type = str(hf_dir)
     vocab = training_tokenizer(source_tokenizer).vocab_size
     padded = embedding_rows(cfg, vocab)
-    hf_vocab = hf_config.vocab_size
     if not vocab <= hf_vocab <= padded:
         raise ConversionError(
             f"{hf_dir}/config.json: vocab_size={hf_vocab} does not fit the tokenizer "
@@ -173,6 +173,18 @@ def read_hf_config(hf_dir: Path):
     except (ValueError, KeyError, OSError) as err:
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConversionError(f"{hf_dir}/config.json: {message}") from err
+
+
+def _read_architecture(hf_dir: Path, hf_config, lns: bool) -> tuple[Architecture, int]:
+    """The architecture of ``hf_config`` and its vocabulary size, once every field of
+    ``config.json`` is accounted for: read by the converter or here, mapped by a model
+    setting's declaration, or inert (:mod:`~megatron_lns.convert.hf_fields`)."""
+    reads = FieldReads(hf_config)
+    arch = architecture_for_hf_config(reads, lns)
+    vocab = reads.vocab_size
+    accounted = reads.read | mapped_hf_fields(ModelConfig) | set(arch.hf_inert_fields)
+    refuse_unaccounted_fields(hf_dir, hf_config, accounted, arch.hf_class)
+    return arch, vocab
 
 
 def _read_base_config(path: str | Path | DictConfig | None) -> DictConfig:

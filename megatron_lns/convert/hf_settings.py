@@ -7,16 +7,20 @@ The architectures write and read the fields they know; this module applies the
 declarations to the rest, so that a model setting declared tomorrow is exported, imported
 or refused by its declaration alone:
 
-* export refuses a non-default value of a setting declared ``HF_REFUSE``, naming the key,
-  and one mapped to a field the architecture's ``config.json`` does not have;
+* export refuses a non-default value of a setting declared ``HF_REFUSE``, naming the key
+  (and why, where its ``hf_refusal`` says), and one mapped to a field the architecture's
+  ``config.json`` does not have;
 * export writes a mapped field the architecture left at another value;
-* import reads a mapped field that the architecture did not already turn into a setting.
+* import reads a mapped field that the architecture did not already turn into a setting,
+  counts every mapped field as accounted for (``mapped_hf_fields``), and gives an
+  imported MoE model the defaults of the MoE settings declared ``HF_REFUSE``.
 
 Nothing here imports torch.
 """
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,15 +41,45 @@ def _mapped(m: Any) -> Iterator[tuple[Declared, Any]]:
         yield item, getattr(m, item.name)
 
 
+def _means_the_default(item: Declared, value: Any) -> bool:
+    """Whether ``value`` is the default, or what a null default means where the
+    declaration says it in a literal (``null_means="1"``: a factor of 1 is no factor)."""
+    if value == item.default:
+        return True
+    if item.default is not None or item.setting.null_means is None:
+        return False
+    try:
+        return ast.literal_eval(item.setting.null_means) == value
+    except (ValueError, SyntaxError):  # a phrase ("dense MLPs"), not a value
+        return False
+
+
 def refuse_unexportable(m: Any) -> None:
     """Refuse a setting whose declaration says no Hugging Face model holds a value other
-    than its default (``hf=HF_REFUSE``), naming it."""
+    than its default (``hf=HF_REFUSE``), naming it and, where declared, why."""
     for item, value in _mapped(m):
-        if item.setting.hf == HF_REFUSE and value != item.default:
-            raise ConversionError(
-                f"model.{item.key}={value} cannot be exported: no Hugging Face config.json "
-                f"field holds it (only the default, {item.default}, exports)"
+        if item.setting.hf == HF_REFUSE and not _means_the_default(item, value):
+            why = item.setting.hf_refusal or (
+                f"no Hugging Face config.json field holds it (only the default, "
+                f"{item.default}, exports)"
             )
+            raise ConversionError(f"model.{item.key}={value} cannot be exported: {why}")
+
+
+def mapped_hf_fields(model_cls: type) -> set[str]:
+    """The ``config.json`` fields the model settings are declared with: import maps each."""
+    fields = {item.setting.hf for item in _with_hf_role(model_cls)}
+    return {field for field in fields if field not in (HF_REFUSE, HF_CONVERTER)}
+
+
+def refused_moe_defaults(model_cls: type) -> dict[str, Any]:
+    """The MoE settings declared ``HF_REFUSE``, by key, at their defaults: the only values
+    a stock Hugging Face MoE class holds, so an imported MoE model's."""
+    return {
+        item.key: item.default
+        for item in _with_hf_role(model_cls)
+        if item.setting.hf == HF_REFUSE and item.setting.group == "moe"
+    }
 
 
 def apply_to_hf_config(m: Any, config: Any, hf_class: str) -> None:

@@ -111,6 +111,12 @@ def invert_exactly(
     return best, int((best_error > 0).sum())
 
 
+# The config.json fields transformers builds the RoPE settings from (5.x folds the 4.x
+# fields into rope_parameters): hf_rope_parameters reads them all, under one name or
+# the other.
+HF_ROPE_FIELDS = ("rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor")
+
+
 def hf_rope_parameters(config) -> dict:
     """RoPE settings of a ``transformers`` config, from 4.x (``rope_theta``,
     ``rope_scaling``, ``partial_rotary_factor``) or 5.x (``rope_parameters``)."""

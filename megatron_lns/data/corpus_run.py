@@ -85,36 +85,54 @@ def preprocess_corpus(run: CorpusRun) -> Outcome:
 
 class _Progress:
     """A bar over the input bytes of the units to do, with documents and tokens per
-    second; and the figures for the summary line."""
+    second, on a terminal; in a log (a SLURM job's: srun passes a task's output on line by
+    line, and a bar redraws with carriage returns) a line every 30 s instead. And the
+    figures for the summary line."""
+
+    LOG_LINE_SECONDS = 30.0
 
     def __init__(self, total_bytes: int, label: str, show: bool) -> None:
-        self.started = time.monotonic()
+        self.started = self.last_line = time.monotonic()
+        self.total = total_bytes
+        self.label = label
         self.bytes = self.documents = self.tokens = 0
+        self.show = show
         self.bar = None
-        if show:
+        if show and sys.stderr.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(
                 total=total_bytes, unit="B", unit_scale=True, desc=label, file=sys.stderr
             )
 
+    def rates(self) -> str:
+        seconds = max(time.monotonic() - self.started, 1e-9)
+        return (
+            f"{self.documents / seconds:,.0f} docs/s, {self.tokens / seconds:,.0f} tokens/s, "
+            f"{self.bytes / 1e6 / seconds:,.1f} MB/s"
+        )
+
     def update(self, input_bytes: int, documents: int, tokens: int) -> None:
         self.bytes += input_bytes
         self.documents += documents
         self.tokens += tokens
         if self.bar is not None:
-            seconds = max(time.monotonic() - self.started, 1e-9)
-            self.bar.set_postfix_str(
-                f"{self.documents / seconds:,.0f} docs/s, {self.tokens / seconds:,.0f} tokens/s",
-                refresh=False,
-            )
+            self.bar.set_postfix_str(self.rates(), refresh=False)
             self.bar.update(input_bytes)
+        elif self.show and time.monotonic() - self.last_line >= self.LOG_LINE_SECONDS:
+            self.last_line = time.monotonic()
+            share = self.bytes / max(self.total, 1)
+            print(
+                f"{self.label}: {share:.0%} of {self.total / 1e6:,.1f} MB, {self.rates()}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def write(self, line: str) -> None:
         if self.bar is not None:
             self.bar.write(line, file=sys.stderr)
         else:
-            print(line, file=sys.stderr)
+            print(line, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -122,11 +140,9 @@ class _Progress:
 
     def summary(self) -> str:
         seconds = max(time.monotonic() - self.started, 1e-9)
-        megabytes = self.bytes / 1e6
         return (
-            f"{self.documents:,} documents, {self.tokens:,} tokens, {megabytes:,.1f} MB in "
-            f"{seconds:.1f} s ({self.documents / seconds:,.0f} docs/s, "
-            f"{self.tokens / seconds:,.0f} tokens/s, {megabytes / seconds:,.1f} MB/s)"
+            f"{self.documents:,} documents, {self.tokens:,} tokens, {self.bytes / 1e6:,.1f} MB "
+            f"in {seconds:.1f} s ({self.rates()})"
         )
 
 

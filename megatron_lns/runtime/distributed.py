@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import sys
 from typing import Literal
 
 import torch
@@ -117,9 +118,10 @@ def uses_gloo() -> bool:
 
 
 def destroy_distributed() -> None:
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
+    """Destroy megatron's groups and the default process group, where they exist (a rank
+    that failed before initializing them does not import megatron-core here)."""
+    if "megatron.core.parallel_state" in sys.modules:
+        sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
 

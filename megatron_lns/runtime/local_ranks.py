@@ -236,7 +236,15 @@ def run_job(fn: Callable[..., Any], num_nodes: int, devices: int, *args: Any,
     processes (:func:`spawn_local`). Several nodes need the external launcher;
     ``multi_node_hint`` ends the refusal with what the calling command offers."""
     world = world_size(num_nodes, devices)
-    if launcher_environment() is not None or world == 1:
+    if launcher_environment() is not None:
+        # As spawn_local's ranks do: a process group still alive when the interpreter
+        # tears down can end the rank in C++'s std::terminate ("terminate called without
+        # an active exception") after a successful run, and srun then fails the job.
+        try:
+            fn(*args)
+        finally:
+            destroy_distributed()
+    elif world == 1:
         fn(*args)
     elif num_nodes > 1:
         raise NoMultiNodeLauncher(

@@ -30,6 +30,7 @@ from megatron_lns.config import load_config
 from megatron_lns.config.moe_layers import moe_layer_pattern
 from megatron_lns.config.norm_scalings import imported_norm_scaling
 from megatron_lns.config.schema import ModelConfig
+from megatron_lns.config.settings import HF_CONVERTER, HF_REFUSE, declared_settings
 from megatron_lns.convert import ConversionError, export_hf, import_hf
 from megatron_lns.convert.architectures import (
     ARCHITECTURES,
@@ -38,7 +39,9 @@ from megatron_lns.convert.architectures import (
     architecture_for_model_config,
 )
 from megatron_lns.convert.architectures.mixtral import Mixtral
-from megatron_lns.convert.architectures.moe import MEGATRON_ONLY_ROUTING, ROUTING_BALANCERS
+from megatron_lns.convert.architectures.moe import ROUTING_BALANCERS
+from megatron_lns.convert.hf_fields import FieldReads
+from megatron_lns.convert.hf_settings import refused_moe_defaults
 from megatron_lns.data.tokenizer import ByteTokenizer
 from megatron_lns.model.language_model import build_model
 from megatron_lns.training.build import model_config
@@ -340,46 +343,44 @@ def test_no_load_balancing_loss_exports_a_zero_weight():
     assert config.router_aux_loss_coef == 0.0
 
 
-# Every MoE key of the model section: what it means for export.
-ARCHITECTURE_KEYS = {
-    "num_moe_experts",
-    "moe_layer_freq",
-    "moe_ffn_hidden_size",
-    "moe_router_topk",
-    "moe_router_pre_softmax",
-    "moe_shared_expert_intermediate_size",
-    "moe_shared_expert_gate",
-}
-# How the function is computed or trained, not what it is.
-SAME_FUNCTION_KEYS = {
-    "moe_router_bias_update_rate",  # only with the (refused) expert bias
-    "moe_router_dtype",
-    "moe_aux_loss_coeff",
-    "moe_z_loss_coeff",
-    "moe_per_layer_logging",
-    "moe_token_dispatcher_type",
-    "moe_grouped_gemm",
-    "moe_permute_fusion",
-    "moe_shared_expert_overlap",
-    "moe_token_drop_policy",  # only with the (refused) capacity factor
-    "moe_pad_expert_input_to_capacity",  # likewise
-    "moe_router_load_balancing_type",  # a loss, except sinkhorn (refused)
-    "expert_model_parallel_size",
-    "expert_tensor_parallel_size",
-}
-
-
-def test_every_moe_setting_is_mapped_refused_or_irrelevant_to_export():
-    """A new MoE key in the schema must be classified here (and refused in
-    MEGATRON_ONLY_ROUTING if it changes what the layer computes)."""
-    declared = {
-        f.name
-        for f in dataclasses.fields(ModelConfig)
-        if f.name.startswith(("moe_", "num_moe_", "expert_"))
+def _moe_settings(role=None) -> set[str]:
+    """The MoE keys of the model section (its ``moe`` group), with the Hugging Face role
+    ``role`` where one is given (None: every one)."""
+    return {
+        item.key
+        for item in declared_settings(ModelConfig)
+        if item.setting.group == "moe" and (role is None or item.setting.hf == role)
     }
-    refused = {key for key, _, _ in MEGATRON_ONLY_ROUTING}
-    assert not (refused & (ARCHITECTURE_KEYS | SAME_FUNCTION_KEYS))
-    assert declared == ARCHITECTURE_KEYS | SAME_FUNCTION_KEYS | refused
+
+
+def test_every_moe_setting_refused_by_its_declaration_is_refused_with_its_reason():
+    """The MoE settings declared hf=HF_REFUSE (the routing no stock MoE class computes)
+    each have a refusal case below, and an imported MoE model routes with their defaults."""
+    refused = _moe_settings(HF_REFUSE)
+    assert refused and refused <= {key for changes, _ in REFUSALS.values() for key in changes}
+    assert {key for key in refused if declaration_of(key).hf_refusal} == refused
+    imported = architecture_for_model_config(run_config(**MIXTRAL).model).model_settings()
+    assert {key: imported[key] for key in refused} == refused_moe_defaults(ModelConfig)
+
+
+def test_the_moe_converters_read_exactly_the_settings_declared_converter_mapped():
+    """The MoE keys declared hf=HF_CONVERTER are the ones the export converters read to
+    build the architecture. One without a declared role (dispatcher, grouped GEMM, router
+    dtype, the z-loss, expert parallelism, ...) changes how the function is computed or
+    trained, not the function: no converter reads it."""
+    read: set[str] = set()
+    for model in (MIXTRAL, QWEN2_MOE | dict(moe_layer_freq=[0, 1, 1, 1])):
+        reads = FieldReads(run_config(**model).model)
+        arch = next(a for a in ARCHITECTURES if a.moe and a.exports_model(reads))
+        arch.from_model_config(reads)
+        read |= reads.read
+    assert _moe_settings(HF_CONVERTER) <= read
+    unroled = {key for key in _moe_settings() if declaration_of(key).hf is None}
+    assert not read & unroled, sorted(read & unroled)
+
+
+def declaration_of(key: str):
+    return next(i.setting for i in declared_settings(ModelConfig) if i.key == key)
 
 
 REFUSALS = {
@@ -456,6 +457,12 @@ MIXTRAL_REFUSALS = {
 @pytest.mark.parametrize("case", list(MIXTRAL_REFUSALS))
 def test_mixtral_refuses_what_it_cannot_hold_in_one_line(case):
     _refused_in_one_line(Mixtral.from_model_config, *MIXTRAL_REFUSALS[case])
+
+
+def test_a_topk_scaling_factor_of_one_is_no_scaling_and_exports():
+    """null means a factor of 1 (its declaration's null_means): 1.0 exports like null."""
+    model = dataclasses.replace(run_config(**MIXTRAL).model, moe_router_topk_scaling_factor=1.0)
+    assert type(architecture_for_model_config(model)) is Mixtral
 
 
 def test_sinkhorn_is_the_only_routing_balancer_refused():

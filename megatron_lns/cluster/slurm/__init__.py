@@ -8,4 +8,8 @@ environment from SLURM's variables (:mod:`.rank_env`) and then trains exactly as
 ``megatron-lns train`` does. What the trainer learns of the job (its id and requeues, whether
 a lock another job left is stale, the time it is given, the batch script's progress
 records) is :mod:`.environment`, over :mod:`.job` and :mod:`.progress`.
+
+``megatron-lns preprocess ... --submit`` renders its own script,
+``slurm/preprocess.sbatch.template``, from the same ``cluster:`` keys with the same
+functions (:mod:`.preprocess_job`).
 """

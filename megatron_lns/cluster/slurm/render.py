@@ -28,6 +28,7 @@ from megatron_lns.cluster.slurm.options import (
 from megatron_lns.cluster.slurm.progress import RUN_PROGRESS_FILE
 from megatron_lns.config import ConfigError, ExperimentConfig
 from megatron_lns.config.cluster import job_name
+from megatron_lns.config.sections.cluster import ClusterConfig
 from megatron_lns.training.run_status import RUN_STATUS_FILE
 
 # slurm/ at the top of the repository, inside the package through the megatron_lns/slurm
@@ -46,24 +47,23 @@ _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 # sbatch / srun options the script sets itself, with the key that controls each;
 # the same option in cluster.sbatch_args / srun_args would contradict it, spelt in full
 # or abbreviated (options.py). Both commands are given the job's tasks.
-_OWN_TASK_OPTIONS = {
-    "--nodes": "trainer.num_nodes",
-    "-N": "trainer.num_nodes",
-    "--ntasks-per-node": "trainer.devices",
-    "--tasks-per-node": "trainer.devices",
-    "--ntasks": "trainer.num_nodes x trainer.devices",
-    "-n": "trainer.num_nodes x trainer.devices",
-}
-_OWN_SBATCH_OPTIONS = {
-    "--job-name": "cluster.job_name_prefix and name",
-    "-J": "cluster.job_name_prefix and name",
-    **_OWN_TASK_OPTIONS,
-    "--output": "exp_manager.exp_dir (logs/)",
-    "-o": "exp_manager.exp_dir (logs/)",
-    "--error": "exp_manager.exp_dir (logs/)",
-    "-e": "exp_manager.exp_dir (logs/)",
+
+
+def task_options(nodes: str, per_node: str, total: str) -> dict[str, str]:
+    """The options that give a job or step its tasks, with what sets each."""
+    return {
+        "--nodes": nodes,
+        "-N": nodes,
+        "--ntasks-per-node": per_node,
+        "--tasks-per-node": per_node,
+        "--ntasks": total,
+        "-n": total,
+    }
+
+
+# Set from the cluster: keys in every batch script (cluster_directives).
+CLUSTER_SBATCH_OPTIONS = {
     "--open-mode": "the job log, appended across requeues",
-    "--signal": "cluster.preemption_signal_lead_s",
     "--requeue": "cluster.max_requeues",
     "--no-requeue": "cluster.max_requeues",
     "--partition": "cluster.partition",
@@ -75,7 +75,6 @@ _OWN_SBATCH_OPTIONS = {
     "--time": "cluster.time_limit",
     "-t": "cluster.time_limit",
     "--exclusive": "cluster.exclusive",
-    "--gpus-per-node": "cluster.gpus_per_node",
     "--cpus-per-task": "cluster.cpus_per_task",
     "-c": "cluster.cpus_per_task",
     "--mem": "cluster.mem",
@@ -84,10 +83,8 @@ _OWN_SBATCH_OPTIONS = {
     "--chdir": "the submit directory",
     "-D": "the submit directory",
 }
-_OWN_SRUN_OPTIONS = {
-    "--kill-on-bad-exit": "the script (a failed rank ends the job step)",
-    "-K": "the script (a failed rank ends the job step)",
-    **_OWN_TASK_OPTIONS,
+# Set on every srun that runs megatron-lns (container_words).
+CLUSTER_SRUN_OPTIONS = {
     "--cpus-per-task": "cluster.cpus_per_task",
     "-c": "cluster.cpus_per_task",
     "--container-image": "cluster.container_image",
@@ -95,6 +92,36 @@ _OWN_SRUN_OPTIONS = {
     "--container-workdir": "the submit directory",
     "--no-container-mount-home": "the script (keeps ~/.local out of the image)",
     "--container-mount-home": "the script (keeps ~/.local out of the image)",
+}
+
+
+def named_and_logged(job_name_from: str, logs_from: str) -> dict[str, str]:
+    """The job name and log options of a batch script, with what sets each."""
+    return {
+        "--job-name": job_name_from,
+        "-J": job_name_from,
+        "--output": logs_from,
+        "-o": logs_from,
+        "--error": logs_from,
+        "-e": logs_from,
+    }
+
+
+_OWN_TASK_OPTIONS = task_options(
+    "trainer.num_nodes", "trainer.devices", "trainer.num_nodes x trainer.devices"
+)
+_OWN_SBATCH_OPTIONS = {
+    **named_and_logged("cluster.job_name_prefix and name", "exp_manager.exp_dir (logs/)"),
+    **_OWN_TASK_OPTIONS,
+    **CLUSTER_SBATCH_OPTIONS,
+    "--signal": "cluster.preemption_signal_lead_s",
+    "--gpus-per-node": "cluster.gpus_per_node",
+}
+_OWN_SRUN_OPTIONS = {
+    "--kill-on-bad-exit": "the script (a failed rank ends the job step)",
+    "-K": "the script (a failed rank ends the job step)",
+    **_OWN_TASK_OPTIONS,
+    **CLUSTER_SRUN_OPTIONS,
 }
 
 
@@ -145,7 +172,7 @@ def directive(key: str, option: str, value: object) -> str:
     return f"#SBATCH {option}={directive_text(key, value)}"
 
 
-def _check_not_own(key: str, args: list[str], own: dict[str, str], known: frozenset[str]) -> None:
+def check_not_own(key: str, args: list[str], own: dict[str, str], known: frozenset[str]) -> None:
     """Refuse an option the script sets itself, in full or abbreviated: SLURM reads
     ``--no-req`` as ``--no-requeue``. An ambiguous prefix that could mean one of them is
     refused too (it means that option under a SLURM without the other candidates)."""
@@ -165,7 +192,7 @@ def _check_not_own(key: str, args: list[str], own: dict[str, str], known: frozen
         raise ConfigError(f"{key}: {spelt} conflicts with {full}, set from {own[full]}")
 
 
-def _same_path_mount(mounts: list[str], path: Path) -> bool:
+def same_path_mount(mounts: list[str], path: Path) -> bool:
     """Whether ``path`` is visible at the same path inside the container."""
     for mount in mounts:
         parts = mount.split(":")
@@ -180,7 +207,7 @@ def unmounted_workdir_warning(cfg: ExperimentConfig, paths: JobPaths) -> str | N
     gets ``--container-workdir`` only for a directory mounted at its own path, so
     relative paths in the config then mean something else inside the container."""
     c = cfg.cluster
-    if not c.container_image or _same_path_mount(c.container_mounts, paths.workdir):
+    if not c.container_image or same_path_mount(c.container_mounts, paths.workdir):
         return None
     mounts = ", ".join(c.container_mounts) or "none"
     return (
@@ -197,27 +224,36 @@ def sbatch_directives(cfg: ExperimentConfig, paths: JobPaths) -> list[str]:
         if c.gpus_per_node is not None
         else (t.devices if t.accelerator == "gpu" else 0)
     )
-    log_dir = directive_text("exp_manager.exp_dir", paths.log_dir)
     lines = [
         directive("cluster.job_name_prefix + name", "--job-name", job_name(cfg, paths.submission)),
         directive("trainer.num_nodes", "--nodes", t.num_nodes),
         directive("trainer.devices", "--ntasks-per-node", t.devices),
-        # One log per job (%x: job name, %j: job id), appended to by each requeue;
-        # every run also writes its own file (see the script body).
-        f"#SBATCH --output={log_dir}/%x-%j.log",
-        "#SBATCH --open-mode=append",
+        *log_directives("exp_manager.exp_dir", paths.log_dir),
         directive(
             "cluster.preemption_signal_lead_s", "--signal", f"B:USR1@{c.preemption_signal_lead_s}"
         ),
     ]
-    if c.max_requeues > 0:
-        lines.append("#SBATCH --requeue")
+    lines += cluster_directives(c, gpus_per_node=gpus or None)
+    return lines + extra_directives(c, _OWN_SBATCH_OPTIONS)
+
+
+def log_directives(key: str, log_dir: Path) -> list[str]:
+    """One log per job (%x: job name, %j: job id), appended to by each requeue."""
+    return [
+        f"#SBATCH --output={directive_text(key, log_dir)}/%x-%j.log",
+        "#SBATCH --open-mode=append",
+    ]
+
+
+def cluster_directives(c: ClusterConfig, gpus_per_node: int | None = None) -> list[str]:
+    """The ``#SBATCH`` lines of the cluster: keys that every job takes as they are."""
+    lines = ["#SBATCH --requeue"] if c.max_requeues > 0 else []
     optional = [
         ("cluster.partition", "--partition", c.partition),
         ("cluster.account", "--account", c.account),
         ("cluster.qos", "--qos", c.qos),
         ("cluster.time_limit", "--time", c.time_limit),
-        ("cluster.gpus_per_node", "--gpus-per-node", gpus or None),
+        ("cluster.gpus_per_node", "--gpus-per-node", gpus_per_node),
         ("cluster.cpus_per_task", "--cpus-per-task", c.cpus_per_task),
         ("cluster.mem", "--mem", c.mem),
         ("cluster.dependency", "--dependency", c.dependency),
@@ -225,19 +261,18 @@ def sbatch_directives(cfg: ExperimentConfig, paths: JobPaths) -> list[str]:
     lines += [directive(key, opt, value) for key, opt, value in optional if value is not None]
     if c.exclusive:
         lines.append("#SBATCH --exclusive")
-    _check_not_own("cluster.sbatch_args", c.sbatch_args, _OWN_SBATCH_OPTIONS, SBATCH_LONG_OPTIONS)
-    lines += [f"#SBATCH {directive_text('cluster.sbatch_args', arg)}" for arg in c.sbatch_args]
     return lines
 
 
-def srun_command(cfg: ExperimentConfig, paths: JobPaths, python: str) -> str:
-    c, t = cfg.cluster, cfg.trainer
-    words = [
-        "srun",
-        "--kill-on-bad-exit=1",
-        f"--nodes={t.num_nodes}",
-        f"--ntasks-per-node={t.devices}",
-    ]
+def extra_directives(c: ClusterConfig, own: dict[str, str]) -> list[str]:
+    """cluster.sbatch_args as ``#SBATCH`` lines, none of them an option in ``own``."""
+    check_not_own("cluster.sbatch_args", c.sbatch_args, own, SBATCH_LONG_OPTIONS)
+    return [f"#SBATCH {directive_text('cluster.sbatch_args', arg)}" for arg in c.sbatch_args]
+
+
+def container_words(c: ClusterConfig, workdir: Path) -> list[str]:
+    """srun's options for ``cluster.cpus_per_task`` and the container, quoted."""
+    words = []
     if c.cpus_per_task is not None:
         # srun of SLURM 22.05 to 23.02 does not inherit sbatch's --cpus-per-task.
         words.append(f"--cpus-per-task={c.cpus_per_task}")
@@ -254,30 +289,46 @@ def srun_command(cfg: ExperimentConfig, paths: JobPaths, python: str) -> str:
                 )
             mounts = ",".join(c.container_mounts)
             words.append("--container-mounts=" + quote("cluster.container_mounts", mounts))
-        if _same_path_mount(c.container_mounts, paths.workdir):
-            words.append("--container-workdir=" + quote("submit directory", paths.workdir))
-    _check_not_own("cluster.srun_args", c.srun_args, _OWN_SRUN_OPTIONS, SRUN_LONG_OPTIONS)
-    words += [quote("cluster.srun_args", arg) for arg in c.srun_args]
-    words += [
+        if same_path_mount(c.container_mounts, workdir):
+            words.append("--container-workdir=" + quote("submit directory", workdir))
+    return words
+
+
+def extra_srun_words(c: ClusterConfig, own: dict[str, str]) -> list[str]:
+    """cluster.srun_args, quoted, none of them an option in ``own``."""
+    check_not_own("cluster.srun_args", c.srun_args, own, SRUN_LONG_OPTIONS)
+    return [quote("cluster.srun_args", arg) for arg in c.srun_args]
+
+
+def srun_command(cfg: ExperimentConfig, paths: JobPaths, python: str) -> str:
+    t = cfg.trainer
+    words = [
+        "srun",
+        "--kill-on-bad-exit=1",
+        f"--nodes={t.num_nodes}",
+        f"--ntasks-per-node={t.devices}",
+        *container_words(cfg.cluster, paths.workdir),
+        *extra_srun_words(cfg.cluster, _OWN_SRUN_OPTIONS),
+    ]
+    command = [
         quote("python", python),
         "-u",
         "-m",
         TASK_MODULE,
         quote("resolved config", paths.config),
     ]
-    return " \\\n    ".join(_wrap(words))
+    return wrap_command(words, command)
 
 
-def _wrap(words: list[str]) -> list[str]:
-    """Options one per line after srun, the command itself on the last line."""
-    cmd_start = next(i for i, w in enumerate(words) if w == "-u") - 1
-    return [*words[:cmd_start], " ".join(words[cmd_start:])]
+def wrap_command(options: list[str], command: list[str]) -> str:
+    """Options one per line, the command itself on the last line."""
+    return " \\\n    ".join([*options, " ".join(command)])
 
 
-def env_exports(cfg: ExperimentConfig) -> str:
+def env_exports(c: ClusterConfig) -> str:
     exports = [
         f"export {name}={quote(f'cluster.env_vars.{name}', value)}"
-        for name, value in cfg.cluster.env_vars.items()
+        for name, value in c.env_vars.items()
     ]
     return "\n".join(exports) if exports else "# (no cluster.env_vars)"
 
@@ -288,7 +339,7 @@ def render_sbatch(cfg: ExperimentConfig, paths: JobPaths, python: str) -> str:
     ``python`` runs each task (the submitting interpreter; ``python`` in a container).
     """
     c = cfg.cluster
-    if c.container_image and not _same_path_mount(c.container_mounts, paths.run_dir):
+    if c.container_image and not same_path_mount(c.container_mounts, paths.run_dir):
         raise ConfigError(
             f"exp_manager.exp_dir: {paths.run_dir} must be mounted at the same path in the "
             f"container (the batch script reads run_status there): add '{paths.run_dir}:"
@@ -304,11 +355,17 @@ def render_sbatch(cfg: ExperimentConfig, paths: JobPaths, python: str) -> str:
         "checkpoint_dir": quote("exp_manager.exp_dir", paths.run_dir / "checkpoints"),
         "max_requeues": str(c.max_requeues),
         "lead_s": str(c.preemption_signal_lead_s),
-        "env_exports": env_exports(cfg),
+        "env_exports": env_exports(c),
         "srun_command": srun_command(cfg, paths, python),
     }
-    template = TEMPLATE.read_text()
-    used = set(_PLACEHOLDER.findall(template))
+    return fill_template(TEMPLATE, values)
+
+
+def fill_template(template: Path, values: dict[str, str]) -> str:
+    """``template`` with each ``{{name}}`` replaced by ``values[name]``; every name used
+    and no other (a mismatch is this package's bug, not the user's)."""
+    text = template.read_text()
+    used = set(_PLACEHOLDER.findall(text))
     if used != set(values):
-        raise RuntimeError(f"{TEMPLATE} placeholders {sorted(used)} != {sorted(values)}")
-    return _PLACEHOLDER.sub(lambda match: values[match.group(1)], template)
+        raise RuntimeError(f"{template} placeholders {sorted(used)} != {sorted(values)}")
+    return _PLACEHOLDER.sub(lambda match: values[match.group(1)], text)

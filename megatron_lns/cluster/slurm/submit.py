@@ -91,17 +91,7 @@ def require_sbatch() -> None:
 
 def sbatch(job: PreparedJob) -> SubmittedJob:
     """Submit a written job; the job id as sbatch reports it."""
-    result = subprocess.run(
-        ["sbatch", "--parsable", str(job.script_path)],
-        cwd=job.paths.workdir,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if result.returncode != 0:
-        message = " ".join(result.stderr.split()) or f"exit status {result.returncode}"
-        raise SubmitError(f"sbatch refused {job.script_path}: {message}")
-    job_id = result.stdout.strip().split(";")[0]  # "<id>" or "<id>;<cluster>"
+    job_id = run_sbatch(job.script_path, job.paths.workdir)
     name = job_name(job.cfg, job.paths.submission)
     return SubmittedJob(
         job_id=job_id,
@@ -109,3 +99,18 @@ def sbatch(job: PreparedJob) -> SubmittedJob:
         job_log=job.paths.log_dir / f"{name}-{job_id}.log",
         first_run_log=job.paths.log_dir / f"{name}-{job_id}-restart0.log",
     )
+
+
+def run_sbatch(script_path: Path, workdir: Path) -> str:
+    """``sbatch`` a written script from ``workdir``; the job id (a refusal is one line)."""
+    result = subprocess.run(
+        ["sbatch", "--parsable", str(script_path)],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        message = " ".join(result.stderr.split()) or f"exit status {result.returncode}"
+        raise SubmitError(f"sbatch refused {script_path}: {message}")
+    return result.stdout.strip().split(";")[0]  # "<id>" or "<id>;<cluster>"

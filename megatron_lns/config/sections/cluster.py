@@ -15,7 +15,8 @@ from megatron_lns.config.settings import setting
 
 @dataclass
 class ClusterConfig:
-    """What SLURM needs to run the job (``megatron-lns submit``; ``train`` ignores it).
+    """What SLURM needs to run the job (``megatron-lns submit``, and ``preprocess
+    --submit``, which reads only this section; ``train`` ignores it).
 
     Key names are NeMo-Launcher's cluster config and NeMo-Run's ``SlurmExecutor``.
     Nodes and tasks are not here: they are ``trainer.num_nodes`` and ``trainer.devices``

@@ -20,7 +20,7 @@ from megatron_lns.config.rules import (
     one_of,
     positive,
 )
-from megatron_lns.config.settings import HF_CONVERTER, setting
+from megatron_lns.config.settings import HF_CONVERTER, HF_REFUSE, setting
 
 
 def _moe_layer_freq(value: Any, cfg: Any) -> dict[str, Any]:
@@ -88,7 +88,8 @@ class MoeSettings:
             "`moe_router_score_function`: `softmax` (Mixtral, OLMoE, Qwen-MoE) or `sigmoid` "
             "(DeepSeek-V3; the top-k scores are renormalised to sum to 1 when k > 1)"
         ),
-        hf=HF_CONVERTER,
+        hf=HF_REFUSE,
+        hf_refusal="the stock MoE routers (Mixtral, Qwen2-MoE) take a softmax over the experts",
     )
     moe_router_pre_softmax: bool = setting(
         False,
@@ -108,7 +109,8 @@ class MoeSettings:
         null_means="1",
         group="moe",
         doc="`moe_router_topk_scaling_factor`: multiplies the routing weights (DeepSeek-V3's 2.5)",
-        hf=HF_CONVERTER,
+        hf=HF_REFUSE,
+        hf_refusal="the stock MoE routers do not scale the routing weights",
     )
     moe_router_enable_expert_bias: bool = setting(
         False,
@@ -120,7 +122,8 @@ class MoeSettings:
             "tokens each expert received; needs `moe_router_score_function: sigmoid`"
         ),
         shapes=True,
-        hf=HF_CONVERTER,
+        hf=HF_REFUSE,
+        hf_refusal="the stock MoE routers have no expert bias (aux-loss-free load balancing)",
     )
     moe_router_bias_update_rate: float = setting(
         1e-3,
@@ -158,6 +161,7 @@ class MoeSettings:
         training_only=True,
         group="moe",
         doc="`moe_aux_loss_coeff`: weight of the load-balancing loss (1e-2 is common)",
+        hf=HF_CONVERTER,
     )
     moe_z_loss_coeff: float | None = setting(
         None,
@@ -252,7 +256,10 @@ class MoeSettings:
             "`moe_expert_capacity_factor`: each expert takes at most factor x its even share of "
             "the tokens; the rest are dropped (their MoE output is 0, the residual carries them)"
         ),
-        hf=HF_CONVERTER,
+        hf=HF_REFUSE,
+        hf_refusal=(
+            "the stock MoE blocks never drop tokens, megatron drops those over an expert's capacity"
+        ),
     )
     moe_token_drop_policy: str = setting(
         "probs",

@@ -50,6 +50,10 @@ class Architecture(DecoderLayout):
     hf_fixed_switches: ClassVar[dict[str, bool]] = {}
     # Whether its config.json holds a hidden (residual) dropout (model.hidden_dropout).
     hf_hidden_dropout: ClassVar[bool] = False
+    # config.json fields of the class that the converter need not read, since the model
+    # computes the same function whatever they hold (given what it refuses), and why:
+    # import accounts for them (convert/hf_fields.py).
+    hf_inert_fields: ClassVar[dict[str, str]] = {}
 
     # How the run trained, which config.json records (attention_dropout, initializer_range,
     # hidden_dropout where the class has it): taken from the run on export, and the

@@ -31,6 +31,12 @@ class Mixtral(MoEArchitecture):
     hf_expert_projections: ClassVar[tuple[str, str, str]] = ("w1", "w3", "w2")
     hf_num_experts_key = "num_local_experts"
     hf_expert_width_key = "intermediate_size"
+    hf_inert_fields: ClassVar[dict[str, str]] = {
+        "router_jitter_noise": (
+            "noise on the router input in training mode only; the imported run trains "
+            "without it (megatron-lns has none)"
+        ),
+    }
 
     @classmethod
     def from_model_config(cls, m: ModelConfig) -> Mixtral:

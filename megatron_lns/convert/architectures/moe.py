@@ -19,8 +19,10 @@ over all experts, its top-k, and divide by their sum (Mixtral always; Qwen2-MoE 
 ``norm_topk_prob``). ``p_i / sum_{top-k} p_j`` = ``exp(z_i) / sum_{top-k} exp(z_j)``, and
 the softmax keeps the order of the logits, so: megatron without pre-softmax = Mixtral =
 Qwen2-MoE with ``norm_topk_prob``; megatron with pre-softmax = Qwen2-MoE without it.
-Every other router setting that changes the output is refused by name
-(:data:`MEGATRON_ONLY_ROUTING`).
+Every other router setting that changes the output is refused by name: the score
+function, expert bias, top-k scaling and capacity factor by their declarations
+(``hf=HF_REFUSE`` with its ``hf_refusal``, ``config/sections/moe.py``), which also make
+them the defaults of an imported MoE model; Sinkhorn balancing and linear biases here.
 
 Checkpoint side: megatron-lns always passes ``moe_layer_freq`` to megatron as a list, so
 its MoE checkpoints hold each layer under its own keys (``decoder.layers.N.<name>``, not
@@ -45,6 +47,7 @@ from megatron_lns.config.moe_layers import MoELayerFreqError, moe_layer_pattern
 from megatron_lns.config.schema import ModelConfig
 from megatron_lns.convert.architectures.base import Architecture
 from megatron_lns.convert.errors import ConversionError
+from megatron_lns.convert.hf_settings import refused_moe_defaults
 from megatron_lns.convert.mapping import (
     ATTN_NORM_BIAS,
     ATTN_NORM_WEIGHT,
@@ -59,32 +62,6 @@ from megatron_lns.convert.mapping import (
     hf_layer_prefix,
 )
 
-# model.* settings under which megatron's MoE layer computes what no stock Hugging Face
-# MoE class computes: (key, the value export needs, why). The other MoE settings change
-# how the function is computed or trained (dispatcher, grouped GEMM, router dtype, the
-# balancing losses, expert parallelism), not the function.
-MEGATRON_ONLY_ROUTING: tuple[tuple[str, object, str], ...] = (
-    (
-        "moe_router_score_function",
-        "softmax",
-        "the stock MoE routers (Mixtral, Qwen2-MoE) take a softmax over the experts",
-    ),
-    (
-        "moe_router_enable_expert_bias",
-        False,
-        "the stock MoE routers have no expert bias (aux-loss-free load balancing)",
-    ),
-    (
-        "moe_router_topk_scaling_factor",
-        None,
-        "the stock MoE routers do not scale the routing weights",
-    ),
-    (
-        "moe_expert_capacity_factor",
-        None,
-        "the stock MoE blocks never drop tokens, megatron drops those over an expert's capacity",
-    ),
-)
 # Load balancing that changes which experts a token meets, not only the loss.
 ROUTING_BALANCERS = {"sinkhorn": "Sinkhorn routing"}
 
@@ -94,18 +71,13 @@ LOCAL_EXPERT_FC2 = "mlp.experts.local_experts.{}.linear_fc2.weight"
 
 
 def refuse_megatron_only_routing(m: ModelConfig, name: str) -> None:
-    """Refuse an MoE setting no stock Hugging Face MoE class computes, naming it."""
+    """Refuse what no stock Hugging Face MoE class computes and the declarations do not
+    refuse on their own (a value of a setting whose other values export), naming it."""
     if m.bias:
         raise ConversionError(
             f"model.bias=true cannot be exported with model.num_moe_experts: {name} has no "
             "biases in its attention output, router or experts"
         )
-    for key, needed, why in MEGATRON_ONLY_ROUTING:
-        value = getattr(m, key)
-        if key == "moe_router_topk_scaling_factor" and value == 1.0:
-            continue  # the same weights
-        if value != needed:
-            raise ConversionError(f"model.{key}={value} cannot be exported: {why}")
     balancing = m.moe_router_load_balancing_type
     if balancing in ROUTING_BALANCERS:
         raise ConversionError(
@@ -240,19 +212,19 @@ class MoEArchitecture(Architecture):
 
     def model_settings(self) -> dict:
         pattern = list(self.moe_pattern)
-        return super().model_settings() | {
-            "num_moe_experts": self.num_experts,
-            "moe_router_topk": self.topk,
-            "moe_ffn_hidden_size": self.expert_ffn_hidden_size,
-            "moe_layer_freq": 1 if all(pattern) else pattern,
-            "moe_shared_expert_intermediate_size": self.shared_expert_ffn_hidden_size or None,
-            "moe_shared_expert_gate": self.shared_expert_gate,
-            "moe_router_pre_softmax": not self.topk_renormalized,
-            "moe_router_score_function": "softmax",
-            "moe_router_enable_expert_bias": False,
-            "moe_router_topk_scaling_factor": None,
-            "moe_expert_capacity_factor": None,
-        }
+        return (
+            super().model_settings()
+            | {
+                "num_moe_experts": self.num_experts,
+                "moe_router_topk": self.topk,
+                "moe_ffn_hidden_size": self.expert_ffn_hidden_size,
+                "moe_layer_freq": 1 if all(pattern) else pattern,
+                "moe_shared_expert_intermediate_size": self.shared_expert_ffn_hidden_size or None,
+                "moe_shared_expert_gate": self.shared_expert_gate,
+                "moe_router_pre_softmax": not self.topk_renormalized,
+            }
+            | refused_moe_defaults(ModelConfig)
+        )
 
     # ------------------------------------------------------------------ checkpoint side
     def is_moe_layer(self, index: int) -> bool:

@@ -44,6 +44,12 @@ class Qwen2Moe(MoEArchitecture):
     hf_shared_expert_always = True
     hf_num_experts_key = "num_experts"
     hf_expert_width_key = "moe_intermediate_size"
+    hf_inert_fields: ClassVar[dict[str, str]] = {
+        "sliding_window": "used only with use_sliding_window, which import refuses",
+        "max_window_layers": (
+            "the layers that slide their window with use_sliding_window, which import refuses"
+        ),
+    }
 
     @classmethod
     def check_model_config(cls, m: ModelConfig, head_dim: int) -> None:

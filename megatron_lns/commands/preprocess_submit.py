@@ -1,0 +1,163 @@
+"""``megatron-lns preprocess ... --submit CONFIG [overrides]``: the same preprocessing as
+a SLURM job over ``--nodes`` nodes, with the config's ``cluster:`` section read as
+``megatron-lns submit`` reads it (docs/preprocessing.md, "Across nodes on SLURM").
+
+Only ``cluster:`` applies: the config may be a training config, whose other sections
+are training's. The keys that only training uses are named in one note, never dropped
+silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+# cluster: keys (and the training keys people look for) that preprocessing does not use,
+# and why.
+IGNORED_KEYS = {
+    "trainer.num_nodes": "the nodes are --nodes",
+    "trainer.devices": "one task per node",
+    "cluster.gpus_per_node": "no GPU is used; cluster.sbatch_args can still ask for them",
+    "cluster.preemption_signal_lead_s": "no warning is asked for: a TERM keeps finished units",
+}
+
+
+def submit_preprocess(args: argparse.Namespace) -> int:
+    from megatron_lns.cluster.slurm.preprocess_job import (
+        PreprocessJob,
+        render_preprocess_sbatch,
+        write_preprocess_job,
+    )
+    from megatron_lns.cluster.slurm.submit import require_sbatch, run_sbatch
+    from megatron_lns.config.cluster import validate_cluster_settings
+    from megatron_lns.data.corpus_inputs import PreprocessError, expand_inputs
+    from megatron_lns.data.output_files import check_output_place
+
+    config, overrides = args.submit[0], [*args.submit[1:], *args.overrides]
+    if args.task is not None or args.plan_only:
+        flag = "--task" if args.task is not None else "--plan-only"
+        raise PreprocessError(f"{flag} and --submit: the job runs every step itself")
+    nodes = 1 if args.nodes is None else args.nodes
+    if nodes < 1:
+        raise PreprocessError(f"--nodes {args.nodes}: give at least 1")
+    cluster, ignored = cluster_section(config, overrides)
+    if ignored:
+        print(f"note: not used by preprocessing: {'; '.join(ignored)}", file=sys.stderr)
+    validate_cluster_settings(cluster)
+    workdir = Path.cwd().resolve()
+    prefix = Path(os.path.abspath(args.output_prefix))
+    inputs = [os.path.abspath(text) for text in args.input]
+    expand_inputs(inputs)  # a missing input is refused here, not after the queue
+    if not args.dry_run:  # (which creates the output's directory)
+        check_output_place(prefix)
+    arguments, tokenizer_files = _arguments(args, inputs, prefix)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    job = PreprocessJob(
+        cluster=cluster,
+        nodes=nodes,
+        arguments=tuple(arguments),
+        output_prefix=prefix,
+        read_and_written=(
+            ("--output-prefix", prefix.parent),
+            *(("--input", place) for place in _input_places(inputs)),
+            *tokenizer_files,
+        ),
+        workdir=workdir,
+        python="python" if cluster.container_image else sys.executable,
+        stamp=stamp,
+    )
+    suffix = 1
+    while job.script_path.parent.exists():  # never overwrite an earlier submission's script
+        suffix += 1
+        job = dataclasses.replace(job, stamp=f"{stamp}.{suffix}")
+    script = render_preprocess_sbatch(job)
+    if args.dry_run:
+        print(script, end="")
+        return 0
+    require_sbatch()
+    write_preprocess_job(job, script)
+    job_id = run_sbatch(job.script_path, workdir)
+    print(f"submitted job {job_id}: {job.script_path}")
+    print(f"job log: {job.job_log(job_id)}")
+    return 0
+
+
+def cluster_section(config: str, overrides: list[str]):
+    """The config's ``cluster:`` section with the overrides (only of ``cluster.`` keys),
+    and the keys given that preprocessing does not use, each with why."""
+    import yaml
+
+    from megatron_lns.config import ConfigError, load_config
+    from megatron_lns.config.sources import config_file
+
+    for override in overrides:
+        key = override.lstrip("+~").split("=", 1)[0]
+        if key != "cluster" and not key.startswith("cluster."):
+            raise ConfigError(
+                f"{override}: preprocessing reads only the cluster: section (the config's "
+                "other keys are training's)"
+            )
+    path = config_file(config)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise ConfigError(f"config file {path}: {' '.join(str(err).split())}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must be a mapping with a cluster: section")
+    section = raw.get("cluster") or {}
+    cfg = load_config({"cluster": section}, overrides)
+    given = {f"cluster.{key}" for key in section}
+    given |= {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    trainer = raw.get("trainer") if isinstance(raw.get("trainer"), dict) else {}
+    ignored = []
+    for key, why in IGNORED_KEYS.items():
+        section_name, name = key.split(".")
+        if section_name == "trainer" and name in trainer:
+            ignored.append(f"{key}={trainer[name]} ({why})")
+        elif key in given:
+            ignored.append(f"{key}={getattr(cfg.cluster, name)} ({why})")
+    return cfg.cluster, ignored
+
+
+def _arguments(args: argparse.Namespace, inputs: list[str], prefix: Path):
+    """preprocess's arguments for the job's steps (paths absolute: the steps may start
+    elsewhere, in a container), and the tokenizer files they read."""
+    words = ["--input", *inputs, "--output-prefix", str(prefix)]
+    words += ["--tokenizer-library", args.tokenizer_library, "--json-key", args.json_key]
+    files = []
+    for flag, value in (
+        ("--tokenizer-type", args.tokenizer_type),
+        ("--tokenizer-model", args.tokenizer_model),
+    ):
+        if value is not None:
+            if Path(value).exists():
+                value = os.path.abspath(value)
+                files.append((flag, _directory(Path(value))))
+            words += [flag, value]
+    words += ["--max-bad-records", str(args.max_bad_records)]
+    if args.workers is not None:  # else each task takes its own CPUs
+        words += ["--workers", str(args.workers)]
+    if args.overwrite:
+        words.append("--overwrite")
+    return words, files
+
+
+def _input_places(inputs: list[str]) -> list[Path]:
+    """The directory of each input: its path up to the first glob character."""
+    places = []
+    for text in inputs:
+        plain = []
+        for part in Path(text).parts:
+            if any(c in part for c in "*?["):
+                break
+            plain.append(part)
+        places.append(_directory(Path(*plain)))
+    return places
+
+
+def _directory(path: Path) -> Path:
+    return path if path.is_dir() else path.parent
