@@ -358,7 +358,7 @@ def test_variants_on_moe_layers_match_independent_reference(
         norm_scaling,
         shared="gated",
         layer_variant=variant,
-        mix_ln_post_fraction=0.5,
+        variant_options={"mix_ln_post_fraction": 0.5},
         output_layer_init="depth_scaled" if variant == "pre_ln" else None,
     )
     model = build_model(cfg)[0].double()

@@ -48,7 +48,10 @@ def _perturb_norms_and_gains(model: torch.nn.Module, seed: int = 1) -> None:
 @pytest.mark.parametrize(("variant", "norm_scaling"), CASES)
 def test_logits_and_gradients_match_independent_reference(seeded, variant, norm_scaling):
     cfg = tiny_config(
-        num_layers=6, layer_variant=variant, norm_scaling=norm_scaling, mix_ln_post_fraction=0.5
+        num_layers=6,
+        layer_variant=variant,
+        norm_scaling=norm_scaling,
+        variant_options={"mix_ln_post_fraction": 0.5},
     )
     model = build_model(cfg)[0].double()
     _perturb_norms_and_gains(model)
@@ -78,7 +81,9 @@ def test_logits_and_gradients_match_independent_reference(seeded, variant, norm_
 
 
 def test_new_parameters_start_as_the_papers_define_them(seeded):
-    layerscale = build_model(tiny_config(layer_variant="layerscale", layerscale_init=1e-4))[0]
+    layerscale = build_model(
+        tiny_config(layer_variant="layerscale", variant_options={"layerscale_init": 1e-4})
+    )[0]
     skipinit = build_model(tiny_config(layer_variant="skipinit", norm_scaling="none"))[0]
     for layer in layerscale.decoder.layers:
         for bda in (layer.self_attn_bda, layer.mlp_bda):
@@ -235,8 +240,14 @@ def test_te_backend_refuses_variants_by_name(variant):
 def test_bad_variant_settings_are_refused():
     for settings, message in (
         (VariantSettings(layer_variant="sandwich"), "layer_variant must be one of"),
-        (VariantSettings(layer_variant="mix_ln", mix_ln_post_fraction=1.5), "mix_ln_post"),
-        (VariantSettings(layer_variant="layerscale", layerscale_init=0.0), "layerscale_init"),
+        (
+            VariantSettings(layer_variant="mix_ln", options={"mix_ln_post_fraction": 1.5}),
+            "mix_ln_post",
+        ),
+        (
+            VariantSettings(layer_variant="layerscale", options={"layerscale_init": 0.0}),
+            "layerscale_init",
+        ),
     ):
         with pytest.raises(ValueError, match=message):
             settings.check("none")
@@ -279,7 +290,9 @@ def parallel_variants_worker(tmp: str):
     out = {}
     for variant, norm_scaling in PARALLEL_CASES:
         cfg = tiny_config(
-            layer_variant=variant, norm_scaling=norm_scaling, mix_ln_post_fraction=0.5
+            layer_variant=variant,
+            norm_scaling=norm_scaling,
+            variant_options={"mix_ln_post_fraction": 0.5},
         )
         batches = fixed_microbatches(cfg.vocab_size, cfg.seq_length, num_microbatches=2)
         base_ckpt, tp2_ckpt = f"{tmp}/{variant}_tp1", f"{tmp}/{variant}_tp2"

@@ -45,6 +45,9 @@ from megatron_lns.analysis.plots import plot_depth_profiles, plot_seed_bands, re
 from megatron_lns.base.errors import UserError
 from megatron_lns.config import ConfigError, ExperimentConfig, to_yaml, validate
 from megatron_lns.config.layer_variants import REGISTRY as LAYER_VARIANT_REGISTRY
+from megatron_lns.config.layer_variants import lns_combines_with
+from megatron_lns.config.norm_scalings import REGISTRY as NORM_SCALING_REGISTRY
+from megatron_lns.config.output_inits import REGISTRY as OUTPUT_INIT_REGISTRY
 from megatron_lns.config.rules import rng_seed
 from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.runtime.job import JobEnvironment
@@ -52,26 +55,33 @@ from megatron_lns.training.provenance import changed_config_keys
 from megatron_lns.training.run_dir import holds_a_run
 from megatron_lns.training.trainer import Trainer, TrainingStopped
 
-# Variant name -> (label, model keys), from the variant registry: ``lns`` (LNS on Pre-LN),
-# each registered layer variant without LNS under its own name, and ``lns_<variant>`` for
-# every other variant LNS combines with. The keys are the only difference between arms.
-VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
-    "lns": ("LNS", {"norm_scaling": "lns", "layer_variant": "pre_ln"}),
-    **{
-        name: (info.label, {"norm_scaling": "none", "layer_variant": name})
-        for name, info in LAYER_VARIANT_REGISTRY.items()
-    },
-    **{
-        f"lns_{name}": (f"LNS + {info.label}", {"norm_scaling": "lns", "layer_variant": name})
-        for name, info in LAYER_VARIANT_REGISTRY.items()
-        if info.combines_with_lns and name != "pre_ln"
-    },
-}
-# ``<variant>+<suffix>`` sets the init of the residual output projections.
+
+def _arms() -> dict[str, tuple[str, dict[str, str]]]:
+    """Arm name -> (label, model keys), from the norm scaling and layer variant registries.
+
+    A layer variant on a model without a scaling rule is named and labelled by the variant
+    (``pre_ln``, "Pre-LN"); a scaling rule on the plain layer by the rule (``lns``, "LNS");
+    a rule on any other variant it combines with by both (``lns_gpas``, "LNS + GPAS"). The
+    keys are the only difference between arms. Listed in that order (rules, variants,
+    combinations)."""
+    rules, variants, combined = {}, {}, {}
+    for scaling in NORM_SCALING_REGISTRY.values():
+        for name, variant in LAYER_VARIANT_REGISTRY.items():
+            keys = {"norm_scaling": scaling.name, "layer_variant": name}
+            if scaling.arm is None:
+                variants[name] = (variant.label, keys)
+            elif not variant.changes_layer:
+                rules[scaling.arm] = (scaling.label, keys)
+            elif lns_combines_with(scaling.name, name):
+                combined[f"{scaling.arm}_{name}"] = (f"{scaling.label} + {variant.label}", keys)
+    return rules | variants | combined
+
+
+VARIANTS: dict[str, tuple[str, dict[str, str]]] = _arms()
+# ``<variant>+<suffix>`` sets the init of the residual output projections: suffix ->
+# (label, output_layer_init), from the output init registry.
 INIT_SUFFIXES: dict[str, tuple[str, str]] = {
-    "normal_init": ("normal init", "normal"),
-    "scaled_init": ("scaled init", "scaled"),
-    "depth_scaled_init": ("depth-scaled init", "depth_scaled"),
+    info.compare_suffix: (info.label, name) for name, info in OUTPUT_INIT_REGISTRY.items()
 }
 DEFAULT_VARIANTS = ("lns", "pre_ln")
 RESULT_FILE = "compare_result.json"

@@ -2,7 +2,8 @@
 
 The components (``scaling.py``, ``variants/``, ``language_model.py``) type their arguments with
 these literals, and the config layer checks YAML values against the same tuples. This
-module imports only the torch-free variant registry (``layer_variants.py``), so loading and
+module imports only the torch-free registries (``norm_scalings.py``, ``layer_variants.py``,
+``output_inits.py``), so loading and
 validating a config does not import torch or megatron-core. (The tokenizer libraries are
 the data layer's: ``data/tokenizer.py``.)
 """
@@ -14,15 +15,18 @@ from typing import Literal, get_args
 from megatron_lns.config.layer_variants import LAYER_VARIANTS as LAYER_VARIANTS
 from megatron_lns.config.layer_variants import LNS_VARIANTS
 from megatron_lns.config.layer_variants import lns_combines_with as lns_combines_with
+from megatron_lns.config.norm_scalings import NORM_SCALINGS
+from megatron_lns.config.output_inits import OUTPUT_INITS
 
-NormScaling = Literal["lns", "none"]
+# Names registered in norm_scalings.py, layer_variants.py and output_inits.py (registries,
+# not literals: a new rule is one entry).
+NormScaling = str
 # megatron-core's decoder-only language models: GPTModel, or HybridModel (a layer pattern).
 Architecture = Literal["gpt", "hybrid"]
-# A name registered in layer_variants.py (a registry, not a literal: a new variant is one entry).
 LayerVariant = str
 Activation = Literal["swiglu", "gelu"]
 PositionEmbedding = Literal["rope", "learned_absolute"]
-OutputLayerInit = Literal["normal", "scaled", "depth_scaled"]
+OutputLayerInit = str
 RecomputeGranularity = Literal["selective", "full"]
 RecomputeMethod = Literal["uniform", "block"]
 DecayStyle = Literal["cosine", "linear", "constant", "WSD", "inverse-square-root"]
@@ -35,11 +39,11 @@ MoERouterDtype = Literal["fp32", "fp64"]
 # megatron's selective-recompute modules this model has (MLA's and GDN's are other models').
 RecomputeModule = Literal["core_attn", "mlp", "moe", "moe_act", "shared_experts", "layernorm"]
 
-NORM_SCALING_CHOICES: tuple[str, ...] = get_args(NormScaling)
+NORM_SCALING_CHOICES: tuple[str, ...] = NORM_SCALINGS
 ARCHITECTURES: tuple[str, ...] = get_args(Architecture)
 ACTIVATIONS: tuple[str, ...] = get_args(Activation)
 POSITION_EMBEDDINGS: tuple[str, ...] = get_args(PositionEmbedding)
-OUTPUT_LAYER_INITS: tuple[str, ...] = get_args(OutputLayerInit)
+OUTPUT_LAYER_INITS: tuple[str, ...] = OUTPUT_INITS
 RECOMPUTE_GRANULARITIES: tuple[str, ...] = get_args(RecomputeGranularity)
 RECOMPUTE_METHODS: tuple[str, ...] = get_args(RecomputeMethod)
 MOE_LOAD_BALANCING: tuple[str, ...] = get_args(MoELoadBalancing)

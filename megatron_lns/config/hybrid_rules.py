@@ -8,6 +8,7 @@ from __future__ import annotations
 from megatron_lns.config import hybrid_pattern, model_derived
 from megatron_lns.config.layer_variants import variant_info
 from megatron_lns.config.loader import ConfigError
+from megatron_lns.config.output_inits import resolved_output_init
 
 KEY = "model.hybrid_layer_pattern"
 
@@ -27,9 +28,10 @@ def check_hybrid(m) -> None:
             f"model.layer_variant={m.layer_variant} is built for model.architecture=gpt only; "
             "the hybrid stack has Pre-LN sublayers, with or without LNS"
         )
-    if m.output_layer_init == "depth_scaled":
+    init = resolved_output_init(m.output_layer_init, m.norm_scaling)
+    if init.per_layer:
         raise ConfigError(
-            "model.output_layer_init=depth_scaled is built for model.architecture=gpt only"
+            f"model.output_layer_init={init.name} is built for model.architecture=gpt only"
         )
     if m.cpu_offloading:
         raise ConfigError(

@@ -10,7 +10,39 @@ model read everything else from the entry (docs/variants.md, "Adding a variant")
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
+
+from megatron_lns.config.norm_scalings import norm_scaling_info
+from megatron_lns.config.rules import Check, positive, probability
+from megatron_lns.config.settings import HF_CONVERTER, VARIANT_TARGETS, declaration, setting
+
+
+@dataclass(frozen=True)
+class VariantKey:
+    """A setting of one variant's own, declared in its registration: a ``model`` key (flat in
+    the YAML, as every model key) that the ``lns`` section, validation, the key tables of
+    docs/configuration.md and the model's :class:`VariantSettings` read from the registry."""
+
+    name: str
+    type: type
+    field: dataclasses.Field  # settings.setting(...), target ``layer_variant.<name>``
+
+    @property
+    def default(self) -> Any:
+        return self.field.default
+
+
+def variant_key(
+    name: str, type_: type, default: Any, check: Check, *, doc: str, **declared: Any
+) -> VariantKey:
+    """A variant's own key, declared as every key is (``settings.setting``), in the ``lns``
+    table, going to the variant (``GPTModelConfig.variant_options``)."""
+    target = f"{VARIANT_TARGETS[0]}.{name}"
+    return VariantKey(
+        name, type_, setting(default, check, target=target, group="lns", doc=doc, **declared)
+    )
 
 
 @dataclass(frozen=True)
@@ -35,6 +67,8 @@ class LayerVariantInfo:
     # Whether its layers differ in their parameters, so megatron must checkpoint each layer
     # under its own key rather than stacked along a layer axis.
     heterogeneous_layers: bool = False
+    # Its own settings (``model.<name>`` keys), read by its module from VariantSettings.
+    keys: tuple[VariantKey, ...] = ()
 
     @property
     def combines_with_lns(self) -> bool:
@@ -80,6 +114,17 @@ REGISTRY: dict[str, LayerVariantInfo] = {
             lns_refusal=_POST_NORM_REFUSAL,
             hf_refusal="Mix-LN's first layers are Post-LN, with the norm after the residual add",
             heterogeneous_layers=True,
+            keys=(
+                variant_key(
+                    "mix_ln_post_fraction",
+                    float,
+                    0.25,
+                    probability,
+                    doc="Mix-LN: layers `l <= floor(fraction * num_layers)` are Post-LN; in [0, 1)",
+                    shapes=True,
+                    hf=HF_CONVERTER,
+                ),
+            ),
         ),
         LayerVariantInfo(
             "layerscale",
@@ -88,6 +133,15 @@ REGISTRY: dict[str, LayerVariantInfo] = {
             layer="per-channel learnable branch scale",
             branch_gains=("self_attn_bda.layerscale", "mlp_bda.layerscale"),
             per_channel_gain=True,
+            keys=(
+                variant_key(
+                    "layerscale_init",
+                    float,
+                    1e-3,
+                    positive,
+                    doc="LayerScale: initial value of every channel's branch scale; > 0",
+                ),
+            ),
         ),
         LayerVariantInfo(
             "skipinit",
@@ -124,6 +178,18 @@ REGISTRY: dict[str, LayerVariantInfo] = {
 }
 
 LAYER_VARIANTS: tuple[str, ...] = tuple(REGISTRY)
+# Every variant's own keys, in registration order (the ``lns`` section's last fields).
+VARIANT_KEYS: tuple[VariantKey, ...] = tuple(k for info in REGISTRY.values() for k in info.keys)
+
+
+def _keys_are_unique() -> None:
+    names = [k.name for k in VARIANT_KEYS]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"variant keys registered twice: {', '.join(repeated)}")
+
+
+_keys_are_unique()
 # The variants LNS combines with: every layer keeps its pre-norms and their scale.
 LNS_VARIANTS: tuple[str, ...] = tuple(n for n, info in REGISTRY.items() if info.combines_with_lns)
 
@@ -135,7 +201,29 @@ def variant_info(name: str) -> LayerVariantInfo:
     return REGISTRY[name]
 
 
+def variant_options(layer_variant: str, given: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The own settings of ``layer_variant``: ``given`` (settings of any variant, by key
+    name) for its keys, its declared defaults for the others. A name that is no variant's key
+    is refused by name; so is a value its declared rule refuses."""
+    given = dict(given or {})
+    unknown = sorted(set(given) - {k.name for k in VARIANT_KEYS})
+    if unknown:
+        raise ValueError(
+            f"{', '.join(unknown)}: not a setting of any layer variant (they are "
+            f"{', '.join(k.name for k in VARIANT_KEYS)})"
+        )
+    options = {}
+    for key in variant_info(layer_variant).keys:
+        value = given.get(key.name, key.default)
+        message = declaration(key.field).check.error(key.name, value)
+        if message:
+            raise ValueError(message)
+        options[key.name] = value
+    return options
+
+
 def lns_combines_with(norm_scaling: str, layer_variant: str) -> bool:
-    """The LNS/variant rule: LNS scales the output of pre-norms, so it combines only with
-    variants whose every layer has them and keeps their scale."""
-    return norm_scaling != "lns" or variant_info(layer_variant).combines_with_lns
+    """The scaling/variant rule: a norm scaling rule (LNS) scales the output of pre-norms,
+    so it combines only with variants whose every layer has them and keeps their scale."""
+    scales = norm_scaling_info(norm_scaling).scales_pre_norms
+    return not scales or variant_info(layer_variant).combines_with_lns

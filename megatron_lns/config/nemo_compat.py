@@ -22,6 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from megatron_lns.config.output_inits import REGISTRY as OUTPUT_INIT_REGISTRY
 from megatron_lns.config.schema import ExperimentConfig
 from megatron_lns.config.settings import declared_settings, section
 
@@ -71,7 +72,11 @@ class Translated:
 def _scaled_init_onto_output_layer_init(value: Any, cfg: ExperimentConfig) -> None:
     """NeMo's ``use_scaled_init_method`` is megatron's N(0, std/sqrt(2L)) for the residual
     output projections, i.e. ``output_layer_init: scaled``; false is ``normal``."""
-    wanted = "scaled" if value else "normal"
+    wanted = next(
+        name
+        for name, init in OUTPUT_INIT_REGISTRY.items()
+        if init.nemo_use_scaled_init_method == bool(value)
+    )
     current = cfg.model.output_layer_init
     if current is None:
         cfg.model.output_layer_init = wanted

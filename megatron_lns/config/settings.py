@@ -13,7 +13,8 @@ The declaration carries everything the rest of the package derives from it:
 * ``target``: where the value goes, as ``Class.field``: a megatron-core class
   (``TransformerConfig``, ``GPTModel``, ``OptimizerConfig``, ``DistributedDataParallelConfig``,
   ``GPTDatasetConfig``, ...) or megatron-lns's own ``layer_spec`` (the arguments of
-  ``specs.get_lns_block_spec``) and ``ParallelLayout``. For the classes in
+  ``specs.get_lns_block_spec``), ``layer_variant`` (a layer variant's own setting,
+  :data:`VARIANT_TARGETS`) and ``ParallelLayout``. For the classes in
   :data:`MODEL_TARGETS`, :data:`OPTIMIZER_TARGETS` and :data:`DDP_TARGETS` it is also how
   the value gets there: ``build.py`` hands every declared value to the field it names
   (:func:`target_values`), so a pass-through setting needs no code beyond its
@@ -67,6 +68,9 @@ SETTING = "setting"
 MODEL_TARGETS = ("TransformerConfig", "GPTModel", "HybridModel", "layer_spec")
 OPTIMIZER_TARGETS = ("OptimizerConfig", "OptimizerParamScheduler", "get_megatron_optimizer")
 DDP_TARGETS = ("DistributedDataParallelConfig",)
+# A layer variant's own settings (``config/layer_variants.py``), declared in the variant's
+# registration: build.py hands them to the model as ``GPTModelConfig.variant_options``.
+VARIANT_TARGETS = ("layer_variant",)
 
 # translate(value, cfg) -> {field: value}, cfg being the whole ExperimentConfig.
 Translate = Callable[[Any, Any], dict[str, Any]]

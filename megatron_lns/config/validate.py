@@ -18,6 +18,8 @@ from megatron_lns.config.layer_variants import variant_info
 from megatron_lns.config.layout import ParallelLayout, micro_batches_per_step
 from megatron_lns.config.loader import ConfigError
 from megatron_lns.config.moe_rules import check_moe
+from megatron_lns.config.norm_scalings import UNSCALED
+from megatron_lns.config.output_inits import resolved_output_init
 from megatron_lns.config.paths import check_writable_paths
 from megatron_lns.config.performance import (
     check_performance_keys,
@@ -127,18 +129,21 @@ def validate(
         )
     if not lns_combines_with(m.norm_scaling, m.layer_variant):
         raise ConfigError(
-            f"model.norm_scaling=lns scales pre-norm outputs and model.layer_variant="
-            f"{m.layer_variant} {variant_info(m.layer_variant).lns_refusal}: set "
-            f"model.norm_scaling=none or choose one of {', '.join(PRE_NORM_VARIANTS)}"
+            f"model.norm_scaling={m.norm_scaling} scales pre-norm outputs and "
+            f"model.layer_variant={m.layer_variant} {variant_info(m.layer_variant).lns_refusal}: "
+            f"set model.norm_scaling={' or '.join(UNSCALED)} or choose one of "
+            f"{', '.join(PRE_NORM_VARIANTS)}"
         )
     if m.transformer_engine and variant_info(m.layer_variant).changes_layer:
         raise ConfigError(
             f"model.layer_variant={m.layer_variant} needs model.transformer_engine=false: "
             "Transformer Engine fuses each norm into the next linear"
         )
-    if m.transformer_engine and m.output_layer_init == "depth_scaled":
+    init = resolved_output_init(m.output_layer_init, m.norm_scaling)
+    if m.transformer_engine and init.per_layer:
         raise ConfigError(
-            "model.output_layer_init=depth_scaled needs model.transformer_engine=false"
+            f"model.output_layer_init={init.name} needs model.transformer_engine=false: each "
+            "layer's std is set by megatron-lns's local layer"
         )
     if m.fp8 is not None:
         if not m.transformer_engine:

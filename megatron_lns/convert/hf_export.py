@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from megatron_lns.config import ConfigError
+from megatron_lns.config.norm_scalings import norm_scaling_info
 from megatron_lns.config.schema import ExperimentConfig, ModelConfig
 from megatron_lns.config.sources import load_run_config, runs_inside_hint
 from megatron_lns.convert.architectures import (
@@ -167,7 +168,10 @@ def export_hf(
         else:
             ids = TokenizerIds(vocab, None, trained.eod)
             say("export-hf: no tokenizer files written (--no-tokenizer)")
-        folds = "LNS folded into the pre-norms" if arch.lns else "Pre-LN"
+        scaling = norm_scaling_info(arch.norm_scaling)
+        folds = (
+            f"{scaling.label} folded into the pre-norms" if scaling.scales_pre_norms else "Pre-LN"
+        )
         if arch.branch_gain is not None:
             folds += f", {arch.branch_gain} gains folded into o_proj/down_proj"
         say(

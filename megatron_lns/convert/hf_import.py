@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from megatron_lns.base.path_kind import not_a_directory, not_a_file
 from megatron_lns.config import ConfigError, hybrid_pattern, model_derived, to_yaml, validate
+from megatron_lns.config.norm_scalings import norm_scaling_info
 from megatron_lns.config.schema import ExperimentConfig, ModelConfig
 from megatron_lns.config.sources import RUN_CONFIG, config_file, load_run_config
 from megatron_lns.convert.architectures import Architecture, architecture_for_hf_config
@@ -118,10 +119,12 @@ def import_hf(
             f"{cfg.model.make_vocab_size_divisible_by}); it must lie between the two"
         )
     check_hf_tensors(weights, arch, hf_vocab)
-    if cfg.model.norm_scaling == "lns" and not lns:
+    configured = norm_scaling_info(cfg.model.norm_scaling)
+    if configured.scales_pre_norms and configured.name != arch.norm_scaling:
         say(
-            "import-hf: note: model.norm_scaling=lns without --lns: these weights were "
-            "trained without LNS, and with it the model computes a different function"
+            f"import-hf: note: model.norm_scaling={configured.name} without --lns: these "
+            f"weights were trained without {configured.label}, and with it the model computes "
+            "a different function"
         )
     with staged_output_dir(out_dir, overwrite) as stage:
         if copy_tokenizer:
@@ -244,7 +247,7 @@ def _run_config(
             raise ConversionError(_conflict(key, given, value, hf_dir))
         OmegaConf.update(raw, key, value, force_add=True)
     defaults = {
-        "model.norm_scaling": "lns" if arch.lns else "none",
+        "model.norm_scaling": arch.norm_scaling,
         **{f"model.{key}": arch.max_position_embeddings for key in _SEQUENCE_KEYS},
         "model.data.seq_length": "${model.encoder_seq_length}",
         "trainer.precision": PRECISION_OF_DTYPE.get(dtype, "32"),
@@ -269,9 +272,10 @@ def _run_config(
             f"whose model is the pattern {model_pattern!r} (one attention and one MLP or MoE "
             "per layer)"
         )
-    if arch.lns and cfg.model.norm_scaling != "lns":
+    carried = norm_scaling_info(arch.norm_scaling)
+    if carried.scales_pre_norms and cfg.model.norm_scaling != carried.name:
         raise ConversionError(
-            f"--lns says the weights carry LNS factors, but model.norm_scaling="
+            f"--lns says the weights carry {carried.label} factors, but model.norm_scaling="
             f"{cfg.model.norm_scaling}; drop one of the two"
         )
     # The data blend is chosen at train time; validate the rest without it.

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import init_method_normal, scaled_init_method_normal
+from megatron.core.utils import init_method_normal
 
 from megatron_lns.base.errors import UserError
 from megatron_lns.config import hybrid_pattern, model_derived
@@ -28,6 +28,7 @@ from megatron_lns.config.choices import (
 )
 from megatron_lns.config.layer_variants import variant_info
 from megatron_lns.config.moe_layers import MoELayerFreq
+from megatron_lns.config.output_inits import resolved_output_init
 from megatron_lns.model.specs import get_lns_block_spec
 from megatron_lns.model.variants import VariantSettings
 from megatron_lns.runtime import ParallelLayout, uses_gloo
@@ -113,16 +114,17 @@ class ParameterCounts:
 class GPTModelConfig:
     """Architecture of a decoder-only GPT / LLaMA / OLMo model with optional LNS.
 
-    ``output_layer_init`` picks the init of the residual-branch output projections
-    (attention ``linear_proj`` and MLP ``linear_fc2``): ``"normal"`` is plain
-    N(0, init_method_std), which the LNS paper recommends; ``"scaled"`` is megatron's
-    default N(0, init_method_std / sqrt(2 * num_layers)); ``"depth_scaled"`` is
-    N(0, init_method_std / sqrt(2 * l)) in layer l. ``None`` follows the paper with LNS and
-    megatron's default without it.
+    ``norm_scaling`` is a rule registered in ``config/norm_scalings.py`` (LNS: the pre-norms
+    of block l scaled by ``1/sqrt(l)``). ``output_layer_init`` picks the init of the
+    residual-branch output projections (attention ``linear_proj`` and MLP ``linear_fc2``),
+    one registered in ``config/output_inits.py`` (``normal``, ``scaled``, ``depth_scaled``);
+    ``None`` is the norm scaling rule's default (``normal`` with LNS, as the paper advises;
+    megatron's ``scaled`` without).
 
     ``layer_variant`` picks the residual/normalisation scheme of every layer (the
-    registered layer variants, ``variants/``); ``mix_ln_post_fraction`` and
-    ``layerscale_init`` configure Mix-LN and LayerScale.
+    registered layer variants, ``variants/``); ``variant_options`` holds the variants' own
+    settings by key name (``mix_ln_post_fraction``, ``layerscale_init``: the keys their
+    registrations declare; those not given take their declared defaults).
 
     ``recompute_*`` are megatron's activation recomputation settings, passed through
     unchanged: ``"selective"`` recomputes the core attention (megatron's default
@@ -168,8 +170,7 @@ class GPTModelConfig:
     max_position_embeddings: int | None = None
     norm_scaling: NormScaling = "lns"
     layer_variant: LayerVariant = "pre_ln"
-    mix_ln_post_fraction: float = 0.25
-    layerscale_init: float = 1e-3
+    variant_options: dict = field(default_factory=dict)
     normalization: Normalization = "RMSNorm"
     norm_affine: bool = True
     layernorm_epsilon: float = 1e-5
@@ -226,17 +227,14 @@ class GPTModelConfig:
     def variant_settings(self) -> VariantSettings:
         settings = VariantSettings(
             layer_variant=self.layer_variant,
-            mix_ln_post_fraction=self.mix_ln_post_fraction,
-            layerscale_init=self.layerscale_init,
-            depth_scaled_init=self.resolved_output_layer_init() == "depth_scaled",
+            options=dict(self.variant_options),
+            output_init=self.resolved_output_layer_init(),
         )
         settings.check(self.norm_scaling)
         return settings
 
     def resolved_output_layer_init(self) -> str:
-        if self.output_layer_init is not None:
-            return self.output_layer_init
-        return "normal" if self.norm_scaling == "lns" else "scaled"
+        return resolved_output_init(self.output_layer_init, self.norm_scaling).name
 
     @property
     def head_size(self) -> int:
@@ -358,12 +356,10 @@ class GPTModelConfig:
         if cpu_init is None:
             cpu_init = not torch.cuda.is_available()
         dtype = PARAMS_DTYPES[self.precision]
-        if self.resolved_output_layer_init() in ("normal", "depth_scaled"):
-            # depth_scaled: each layer replaces this with its own std
-            # (variants/depth_scaled_init.py).
-            output_init = init_method_normal(self.init_method_std)
-        else:
-            output_init = scaled_init_method_normal(self.init_method_std, self.num_blocks())
+        # A per-layer init (depth_scaled) gives its model-wide std here; each layer replaces
+        # it with its own (variants/per_layer_init.py).
+        init = resolved_output_init(self.output_layer_init, self.norm_scaling)
+        output_init = init_method_normal(init.std(self.init_method_std, self.num_blocks(), None))
         swiglu = self.activation == "swiglu"
         return TransformerConfig(
             num_layers=len(self.sublayer_pattern())

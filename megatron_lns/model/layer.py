@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from torch import Tensor
 
+from megatron_lns.config.norm_scalings import UNSCALED
 from megatron_lns.model.scaling import (
     NormScaling,
     ScaledNorm,
@@ -146,7 +147,7 @@ class LNSTransformerLayer(TransformerLayer):
             return
         for owner in self.pre_norm_owners():
             owner.bake_output_scale()
-        self.norm_scaling = "none"
+        self.norm_scaling = UNSCALED[0]  # the factor is in the weights now
 
     @property
     def norm_output_scale(self) -> float:

@@ -1,6 +1,7 @@
-"""The LayerNorm Scaling rule and how it folds into a norm's affine parameters.
+"""How a norm scaling rule's factor folds into a norm's affine parameters.
 
-LNS scales the output of a pre-block norm in block ``l`` by ``s = 1/sqrt(l)``.
+A rule (``model.norm_scaling``, registered in ``config/norm_scalings.py``) scales the output
+of a pre-block norm in block ``l`` by ``s = factor(l)``; LNS's factor is ``1/sqrt(l)``.
 A norm's output is ``x_hat * gamma + beta``, so scaling it by ``s`` is the same as
 using ``s * gamma`` and ``s * beta``: the factor can be folded into the affine
 parameters at forward time, which costs no pass over the activations and keeps
@@ -10,28 +11,16 @@ gradients, so forward and backward are exact.
 
 from __future__ import annotations
 
-import math
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from megatron_lns.config.choices import NORM_SCALING_CHOICES, NormScaling
-
-
-def lns_factor(layer_number: int) -> float:
-    """``1/sqrt(layer_number)`` for a global, 1-based block index."""
-    if isinstance(layer_number, bool) or not isinstance(layer_number, int) or layer_number < 1:
-        raise ValueError(f"layer_number must be a 1-based int, got {layer_number!r}")
-    return 1.0 / math.sqrt(layer_number)
-
-
-def norm_output_scale(norm_scaling: NormScaling, layer_number: int) -> float:
-    """The factor applied to the pre-norms of block ``layer_number``."""
-    if norm_scaling == "lns":
-        return lns_factor(layer_number)
-    if norm_scaling == "none":
-        return 1.0
-    raise ValueError(f"norm_scaling must be one of {NORM_SCALING_CHOICES}, got {norm_scaling!r}")
+# The rules and their factors are registered in config/norm_scalings.py (torch-free); they
+# are re-exported here, where the folding that applies them lives.
+from megatron_lns.config.choices import NORM_SCALING_CHOICES as NORM_SCALING_CHOICES
+from megatron_lns.config.choices import NormScaling as NormScaling
+from megatron_lns.config.norm_scalings import lns_factor as lns_factor
+from megatron_lns.config.norm_scalings import norm_output_scale as norm_output_scale
 
 
 def fold_scale_into_gamma(

@@ -63,8 +63,8 @@ def get_lns_layer_spec(
     variant.check(norm_scaling)
     if backend == "te" and variant.needs_variant_layer:
         raise ValueError(
-            f"layer_variant={variant.layer_variant!r} (depth_scaled_init="
-            f"{variant.depth_scaled_init}) is implemented for backend='local' only"
+            f"layer_variant={variant.layer_variant!r} (output_layer_init="
+            f"{variant.output_init!r}) is implemented for backend='local' only"
         )
     if backend == "te":
         return get_te_lns_layer_spec(

@@ -17,6 +17,8 @@ import torch
 
 from megatron_lns.config import model_derived
 from megatron_lns.config.fast_paths import FastPathRequest, resolve_fast_paths
+from megatron_lns.config.layer_variants import REGISTRY as LAYER_VARIANTS
+from megatron_lns.config.norm_scalings import REGISTRY as NORM_SCALINGS
 from megatron_lns.model.language_model import GPTModelConfig
 from megatron_lns.runtime import ParallelLayout
 from megatron_lns.training.build import Trainable, build_trainable
@@ -123,13 +125,18 @@ def lns_vs_pre_ln(
     num_microbatches: int,
     **timing: int,
 ) -> dict[str, StepTimes]:
-    """Step times of the same model with ``norm_scaling`` "none" and "lns" (keys
-    ``pre_ln`` and ``lns``); ``base`` holds the other :class:`GPTModelConfig` fields."""
+    """Step times of the same Pre-LN model under each registered norm scaling rule, keyed
+    as ``compare`` names the arms (``pre_ln`` without a factor, ``lns``), the rule without
+    a factor first; ``base`` holds the other :class:`GPTModelConfig` fields."""
+    plain = next(name for name, info in LAYER_VARIANTS.items() if not info.changes_layer)
+    rules = sorted(NORM_SCALINGS.values(), key=lambda info: info.scales_pre_norms)
     variants = {
-        name: trainable_for_timing(
-            GPTModelConfig(norm_scaling=scaling, **base), ParallelLayout(), device
+        info.arm or plain: trainable_for_timing(
+            GPTModelConfig(**{**base, "norm_scaling": info.name, "layer_variant": plain}),
+            ParallelLayout(),
+            device,
         )
-        for name, scaling in (("pre_ln", "none"), ("lns", "lns"))
+        for info in rules
     }
     return compare_step_times(
         variants,

@@ -45,6 +45,7 @@ from megatron_lns.config.settings import (
     DDP_TARGETS,
     MODEL_TARGETS,
     OPTIMIZER_TARGETS,
+    VARIANT_TARGETS,
     target_values,
 )
 from megatron_lns.config.userbuffers import UserbufferLayout, initialize_userbuffers
@@ -95,7 +96,8 @@ def model_config(
 ) -> GPTModelConfig:
     """The model's config, from the declarations of the keys whose target is the model
     (``settings.MODEL_TARGETS``): a field of ``GPTModelConfig`` is set by name, any other
-    ``TransformerConfig`` field goes to megatron-core as it is.
+    ``TransformerConfig`` field goes to megatron-core as it is; the layer variants' own keys
+    (``settings.VARIANT_TARGETS``) go to ``variant_options``.
 
     ``fast`` is for training runs: their fusions, and then also the training-only keys
     (tensor-parallel communication overlap, activation offloading), which need the run's
@@ -103,6 +105,8 @@ def model_config(
     analyse weights) all of those are off and pipeline send/receive is batched except on
     gloo; the model computes the same function either way."""
     values = target_values(cfg, MODEL_TARGETS, training=fast is not None)
+    # The layer variants' own keys (declared in their registrations), by key name.
+    values["variant_options"] = target_values(cfg, VARIANT_TARGETS, training=fast is not None)
     if fast is not None:
         values.update(fast.model_fields())
     fields = {f.name for f in dataclasses.fields(GPTModelConfig)}

@@ -26,6 +26,7 @@ from hf_parity import (
 )
 
 from megatron_lns.config import load_config, to_yaml
+from megatron_lns.config.norm_scalings import imported_norm_scaling
 from megatron_lns.convert import ConversionError, export_hf, import_hf
 from megatron_lns.convert.architectures import (
     ARCHITECTURES,
@@ -505,7 +506,9 @@ def test_each_architecture_reads_back_the_config_json_it_writes(tmp_path, arch):
     config = AutoConfig.from_pretrained(tmp_path, local_files_only=True)
     assert config.architectures == [arch.hf_class]
     for lns in (False, True):
-        assert architecture_for_hf_config(config, lns) == dataclasses.replace(exported, lns=lns)
+        assert architecture_for_hf_config(config, lns) == dataclasses.replace(
+            exported, norm_scaling=imported_norm_scaling(lns)
+        )
 
 
 def test_an_unknown_architecture_is_named_with_the_supported_ones():

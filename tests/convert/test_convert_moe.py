@@ -28,6 +28,7 @@ from hf_parity import (
 
 from megatron_lns.config import load_config
 from megatron_lns.config.moe_layers import moe_layer_pattern
+from megatron_lns.config.norm_scalings import imported_norm_scaling
 from megatron_lns.config.schema import ModelConfig
 from megatron_lns.config.settings import HF_CONVERTER, HF_REFUSE, declared_settings
 from megatron_lns.convert import ConversionError, export_hf, import_hf
@@ -301,7 +302,9 @@ def test_each_moe_architecture_reads_back_the_config_json_it_writes(tmp_path, ar
     config = AutoConfig.from_pretrained(tmp_path, local_files_only=True)
     assert config.architectures == [arch.hf_class]
     for lns in (False, True):
-        assert architecture_for_hf_config(config, lns) == dataclasses.replace(exported, lns=lns)
+        assert architecture_for_hf_config(config, lns) == dataclasses.replace(
+            exported, norm_scaling=imported_norm_scaling(lns)
+        )
 
 
 # Training values config.json records, set away from transformers' defaults.

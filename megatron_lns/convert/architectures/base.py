@@ -18,6 +18,7 @@ from typing import ClassVar
 import torch
 
 from megatron_lns.config import model_derived
+from megatron_lns.config.norm_scalings import imported_norm_scaling
 from megatron_lns.config.schema import ModelConfig
 from megatron_lns.convert.architectures.layout import DecoderLayout
 from megatron_lns.convert.architectures.refusals import refuse_unshared_hf_design
@@ -102,7 +103,7 @@ class Architecture(DecoderLayout):
             norm_affine=m.norm_affine,
             zero_centered_gamma=m.normalization == "layernorm1p",
             bias=m.bias,
-            lns=m.norm_scaling == "lns",
+            norm_scaling=m.norm_scaling,
             tied_embeddings=m.share_embeddings_and_output_weights,
             eps=m.layernorm_epsilon,
             rotary_base=float(m.rotary_base),
@@ -137,7 +138,7 @@ class Architecture(DecoderLayout):
             norm_affine=True,
             zero_centered_gamma=False,
             bias=cls.read_hf_bias(config),
-            lns=lns,
+            norm_scaling=imported_norm_scaling(lns),
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             eps=float(getattr(config, cls.hf_eps_key)),
             rotary_base=float(rope["rope_theta"]),

@@ -68,7 +68,9 @@ class DecoderLayout:
     norm_affine: bool
     zero_centered_gamma: bool
     bias: bool
-    lns: bool
+    # The norm scaling rule (config/norm_scalings.py) whose factors the Hugging Face pre-norm
+    # weights carry: export folds them in, import divides them out.
+    norm_scaling: str
     tied_embeddings: bool
     eps: float
     rotary_base: float
@@ -90,8 +92,9 @@ class DecoderLayout:
         return not self.rmsnorm and self.norm_affine
 
     def norm_scale(self, layer_number: int) -> float:
-        """The LNS factor of block ``layer_number`` (1-based): ``1/sqrt(l)``, or 1 for Pre-LN."""
-        return norm_output_scale("lns" if self.lns else "none", layer_number)
+        """The norm scaling factor of block ``layer_number`` (1-based): LNS's ``1/sqrt(l)``,
+        or 1 for Pre-LN."""
+        return norm_output_scale(self.norm_scaling, layer_number)
 
     # ------------------------------------------------------------------ tensors
     # The checkpoint side of one layer, by its GPT model keys: megatron stacks the layers
@@ -295,8 +298,8 @@ class DecoderLayout:
     def layer_from_hf(self, hf: dict[str, Tensor], index: int) -> tuple[dict[str, Tensor], int]:
         """One layer's Hugging Face tensors as megatron tensors, by name relative to the
         layer (the checkpoint names of :meth:`layer_shapes`, except where
-        :meth:`mlp_from_hf` says otherwise), with the LNS factor divided out exactly when
-        ``lns``. Also returns the number of norm elements that had no exact preimage (see
+        :meth:`mlp_from_hf` says otherwise), with the norm scaling factor (LNS's) divided
+        out exactly. Also returns the number of norm elements that had no exact preimage (see
         :func:`invert_exactly`)."""
         prefix = hf_layer_prefix(index)
         scale = self.norm_scale(index + 1)

@@ -8,8 +8,10 @@ variant's layer computes (``layer``).
 A variant module has ``build(layer, settings)``, which rebuilds what the variant changes in
 a megatron layer after construction (:class:`VariantTransformerLayer`), and may have
 ``check(settings)`` for its own settings. ``residual.py`` holds the bias-dropout-add module
-the residual variants share; ``depth_scaled_init.py`` the depth-scaled init. LNS itself is
-``model/scaling.py`` and ``model/layer.py``. Definitions and sources: ``docs/variants.md``.
+the residual variants share; ``per_layer_init.py`` builds a per-layer output init (the
+depth-scaled init, registered in ``config/output_inits.py``). The norm scaling rules (LNS)
+are registered in ``config/norm_scalings.py`` and applied by ``model/scaling.py`` and
+``model/layer.py``. Definitions and sources: ``docs/variants.md``.
 """
 
 from megatron_lns.model.variants.deepnorm import (
@@ -17,8 +19,8 @@ from megatron_lns.model.variants.deepnorm import (
     deepnorm_beta,
     feed_forward_networks,
 )
-from megatron_lns.model.variants.depth_scaled_init import depth_scaled_std
 from megatron_lns.model.variants.mix_ln import num_post_norm_layers
+from megatron_lns.model.variants.per_layer_init import depth_scaled_std
 from megatron_lns.model.variants.residual import ResidualBranch
 from megatron_lns.model.variants.settings import PLAIN_PRE_LN, VariantSettings
 from megatron_lns.model.variants.variant_layer import VariantTransformerLayer

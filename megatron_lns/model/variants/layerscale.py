@@ -10,14 +10,11 @@ from megatron_lns.model.variants.residual import ResidualBranch
 from megatron_lns.model.variants.settings import VariantSettings
 
 
-def check(settings: VariantSettings) -> None:
-    if not settings.layerscale_init > 0.0:
-        raise ValueError(f"layerscale_init must be > 0, got {settings.layerscale_init!r}")
-
-
 def build(layer: torch.nn.Module, settings: VariantSettings) -> None:
     for slot in ("self_attn_bda", "mlp_bda"):
-        branch = ResidualBranch(
-            layer.config, gain="layerscale", layerscale_init=settings.layerscale_init
+        config = layer.config
+        start = torch.full(
+            (config.hidden_size,), settings.option("layerscale_init"), dtype=config.params_dtype
         )
+        branch = ResidualBranch(config, gain=("layerscale", start))
         setattr(layer, slot, branch)

@@ -18,14 +18,8 @@ def num_post_norm_layers(num_layers: int, post_fraction: float) -> int:
     return math.floor(post_fraction * num_layers)
 
 
-def check(settings: VariantSettings) -> None:
-    if not 0.0 <= settings.mix_ln_post_fraction <= 1.0:
-        raise ValueError(
-            f"mix_ln_post_fraction must be in [0, 1], got {settings.mix_ln_post_fraction!r}"
-        )
-
-
 def build(layer: torch.nn.Module, settings: VariantSettings) -> None:
-    post_layers = num_post_norm_layers(layer.config.num_layers, settings.mix_ln_post_fraction)
+    fraction = settings.option("mix_ln_post_fraction")  # its key, in its registration
+    post_layers = num_post_norm_layers(layer.config.num_layers, fraction)
     if layer.layer_number <= post_layers:
         normalise_after_add(layer)

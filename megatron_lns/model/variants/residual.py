@@ -19,7 +19,6 @@ megatron's default sharded state dict, like a norm's): ``self_attn_bda.norm.weig
 from __future__ import annotations
 
 from functools import partial
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -55,39 +54,35 @@ class BiasDropoutAddSlot(torch.nn.Module):
 
 class ResidualBranch(BiasDropoutAddSlot):
     """megatron's bias-dropout-add with a residual scale, a learnable branch gain and a
-    post-norm, each optional: ``norm(alpha * residual + gain * dropout(branch + bias))``."""
+    post-norm, each optional: ``norm(alpha * residual + gain * dropout(branch + bias))``.
+
+    The gain is the variant's: its module names the parameter (``layerscale``, ``gate``:
+    the checkpoint key under the slot, as the variant's registration lists it in
+    ``branch_gains``) and gives its initial value (per channel or one scalar)."""
 
     def __init__(
         self,
         config: TransformerConfig,
         residual_scale: float = 1.0,
-        gain: Literal["layerscale", "skipinit"] | None = None,
-        layerscale_init: float = 1e-3,
+        gain: tuple[str, Tensor] | None = None,
         norm: torch.nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.residual_scale = residual_scale
         self.norm = norm
-        self.layerscale: torch.nn.Parameter | None = None
-        self.gate: torch.nn.Parameter | None = None
-        if gain == "layerscale":
-            self.layerscale = torch.nn.Parameter(
-                torch.full((config.hidden_size,), layerscale_init, dtype=config.params_dtype)
-            )
-        elif gain == "skipinit":
-            self.gate = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype))
-        for param in (self.layerscale, self.gate):
-            if param is not None:
-                # Under sequence parallelism each TP rank sees its own tokens: megatron
-                # all-reduces the gradients of parameters marked so.
-                param.sequence_parallel = config.sequence_parallel
+        self.gain_name: str | None = None
+        if gain is not None:
+            self.gain_name, initial = gain
+            param = torch.nn.Parameter(initial.to(config.params_dtype))
+            # Under sequence parallelism each TP rank sees its own tokens: megatron
+            # all-reduces the gradients of parameters marked so.
+            param.sequence_parallel = config.sequence_parallel
+            self.register_parameter(self.gain_name, param)
 
     def join(self, branch: Tensor, residual: Tensor, prob: float, training: bool) -> Tensor:
         branch = F.dropout(branch, p=prob, training=training)
-        if self.layerscale is not None:
-            branch = branch * self.layerscale.to(branch.dtype)
-        elif self.gate is not None:
-            branch = branch * self.gate.to(branch.dtype)
+        if self.gain_name is not None:
+            branch = branch * getattr(self, self.gain_name).to(branch.dtype)
         if self.residual_scale != 1.0:
             residual = residual * self.residual_scale
         out = residual + branch

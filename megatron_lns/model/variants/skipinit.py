@@ -11,5 +11,6 @@ from megatron_lns.model.variants.settings import VariantSettings
 
 
 def build(layer: torch.nn.Module, settings: VariantSettings) -> None:
-    layer.self_attn_bda = ResidualBranch(layer.config, gain="skipinit")
-    layer.mlp_bda = ResidualBranch(layer.config, gain="skipinit")
+    for slot in ("self_attn_bda", "mlp_bda"):
+        start = torch.zeros(1, dtype=layer.config.params_dtype)
+        setattr(layer, slot, ResidualBranch(layer.config, gain=("gate", start)))

@@ -5,7 +5,7 @@ The layer is megatron's, its forward untouched; after construction the variant's
 (``config/layer_variants.py`` names it) rebuilds what it changes: the bias-dropout-add
 slots (``self_attn_bda``, ``mlp_bda``), where the norms sit, the init of some weights.
 The layer's global number (megatron's ``layer_number``) decides per-layer choices (Mix-LN's
-split, the depth-scaled init), so they are right under pipeline and virtual pipeline
+split, a per-layer output init), so they are right under pipeline and virtual pipeline
 parallelism.
 """
 
@@ -16,9 +16,10 @@ from typing import Any
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
+from megatron_lns.config.output_inits import output_init_info
 from megatron_lns.model.layer import LNSTransformerLayer
 from megatron_lns.model.scaling import ScaledNorm
-from megatron_lns.model.variants.depth_scaled_init import with_depth_scaled_output_init
+from megatron_lns.model.variants.per_layer_init import with_per_layer_output_init
 from megatron_lns.model.variants.settings import PLAIN_PRE_LN, VariantSettings
 
 
@@ -39,8 +40,9 @@ class VariantTransformerLayer(LNSTransformerLayer):
         variant.check(kwargs["norm_scaling"])
         self.variant = variant
         expected_number = None
-        if variant.depth_scaled_init:
-            config, expected_number = with_depth_scaled_output_init(config, layer_number, kwargs)
+        init = output_init_info(variant.output_init)
+        if init.per_layer:
+            config, expected_number = with_per_layer_output_init(config, layer_number, kwargs, init)
         if config.inference_fuse_tp_communication:
             raise ValueError(
                 f"layer_variant={variant.layer_variant!r}: megatron's fused inference path "
@@ -50,8 +52,8 @@ class VariantTransformerLayer(LNSTransformerLayer):
         super().__init__(config, submodules, layer_number, **kwargs)
         if expected_number is not None and expected_number != self.layer_number:
             raise RuntimeError(
-                f"depth-scaled init assumed global layer {expected_number}, megatron numbered "
-                f"it {self.layer_number}"
+                f"output_layer_init={init.name} assumed global layer {expected_number}, "
+                f"megatron numbered it {self.layer_number}"
             )
         self.post_norm = False  # set by a variant that moves the norms after the adds
         variant.module().build(self, variant)
