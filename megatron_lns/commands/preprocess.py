@@ -34,7 +34,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default="standard",
         choices=("standard", "gigatoken"),
         help="gigatoken: the same ids from an exact fast re-implementation of byte-level BPE "
-        "and SentencePiece BPE (pip install 'megatron-lns[fast]')",
+        "(pip install 'megatron-lns[fast]')",
     )
     prep.add_argument("--json-key", default="text", help="the text's key (parquet: its column)")
     prep.add_argument(

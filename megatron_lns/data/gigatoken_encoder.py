@@ -1,10 +1,11 @@
 """``preprocess --encoder gigatoken``: the same ids, tens of times faster.
 
 gigatoken re-implements byte-level BPE (the Hugging Face fast tokenizers of GPT-2, LLaMA 3,
-OLMo, Qwen, ...) and SentencePiece BPE in Rust, exactly (its authors test it against the
-reference encoders; ``tests/data/test_gigatoken_encoder.py`` and the preprocessing
-benchmark compare every document here). It is built from the very backend the training
-tokenizer loaded (the Hugging Face backend's JSON) or from the SentencePiece model file.
+OLMo, Qwen, ...) in Rust, exactly (``tests/data/test_gigatoken_encoder.py`` and the
+preprocessing benchmark compare every document here). It is built from the very backend
+the training tokenizer loaded (the Hugging Face backend's JSON). Its SentencePiece BPE
+path is refused: on the benchmark corpus its ids differed from SentencePiece's on 32
+documents (:data:`SENTENCEPIECE_REFUSAL`).
 
 What it is given is what this package's readers parsed, a batch of texts at a time, so its
 own file readers (which stop at a file's first malformed line without a word) play no part;
@@ -22,17 +23,37 @@ from megatron_lns.data.tokenizer import (
     ByteTokenizer,
     HuggingFaceTokenizer,
     RustBackendTokenizer,
-    SentencePieceTokenizer,
     Tokenizer,
 )
 
 ENCODERS = ("standard", "gigatoken")
+# Measured, not assumed (benchmarks/results/preprocess_throughput.md): on SentencePiece
+# BPE with byte fallback, gigatoken 0.10's ids differed from SentencePiece's on 32 of the
+# benchmark corpus's 17,116 documents, and a spot check per batch did not catch them.
+SENTENCEPIECE_REFUSAL = (
+    "it is exact here only for byte-level BPE (GPT-2, LLaMA 3, OLMo, Qwen); on SentencePiece "
+    "BPE its ids differed from SentencePiece's on 32 of 17,116 benchmark documents"
+)
+
+
+def _not_byte_level_bpe(backend_json: str) -> str | None:
+    """Why a Hugging Face backend is not a byte-level BPE (the kind gigatoken encodes
+    exactly here), or None."""
+    import json
+
+    backend = json.loads(backend_json)
+    model = backend.get("model") or {}
+    pre_tokenizer = json.dumps(backend.get("pre_tokenizer"))
+    byte_level = '"ByteLevel"' in pre_tokenizer
+    if model.get("type") != "BPE" or model.get("byte_fallback") or not byte_level:
+        return SENTENCEPIECE_REFUSAL
+    return None
 
 
 class GigatokenTokenizer:
     """``reference``'s ids from gigatoken, as flat arrays (see :meth:`encode_flat`)."""
 
-    def __init__(self, reference: Tokenizer, model_path: str | None = None) -> None:
+    def __init__(self, reference: Tokenizer) -> None:
         try:
             import gigatoken
         except ImportError:
@@ -44,16 +65,16 @@ class GigatokenTokenizer:
         self.unique_identifiers = reference.unique_identifiers
         try:
             if isinstance(reference, HuggingFaceTokenizer | RustBackendTokenizer):
-                json = reference.backend_json()
-                if json is None:
+                backend = reference.backend_json()
+                if backend is None:
                     raise ValueError("it has no fast (Rust) backend to build from")
-                self._fast = gigatoken.Tokenizer.from_json(json)
-            elif isinstance(reference, SentencePieceTokenizer) and model_path:
-                self._fast = gigatoken.Tokenizer.from_sentencepiece(model_path)
+                if why := _not_byte_level_bpe(backend):
+                    raise ValueError(why)
+                self._fast = gigatoken.Tokenizer.from_json(backend)
             elif isinstance(reference, ByteTokenizer):
                 raise ValueError("the byte tokenizer is encoded with numpy already")
             else:
-                raise ValueError("gigatoken reads Hugging Face and SentencePiece tokenizers")
+                raise ValueError(SENTENCEPIECE_REFUSAL)
         except Exception as err:  # gigatoken's own errors are plain exceptions
             message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise PreprocessError(

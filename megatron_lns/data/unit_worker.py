@@ -60,7 +60,7 @@ class TokenizerSpec:
         else:
             tokenizer = build_tokenizer(self.library, self.type, self.model)
         if self.encoder == "gigatoken":
-            return GigatokenTokenizer(tokenizer, self.model)
+            return GigatokenTokenizer(tokenizer)
         return tokenizer
 
     def for_workers(self, loaded: Tokenizer) -> TokenizerSpec:

@@ -36,16 +36,11 @@ def _files(prefix: Path) -> dict[str, bytes]:
     return {s: Path(f"{prefix}{s}").read_bytes() for s in (".bin", ".idx", ".json")}
 
 
-@pytest.mark.parametrize("library", ["huggingface", "sentencepiece"])
-def test_the_same_bytes_as_the_reference_encoder(tmp_path, shards, factory, library):
-    """A byte-level BPE (GPT-2's kind) and a SentencePiece BPE with byte fallback
-    (LLaMA 2's kind), in this process and in worker processes."""
-    if library == "huggingface":
-        directory, model = str(factory.hf_bpe(byte_alphabet=True)), None
-    else:
-        directory, model = None, str(factory.sentencepiece("llama"))
+def test_the_same_bytes_as_the_reference_encoder(tmp_path, shards, factory):
+    """A byte-level BPE (GPT-2's kind), in this process and in worker processes."""
+    directory = str(factory.hf_bpe(byte_alphabet=True))
     for encoder, workers in [("standard", 1), ("gigatoken", 1), ("gigatoken", 2)]:
-        spec = TokenizerSpec(library, directory, model, encoder)
+        spec = TokenizerSpec("huggingface", directory, None, encoder)
         preprocess_corpus(
             CorpusRun(shards, tmp_path / f"{encoder}{workers}", spec, workers=workers)
         )
@@ -56,10 +51,12 @@ def test_the_same_bytes_as_the_reference_encoder(tmp_path, shards, factory, libr
     assert receipt["encoder"] == "gigatoken"
 
 
-def test_what_gigatoken_cannot_encode_is_refused_by_name(factory):
-    t5 = build_tokenizer("sentencepiece", model=str(factory.sentencepiece("t5")))
-    with pytest.raises(PreprocessError, match=r"--encoder gigatoken cannot encode with sentencepiece:.*only BPE sentencepiece models are supported, got model_type 'unigram'; use --encoder standard"):  # fmt: skip
-        GigatokenTokenizer(t5, str(factory.sentencepiece("t5")))
+def test_what_gigatoken_cannot_encode_exactly_is_refused_by_name(factory):
+    """SentencePiece BPE (measured: other ids on 32 benchmark documents), a byte-level BPE
+    trained without every byte, and the byte tokenizer."""
+    llama = build_tokenizer("sentencepiece", model=str(factory.sentencepiece("llama")))
+    with pytest.raises(PreprocessError, match=r"--encoder gigatoken cannot encode with sentencepiece:.*: it is exact here only for byte-level BPE .* differed from SentencePiece's on 32 of 17,116 benchmark documents; use --encoder standard"):  # fmt: skip
+        GigatokenTokenizer(llama)
     partial = build_tokenizer("huggingface", factory.tokenizer("huggingface").type)
     with pytest.raises(PreprocessError, match=r"no single-byte vocab entry for byte 0x00"):
         GigatokenTokenizer(partial)  # a byte-level BPE trained without every byte
