@@ -1,0 +1,407 @@
+"""Throughput and peak memory of ``megatron-lns preprocess`` beside Megatron-LM's tool
+and the tokenizer's own batch encoding, on one corpus, at equal CPU counts.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/preprocess_throughput.py \\
+        --megatron-lm /path/to/Megatron-LM [--work-dir DIR] [--corpus-mb 120] \\
+        [--output benchmarks/results/preprocess_throughput.json]
+
+Inputs are made here (``preprocess_corpus.py``: a JSONL corpus recombined from the
+Python installation's own text, a 32k BPE trained with ``tokenizers`` and a 32k
+SentencePiece model; nothing is downloaded) and cached in ``--work-dir``. For each
+tokenizer and each CPU count (1, 2 and all cores, ``--cores``), three rows, each run
+with its CPU affinity set to that many cores (children inherit it):
+
+- ``megatron-lns preprocess --workers N`` of this checkout, the whole command;
+- Megatron-LM's ``tools/preprocess_data.py --workers N --append-eod`` from the
+  checkout ``--megatron-lm`` names (its git commit is recorded), run with this venv's
+  python and ``PYTHONPATH`` = that checkout, the whole command;
+- the tokenizer alone: the texts already in memory, the ``tokenizers`` library's
+  ``encode_batch_fast`` (``encode_batch`` where older) with ``RAYON_NUM_THREADS=N``, or
+  SentencePiece's ``encode(texts, num_threads=N)``, in batches of ``ALONE_BATCH``
+  documents; only the encoding is timed: no reading, parsing or writing.
+
+Docs/s, tokens/s and MB/s (10^6 bytes of JSONL input) come from the wall time of each
+(the commands' start-up included; it is also measured on its own, on a one-document
+input); peak memory is the sampled sum over the process tree (``process_tree.py``).
+Both commands' ``.bin``/``.idx`` are compared byte for byte: they must be identical.
+``--memory-mb 200,2048`` then runs ``preprocess`` with the byte tokenizer on all cores on
+generated inputs of those sizes (deleted afterwards) to show whether peak memory
+depends on the input's size. Writes the JSON and a Markdown rendering of its tables
+(``.md`` beside it); the docs quote that file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import filecmp
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import preprocess_corpus as corpus  # noqa: E402
+from process_tree import log_tail, run_tree  # noqa: E402
+
+MB = 1_000_000
+MIB = 2**20
+ALONE_BATCH = 1024
+TOKENIZERS = ("bpe", "sentencepiece")
+
+# The tokenizer alone, in a fresh interpreter (so RAYON_NUM_THREADS holds): argv is
+# library, tokenizer file, JSONL, threads. Prints one JSON line.
+ALONE = """
+import json, sys, time
+library, path, jsonl, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+with open(jsonl, encoding="utf-8") as lines:
+    texts = [json.loads(line)["text"] for line in lines]
+batch = int(sys.argv[5])
+if library == "bpe":
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(path)
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    count = lambda texts: sum(len(e.ids) for e in encode(texts, add_special_tokens=False))
+else:
+    import sentencepiece
+    sp = sentencepiece.SentencePieceProcessor(model_file=path)
+    count = lambda texts: sum(map(len, sp.encode(texts, num_threads=threads)))
+start = time.perf_counter()
+tokens = 0
+for first in range(0, len(texts), batch):
+    tokens += count(texts[first:first + batch])
+seconds = time.perf_counter() - start
+print(json.dumps({"seconds": seconds, "documents": len(texts), "tokens": tokens}))
+"""
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAYON_NUM_THREADS")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="ignore", **extra)
+    return env
+
+
+def _git(path: Path, *args: str) -> str:
+    done = subprocess.run(["git", "-C", str(path), *args], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def megatron_lm_commit(checkout: Path) -> str:
+    """The commit of a Megatron-LM checkout: ``git rev-parse HEAD``, or a ``COMMIT`` file
+    beside it for a tree exported with ``git archive`` (no ``.git``)."""
+    commit = _git(checkout, "rev-parse", "HEAD")
+    if not commit and (checkout / "COMMIT").is_file():
+        commit = (checkout / "COMMIT").read_text().strip()
+    return commit or "unknown"
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.work = Path(args.work_dir)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.python = sys.executable
+
+    # --- the three ways to tokenize -------------------------------------------------
+
+    def ours(self, tok: dict, jsonl: Path, cores: int, name: str, library: str | None = None):
+        out = self._fresh(f"ours-{name}")
+        argv = [self.python, "-m", "megatron_lns.cli", "preprocess", "--input", str(jsonl)]
+        argv += ["--output-prefix", str(out / "data"), "--workers", str(cores), "--quiet"]
+        argv += tok["ours"] if library is None else ["--tokenizer-library", library]
+        run = run_tree(argv, range(cores), _env(PYTHONPATH=str(ROOT)), out / "log", self.work)
+        return run, out / "data"
+
+    def megatron(self, tok: dict, jsonl: Path, cores: int, name: str):
+        out = self._fresh(f"megatron-{name}")
+        script = Path(self.args.megatron_lm) / "tools" / "preprocess_data.py"
+        argv = [self.python, str(script), "--input", str(jsonl), "--append-eod"]
+        argv += ["--output-prefix", str(out / "data"), "--workers", str(cores)]
+        argv += ["--log-interval", "1000000", *tok["megatron"], tok["model"]]
+        env = _env(PYTHONPATH=str(Path(self.args.megatron_lm).resolve()))
+        run = run_tree(argv, range(cores), env, out / "log", self.work)
+        return run, out / "data_text_document"
+
+    def alone(self, tok: dict, jsonl: Path, cores: int):
+        out = self._fresh("alone")
+        argv = [self.python, "-c", ALONE, tok["alone"][0], tok["alone"][1], str(jsonl)]
+        argv += [str(cores), str(ALONE_BATCH)]
+        run = run_tree(argv, range(cores), _env(RAYON_NUM_THREADS=str(cores)), out / "log", out)
+        result = json.loads(run.log.read_text().strip().splitlines()[-1])
+        return run, result
+
+    def _fresh(self, name: str) -> Path:
+        out = self.work / "runs" / name
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        return out
+
+    # --- inputs ------------------------------------------------------------------------
+
+    def inputs(self) -> tuple[Path, dict[str, dict]]:
+        paragraphs = corpus.source_paragraphs()
+        size = int(self.args.corpus_mb * MB)
+        name = f"corpus-{size}-seed{self.args.seed}.jsonl"
+        jsonl = corpus.write_corpus(self.work / name, size, self.args.seed, paragraphs)
+        bpe = corpus.train_bpe(self.work / f"bpe32k-{jsonl.stem}", jsonl)
+        spm = corpus.train_sentencepiece(self.work / f"sp32k-{jsonl.stem}.model", jsonl)
+        tokenizers = {
+            "bpe": {
+                "label": "BPE 32k (Hugging Face dir)",
+                "ours": ["--tokenizer-library", "huggingface", "--tokenizer-type", str(bpe)],
+                "megatron": ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model"],
+                "model": str(bpe),
+                "alone": ("bpe", str(bpe / "tokenizer.json")),
+            },
+            "sentencepiece": {
+                "label": "SentencePiece 32k",
+                "ours": ["--tokenizer-library", "sentencepiece", "--tokenizer-model", str(spm)],
+                "megatron": ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model"],
+                "model": str(spm),
+                "alone": ("sentencepiece", str(spm)),
+            },
+        }
+        return jsonl, {name: tokenizers[name] for name in self.args.tokenizers}
+
+    # --- sections ---------------------------------------------------------------------
+
+    def throughput(self, jsonl: Path, tokenizers: dict[str, dict]) -> list[dict]:
+        input_bytes = jsonl.stat().st_size
+        rows = []
+        for name, tok in tokenizers.items():
+            for cores in self.args.cores:
+                run, result = self.alone(tok, jsonl, cores)
+                self._check(run, "tokenizer alone")
+                alone = _row(name, cores, "tokenizer alone", result["seconds"], run, input_bytes)
+                alone.update(documents=result["documents"], tokens=result["tokens"])
+                mine, mine_prefix = self.ours(tok, jsonl, cores, name)
+                self._check(mine, "megatron-lns preprocess")
+                theirs, their_prefix = self.megatron(tok, jsonl, cores, name)
+                self._check(theirs, "Megatron-LM preprocess_data.py")
+                same = all(
+                    filecmp.cmp(f"{mine_prefix}{s}", f"{their_prefix}{s}", shallow=False)
+                    for s in (".bin", ".idx")
+                )
+                documents, tokens = _counts(mine_prefix)
+                # The tokenizer alone adds no end-of-document id: one per document.
+                alone["tokens"] += alone["documents"]
+                ours = _row(name, cores, "megatron-lns preprocess", mine.wall_s, mine, input_bytes)
+                tool = "Megatron-LM preprocess_data.py"
+                megatron = _row(name, cores, tool, theirs.wall_s, theirs, input_bytes)
+                for row in (ours, megatron):
+                    row.update(documents=documents, tokens=tokens, identical_to_megatron_lm=same)
+                for row in (ours, megatron, alone):
+                    _rates(row)
+                for row in (ours, megatron, alone):
+                    row["vs_tokenizer_alone"] = row["docs_per_s"] / alone["docs_per_s"]
+                    row["vs_megatron_lm"] = row["docs_per_s"] / megatron["docs_per_s"]
+                rows += [ours, megatron, alone]
+                print(_markdown_rows([ours, megatron, alone]), flush=True)
+        return rows
+
+    def startup(self, jsonl: Path, tokenizers: dict[str, dict]) -> list[dict]:
+        """Each command on a one-document input, one core: what it costs before work."""
+        one = self.work / "one-document.jsonl"
+        with jsonl.open(encoding="utf-8") as lines:
+            one.write_text(next(lines), encoding="utf-8")
+        rows = []
+        for name, tok in tokenizers.items():
+            mine, _ = self.ours(tok, one, 1, f"startup-{name}")
+            self._check(mine, "megatron-lns preprocess")
+            theirs, _ = self.megatron(tok, one, 1, f"startup-{name}")
+            self._check(theirs, "Megatron-LM preprocess_data.py")
+            for tool, run in (("megatron-lns preprocess", mine), ("Megatron-LM", theirs)):
+                rows.append({"tokenizer": name, "tool": tool, "wall_s": run.wall_s})
+        return rows
+
+    def memory(self) -> list[dict]:
+        """``preprocess`` (byte tokenizer, all cores) on inputs of ``--memory-mb`` sizes."""
+        paragraphs = corpus.source_paragraphs()
+        cores = max(self.args.cores)
+        rows = []
+        for megabytes in self.args.memory_mb:
+            jsonl = self.work / f"memory-{megabytes}MB.jsonl"
+            try:
+                corpus.write_corpus(jsonl, megabytes * MB, self.args.seed + 1, paragraphs)
+                size = jsonl.stat().st_size
+                run, prefix = self.ours({}, jsonl, cores, f"memory-{megabytes}", library="byte")
+                self._check(run, "megatron-lns preprocess (byte)")
+                documents, tokens = _counts(prefix)
+                row = _row("byte", cores, "megatron-lns preprocess", run.wall_s, run, size)
+                row.update(documents=documents, tokens=tokens)
+                rows.append(_rates(row))
+                print(_memory_rows([row]), flush=True)
+            finally:
+                jsonl.unlink(missing_ok=True)
+                shutil.rmtree(self.work / "runs" / f"ours-memory-{megabytes}", ignore_errors=True)
+        return rows
+
+    def _check(self, run, what: str) -> None:
+        if run.returncode != 0:
+            raise SystemExit(
+                f"{what} failed (exit {run.returncode}), log {run.log}:\n{log_tail(run.log)}"
+            )
+
+
+def _row(tokenizer: str, cores: int, tool: str, seconds: float, run, input_bytes: int) -> dict:
+    return {
+        "tokenizer": tokenizer,
+        "cores": cores,
+        "tool": tool,
+        "seconds": seconds,
+        "command_wall_s": run.wall_s,
+        "input_bytes": input_bytes,
+        "peak_rss_bytes": run.peak_rss_bytes,
+        "peak_pss_bytes": run.peak_pss_bytes,
+    }
+
+
+def _rates(row: dict) -> dict:
+    row["docs_per_s"] = row["documents"] / row["seconds"]
+    row["tokens_per_s"] = row["tokens"] / row["seconds"]
+    row["mb_per_s"] = row["input_bytes"] / MB / row["seconds"]
+    return row
+
+
+def _counts(prefix: Path) -> tuple[int, int]:
+    """Documents and tokens of a megatron indexed dataset, from its ``.idx``."""
+    import numpy as np
+
+    with open(f"{prefix}.idx", "rb") as f:
+        header = f.read(9 + 8 + 1 + 8 + 8)
+    sequences = int.from_bytes(header[18:26], "little")
+    documents = int.from_bytes(header[26:34], "little") - 1
+    lengths = np.memmap(f"{prefix}.idx", dtype=np.int32, mode="r", offset=34, shape=(sequences,))
+    return documents, int(lengths.sum(dtype=np.int64))
+
+
+def _markdown_rows(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        same = r.get("identical_to_megatron_lm")
+        lines.append(
+            f"| {r['tokenizer']} | {r['cores']} | {r['tool']} | {r['docs_per_s']:,.0f} | "
+            f"{r['tokens_per_s'] / 1e6:.2f} M | {r['mb_per_s']:.2f} | "
+            f"{r['peak_rss_bytes'] / MIB:,.0f} | {r['peak_pss_bytes'] / MIB:,.0f} | "
+            f"{r['vs_tokenizer_alone']:.2f} | {r['vs_megatron_lm']:.2f} | "
+            f"{'' if same is None else 'yes' if same else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def _memory_rows(rows: list[dict]) -> str:
+    return "\n".join(
+        f"| {r['input_bytes'] / MB:,.0f} MB | {r['documents']:,} | {r['cores']} | "
+        f"{r['seconds']:.1f} | {r['mb_per_s']:.2f} | {r['peak_rss_bytes'] / MIB:,.0f} | "
+        f"{r['peak_pss_bytes'] / MIB:,.0f} |"
+        for r in rows
+    )
+
+
+def markdown(report: dict) -> str:
+    c = report["corpus"]
+    text = [
+        f"Measured {report['date']} on {report['machine']} ({report['cpus']} CPUs), "
+        f"Python {report['python']}, megatron-lns {report['git_revision']}, Megatron-LM "
+        f"{report['megatron_lm_commit'][:12]}. Corpus: {c['bytes'] / MB:,.0f} MB JSONL, "
+        f"{c['documents']:,} documents (seed {c['seed']}).",
+        "",
+        "| tokenizer | cores | tool | docs/s | tokens/s | MB/s | peak RSS MiB | "
+        "peak PSS MiB | vs tokenizer alone | vs Megatron-LM | identical output |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        _markdown_rows(report["throughput"]),
+    ]
+    if report["startup"]:
+        text += ["", "| tokenizer | command | start-up s (one document, 1 core) |"]
+        text += ["|---|---|---|"]
+        for r in report["startup"]:
+            text.append(f"| {r['tokenizer']} | {r['tool']} | {r['wall_s']:.1f} |")
+    if report["memory"]:
+        text += [
+            "",
+            "| input | documents | cores | seconds | MB/s | peak RSS MiB | peak PSS MiB |",
+            "|---|---|---|---|---|---|---|",
+            _memory_rows(report["memory"]),
+        ]
+    return "\n".join(text) + "\n"
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--megatron-lm", required=True, help="a Megatron-LM checkout")
+    parser.add_argument("--work-dir", default="/tmp/megatron_lns_preprocess_bench")
+    parser.add_argument("--corpus-mb", type=float, default=120.0)
+    parser.add_argument("--seed", type=int, default=0)
+    cpus = len(os.sched_getaffinity(0))
+    parser.add_argument(
+        "--cores", type=_int_list, default=sorted({1, min(2, cpus), cpus}), help="e.g. 1,2,16"
+    )
+    parser.add_argument("--tokenizers", type=lambda s: s.split(","), default=list(TOKENIZERS))
+    parser.add_argument(
+        "--memory-mb", type=_int_list, default=[200, 2048], help="'' to skip the memory runs"
+    )
+    parser.add_argument("--skip-startup", action="store_true")
+    parser.add_argument("--output", default=str(HERE / "results" / "preprocess_throughput.json"))
+    args = parser.parse_args(argv)
+    if not (Path(args.megatron_lm) / "tools" / "preprocess_data.py").is_file():
+        parser.error(f"{args.megatron_lm} holds no tools/preprocess_data.py")
+    if max(args.cores) > cpus:
+        parser.error(f"--cores {max(args.cores)}: only {cpus} CPUs here")
+    unknown = set(args.tokenizers) - set(TOKENIZERS)
+    if unknown:
+        parser.error(f"--tokenizers: unknown {', '.join(sorted(unknown))}")
+
+    started = time.perf_counter()
+    bench = Bench(args)
+    jsonl, tokenizers = bench.inputs()
+    with jsonl.open(encoding="utf-8") as lines:
+        documents = sum(1 for _ in lines)
+    report = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": platform.processor() or platform.machine(),
+        "cpus": cpus,
+        "python": platform.python_version(),
+        "git_revision": _git(ROOT, "rev-parse", "--short", "HEAD"),
+        "megatron_lm": str(Path(args.megatron_lm).resolve()),
+        "megatron_lm_commit": megatron_lm_commit(Path(args.megatron_lm)),
+        "corpus": {"bytes": jsonl.stat().st_size, "documents": documents, "seed": args.seed},
+        "note": (
+            "docs/s, tokens/s, MB/s (10^6 bytes of JSONL) from each command's wall time, "
+            "start-up included; the tokenizer alone: encoding time only. Peak RSS / PSS: "
+            "sampled sums over the process tree. Every run pinned to its cores."
+        ),
+        "startup": [],
+        "throughput": [],
+        "memory": [],
+    }
+    report["throughput"] = bench.throughput(jsonl, tokenizers)
+    if not args.skip_startup:
+        report["startup"] = bench.startup(jsonl, tokenizers)
+    if args.memory_mb:
+        report["memory"] = bench.memory()
+    report["wall_s"] = time.perf_counter() - started
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2) + "\n")
+    text = markdown(report)
+    output.with_suffix(".md").write_text(text)
+    print(text)
+    print(f"wrote {output} and {output.with_suffix('.md')} in {report['wall_s']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

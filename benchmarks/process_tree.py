@@ -1,0 +1,81 @@
+"""Run a command pinned to some CPUs and measure its whole process tree.
+
+``preprocess`` and Megatron-LM's ``preprocess_data.py`` both tokenize in worker
+processes, so the memory a run needs is that of the parent and all its workers
+together: ``ru_maxrss`` (one process's peak) would miss it. The tree is sampled while
+the command runs: the sum of the RSS of every process in it, and the sum of their PSS
+(shared pages divided among the processes that share them: workers forked from a parent
+that imported torch share its pages, which a sum of RSS counts once per worker).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+SAMPLE_SECONDS = 0.05
+
+
+@dataclass
+class TreeRun:
+    returncode: int
+    wall_s: float
+    peak_rss_bytes: int  # largest sum of RSS over the tree, sampled
+    peak_pss_bytes: int  # largest sum of PSS over the tree, sampled
+    log: Path
+
+
+def _tree_memory(root: psutil.Process) -> tuple[int, int]:
+    rss = pss = 0
+    try:
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0, 0
+    for process in processes:
+        try:
+            info = process.memory_full_info()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        rss += info.rss
+        pss += getattr(info, "pss", info.rss)
+    return rss, pss
+
+
+def run_tree(
+    argv: Sequence[str], cpus: Sequence[int], env: dict[str, str], log: Path, cwd: Path
+) -> TreeRun:
+    """Run ``argv`` with its CPU affinity set to ``cpus`` (inherited by every process it
+    starts), stdout and stderr to ``log``; its wall time and peak tree memory."""
+    allowed = set(cpus)
+    with log.open("wb") as out:
+        start = time.perf_counter()
+        process = subprocess.Popen(
+            list(argv),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            preexec_fn=lambda: os.sched_setaffinity(0, allowed),
+        )
+        root = psutil.Process(process.pid)
+        peak_rss = peak_pss = 0
+        while True:
+            rss, pss = _tree_memory(root)
+            peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
+            try:
+                returncode = process.wait(timeout=SAMPLE_SECONDS)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        wall = time.perf_counter() - start
+    return TreeRun(returncode, wall, peak_rss, peak_pss, log)
+
+
+def log_tail(log: Path, lines: int = 5) -> str:
+    return "\n".join(log.read_text(errors="replace").strip().splitlines()[-lines:])
