@@ -197,6 +197,12 @@ class Bench:
                 megatron = _row(name, cores, tool, theirs.wall_s, theirs, input_bytes)
                 for row in (ours, megatron):
                     row.update(documents=documents, tokens=tokens, identical_to_megatron_lm=same)
+                if (alone["documents"], alone["tokens"]) != (documents, tokens):
+                    raise SystemExit(
+                        f"{name}: the tokenizer alone gave {alone['documents']} documents and "
+                        f"{alone['tokens']} tokens, the commands {documents} and {tokens}: "
+                        "they did not do the same work"
+                    )
                 for row in (ours, megatron, alone):
                     _rates(row)
                 for row in (ours, megatron, alone):
@@ -260,6 +266,8 @@ def _row(tokenizer: str, cores: int, tool: str, seconds: float, run, input_bytes
         "input_bytes": input_bytes,
         "peak_rss_bytes": run.peak_rss_bytes,
         "peak_pss_bytes": run.peak_pss_bytes,
+        "cpu_s": run.cpu_s,
+        "load_average_before": run.load_before,
     }
 
 
@@ -305,6 +313,53 @@ def _memory_rows(rows: list[dict]) -> str:
     )
 
 
+# The issue's goals: megatron-lns preprocess at least this share of the tokenizer's own
+# batch throughput, and at least this multiple of Megatron-LM's tool's, at equal cores;
+# peak memory independent of input size (here: the largest input's peak within this
+# factor of the smallest's).
+GOAL_VS_ALONE = 0.85
+GOAL_VS_MEGATRON = 1.5
+GOAL_MEMORY_GROWTH = 1.10
+
+
+def goals(report: dict) -> list[dict]:
+    """Each goal of the issue, per tokenizer and core count: the measured value, the
+    target, and whether it was met."""
+    results = []
+    for row in report["throughput"]:
+        if row["tool"] != "megatron-lns preprocess":
+            continue
+        where = f"{row['tokenizer']}, {row['cores']} cores"
+        results.append(
+            _goal(f"vs tokenizer alone ({where})", row["vs_tokenizer_alone"], GOAL_VS_ALONE)
+        )
+        results.append(_goal(f"vs Megatron-LM ({where})", row["vs_megatron_lm"], GOAL_VS_MEGATRON))
+        results.append(
+            {
+                "goal": f"output identical to Megatron-LM's ({where})",
+                "met": row["identical_to_megatron_lm"],
+            }
+        )
+    memory = report["memory"]
+    if len(memory) > 1:
+        small, large = memory[0], memory[-1]
+        growth = large["peak_rss_bytes"] / small["peak_rss_bytes"]
+        results.append(
+            {
+                "goal": f"peak RSS at {large['input_bytes'] / MB:,.0f} MB / at "
+                f"{small['input_bytes'] / MB:,.0f} MB",
+                "value": growth,
+                "target": f"<= {GOAL_MEMORY_GROWTH}",
+                "met": growth <= GOAL_MEMORY_GROWTH,
+            }
+        )
+    return results
+
+
+def _goal(name: str, value: float, target: float) -> dict:
+    return {"goal": name, "value": value, "target": f">= {target}", "met": value >= target}
+
+
 def markdown(report: dict) -> str:
     c = report["corpus"]
     text = [
@@ -330,6 +385,12 @@ def markdown(report: dict) -> str:
             "|---|---|---|---|---|---|---|",
             _memory_rows(report["memory"]),
         ]
+    text += ["", "| goal | measured | target | met |", "|---|---|---|---|"]
+    for g in report["goals"]:
+        value = f"{g['value']:.2f}" if "value" in g else ""
+        text.append(
+            f"| {g['goal']} | {value} | {g.get('target', '')} | {'yes' if g['met'] else 'NO'} |"
+        )
     return "\n".join(text) + "\n"
 
 
@@ -392,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         report["startup"] = bench.startup(jsonl, tokenizers)
     if args.memory_mb:
         report["memory"] = bench.memory()
+    report["goals"] = goals(report)
     report["wall_s"] = time.perf_counter() - started
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -5,12 +5,16 @@ processes, so the memory a run needs is that of the parent and all its workers
 together: ``ru_maxrss`` (one process's peak) would miss it. The tree is sampled while
 the command runs: the sum of the RSS of every process in it, and the sum of their PSS
 (shared pages divided among the processes that share them: workers forked from a parent
-that imported torch share its pages, which a sum of RSS counts once per worker).
+that imported torch share its pages, which a sum of RSS counts once per worker). The
+tree's CPU time (what ``getrusage`` gives for waited-for children) and the machine's load
+average at the start are recorded too: on a shared machine they tell a slow run from a
+crowded one.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import time
 from collections.abc import Sequence
@@ -28,6 +32,8 @@ class TreeRun:
     wall_s: float
     peak_rss_bytes: int  # largest sum of RSS over the tree, sampled
     peak_pss_bytes: int  # largest sum of PSS over the tree, sampled
+    cpu_s: float  # user + system time of the whole tree (every process it waited for)
+    load_before: float  # the machine's 1-minute load average when it started
     log: Path
 
 
@@ -53,6 +59,8 @@ def run_tree(
     """Run ``argv`` with its CPU affinity set to ``cpus`` (inherited by every process it
     starts), stdout and stderr to ``log``; its wall time and peak tree memory."""
     allowed = set(cpus)
+    load = os.getloadavg()[0]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with log.open("wb") as out:
         start = time.perf_counter()
         process = subprocess.Popen(
@@ -74,7 +82,9 @@ def run_tree(
             except subprocess.TimeoutExpired:
                 continue
         wall = time.perf_counter() - start
-    return TreeRun(returncode, wall, peak_rss, peak_pss, log)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return TreeRun(returncode, wall, peak_rss, peak_pss, cpu, load, log)
 
 
 def log_tail(log: Path, lines: int = 5) -> str:
