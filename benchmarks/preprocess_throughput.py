@@ -55,6 +55,7 @@ MB = 1_000_000
 MIB = 2**20
 ALONE_BATCH = 1024
 TOKENIZERS = ("bpe", "sentencepiece")
+SECTIONS = ("throughput", "startup", "memory")
 
 # The tokenizer alone, in a fresh interpreter (so RAYON_NUM_THREADS holds): argv is
 # library, tokenizer file, JSONL, threads. Prints one JSON line.
@@ -73,12 +74,12 @@ else:
     import sentencepiece
     sp = sentencepiece.SentencePieceProcessor(model_file=path)
     count = lambda texts: sum(map(len, sp.encode(texts, num_threads=threads)))
-start = time.perf_counter()
+start, cpu = time.perf_counter(), time.process_time()
 tokens = 0
 for first in range(0, len(texts), batch):
     tokens += count(texts[first:first + batch])
-seconds = time.perf_counter() - start
-print(json.dumps({"seconds": seconds, "documents": len(texts), "tokens": tokens}))
+seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+print(json.dumps({"seconds": seconds, "cpu_s": cpu, "documents": len(texts), "tokens": tokens}))
 """
 
 
@@ -180,7 +181,9 @@ class Bench:
                 run, result = self.alone(tok, jsonl, cores)
                 self._check(run, "tokenizer alone")
                 alone = _row(name, cores, "tokenizer alone", result["seconds"], run, input_bytes)
-                alone.update(documents=result["documents"], tokens=result["tokens"])
+                alone.update(
+                    documents=result["documents"], tokens=result["tokens"], cpu_s=result["cpu_s"]
+                )
                 mine, mine_prefix = self.ours(tok, jsonl, cores, name)
                 self._check(mine, "megatron-lns preprocess")
                 theirs, their_prefix = self.megatron(tok, jsonl, cores, name)
@@ -268,6 +271,9 @@ def _row(tokenizer: str, cores: int, tool: str, seconds: float, run, input_bytes
         "peak_pss_bytes": run.peak_pss_bytes,
         "cpu_s": run.cpu_s,
         "load_average_before": run.load_before,
+        "processes": run.max_processes,
+        "parent_peak_rss_bytes": run.root_peak_rss_bytes,
+        "largest_child_peak_rss_bytes": run.child_peak_rss_bytes,
     }
 
 
@@ -298,6 +304,7 @@ def _markdown_rows(rows: list[dict]) -> str:
             f"| {r['tokenizer']} | {r['cores']} | {r['tool']} | {r['docs_per_s']:,.0f} | "
             f"{r['tokens_per_s'] / 1e6:.2f} M | {r['mb_per_s']:.2f} | "
             f"{r['peak_rss_bytes'] / MIB:,.0f} | {r['peak_pss_bytes'] / MIB:,.0f} | "
+            f"{r['seconds']:.1f} | {r['cpu_s']:.1f} | "
             f"{r['vs_tokenizer_alone']:.2f} | {r['vs_megatron_lm']:.2f} | "
             f"{'' if same is None else 'yes' if same else 'NO'} |"
         )
@@ -307,8 +314,10 @@ def _markdown_rows(rows: list[dict]) -> str:
 def _memory_rows(rows: list[dict]) -> str:
     return "\n".join(
         f"| {r['input_bytes'] / MB:,.0f} MB | {r['documents']:,} | {r['cores']} | "
-        f"{r['seconds']:.1f} | {r['mb_per_s']:.2f} | {r['peak_rss_bytes'] / MIB:,.0f} | "
-        f"{r['peak_pss_bytes'] / MIB:,.0f} |"
+        f"{r['processes']} | {r['seconds']:.1f} | {r['mb_per_s']:.2f} | "
+        f"{r['peak_rss_bytes'] / MIB:,.0f} | {r['peak_pss_bytes'] / MIB:,.0f} | "
+        f"{r['parent_peak_rss_bytes'] / MIB:,.0f} | "
+        f"{r['largest_child_peak_rss_bytes'] / MIB:,.0f} |"
         for r in rows
     )
 
@@ -329,7 +338,7 @@ def goals(report: dict) -> list[dict]:
     for row in report["throughput"]:
         if row["tool"] != "megatron-lns preprocess":
             continue
-        where = f"{row['tokenizer']}, {row['cores']} cores"
+        where = f"{row['tokenizer']}, {row['cores']} core{'s' if row['cores'] > 1 else ''}"
         results.append(
             _goal(f"vs tokenizer alone ({where})", row["vs_tokenizer_alone"], GOAL_VS_ALONE)
         )
@@ -342,17 +351,21 @@ def goals(report: dict) -> list[dict]:
         )
     memory = report["memory"]
     if len(memory) > 1:
-        small, large = memory[0], memory[-1]
-        growth = large["peak_rss_bytes"] / small["peak_rss_bytes"]
-        results.append(
-            {
-                "goal": f"peak RSS at {large['input_bytes'] / MB:,.0f} MB / at "
-                f"{small['input_bytes'] / MB:,.0f} MB",
-                "value": growth,
-                "target": f"<= {GOAL_MEMORY_GROWTH}",
-                "met": growth <= GOAL_MEMORY_GROWTH,
-            }
-        )
+        large = memory[-1]
+        # Against the smallest input that ran as many processes (one worker per unit of
+        # input, up to --workers): more processes is more memory whatever the input.
+        small = next(r for r in memory if r["processes"] == large["processes"])
+        if small is not large:
+            growth = large["peak_rss_bytes"] / small["peak_rss_bytes"]
+            results.append(
+                {
+                    "goal": f"peak RSS at {large['input_bytes'] / MB:,.0f} MB / at "
+                    f"{small['input_bytes'] / MB:,.0f} MB ({large['processes']} processes)",
+                    "value": growth,
+                    "target": f"<= {GOAL_MEMORY_GROWTH}",
+                    "met": growth <= GOAL_MEMORY_GROWTH,
+                }
+            )
     return results
 
 
@@ -367,12 +380,16 @@ def markdown(report: dict) -> str:
         f"Python {report['python']}, megatron-lns {report['git_revision']}, Megatron-LM "
         f"{report['megatron_lm_commit'][:12]}. Corpus: {c['bytes'] / MB:,.0f} MB JSONL, "
         f"{c['documents']:,} documents (seed {c['seed']}).",
-        "",
-        "| tokenizer | cores | tool | docs/s | tokens/s | MB/s | peak RSS MiB | "
-        "peak PSS MiB | vs tokenizer alone | vs Megatron-LM | identical output |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-        _markdown_rows(report["throughput"]),
     ]
+    if report["throughput"]:
+        text += [
+            "",
+            "| tokenizer | cores | tool | docs/s | tokens/s | MB/s | peak RSS MiB | "
+            "peak PSS MiB | wall s | CPU s | vs tokenizer alone | vs Megatron-LM | "
+            "identical output |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            _markdown_rows(report["throughput"]),
+        ]
     if report["startup"]:
         text += ["", "| tokenizer | command | start-up s (one document, 1 core) |"]
         text += ["|---|---|---|"]
@@ -381,8 +398,9 @@ def markdown(report: dict) -> str:
     if report["memory"]:
         text += [
             "",
-            "| input | documents | cores | seconds | MB/s | peak RSS MiB | peak PSS MiB |",
-            "|---|---|---|---|---|---|---|",
+            "| input | documents | cores | processes | seconds | MB/s | peak RSS MiB | "
+            "peak PSS MiB | parent's peak RSS MiB | largest worker's peak RSS MiB |",
+            "|---|---|---|---|---|---|---|---|---|---|",
             _memory_rows(report["memory"]),
         ]
     text += ["", "| goal | measured | target | met |", "|---|---|---|---|"]
@@ -402,7 +420,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--megatron-lm", required=True, help="a Megatron-LM checkout")
+    parser.add_argument("--megatron-lm", help="a Megatron-LM checkout")
+    parser.add_argument(
+        "--render", metavar="JSON", help="only print (and write beside it) the tables of a report"
+    )
     parser.add_argument("--work-dir", default="/tmp/megatron_lns_preprocess_bench")
     parser.add_argument("--corpus-mb", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -412,18 +433,35 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tokenizers", type=lambda s: s.split(","), default=list(TOKENIZERS))
     parser.add_argument(
-        "--memory-mb", type=_int_list, default=[200, 2048], help="'' to skip the memory runs"
+        "--memory-mb", type=_int_list, default=[200, 600, 2048], help="'' to skip the memory runs"
     )
-    parser.add_argument("--skip-startup", action="store_true")
+    parser.add_argument(
+        "--sections",
+        type=lambda s: s.split(","),
+        default=list(SECTIONS),
+        help=f"which to run, of {','.join(SECTIONS)}",
+    )
     parser.add_argument("--output", default=str(HERE / "results" / "preprocess_throughput.json"))
     args = parser.parse_args(argv)
+    if args.render:
+        report = json.loads(Path(args.render).read_text())
+        report["goals"] = goals(report)
+        text = markdown(report)
+        Path(args.render).with_suffix(".md").write_text(text)
+        print(text, end="")
+        return 0
+    if not args.megatron_lm:
+        parser.error("--megatron-lm is required (a Megatron-LM checkout)")
     if not (Path(args.megatron_lm) / "tools" / "preprocess_data.py").is_file():
         parser.error(f"{args.megatron_lm} holds no tools/preprocess_data.py")
     if max(args.cores) > cpus:
         parser.error(f"--cores {max(args.cores)}: only {cpus} CPUs here")
-    unknown = set(args.tokenizers) - set(TOKENIZERS)
-    if unknown:
-        parser.error(f"--tokenizers: unknown {', '.join(sorted(unknown))}")
+    for flag, given, known in (
+        ("--tokenizers", args.tokenizers, TOKENIZERS),
+        ("--sections", args.sections, SECTIONS),
+    ):
+        if unknown := set(given) - set(known):
+            parser.error(f"{flag}: unknown {', '.join(sorted(unknown))}")
 
     started = time.perf_counter()
     bench = Bench(args)
@@ -448,10 +486,11 @@ def main(argv: list[str] | None = None) -> int:
         "throughput": [],
         "memory": [],
     }
-    report["throughput"] = bench.throughput(jsonl, tokenizers)
-    if not args.skip_startup:
+    if "throughput" in args.sections:
+        report["throughput"] = bench.throughput(jsonl, tokenizers)
+    if "startup" in args.sections:
         report["startup"] = bench.startup(jsonl, tokenizers)
-    if args.memory_mb:
+    if "memory" in args.sections and args.memory_mb:
         report["memory"] = bench.memory()
     report["goals"] = goals(report)
     report["wall_s"] = time.perf_counter() - started

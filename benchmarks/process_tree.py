@@ -35,22 +35,25 @@ class TreeRun:
     cpu_s: float  # user + system time of the whole tree (every process it waited for)
     load_before: float  # the machine's 1-minute load average when it started
     log: Path
+    max_processes: int = 1  # the most processes the tree held at once
+    root_peak_rss_bytes: int = 0  # the command's own process
+    child_peak_rss_bytes: int = 0  # the largest of any process it started
 
 
-def _tree_memory(root: psutil.Process) -> tuple[int, int]:
-    rss = pss = 0
+def _tree_memory(root: psutil.Process) -> dict[int, tuple[int, int]]:
+    """(RSS, PSS) of every process in the tree now, by pid."""
     try:
         processes = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0, 0
+        return {}
+    memory = {}
     for process in processes:
         try:
             info = process.memory_full_info()
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
-        rss += info.rss
-        pss += getattr(info, "pss", info.rss)
-    return rss, pss
+        memory[process.pid] = (info.rss, getattr(info, "pss", info.rss))
+    return memory
 
 
 def run_tree(
@@ -72,10 +75,15 @@ def run_tree(
             preexec_fn=lambda: os.sched_setaffinity(0, allowed),
         )
         root = psutil.Process(process.pid)
-        peak_rss = peak_pss = 0
+        peak_rss = peak_pss = most = 0
+        by_pid: dict[int, int] = {}
         while True:
-            rss, pss = _tree_memory(root)
-            peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
+            memory = _tree_memory(root)
+            peak_rss = max(peak_rss, sum(rss for rss, _ in memory.values()))
+            peak_pss = max(peak_pss, sum(pss for _, pss in memory.values()))
+            most = max(most, len(memory))
+            for pid, (rss, _) in memory.items():
+                by_pid[pid] = max(by_pid.get(pid, 0), rss)
             try:
                 returncode = process.wait(timeout=SAMPLE_SECONDS)
                 break
@@ -84,7 +92,11 @@ def run_tree(
         wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return TreeRun(returncode, wall, peak_rss, peak_pss, cpu, load, log)
+    root_peak = by_pid.pop(process.pid, 0)
+    child_peak = max(by_pid.values(), default=0)
+    return TreeRun(
+        returncode, wall, peak_rss, peak_pss, cpu, load, log, most, root_peak, child_peak
+    )
 
 
 def log_tail(log: Path, lines: int = 5) -> str:
