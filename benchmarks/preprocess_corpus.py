@@ -5,7 +5,8 @@ A JSONL corpus recombined from the text that ships with the Python running this 
 English prose and code), deterministic for a seed and that Python; a 32k byte-level BPE
 trained with the ``tokenizers`` library and saved as a Hugging Face tokenizer directory
 (what both ``megatron-lns preprocess --tokenizer-library huggingface`` and Megatron-LM's
-``--tokenizer-type HuggingFaceTokenizer`` load); and a 32k SentencePiece unigram model.
+``--tokenizer-type HuggingFaceTokenizer`` load); and a 32k SentencePiece BPE model
+(byte fallback).
 Each is made once in the work directory and reused by later runs (their names carry
 the parameters they were made with).
 """
@@ -117,8 +118,8 @@ def train_bpe(directory: Path, corpus: Path) -> Path:
 
 
 def train_sentencepiece(model: Path, corpus: Path) -> Path:
-    """A SentencePiece unigram model of ``VOCAB_SIZE`` pieces (unk 0, bos 1, eos 2),
-    written to ``model`` (once)."""
+    """A SentencePiece BPE model with byte fallback (LLaMA 2's kind, which gigatoken also
+    encodes) of ``VOCAB_SIZE`` pieces (unk 0, bos 1, eos 2), written to ``model`` (once)."""
     if model.exists():
         return model
     import sentencepiece
@@ -128,7 +129,7 @@ def train_sentencepiece(model: Path, corpus: Path) -> Path:
         sentence_iterator=(p for p in training_text(corpus) if p.strip()),
         model_prefix=str(prefix),
         vocab_size=VOCAB_SIZE,
-        model_type="unigram",
+        model_type="bpe",
         hard_vocab_limit=False,  # a small --corpus-mb (a trial run) gives fewer pieces
         character_coverage=1.0,
         byte_fallback=True,
