@@ -23,8 +23,8 @@ with its CPU affinity set to that many cores (children inherit it):
 
 The tokenizer alone and ``preprocess`` run ``--repeats`` rounds (default 2) and each row
 keeps its fastest: on a shared machine other people's load slows single runs at random.
-Megatron-LM's tool, two to eight times slower, runs once (so its row can only be slowed,
-never flattered, by that load). Docs/s, tokens/s and MB/s (10^6 bytes of JSONL input)
+Megatron-LM's tool, two to eight times slower, runs once (that load can only slow its
+row, which flatters the ratios against it). Docs/s, tokens/s and MB/s (10^6 bytes of JSONL input)
 come from the wall time of each
 (the commands' start-up included; it is also measured on its own, on a one-document
 input); peak memory is the sampled sum over the process tree (``process_tree.py``).
