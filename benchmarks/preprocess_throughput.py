@@ -224,6 +224,8 @@ class Bench:
                                 for s in (".bin", ".idx")
                             )
                         kept = best.setdefault(row["tool"], row)
+                        if "refused" in row:
+                            continue
                         kept.setdefault("rounds_s", []).append(row["seconds"])
                         if row["seconds"] < kept["seconds"]:
                             row["rounds_s"] = kept["rounds_s"]
@@ -240,9 +242,10 @@ class Bench:
                     )
                 group = [row for tool, row in best.items() if tool.startswith(OURS)]
                 group += [megatron, alone]
-                for row in group:
+                measured = [row for row in group if "refused" not in row]
+                for row in measured:
                     _rates(row)
-                for row in group:
+                for row in measured:
                     row["vs_tokenizer_alone"] = row["docs_per_s"] / alone["docs_per_s"]
                     row["vs_megatron_lm"] = row["docs_per_s"] / megatron["docs_per_s"]
                 rows += group
@@ -263,6 +266,11 @@ class Bench:
     ) -> dict:
         mine, prefix = self.ours(tok, jsonl, cores, f"{name}-{encoder}", encoder=encoder)
         tool = OURS if encoder == "standard" else f"{OURS} --encoder {encoder}"
+        why = log_tail(mine.log, 1)
+        if mine.returncode != 0 and encoder != "standard" and why.startswith("error:"):
+            # An encoder that refuses this tokenizer says why in one line: a row that
+            # says so, not a failed benchmark.
+            return {"tokenizer": name, "cores": cores, "tool": tool, "refused": why}
         self._check(mine, tool)
         row = _row(name, cores, tool, mine.wall_s, mine, size)
         row["documents"], row["tokens"] = _counts(prefix)
@@ -369,6 +377,10 @@ def _differing(prefix: Path, reference: Path) -> int:
 def _markdown_rows(rows: list[dict]) -> str:
     lines = []
     for r in rows:
+        if "refused" in r:
+            cells = " | ".join([f"refused: {r['refused']}"] + [""] * 9)
+            lines.append(f"| {r['tokenizer']} | {r['cores']} | {r['tool']} | {cells} |")
+            continue
         same = r.get("identical_to_megatron_lm")
         lines.append(
             f"| {r['tokenizer']} | {r['cores']} | {r['tool']} | {r['docs_per_s']:,.0f} | "
@@ -412,7 +424,7 @@ def goals(report: dict) -> list[dict]:
     target, and whether it was met."""
     results = []
     for row in report["throughput"]:
-        if not row["tool"].startswith(OURS):
+        if not row["tool"].startswith(OURS) or "refused" in row:
             continue
         where = f"{row['tokenizer']}, {row['cores']} core{'s' if row['cores'] > 1 else ''}"
         if row["tool"] == OURS:  # the goals are the standard encoders'
