@@ -220,20 +220,6 @@ def test_a_malformed_dataset_description_is_named(tmp_path):
         DatasetMetadata.load(tmp_path / "corpus")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _children(pid: int) -> list[int]:
-    tasks = Path(f"/proc/{pid}/task")
-    return [
-        int(child) for task in tasks.iterdir() for child in (task / "children").read_text().split()
-    ]
-
-
 @pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
