@@ -140,12 +140,15 @@ def as_user_error(err: BaseException) -> UserError | None:
     return None
 
 
-def write_text_atomically(path: str | Path, text: str, then: str = "") -> None:
+def write_text_atomically(
+    path: str | Path, text: str, then: str = "", temporary: Path | None = None
+) -> None:
     """Replace ``path`` with ``text`` whole or not at all: a full disk leaves the old
     file (no truncated one) and no temporary file, and raises :class:`DiskFullError`
-    (``then``: what that means for the reader of ``path``)."""
+    (``then``: what that means for the reader of ``path``). ``temporary``: the name
+    written first (default ``PATH.tmp-PID``)."""
     path = Path(path)
-    temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    temporary = temporary or path.with_name(f"{path.name}.tmp-{os.getpid()}")
     with disk_full_reported(path, then=then, cleanup=lambda: temporary.unlink(missing_ok=True)):
         temporary.write_text(text)
         os.replace(temporary, path)

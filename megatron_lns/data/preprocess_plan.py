@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO
 
+from megatron_lns.base.disk import write_text_atomically
 from megatron_lns.data.corpus_inputs import PreprocessError, input_format
 
 UNIT_BYTES = 32 << 20
@@ -202,10 +203,13 @@ class PartsDirectory:
             return None
         return receipt
 
-    def write_receipt(self, unit: Unit, receipt: dict) -> None:
+    def write_receipt(self, unit: Unit, receipt: dict) -> dict:
+        """Publish ``receipt`` (written last: it makes the unit done); the receipt as read."""
         path = Path(f"{self.prefix(unit)}.json")
         temporary = self.units / f"{unit.name}.tmp-{os.getpid()}.json"  # one of temporaries()
-        write_json_atomically(path, {"unit": asdict(unit), **receipt}, temporary)
+        receipt = {"unit": asdict(unit), **receipt}
+        write_json_atomically(path, receipt, temporary)
+        return receipt
 
     def forget(self, unit: Unit) -> None:
         for suffix in (".json", ".bin", ".idx"):
@@ -230,9 +234,4 @@ class PartsDirectory:
 
 
 def write_json_atomically(path: Path, data: dict, temporary: Path | None = None) -> None:
-    temporary = temporary or path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        temporary.write_text(json.dumps(data, indent=1) + "\n")
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+    write_text_atomically(path, json.dumps(data, indent=1) + "\n", temporary=temporary)
