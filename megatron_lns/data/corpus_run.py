@@ -48,8 +48,8 @@ from megatron_lns.data.token_files import merge_token_files, token_dtype
 from megatron_lns.data.unit_worker import (
     BadRecordLimit,
     TokenizerSpec,
+    UnitTokenizer,
     max_token_id,
-    tokenize_unit,
     worker_main,
 )
 
@@ -382,6 +382,7 @@ class _Runner:
 
     def _tokenize_here(self, todo: list[Unit], tokenizer, progress: _Progress) -> list[Unit]:
         held = []
+        units = UnitTokenizer(self.parts, tokenizer, self.run.json_key, self.run.bad_records)
         with StopSignals() as stop:
 
             def report(kind: str, payload: object) -> None:
@@ -389,10 +390,7 @@ class _Runner:
                 self._event(progress, kind, payload)
 
             for unit in todo:
-                run = self.run
-                receipt = tokenize_unit(
-                    unit, self.parts, tokenizer, run.json_key, run.bad_records, report
-                )
+                receipt = units.tokenize(unit, report)
                 if receipt is None:
                     held.append(unit)
         return held

@@ -3,7 +3,7 @@
 A unit is written under a temporary name and renamed into place, its receipt last: an
 error, a kill or a stop midway leaves no file that looks finished, and the next run that
 takes the unit's lock names and removes what was left. Worker processes run
-:func:`worker_main`; a run with one worker calls :func:`tokenize_unit` in its own process.
+:func:`worker_main`; a run with one worker calls :meth:`UnitTokenizer.tokenize` itself.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 
 from megatron_lns.base.disk import disk_full_reported
-from megatron_lns.base.errors import UserError
 from megatron_lns.base.parent_death import die_with_parent
 from megatron_lns.data.corpus_inputs import PreprocessError, input_format
 from megatron_lns.data.corpus_reader import read_batches
@@ -103,87 +102,81 @@ class BadRecordLimit:
         return None
 
 
-def tokenize_unit(
-    unit: Unit,
-    parts: PartsDirectory,
-    tokenizer: Tokenizer,
-    json_key: str,
-    limit: BadRecordLimit,
-    report: Report,
-    threads: int = 1,
-) -> dict | None:
-    """Tokenize ``unit`` and publish it with its receipt (returned); None when another
-    process holds the unit."""
-    lock = parts.lock(unit)
-    if not lock.acquire():
-        return None
-    try:
-        if receipt := parts.receipt(unit):  # finished by another process meanwhile
-            return receipt
-        for stale in parts.temporaries(unit):
-            stale.unlink(missing_ok=True)
-            report("removed", str(stale))
-        parts.forget(unit)  # an earlier input's files
-        kept = f"; the finished units are kept in {parts.root}"
-        with disk_full_reported(f"{parts.output_prefix}.bin", then=kept):
-            return _write_unit(unit, parts, tokenizer, json_key, limit, report, threads)
-    finally:
-        lock.release()
+@dataclass(frozen=True)
+class UnitTokenizer:
+    """What every unit of a run is tokenized with; :meth:`tokenize` does one unit."""
 
+    parts: PartsDirectory
+    tokenizer: Tokenizer
+    json_key: str
+    limit: BadRecordLimit
+    threads: int = 1
 
-def _write_unit(
-    unit: Unit,
-    parts: PartsDirectory,
-    tokenizer: Tokenizer,
-    json_key: str,
-    limit: BadRecordLimit,
-    report: Report,
-    threads: int,
-) -> dict:
-    started = time.monotonic()
-    temporary = f"{parts.prefix(unit)}.tmp-{uuid.uuid4().hex[:12]}"
-    writer = TokenFileWriter(temporary, token_dtype(tokenizer.vocab_size))
-    path = Path(unit.path)
-    bad: list[str] = []
-    max_token_id = -1
-    try:
-        batches = read_batches(path, input_format(path), json_key, unit.start, unit.end)
-        for batch in batches:
-            for record in batch.bad:
-                bad.append(str(record))
-                if limit.count == 0:
-                    raise PreprocessError(
-                        f"{record} (--max-bad-records N tolerates up to N bad records)"
-                    )
-                report("bad", f"bad record {record}")
-                if why := limit.exceeded(len(bad), 0):
-                    raise PreprocessError(f"{record}: {len(bad)} bad records, {why}")
-            ids, lengths = encode_documents(tokenizer, batch.texts, threads)
-            if len(ids):
-                max_token_id = max(max_token_id, int(ids.max()))
-            writer.add(ids, lengths)
-            report("progress", (batch.input_bytes, len(lengths), len(ids)))
-        if writer.documents == 0 and not bad and unit.start == 0 and unit.end is None:
-            raise PreprocessError(f"{unit.path} holds no documents (an empty shard)")
-        if why := limit.exceeded(len(bad), writer.documents + len(bad)):
-            raise PreprocessError(f"{unit.describe()}: {len(bad)} bad records, {why}")
-        writer.finish()
-        for suffix in (".bin", ".idx"):
-            os.replace(f"{temporary}{suffix}", f"{parts.prefix(unit)}{suffix}")
-    except BaseException:
-        writer.discard()
-        raise
-    receipt = {
-        "encoder": "gigatoken" if isinstance(tokenizer, GigatokenTokenizer) else "standard",
-        "documents": writer.documents,
-        "tokens": writer.tokens,
-        "max_token_id": max_token_id,
-        "bad_records": bad,
-        "input_bytes": unit.bytes,
-        "seconds": round(time.monotonic() - started, 3),
-    }
-    parts.write_receipt(unit, receipt)
-    return parts.receipt(unit) or receipt
+    def tokenize(self, unit: Unit, report: Report) -> dict | None:
+        """Tokenize ``unit`` and publish it with its receipt (returned); None when another
+        process holds the unit."""
+        parts = self.parts
+        lock = parts.lock(unit)
+        if not lock.acquire():
+            return None
+        try:
+            if receipt := parts.receipt(unit):  # finished by another process meanwhile
+                return receipt
+            for stale in parts.temporaries(unit):
+                stale.unlink(missing_ok=True)
+                report("removed", str(stale))
+            parts.forget(unit)  # an earlier input's files
+            kept = f"; the finished units are kept in {parts.root}"
+            with disk_full_reported(f"{parts.output_prefix}.bin", then=kept):
+                return self._write(unit, report)
+        finally:
+            lock.release()
+
+    def _write(self, unit: Unit, report: Report) -> dict:
+        parts, tokenizer, limit = self.parts, self.tokenizer, self.limit
+        started = time.monotonic()
+        temporary = f"{parts.prefix(unit)}.tmp-{uuid.uuid4().hex[:12]}"
+        writer = TokenFileWriter(temporary, token_dtype(tokenizer.vocab_size))
+        path = Path(unit.path)
+        bad: list[str] = []
+        max_token_id = -1
+        try:
+            batches = read_batches(path, input_format(path), self.json_key, unit.start, unit.end)
+            for batch in batches:
+                for record in batch.bad:
+                    bad.append(str(record))
+                    if limit.count == 0:
+                        raise PreprocessError(
+                            f"{record} (--max-bad-records N tolerates up to N bad records)"
+                        )
+                    report("bad", f"bad record {record}")
+                    if why := limit.exceeded(len(bad), 0):
+                        raise PreprocessError(f"{record}: {len(bad)} bad records, {why}")
+                ids, lengths = encode_documents(tokenizer, batch.texts, self.threads)
+                if len(ids):
+                    max_token_id = max(max_token_id, int(ids.max()))
+                writer.add(ids, lengths)
+                report("progress", (batch.input_bytes, len(lengths), len(ids)))
+            if writer.documents == 0 and not bad and unit.start == 0 and unit.end is None:
+                raise PreprocessError(f"{unit.path} holds no documents (an empty shard)")
+            if why := limit.exceeded(len(bad), writer.documents + len(bad)):
+                raise PreprocessError(f"{unit.describe()}: {len(bad)} bad records, {why}")
+            writer.finish()
+            for suffix in (".bin", ".idx"):
+                os.replace(f"{temporary}{suffix}", f"{parts.prefix(unit)}{suffix}")
+        except BaseException:
+            writer.discard()
+            raise
+        receipt = {
+            "encoder": "gigatoken" if isinstance(tokenizer, GigatokenTokenizer) else "standard",
+            "documents": writer.documents,
+            "tokens": writer.tokens,
+            "max_token_id": max_token_id,
+            "bad_records": bad,
+            "input_bytes": unit.bytes,
+            "seconds": round(time.monotonic() - started, 3),
+        }
+        return parts.write_receipt(unit, receipt)
 
 
 def worker_main(
@@ -203,12 +196,14 @@ def worker_main(
     die_with_parent(signal.SIGKILL)
     os.environ["RAYON_NUM_THREADS"] = str(threads)
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
-    parts = PartsDirectory(Path(output_prefix))
     try:
         tokenizer = spec.build()
     except Exception as err:
         results.put(("error", -1, _describe(err)))
         return
+    units_of_this_run = UnitTokenizer(
+        PartsDirectory(Path(output_prefix)), tokenizer, json_key, limit, threads
+    )
     while (unit := units.get()) is not None:
         results.put(("start", unit.index, None))
 
@@ -216,7 +211,7 @@ def worker_main(
             results.put((kind, index, payload))
 
         try:
-            receipt = tokenize_unit(unit, parts, tokenizer, json_key, limit, report, threads)
+            receipt = units_of_this_run.tokenize(unit, report)
         except Exception as err:
             results.put(("error", unit.index, _describe(err)))
             return
@@ -227,11 +222,9 @@ def _describe(err: BaseException) -> tuple[bool, str]:
     """(whether it is the user's to fix, the one line or the traceback)."""
     from megatron_lns.base.disk import as_user_error
 
-    user = as_user_error(err)
+    user = as_user_error(err)  # a UserError itself, or a full disk as one
     if user is not None:
         return True, str(user)
-    if isinstance(err, UserError):
-        return True, str(err)
     return False, "".join(traceback.format_exception(err))
 
 
