@@ -2,11 +2,10 @@
 
 The unit of work is an input file, or a byte range of ``UNIT_BYTES`` of a large
 uncompressed line file (the lines that start in it): one 120 MB JSONL file then keeps
-two workers busy, each on its own core, rather than one process on two tokenizer threads
-(a Rust batch encoder gains about 1.5x from a second thread, a second process 2x).
-Units depend only on the inputs, never
-on the number of workers, tasks or nodes, and the dataset is their outputs concatenated
-in order: so its bytes are the same however the work was split, and whether it was resumed.
+two workers busy, each on its own core, rather than one process on two tokenizer threads.
+Units depend only on the inputs, never on the number of workers, tasks or nodes, and the
+dataset is their outputs concatenated in order: so its bytes are the same however the
+work was split, and whether it was resumed.
 
 Everything lives beside the output, in ``PREFIX.parts/``::
 
