@@ -171,7 +171,7 @@ class _Runner:
         check_output_place(self.prefix)
         self.parts.create()
         if run.task is not None:
-            return self._task(settings, units, tokenizer)
+            return self._task(settings, units)
         lock = FileLock(self.parts.root / "lock")
         if not lock.acquire():
             raise PreprocessError(
@@ -179,13 +179,13 @@ class _Runner:
                 "to end, or stop it"
             )
         try:
-            return self._plain(settings, units, tokenizer)
+            return self._plain(settings, units)
         finally:
             lock.release()
 
     # -- a plain run --------------------------------------------------------------------
 
-    def _plain(self, settings: Settings, units: list[Unit], tokenizer) -> Outcome:
+    def _plain(self, settings: Settings, units: list[Unit]) -> Outcome:
         run, prefix = self.run, self.prefix
         self._remove_stale_merges()
         digest = plan_digest(settings, units)
@@ -213,7 +213,7 @@ class _Runner:
                 f"{self.parts.root} ({done_before} done)"
             )
             return Outcome(self.lines)
-        held = self._tokenize(todo, tokenizer, f"tokenizing -> {prefix.name}")
+        held = self._tokenize(todo, f"tokenizing -> {prefix.name}")
         if held:
             raise PreprocessError(
                 f"{len(held)} units of {prefix} are being tokenized by another process "
@@ -327,7 +327,7 @@ class _Runner:
 
     # -- one task of several ------------------------------------------------------------
 
-    def _task(self, settings: Settings, units: list[Unit], tokenizer) -> Outcome:
+    def _task(self, settings: Settings, units: list[Unit]) -> Outcome:
         task, tasks = self.run.task
         earlier = self.parts.load_plan()
         if earlier is None or earlier != (settings, units):
@@ -338,7 +338,7 @@ class _Runner:
             )
         share = task_share(units, task, tasks)
         todo = [u for u in share if self.parts.receipt(u) is None]
-        held = self._tokenize(todo, tokenizer, f"task {task}/{tasks}")
+        held = self._tokenize(todo, f"task {task}/{tasks}")
         self.lines.append(
             f"task {task}/{tasks}: {len(share)} units, {len(todo) - len(held)} tokenized now, "
             f"{len(share) - len(todo)} done before"
@@ -348,14 +348,14 @@ class _Runner:
 
     # -- tokenizing units ---------------------------------------------------------------
 
-    def _tokenize(self, todo: list[Unit], tokenizer, label: str) -> list[Unit]:
+    def _tokenize(self, todo: list[Unit], label: str) -> list[Unit]:
         """Tokenize ``todo``; the units another process holds (not done here)."""
         if not todo:
             return []
         progress = _Progress(sum(u.bytes for u in todo), label, self.run.progress)
         try:
             if self.run.workers <= 1:
-                held = self._tokenize_here(todo, tokenizer, progress)
+                held = self._tokenize_here(todo, progress)
             else:
                 held = self._tokenize_in_workers(todo, progress)
         except (KeyboardInterrupt, SystemExit):
@@ -380,9 +380,10 @@ class _Runner:
         elif kind == "removed":
             progress.write(f"removed {payload}: left by a run that stopped before finishing it")
 
-    def _tokenize_here(self, todo: list[Unit], tokenizer, progress: _Progress) -> list[Unit]:
+    def _tokenize_here(self, todo: list[Unit], progress: _Progress) -> list[Unit]:
         held = []
-        units = UnitTokenizer(self.parts, tokenizer, self.run.json_key, self.run.bad_records)
+        run = self.run
+        units = UnitTokenizer(self.parts, self.tokenizer, run.json_key, run.bad_records)
         with StopSignals() as stop:
 
             def report(kind: str, payload: object) -> None:
