@@ -9,6 +9,10 @@ from megatron_lns.config.rules import (
     non_empty,
     positive,
 )
+from megatron_lns.config.sections.fault_tolerance import (
+    FaultToleranceParams,
+    StragglerDetectionParams,
+)
 from megatron_lns.config.settings import setting
 
 
@@ -93,4 +97,24 @@ class ExpManagerConfig:
     )
     checkpoint_callback_params: CheckpointCallbackParams = field(
         default_factory=CheckpointCallbackParams
+    )
+    create_fault_tolerance_callback: bool = setting(
+        True,
+        doc=(
+            "watch every rank for hangs (heartbeats through start-up, checkpoint load, steps, "
+            "evaluation and saves, with the timeouts of `fault_tolerance`) and restart the "
+            "ranks in-job after a hang or a dead rank (see [resilience.md](resilience.md)); "
+            "NeMo's switch, on here by default"
+        ),
+    )
+    fault_tolerance: FaultToleranceParams = field(default_factory=FaultToleranceParams)
+    create_straggler_detection_callback: bool = setting(
+        True,
+        doc=(
+            "compare the ranks' compute time per step and name the slow ones with their hosts "
+            "(log, TensorBoard, the end of each attempt); NeMo's switch, on here by default"
+        ),
+    )
+    straggler_detection_params: StragglerDetectionParams = field(
+        default_factory=StragglerDetectionParams
     )

@@ -103,6 +103,15 @@ class TrainerConfig:
             "timeouts"
         ),
     )
+    distributed_timeout_minutes: float = setting(
+        10.0,
+        positive,
+        doc=(
+            "not in NeMo: Megatron-LM's `--distributed-timeout-minutes`, the process groups' "
+            "timeout: a collective that waits longer raises. The hang watchdog "
+            "(`exp_manager.fault_tolerance`) usually acts first"
+        ),
+    )
     exit_interval: int | None = setting(
         None,
         positive,

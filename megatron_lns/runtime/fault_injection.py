@@ -1,0 +1,105 @@
+"""Faults injected on purpose, for the tests and benchmarks of the run's self-healing.
+
+``MEGATRON_LNS_INJECT_FAULT`` names the faults, ``;``-separated, each as comma-separated
+``key=value`` pairs::
+
+    MEGATRON_LNS_INJECT_FAULT="kind=stop,rank=1,step=5;kind=slow,rank=0,step=1,seconds=0.5"
+
+- ``kind``: ``stop`` (the rank SIGSTOPs itself: a frozen process, as a host stalled in the
+  kernel), ``crash`` (it SIGKILLs itself), ``hang`` (its main thread sleeps for ever while the
+  process stays alive, as a rank stuck in a stalled filesystem call) or ``slow`` (it sleeps
+  ``seconds`` in every step from ``step`` on: a straggler);
+- ``rank``: the global rank it hits; ``step``: the training step (1-based) it hits;
+- ``phase``: where: ``step`` (default; between the forward-backward and the optimizer
+  update, so the other ranks wait in a collective) or ``save`` (while the checkpoint of
+  ``step`` is written, before it is committed);
+- ``attempt``: the in-job restart it hits (``MEGATRON_LNS_ATTEMPT``, default 0), so that a
+  restarted run recomputing ``step`` is not hit again.
+
+Nothing in the package sets the variable: a run without it takes one dictionary lookup per
+phase. The code under test is never edited to inject a fault.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from functools import cache
+
+FAULT_ENV = "MEGATRON_LNS_INJECT_FAULT"
+# The in-job restart this process belongs to (0: the first start), set by the launcher.
+ATTEMPT_ENV = "MEGATRON_LNS_ATTEMPT"
+KINDS = ("stop", "crash", "hang", "slow")
+PHASES = ("step", "save")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    step: int
+    phase: str = "step"
+    attempt: int = 0
+    seconds: float = 0.0
+
+    def hits(self, rank: int, step: int, phase: str, attempt: int) -> bool:
+        if (self.rank, self.phase, self.attempt) != (rank, phase, attempt):
+            return False
+        return step >= self.step if self.kind == "slow" else step == self.step
+
+
+def parse_faults(text: str) -> tuple[Fault, ...]:
+    """The faults ``text`` names (the module doc's format); ValueError names a bad one."""
+    faults = []
+    for spec in filter(None, (part.strip() for part in text.split(";"))):
+        fields = dict(pair.split("=", 1) for pair in spec.split(",") if "=" in pair)
+        try:
+            fault = Fault(
+                kind=fields.pop("kind"),
+                rank=int(fields.pop("rank")),
+                step=int(fields.pop("step")),
+                phase=fields.pop("phase", "step"),
+                attempt=int(fields.pop("attempt", 0)),
+                seconds=float(fields.pop("seconds", 0.0)),
+            )
+        except (KeyError, ValueError) as err:
+            raise ValueError(f"{FAULT_ENV}: cannot read {spec!r} ({err})") from None
+        if fields or fault.kind not in KINDS or fault.phase not in PHASES:
+            raise ValueError(
+                f"{FAULT_ENV}: {spec!r}: kind is one of {KINDS}, phase one of {PHASES}, "
+                "and the keys are kind, rank, step, phase, attempt, seconds"
+            )
+        faults.append(fault)
+    return tuple(faults)
+
+
+@cache
+def _faults() -> tuple[Fault, ...]:
+    return parse_faults(os.environ.get(FAULT_ENV, ""))
+
+
+def attempt() -> int:
+    """The in-job restart this process belongs to (0: the job's first start)."""
+    return int(os.environ.get(ATTEMPT_ENV, "0"))
+
+
+def inject_fault(phase: str, step: int) -> None:
+    """Do what ``MEGATRON_LNS_INJECT_FAULT`` asks of this rank at ``phase`` of ``step``."""
+    if not os.environ.get(FAULT_ENV):
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    for fault in _faults():
+        if not fault.hits(rank, step, phase, attempt()):
+            continue
+        print(f"fault injection: {fault.kind} on rank {rank} at {phase} {step}", flush=True)
+        if fault.kind == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault.kind == "crash":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind == "hang":
+            while True:
+                time.sleep(3600)
+        else:
+            time.sleep(fault.seconds)
