@@ -17,12 +17,25 @@ from pathlib import Path
 
 DEBUG_ENV = "MEGATRON_LNS_DEBUG"
 USER_ERROR_EXIT_CODE = 2
+# A rank whose watchdog found the run hung ends with this (EX_TEMPFAIL: try again): the
+# launcher restarts the attempt in-job (see restartable_exit).
+HUNG_EXIT_CODE = 75
+# What a launcher sees of a rank interrupted by the user (Ctrl-C) or stopped by SIGTERM.
+_INTERRUPTED_EXIT_CODES = (130, 143, -2, -15)
 # Set by the local launcher: the file whose creation claims the right to report.
 REPORT_MARKER_ENV = "MEGATRON_LNS_ERROR_MARKER"
 
 
 class UserError(Exception):
     """An input problem; the message is one line that names the key, file or path."""
+
+
+def restartable_exit(exit_code: int) -> bool:
+    """Whether a rank that ended with ``exit_code`` (negative: killed by that signal, as
+    Python's subprocess reports it; 128 + N: as a shell or srun does) ends an attempt that
+    the launcher may restart in-job: a crash, a kill or a hang, but not a success, an input
+    error (which a restart would only repeat) or the user's interrupt or SIGTERM."""
+    return exit_code not in (0, USER_ERROR_EXIT_CODE, *_INTERRUPTED_EXIT_CODES)
 
 
 def debug_enabled() -> bool:
