@@ -4,6 +4,7 @@ stays the uninterrupted run's; a failure that recurs stops the run with its caus
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -44,7 +45,10 @@ def test_a_killed_rank_restarts_in_job_and_the_run_trains_on_bitwise(tmp_path):
     run = _train(tmp_path / "killed", fault="kind=crash,rank=1,step=4")
     assert run.returncode == 0, run.stderr
     (restart,) = [line for line in run.stderr.splitlines() if line.startswith("in-job restart")]
-    assert restart.startswith("in-job restart 1 of 3: rank 1 was killed by SIGKILL at ")
+    # Rank 0's failed collective may end it before the launcher sees rank 1's death.
+    assert re.match(
+        r"in-job restart 1 of 3: rank (1 was killed by SIGKILL|0 raised an error .*) at ", restart
+    ), restart
     assert restart.endswith("; every rank restarts (attempt 1) from the checkpoint of step 2")
     assert "resumed from" in run.stdout
     run_dir = tmp_path / "killed" / "lns"
