@@ -62,8 +62,11 @@ def test_a_killed_rank_restarts_in_job_and_the_run_trains_on_bitwise(tmp_path):
     assert (restarted.first_step, restarted.last_step, restarted.how) == (2, 6, "finished")
     assert failed.lost_steps >= 1  # step 3 at least (rank 0 may have finished step 4)
     rows = report.goodput.rows
-    assert rows["lost work"] > 0 and rows["restarts, queue wait"] > 0
-    assert min(rows.values()) >= 0
+    assert rows["lost work"] > 0 and min(rows.values()) >= 0
+    # The time between the attempts is the run's (an in-job restart), not left out as a
+    # rerun's would be (its size, tens of ms, is below the records' precision here).
+    gap = restarted.start - failed.last_at
+    assert report.goodput.wall_s == pytest.approx(failed.wall_s + restarted.wall_s + gap, abs=0.05)
     assert report.in_job_restarts == 1 and report.state == "finished"
     status = subprocess.run(
         [sys.executable, "-m", "megatron_lns.cli", "status", str(run_dir)],
