@@ -371,7 +371,7 @@ class Trainer:
             microbatches = [next(self.train_batches) for _ in range(get_num_microbatches())]
         if self.moe_metrics is not None:
             self.moe_metrics.start_step()  # every step, logged or not
-        result = train_step(self.model, self.optimizer, microbatches)
+        result = train_step(self.model, self.optimizer, microbatches, self.state.iteration + 1)
         self.state.consumed_samples += result.num_samples
         if not result.update_successful:
             self.consecutive_skips += 1
@@ -488,7 +488,9 @@ class Trainer:
         checkpointing on the configured intervals."""
         cfg, t = self.cfg, self.cfg.trainer
         summary = RunSummary(cfg.exp_manager.name, self.run_dir, t.max_steps, self.resumed_from)
-        self.attempt.began(self.state.iteration, self.state.consumed_samples)
+        self.attempt.began(
+            self.state.iteration, self.state.consumed_samples, self.logger.dropped_up_to
+        )
         if self.state.iteration >= t.max_steps:
             self._print(
                 f"nothing to do: {self.resumed_path} is at step {self.state.iteration} and "
