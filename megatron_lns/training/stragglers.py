@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core.utils import get_model_config
 
 from megatron_lns.training.metrics import MetricsLogger
 
@@ -251,17 +252,18 @@ class StragglerReport:
     def for_run(
         cls,
         cfg: Any,
-        model_config: Any,
+        model: Sequence[torch.nn.Module],
         device: torch.device,
         logger: MetricsLogger,
         say: Callable[[str], None],
     ) -> StragglerReport:
-        """Installs the wait clock as the model config's ``timers`` and gathers the hosts
+        """Installs the wait clock as the model's config's ``timers`` and gathers the hosts
         (every rank at once); off with ``create_straggler_detection_callback: false`` or
         on a single rank (nothing to compare)."""
         if not cfg.exp_manager.create_straggler_detection_callback or dist.get_world_size() < 2:
             return cls(enabled=False)
         params = cfg.exp_manager.straggler_detection_params
+        model_config = get_model_config(model[0])
         clock = WaitClock(model_config.timers, cuda=device.type == "cuda")
         model_config.timers = clock
         hosts: list[Any] = [None] * dist.get_world_size()

@@ -301,11 +301,7 @@ class Trainer:
             resume_step=self.state.iteration,
         )
         self.stragglers = StragglerReport.for_run(
-            cfg,
-            get_model_config(self.model[0]),
-            self.device,
-            self.logger,
-            self._print,
+            cfg, self.model, self.device, self.logger, self._print
         )
 
     def close(self) -> None:

@@ -97,10 +97,10 @@ def test_without_megatron_timers_no_barrier_and_nothing_but_waits_is_timed():
 
 def test_switched_off_nothing_is_installed_or_gathered():
     cfg = SimpleNamespace(exp_manager=SimpleNamespace(create_straggler_detection_callback=False))
-    model_config = SimpleNamespace(timers=None)
+    model = [SimpleNamespace(config=SimpleNamespace(timers=None))]
     # No process group here: gathering anything would raise.
-    report = StragglerReport.for_run(cfg, model_config, None, None, print)
-    assert not report.enabled and model_config.timers is None
+    report = StragglerReport.for_run(cfg, model, None, None, print)
+    assert not report.enabled and model[0].config.timers is None
     with report.step():
         pass
     report.step_done(50, True)
