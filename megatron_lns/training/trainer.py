@@ -67,6 +67,7 @@ from megatron_lns.training.step import (
     train_step,
 )
 from megatron_lns.training.stop_request import StopRequest
+from megatron_lns.training.stragglers import StragglerReport
 from megatron_lns.training.timers import MegatronTimers, TimerReport, timer_settings
 
 # Consecutive skipped updates after which an fp16 run stops: megatron's dynamic loss
@@ -299,6 +300,9 @@ class Trainer:
             console_label=self.log_label,
             resume_step=self.state.iteration,
         )
+        self.stragglers = StragglerReport.for_run(
+            cfg, self.model, self.device, self.logger, self._print
+        )
 
     def close(self) -> None:
         """Close the logs, release the run directory, restore the signal handlers
@@ -332,6 +336,7 @@ class Trainer:
         """Record how this attempt ended, and print where the run is and its goodput so
         far (rank 0; what ``megatron-lns status`` prints)."""
         self.attempt.ended(how)
+        self.stragglers.summary()
         if self.is_rank0:
             try:
                 lines = run_report(self.run_dir).lines()
@@ -513,7 +518,7 @@ class Trainer:
                 # The LR this step uses: the schedule sets the next one after the update.
                 lr = self.optimizer.param_groups[0]["lr"]
                 start = time.perf_counter()
-                with self.profiler.step(self.state.iteration + 1):
+                with self.profiler.step(self.state.iteration + 1), self.stragglers.step():
                     result = self.train_step()
                 seconds = time.perf_counter() - start
                 throughput.add(result.num_tokens, seconds)
@@ -538,6 +543,7 @@ class Trainer:
                 timer_report = self.megatron_timers.step_done(step, advanced)
                 if timer_report is not None:
                     self._log_megatron_timers(step, timer_report)
+                self.stragglers.step_done(step, advanced)
                 periodic = advanced and step % every == 0 and step < t.max_steps
                 exit_interval = advanced and bool(t.exit_interval) and step % t.exit_interval == 0
                 stop_now = (exit_interval and step < t.max_steps) or stop.agreed(self.device)
@@ -558,6 +564,7 @@ class Trainer:
                 step = self.state.iteration
                 self._print(f"stopping at step {step} (checkpoint saved; rerun to resume)")
         except BaseException:
+            self.stragglers.summary()
             self.attempt.ended("failed")
             raise
         finally:
