@@ -110,7 +110,9 @@ class AttemptRecorder:
     def timeouts(self, learnt: dict[str, float]) -> None:
         """The phase timeouts this attempt learnt (``training/phase_timeouts.py``), kept
         beside its accounting: a hang's verdict is only as good as its timeout."""
-        self._append("timeouts", **{phase: f"{s:.3g}" for phase, s in learnt.items()})
+        self._append(
+            "timeouts", **{f"{phase}_timeout_s": f"{s:.3g}" for phase, s in learnt.items()}
+        )
 
     def hung(self, line: str) -> None:
         """The hang watchdog ends the attempt (from its thread; the main one is stuck)."""

@@ -66,6 +66,10 @@ COLLECTIVE_CODE = (f"torch{os.sep}distributed{os.sep}",)
 _WATCHDOGS = itertools.count()
 
 
+# How a stalled rank that has no live watchdog is named.
+SILENT = ("stopped responding", "never reported")
+
+
 class StoreUnanswered(RuntimeError):
     """Rank 0's store did not answer a watchdog call in time (or refused it)."""
 
@@ -307,7 +311,7 @@ class HangWatchdog:
                 self._publish(now)
                 if (abort := self.store.get_if_set(self._key("abort"))) is not None:
                     said = json.loads(abort)
-                    self._end(said["line"], False, said["stalled"])
+                    self._end(said["line"], False, said["silent"])
                     return
         timeout = self.phases.timeout(now.phase)
         if now.age_s > timeout.seconds and not self._stopping.is_set():
@@ -346,18 +350,19 @@ class HangWatchdog:
             stalled = [Stalled(0, f"rank 0 (the store at {self.store.host}:{self.store.port})",
                                f"does not answer ({err})", None)]  # fmt: skip
         line = hang_line(stalled, self._heartbeat(self.phases.now()), timeout)
-        reporter, named = True, [s.rank for s in stalled]
+        # The ranks that cannot end on their own: rank 0 waits for all others.
+        reporter, silent = True, [s.rank for s in stalled if s.how in SILENT]
         if self.store is not None and self.store.lost is None:
-            said = json.dumps({"line": line, "stalled": named})
+            said = json.dumps({"line": line, "silent": silent})
             with contextlib.suppress(StoreUnanswered):
                 first = self.store.call("compare_set", self._key("abort"), "", said).decode()
                 reporter = first == said  # else another rank found it first: its verdict
                 verdict = json.loads(first)
-                line, named = verdict["line"], verdict["stalled"]
-        self._end(line, reporter, named, stalled)
+                line, silent = verdict["line"], verdict["silent"]
+        self._end(line, reporter, silent, stalled)
 
     def _end(
-        self, line: str, reporter: bool, stalled_ranks: list[int], stalled: list[Stalled] = ()
+        self, line: str, reporter: bool, silent: list[int], stalled: list[Stalled] = ()
     ) -> None:
         now = self.phases.now()
         me = f"rank {self.rank} (host {self.host}, pid {self.pid})"
@@ -374,10 +379,10 @@ class HangWatchdog:
             f"hang watchdog: {me} ends in {now.phase} {now.step} (exit code "
             f"{HUNG_EXIT_CODE}); its threads' stacks:\n{own_stacks()}"
         )
-        self._acknowledge(len(stalled_ranks))
+        self._acknowledge(len(silent))
         self.exit_process(HUNG_EXIT_CODE)
 
-    def _acknowledge(self, stalled: int) -> None:
+    def _acknowledge(self, silent: int) -> None:
         """Count this rank out; rank 0, whose process hosts the store, waits (briefly) for
         the other live ranks to have read the abort key before its exit takes the store."""
         if self.store is None or self.store.lost is not None:
@@ -388,7 +393,7 @@ class HangWatchdog:
                 return
             deadline = time.monotonic() + 3 * self.interval_s + 5.0
             while time.monotonic() < deadline:
-                if self.store.call("add", self._key("ended"), 0) >= self.world_size - stalled:
+                if self.store.call("add", self._key("ended"), 0) >= self.world_size - silent:
                     return
                 time.sleep(0.1)
 

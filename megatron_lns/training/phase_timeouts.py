@@ -134,12 +134,14 @@ class PhaseClock:
             slowest = self.slowest.get(phase)
         if not s.calculate_timeouts or slowest is None or phase not in LEARNT_PHASES:
             return Timeout(configured, f"{key}")
-        learnt = max(s.min_timeout, s.safety_factor * slowest)
+        multiple = s.safety_factor * slowest
+        learnt = max(s.min_timeout, multiple)
+        basis = f"{s.safety_factor:g} x slowest {phase} {slowest:.2f} s"
+        if multiple < s.min_timeout:
+            basis += f", min_timeout {s.min_timeout:g}"
         if learnt >= configured:
-            return Timeout(configured, f"{key}; {s.safety_factor:g} x slowest {phase} "
-                           f"{slowest:.2f} s is more")  # fmt: skip
-        floor = f", min_timeout {s.min_timeout:g}" if learnt == s.min_timeout else ""
-        return Timeout(learnt, f"{s.safety_factor:g} x slowest {phase} {slowest:.2f} s{floor}")
+            return Timeout(configured, f"{key}, the cap of {basis}")
+        return Timeout(learnt, basis)
 
     def learnt(self) -> dict[str, float]:
         """The timeout of each phase measured so far (seconds), for the records."""
