@@ -202,7 +202,7 @@ def hang_line(stalled: list[Stalled], me: Heartbeat, timeout: Timeout) -> str:
     parts = []
     for s in stalled:
         beat = s.heartbeat
-        if beat is None:
+        if beat is None or s.how.startswith("does not answer"):  # no phase to say
             parts.append(f"{s.who} {s.how}")
         elif s.how == "stopped responding":
             parts.append(f"{s.who} stopped responding (last heartbeat in {beat.phase} {beat.step})")
@@ -280,6 +280,8 @@ class HangWatchdog:
         # keys: a test runs trainer after trainer on one store.
         self.prefix = f"hang_watchdog/{attempt()}/{next(_WATCHDOGS)}"
         self._seq = 0
+        # Rank 0's heartbeat, read once: who to name (and py-spy) if its store stops.
+        self._rank0: Heartbeat | None = None
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
 
@@ -309,6 +311,8 @@ class HangWatchdog:
         if self.store is not None:
             with contextlib.suppress(StoreUnanswered):
                 self._publish(now)
+                if self._rank0 is None and self.rank != 0:
+                    self._rank0 = self._heartbeats(ranks=[0]).get(0)
                 if (abort := self.store.get_if_set(self._key("abort"))) is not None:
                     said = json.loads(abort)
                     self._end(said["line"], False, said["silent"])
@@ -326,9 +330,9 @@ class HangWatchdog:
         beat = self._heartbeat(now)
         self.store.call("set", self._key("heartbeat", self.rank), json.dumps(beat.__dict__))
 
-    def _heartbeats(self) -> dict[int, Heartbeat]:
+    def _heartbeats(self, ranks: list[int] | None = None) -> dict[int, Heartbeat]:
         beats = {}
-        for rank in range(self.world_size):
+        for rank in range(self.world_size) if ranks is None else ranks:
             text = self.store.get_if_set(self._key("heartbeat", rank))
             if text is not None:
                 beats[rank] = Heartbeat(**json.loads(text))
@@ -347,8 +351,9 @@ class HangWatchdog:
                 self._publish(self.phases.now())
                 stalled = stalled_ranks(first, self._heartbeats(), self.world_size)
         except StoreUnanswered as err:
-            stalled = [Stalled(0, f"rank 0 (the store at {self.store.host}:{self.store.port})",
-                               f"does not answer ({err})", None)]  # fmt: skip
+            at = f"the store at {self.store.host}:{self.store.port}"
+            who = f"{self._rank0.who()[:-1]}, {at})" if self._rank0 else f"rank 0 ({at})"
+            stalled = [Stalled(0, who, f"does not answer ({err})", self._rank0)]
         line = hang_line(stalled, self._heartbeat(self.phases.now()), timeout)
         # The ranks that cannot end on their own: rank 0 waits for all others.
         reporter, silent = True, [s.rank for s in stalled if s.how in SILENT]
