@@ -79,8 +79,8 @@ class WatchdogStore:
 
     torch's client waits for ever on a server that was stopped (SIGSTOP) mid-call: each
     call runs in a thread of its own, abandoned (a daemon) when it does not return in
-    time. After one unanswered call the store counts as lost: the client's socket may
-    still be held by the abandoned call.
+    time, with the client it holds; the next call connects afresh. ``lost`` says why the
+    last call failed (None: it was answered).
     """
 
     def __init__(self, host: str, port: int, timeout_s: float) -> None:
@@ -89,8 +89,6 @@ class WatchdogStore:
         self._client: Any = None
 
     def call(self, method: str, *args: Any) -> Any:
-        if self.lost is not None:
-            raise StoreUnanswered(self.lost)
         outcome: dict[str, Any] = {}
 
         def run() -> None:
@@ -114,7 +112,9 @@ class WatchdogStore:
         elif "error" in outcome:
             self.lost = str(outcome["error"]).splitlines()[0][:200]
         else:
+            self.lost = None
             return outcome["value"]
+        self._client = None
         raise StoreUnanswered(self.lost)
 
     def get_if_set(self, key: str) -> str | None:
@@ -306,8 +306,13 @@ class HangWatchdog:
             self._stopping.wait(self.interval_s)
 
     def check(self) -> None:
-        """One heartbeat: publish, look for an abort, check this rank's timeout."""
+        """One heartbeat: check this rank's timeout, publish, look for an abort. The
+        timeout first: a store that stopped answering makes each call wait its limit."""
         now = self.phases.now()
+        timeout = self.phases.timeout(now.phase)
+        if now.age_s > timeout.seconds and not self._stopping.is_set():
+            self._detected(now, timeout)
+            return
         if self.store is not None:
             with contextlib.suppress(StoreUnanswered):
                 self._publish(now)
@@ -316,10 +321,6 @@ class HangWatchdog:
                 if (abort := self.store.get_if_set(self._key("abort"))) is not None:
                     said = json.loads(abort)
                     self._end(said["line"], False, said["silent"])
-                    return
-        timeout = self.phases.timeout(now.phase)
-        if now.age_s > timeout.seconds and not self._stopping.is_set():
-            self._detected(now, timeout)
 
     def _heartbeat(self, now: PhaseNow) -> Heartbeat:
         return Heartbeat(self.rank, self.host, self.pid, self._seq, now.phase, now.step,
@@ -344,6 +345,8 @@ class HangWatchdog:
         try:
             if self.store is None:
                 stalled = [Stalled(self.rank, me.who(), f"is stuck at {me.where}", me)]
+            elif self.store.lost is not None:  # its last call went unanswered: no retry
+                raise StoreUnanswered(self.store.lost)
             else:
                 first = self._heartbeats()
                 # Time for every live rank to publish again, even late on a busy machine.
@@ -433,7 +436,7 @@ class HangWatch:
         if exp_manager.create_fault_tolerance_callback:
             address = store_address()
             # Long enough for a busy store, short against the timeouts it serves.
-            store_timeout_s = max(5.0, 2 * ft.workload_check_interval)
+            store_timeout_s = max(2.0, 2 * ft.workload_check_interval)
             store = None if address is None else WatchdogStore(*address, store_timeout_s)
             self.watchdog = HangWatchdog(
                 self.phases, rank, world_size, ft.workload_check_interval, store, on_hang
