@@ -5,12 +5,12 @@ process groups' timeout (``trainer.distributed_timeout_minutes``); a rank stuck 
 any collective (a stalled filesystem in a save) is never noticed at all. So every
 ``workload_check_interval`` seconds the watchdog of each rank:
 
-1. publishes this rank's heartbeat under ``hang_watchdog/<attempt>/heartbeat/<rank>`` of
-   rank 0's TCP store (``MASTER_ADDR:MASTER_PORT``): rank, host, pid, a sequence number,
-   the main thread's phase, step and the phase's age, and ``where`` the main thread is
-   (its innermost Python frame);
-2. reads ``hang_watchdog/<attempt>/abort``, which a rank that found the run hung sets;
-3. checks its own main thread's phase against its timeout (``phase_timeouts.py``).
+1. checks its own main thread's phase against its timeout (``phase_timeouts.py``);
+2. publishes this rank's heartbeat under ``hang_watchdog/<attempt>/<n>/heartbeat/<rank>``
+   of rank 0's TCP store (``MASTER_ADDR:MASTER_PORT``; ``<n>`` counts the trainers of the
+   process): rank, host, pid, a sequence number, the main thread's phase, step and the
+   phase's age, and ``where`` the main thread is (its innermost Python frame);
+3. reads ``hang_watchdog/<attempt>/<n>/abort``, which a rank that found the run hung sets.
 
 When the timeout expires, the rank reads every heartbeat twice, a few heartbeats apart,
 and names the stalled ranks: those whose heartbeat stopped (the process is stopped, dead
@@ -350,7 +350,8 @@ class HangWatchdog:
             else:
                 first = self._heartbeats()
                 # Time for every live rank to publish again, even late on a busy machine.
-                self._stopping.wait(max(3 * self.interval_s, 1.0))
+                if self._stopping.wait(max(3 * self.interval_s, 1.0)):
+                    return  # the main thread got out and closed the trainer: not hung
                 self._publish(self.phases.now())
                 stalled = stalled_ranks(first, self._heartbeats(), self.world_size)
         except StoreUnanswered as err:

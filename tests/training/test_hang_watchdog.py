@@ -172,15 +172,16 @@ class _Run:
         return [p for p in self.seen if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-def _detected_in_time(run, phase_re):
+def _detected_in_time(run):
     """Seconds from the injected stop to the hang line; asserts they are within twice the
-    timeout the line names."""
+    timeout the line names. (The stopped rank's last heartbeat may be a phase before the
+    one it stopped in: it beats every workload_check_interval.)"""
     stopped_at, _ = run.at(r"^fault injection: stop on rank 1")
     found_at, line = run.at(r"^hang: ")
     timeout = float(re.search(r"timeout ([\d.]+) s", line).group(1))
     assert re.search(
         rf"^hang: rank 1 \(host {HOST}, pid \d+\) stopped responding \(last heartbeat in "
-        rf"{phase_re} \d+\); rank 0 waited in \w+ \d+ for [\d.]+ s, timeout ", line
+        rf"\w+ \d+\); rank 0 waited in \w+ \d+ for [\d.]+ s, timeout ", line
     ), line  # fmt: skip
     assert found_at - stopped_at <= 2 * timeout, (found_at - stopped_at, line)
     return found_at - stopped_at
@@ -196,7 +197,7 @@ def test_a_rank_stopped_mid_step_is_named_with_its_stack_and_the_attempt_ends(tm
                     "exp_manager.fault_tolerance.min_timeout=4"),
     )  # fmt: skip
     assert run.wait() != 0
-    seconds = _detected_in_time(run, "step")
+    seconds = _detected_in_time(run)
     print(f"detected {seconds:.1f} s after the stop: {run.at('^hang: ')[1]}")
     out = run.text
     assert len(re.findall(r"^hang: ", out, re.M)) == 1
@@ -222,7 +223,7 @@ def test_a_rank_stopped_while_saving_leaves_a_partial_checkpoint_no_resume_picks
                     "exp_manager.fault_tolerance.min_timeout=4"),
     )  # fmt: skip
     assert hung.wait() != 0
-    seconds = _detected_in_time(hung, "(save|step)")
+    seconds = _detected_in_time(hung)
     print(f"detected {seconds:.1f} s after the stop: {hung.at('^hang: ')[1]}")
     assert not hung.left_behind()
     checkpoints = tmp_path / "lns" / "checkpoints"
