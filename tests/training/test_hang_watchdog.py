@@ -20,6 +20,7 @@ from megatron_lns.base.errors import HUNG_EXIT_CODE
 from megatron_lns.runtime.progress_file import read_events
 from megatron_lns.training.checkpoint import latest_complete_checkpoint
 from megatron_lns.training.hang_watchdog import (
+    HangWatch,
     HangWatchdog,
     Heartbeat,
     StoreUnanswered,
@@ -255,3 +256,22 @@ def test_slow_first_steps_and_a_slow_first_save_do_not_stop_a_healthy_run(tmp_pa
     learnt = timeouts.number("step_timeout_s"), timeouts.number("save_timeout_s")
     assert 4.5 <= learnt[0] < 180 and 4.5 <= learnt[1] < 420, timeouts
     assert "hang watchdog: timeouts learnt in this attempt: step " in run.text
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_the_watchdog_runs_only_when_on_and_close_joins_it(on):
+    from helpers import tiny_run_config
+
+    cfg = tiny_run_config("/nonexistent", f"exp_manager.create_fault_tolerance_callback={on}")
+    said, recorded = [], []
+    watch = HangWatch(cfg.exp_manager, 0, 1, said.append, recorded.append)
+    assert (watch.watchdog is not None) == on
+    watch.step(1)
+    watch.step(2)
+    watch.close()
+    assert not [t for t in threading.enumerate() if t.name == "hang-watchdog"]
+    if on:  # the learnt timeouts are said and recorded at the end of the attempt
+        assert said[-1] == "hang watchdog: timeouts learnt in this attempt: step 30 s"
+        assert recorded == [{"step": 30.0}]
+    else:
+        assert recorded == []
