@@ -432,7 +432,7 @@ class HangWatch:
     ) -> None:
         ft = exp_manager.fault_tolerance
         self.phases = PhaseClock(TimeoutSettings.of(ft))
-        self.say, self.record = say, record
+        self.say, self.record, self.on_hang = say, record, on_hang
         self.watchdog = None
         if exp_manager.create_fault_tolerance_callback:
             address = store_address()
@@ -440,8 +440,15 @@ class HangWatch:
             store_timeout_s = max(2.0, 2 * ft.workload_check_interval)
             store = None if address is None else WatchdogStore(*address, store_timeout_s)
             self.watchdog = HangWatchdog(
-                self.phases, rank, world_size, ft.workload_check_interval, store, on_hang
+                self.phases, rank, world_size, ft.workload_check_interval, store, self._hung
             ).start()
+
+    def _hung(self, line: str) -> None:
+        """In the watchdog's thread, before the process ends: the records of a hang."""
+        if learnt := self.phases.learnt():
+            self.record(learnt)
+        if self.on_hang is not None:
+            self.on_hang(line)
 
     def step(self, step: int) -> None:
         """Training step ``step`` starts; say learnt timeouts that changed much."""
