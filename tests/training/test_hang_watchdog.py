@@ -275,3 +275,37 @@ def test_the_watchdog_runs_only_when_on_and_close_joins_it(on):
         assert recorded == [{"step": 30.0}]
     else:
         assert recorded == []
+
+
+def test_ranks_that_find_the_hang_together_print_one_line_and_all_end(capfd):
+    """Both ranks' phases expire at once (a collective neither leaves): the abort key's
+    compare-and-set lets one name the hang; both dump their stacks and end."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore(
+        "127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False
+    )
+    clock = [0.0]
+    exits = []
+    watchdogs = []
+    for rank in (0, 1):
+        phases = PhaseClock(TimeoutSettings(rank_heartbeat_timeout=10), lambda: clock[0])
+        phases.begin("step", 4)
+        store = WatchdogStore("127.0.0.1", server.port, timeout_s=2.0)
+        watchdogs.append(HangWatchdog(phases, rank, 2, 0.1, store, exit_process=exits.append))
+    for watchdog in watchdogs:
+        watchdog.prefix = "shared"  # two "processes" of one run
+        watchdog.check()  # first heartbeats
+    clock[0] = 11.0
+    threads = [threading.Thread(target=w.check) for w in watchdogs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert exits == [HUNG_EXIT_CODE, HUNG_EXIT_CODE]
+    err = capfd.readouterr().err
+    assert len(re.findall(r"^hang: ", err, re.M)) == 1, err
+    for rank in (0, 1):
+        assert f"hang watchdog: rank {rank} (host {HOST}, pid {os.getpid()}) ends in step 4" in err
