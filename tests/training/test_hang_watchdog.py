@@ -2,6 +2,7 @@
 with HUNG_EXIT_CODE and no process left; a healthy run with slow first steps untouched."""
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -29,6 +30,7 @@ from megatron_lns.training.hang_watchdog import (
     stalled_ranks,
 )
 from megatron_lns.training.phase_timeouts import PhaseClock, Timeout, TimeoutSettings
+from megatron_lns.training.run_report import run_report
 
 HOST = socket.gethostname()
 
@@ -121,10 +123,10 @@ def test_a_stopped_store_is_a_verdict_not_a_stuck_watchdog():
 # -- local two-rank runs
 
 
-def _overrides(exp_dir, *more):
+def _overrides(exp_dir, *more, restarts=0):
     return [
         *TINY_RUN_OVERRIDES, "trainer.devices=2", f"exp_manager.exp_dir={exp_dir}",
-        "exp_manager.fault_tolerance.max_rank_restarts=0",  # the attempt ends: no restart
+        f"exp_manager.fault_tolerance.max_rank_restarts={restarts}",  # 0: the attempt ends
         "exp_manager.fault_tolerance.workload_check_interval=0.25", *more,
     ]  # fmt: skip
 
@@ -202,7 +204,7 @@ def test_a_rank_stopped_mid_step_is_named_with_its_stack_and_the_attempt_ends(tm
     print(f"detected {seconds:.1f} s after the stop: {run.at('^hang: ')[1]}")
     out = run.text
     assert len(re.findall(r"^hang: ", out, re.M)) == 1
-    assert f"rank 0 found the run hung (exit code {HUNG_EXIT_CODE}); restarted 0 time(s)" in out
+    assert f"error: rank 0 exited with code {HUNG_EXIT_CODE}" in out  # no restart: attempt ended
     # The stopped rank's stack, read by py-spy: stopped inside the step.
     spy = out.split("py-spy dump of stalled rank 1", 1)[1]
     assert "inject_fault" in spy and "train_step" in spy
@@ -212,6 +214,37 @@ def test_a_rank_stopped_mid_step_is_named_with_its_stack_and_the_attempt_ends(tm
     assert not run.left_behind()
     ended = [e for e in read_events(tmp_path / "lns") if e.event == "ended"]
     assert ended[-1].fields["how"] == "hung"
+
+
+def _losses(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(row["step"], row["loss"]) for row in rows if "loss" in row]
+
+
+@pytest.mark.long
+@pytest.mark.usefixtures("private_corpus_cache")
+def test_a_hung_run_restarts_in_job_and_trains_on_bitwise(tmp_path):
+    """Issue 35's first case end to end: a rank stopped mid-step is detected, every rank
+    restarts in-job from the newest checkpoint, and the loss curve is the uninterrupted
+    run's."""
+    every_2 = "exp_manager.checkpoint_callback_params.every_n_train_steps=2"
+    straight = _Run(None, *_overrides(tmp_path / "straight", every_2))
+    assert straight.wait() == 0, straight.text
+    hung = _Run(
+        "kind=stop,rank=1,step=4",
+        *_overrides(tmp_path / "hung", every_2, "exp_manager.fault_tolerance.min_timeout=4",
+                    "exp_manager.fault_tolerance.rank_heartbeat_timeout=4", restarts=1),
+    )  # fmt: skip
+    assert hung.wait() == 0, hung.text
+    _detected_in_time(hung)
+    _, restart = hung.at("^in-job restart")
+    assert re.match(r"in-job restart 1 of 1: rank 0 found the run hung \(exit code 75\)", restart)
+    assert restart.endswith("from the checkpoint of step 2"), restart
+    assert _losses(tmp_path / "hung" / "lns") == _losses(tmp_path / "straight" / "lns")
+    assert [a.how for a in run_report(tmp_path / "hung" / "lns").goodput.attempts] == [
+        "hung", "finished",
+    ]  # fmt: skip
+    assert not hung.left_behind()
 
 
 @pytest.mark.long
