@@ -13,6 +13,7 @@ import os
 import random
 import socket
 import sys
+from datetime import timedelta
 from typing import Literal
 
 import torch
@@ -25,6 +26,8 @@ from megatron_lns.runtime.rendezvous import DEFAULT_TIMEOUT_S as DEFAULT_RENDEZV
 from megatron_lns.runtime.rendezvous import rendezvous_store
 
 Device = Literal["auto", "cpu", "cuda"]
+# trainer.distributed_timeout_minutes' default.
+DEFAULT_COLLECTIVE_TIMEOUT_MINUTES = 10.0
 
 
 def resolve_device(device: Device = "auto") -> torch.device:
@@ -46,11 +49,14 @@ def init_distributed(
     device: Device = "auto",
     seed: int = 1234,
     rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S,
+    collective_timeout_minutes: float = DEFAULT_COLLECTIVE_TIMEOUT_MINUTES,
 ) -> torch.device:
     """Create the default process group and megatron's parallel state, and seed RNGs.
 
     The ranks meet within ``rendezvous_timeout_s`` or the process ends with a
-    :class:`~megatron_lns.runtime.rendezvous.RendezvousError` (see that module)."""
+    :class:`~megatron_lns.runtime.rendezvous.RendezvousError` (see that module). A
+    collective of any group that waits longer than ``collective_timeout_minutes``
+    (``trainer.distributed_timeout_minutes``) raises (torch's default: 30 minutes)."""
     from megatron.core import parallel_state, tensor_parallel
 
     launcher_environment()  # refuses a partial or inconsistent one before LOCAL_RANK is used
@@ -69,6 +75,7 @@ def init_distributed(
             store=dist.PrefixStore("default_pg", store),
             rank=rank,
             world_size=world_size,
+            timeout=timedelta(minutes=collective_timeout_minutes),
         )
     layout.data_parallel(dist.get_world_size())
     if layout.sharp and dev.type != "cuda":
@@ -83,6 +90,7 @@ def init_distributed(
         expert_model_parallel_size=layout.expert,
         expert_tensor_parallel_size=layout.expert_tensor,
         use_sharp=layout.sharp,
+        distributed_timeout_minutes=collective_timeout_minutes,
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -8,11 +8,12 @@
 - ``kind``: ``stop`` (the rank SIGSTOPs itself: a frozen process, as a host stalled in the
   kernel), ``crash`` (it SIGKILLs itself), ``hang`` (its main thread sleeps for ever while the
   process stays alive, as a rank stuck in a stalled filesystem call) or ``slow`` (it sleeps
-  ``seconds`` in every step from ``step`` on: a straggler);
+  ``seconds`` in every step from ``step`` on, or up to ``until``: a straggler, a slow start);
 - ``rank``: the global rank it hits; ``step``: the training step (1-based) it hits;
 - ``phase``: where: ``step`` (default; between the forward-backward and the optimizer
   update, so the other ranks wait in a collective) or ``save`` (while the checkpoint of
   ``step`` is written, before it is committed);
+- ``until``: the last step a ``slow`` fault hits (default: none, it never ends);
 - ``attempt``: the in-job restart it hits (``MEGATRON_LNS_ATTEMPT``, default 0), so that a
   restarted run recomputing ``step`` is not hit again.
 
@@ -43,11 +44,14 @@ class Fault:
     phase: str = "step"
     attempt: int = 0
     seconds: float = 0.0
+    until: int | None = None
 
     def hits(self, rank: int, step: int, phase: str, attempt: int) -> bool:
         if (self.rank, self.phase, self.attempt) != (rank, phase, attempt):
             return False
-        return step >= self.step if self.kind == "slow" else step == self.step
+        if self.kind != "slow":
+            return step == self.step
+        return self.step <= step and (self.until is None or step <= self.until)
 
 
 def parse_faults(text: str) -> tuple[Fault, ...]:
@@ -63,13 +67,15 @@ def parse_faults(text: str) -> tuple[Fault, ...]:
                 phase=fields.pop("phase", "step"),
                 attempt=int(fields.pop("attempt", 0)),
                 seconds=float(fields.pop("seconds", 0.0)),
+                until=int(fields["until"]) if "until" in fields else None,
             )
+            fields.pop("until", None)
         except (KeyError, ValueError) as err:
             raise ValueError(f"{FAULT_ENV}: cannot read {spec!r} ({err})") from None
         if fields or fault.kind not in KINDS or fault.phase not in PHASES:
             raise ValueError(
                 f"{FAULT_ENV}: {spec!r}: kind is one of {KINDS}, phase one of {PHASES}, "
-                "and the keys are kind, rank, step, phase, attempt, seconds"
+                "and the keys are kind, rank, step, phase, attempt, seconds, until"
             )
         faults.append(fault)
     return tuple(faults)

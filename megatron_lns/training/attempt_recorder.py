@@ -115,6 +115,17 @@ class AttemptRecorder:
         """The attempt ends: ``finished``, ``stopped`` (checkpoint committed) or ``failed``."""
         self._append("ended", how=how, **self._totals())
 
+    def timeouts(self, learnt: dict[str, float]) -> None:
+        """The phase timeouts this attempt learnt (``training/phase_timeouts.py``), kept
+        beside its accounting: a hang's verdict is only as good as its timeout."""
+        self._append(
+            "timeouts", **{f"{phase}_timeout_s": f"{s:.3g}" for phase, s in learnt.items()}
+        )
+
+    def hung(self, line: str) -> None:
+        """The hang watchdog ends the attempt (from its thread; the main one is stuck)."""
+        self._append("ended", how="hung", **self._totals())
+
     def time_to(self, max_steps: int) -> str | None:
         """The time left to ``max_steps`` at this attempt's rate (wall seconds per step
         since its first step, saves and evaluation included), as the log line says it."""

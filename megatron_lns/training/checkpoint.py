@@ -24,6 +24,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_lns.runtime.fault_injection import inject_fault
 from megatron_lns.training import architecture_checkpoint as architecture
 from megatron_lns.training import provenance
 from megatron_lns.training.checkpoint_dirs import (
@@ -187,6 +188,7 @@ def save_checkpoint(
     sharded = _state_dict(model, optimizer, scheduler, state, True, config_yaml=config_yaml)
     with metadata_write_failures_kept():
         save_sharded(sharded, partial, strategy)
+        inject_fault("save", state.iteration)  # written, not committed: a test's fault
         dist.barrier()
         commit(partial, final, state, config_yaml)
     return final

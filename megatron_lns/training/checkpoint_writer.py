@@ -40,6 +40,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lns.base.parent_death import die_with_parent
+from megatron_lns.runtime.fault_injection import inject_fault
 from megatron_lns.training.checkpoint import save_checkpoint, start_checkpoint_save
 from megatron_lns.training.checkpoint_dirs import TrainingState
 from megatron_lns.training.checkpoint_io import (
@@ -122,6 +123,7 @@ class CheckpointWriter:
             )
         index = self._calls.schedule_async_request(request)
         self._pending[index], self._started[index] = final, started
+        inject_fault("save", state.iteration)  # being written, not committed: a test's fault
         return final
 
     def _committed(self, path: Path, started: float) -> None:

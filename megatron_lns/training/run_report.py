@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import yaml
 
 from megatron_lns.base.errors import UserError
 from megatron_lns.config.sources import RUN_CONFIG
-from megatron_lns.runtime.progress_file import RUN_PROGRESS_FILE, read_events
+from megatron_lns.runtime.progress_file import RUN_PROGRESS_FILE, ProgressEvent, read_events
 from megatron_lns.training.checkpoint_dirs import CHECKPOINT_DIR_RE, latest_complete_checkpoint
 from megatron_lns.training.goodput import Goodput, account, duration, goodput_table
 from megatron_lns.training.run_dir import LOCK_NAME, pid_alive
@@ -48,6 +48,8 @@ class RunReport:
     state: str  # finished / stopped / running / ended without a record
     goodput: Goodput
     last_record_at: float | None
+    # The phase timeouts the hang watchdog learnt in the last attempt that recorded them.
+    hang_timeouts: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens(self) -> int | None:
@@ -102,6 +104,7 @@ class RunReport:
             "step_s": _rounded(self.step_s, 4),
             "time_to_max_steps_s": _rounded(self.time_to_max_steps_s),
             "last_record_at": self.last_record_at,
+            "hang_timeouts_s": self.hang_timeouts,
             "wall_s": _rounded(g.wall_s),
             "goodput": _rounded(g.fraction, 4),
             "seconds": {name.replace(", ", "_").replace(" ", "_").replace("-", "_"): _rounded(value)
@@ -139,6 +142,9 @@ class RunReport:
                 f"{self.step_s:.3g} s per step (the last attempt's rate, saves and "
                 "evaluation included)"
             )
+        if self.hang_timeouts:
+            learnt = ", ".join(f"{phase} {s:g} s" for phase, s in self.hang_timeouts.items())
+            lines.append(f"hang timeouts learnt (last attempt): {learnt}")
         if self.last_record_at is not None:
             at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.last_record_at))
             lines.append(f"wall time accounted up to the last record, {at}:")
@@ -222,4 +228,16 @@ def run_report(run_dir: str | Path) -> RunReport:
         state=_state(run_dir, goodput, holder),
         goodput=goodput,
         last_record_at=max((a.last_at for a in attempts), default=None),
+        hang_timeouts=_hang_timeouts(events),
     )
+
+
+def _hang_timeouts(events: list[ProgressEvent]) -> dict[str, float]:
+    """``{phase: seconds}`` of the last ``timeouts`` line (``attempt_recorder.py``)."""
+    last = next((e for e in reversed(events) if e.event == "timeouts"), None)
+    if last is None:
+        return {}
+    suffix = "_timeout_s"
+    return {
+        key.removesuffix(suffix): last.number(key) for key in last.fields if key.endswith(suffix)
+    }

@@ -47,6 +47,7 @@ from megatron_lns.training.build import (
 from megatron_lns.training.checkpoint_dirs import CHECKPOINT_DIR_RE, latest_complete_checkpoint
 from megatron_lns.training.checkpoint_writer import CheckpointWriter
 from megatron_lns.training.data_change import data_in_use
+from megatron_lns.training.hang_watchdog import HangWatch
 from megatron_lns.training.manual_gc import ManualGarbageCollection
 from megatron_lns.training.metrics import MetricsLogger, Throughput, say
 from megatron_lns.training.moe_metrics import MoEMetrics
@@ -154,6 +155,7 @@ class Trainer:
             device=device_setting(cfg),
             seed=cfg.model.seed,
             rendezvous_timeout_s=cfg.trainer.rendezvous_timeout_s,
+            collective_timeout_minutes=cfg.trainer.distributed_timeout_minutes,
         )
         self.is_rank0 = dist.get_rank() == 0
         self.config_yaml = to_yaml(cfg)
@@ -174,6 +176,9 @@ class Trainer:
             parallel=cfg.model.dist_ckpt_parallel_save,
             on_commit=self._checkpoint_committed,
         )
+        # Phases and their timeouts from here to close() (hang_watchdog.py).
+        self.hangs = HangWatch(cfg.exp_manager, dist.get_rank(), dist.get_world_size(),
+                               self._print, self.attempt.timeouts, self.attempt.hung)  # fmt: skip
         try:
             self._build()
         except BaseException:
@@ -250,7 +255,7 @@ class Trainer:
             m.global_batch_size, m.micro_batch_size, self.dp_size
         )
 
-        with self.attempt.timing("load"):
+        with self.attempt.timing("load"), self.hangs.during("load"):
             self.state, self.resumed_path = resume(
                 cfg,
                 self.checkpoint_dir,
@@ -308,6 +313,9 @@ class Trainer:
         """Close the logs, release the run directory, restore the signal handlers
         (idempotent). A checkpoint still being written in the background is abandoned
         (left ``.partial``) unless :meth:`wait_for_checkpoints` ran first on every rank."""
+        hangs = getattr(self, "hangs", None)
+        if hangs is not None:  # first: what follows cannot hang on a stalled peer
+            hangs.close()
         checkpoints = getattr(self, "checkpoints", None)
         if checkpoints is not None:
             checkpoints.close()
@@ -419,7 +427,7 @@ class Trainer:
         for chunk in self.model:
             chunk.eval()
         loss_sum = tokens = 0.0
-        with self.megatron_timers.paused(), self.attempt.timing("eval"):
+        with self.megatron_timers.paused(), self.attempt.timing("eval"), self.hangs.during("eval"):
             for batches in self.validation_microbatches():
                 result = forward_backward(self.model, batches, forward_only=True)
                 loss_sum += result.loss * result.num_tokens
@@ -440,7 +448,7 @@ class Trainer:
         With ``async_save`` the checkpoint is written in the background and counts once
         :meth:`wait_for_checkpoints` (or a later step's poll) has committed it.
         """
-        with self.attempt.timing("save"):
+        with self.attempt.timing("save"), self.hangs.during("save"):
             sync_parameters(self.model)  # with overlap_param_sync the weights lag the update
             return self.checkpoints.save(
                 self.model, self.optimizer, self.scheduler, self.state, self.config_yaml
@@ -449,7 +457,7 @@ class Trainer:
     def wait_for_checkpoints(self) -> None:
         """Wait for checkpoints being written in the background and commit them (all
         ranks must call it)."""
-        with self.attempt.timing("save"):
+        with self.attempt.timing("save"), self.hangs.during("save"):
             self.checkpoints.wait()
 
     def _log_train_step(self, result: StepResult, lr: float, tokens_per_second: float) -> None:
@@ -518,6 +526,7 @@ class Trainer:
                 # The LR this step uses: the schedule sets the next one after the update.
                 lr = self.optimizer.param_groups[0]["lr"]
                 start = time.perf_counter()
+                self.hangs.step(self.state.iteration + 1)
                 with self.profiler.step(self.state.iteration + 1), self.stragglers.step():
                     result = self.train_step()
                 seconds = time.perf_counter() - start

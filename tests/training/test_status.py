@@ -132,3 +132,6 @@ def test_a_real_tiny_run_accounts_its_wall_time(straight_tiny_run):
     # start-up, a save or an evaluation (logging, the end of the run): a few seconds.
     assert wall == pytest.approx(attempt.wall_s)
     assert rows["other"] < max(5.0, 0.2 * wall), report.lines()
+    # The hang watchdog's timeouts learnt from its steps, evaluations and saves: the floor.
+    assert report.hang_timeouts == {"step": 30, "eval": 30, "save": 30}
+    assert "hang timeouts learnt (last attempt): step 30 s, eval 30 s, save 30 s" in report.lines()

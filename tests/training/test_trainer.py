@@ -143,7 +143,9 @@ def test_under_the_batch_script_the_run_records_its_progress_and_warns(
     validate(cfg)
     run_distributed(_fit, 1, tmp_path, cfg)
     all_lines = (tmp_path / "lns" / "run_progress").read_text().splitlines()
-    accounting = [line for line in all_lines if line.split()[2] in ("began", "trained", "ended")]
+    accounting = [
+        line for line in all_lines if line.split()[2] in ("began", "trained", "ended", "timeouts")
+    ]
     lines = [line for line in all_lines if line not in accounting]
     assert [line.split()[:4] for line in lines] == [
         ["42", "1", "resumed", "0"],

@@ -63,7 +63,8 @@ class FaultToleranceParams:
         positive,
         doc=(
             "seconds between two heartbeats of a rank's watchdog (each one also checks the "
-            "phase's timeout): detection takes up to a timeout plus this"
+            "phase's timeout): detection takes the timeout plus up to 4 of these (at least "
+            "1 s more)"
         ),
     )
     max_rank_restarts: int = setting(

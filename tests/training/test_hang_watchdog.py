@@ -1,0 +1,344 @@
+"""Hang detection: stalled ranks named in one line, their stacks logged, the attempt ended
+with HUNG_EXIT_CODE and no process left; a healthy run with slow first steps untouched."""
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+from helpers import DEMO_CONFIG as DEMO
+from helpers import ROOT, TINY_RUN_OVERRIDES, fresh_launch_env
+
+from megatron_lns.base.errors import HUNG_EXIT_CODE
+from megatron_lns.runtime.progress_file import read_events
+from megatron_lns.training.checkpoint import latest_complete_checkpoint
+from megatron_lns.training.hang_watchdog import (
+    HangWatch,
+    HangWatchdog,
+    Heartbeat,
+    StoreUnanswered,
+    WatchdogStore,
+    hang_line,
+    stalled_ranks,
+)
+from megatron_lns.training.phase_timeouts import PhaseClock, Timeout, TimeoutSettings
+from megatron_lns.training.run_report import run_report
+
+HOST = socket.gethostname()
+
+
+def _beat(rank, seq, step=5, where="torch/distributed/distributed_c10d.py:3913 all_reduce"):
+    where = where.replace("/", os.sep)
+    return Heartbeat(rank, "h", 100 + rank, seq, "step", step, 1.0, where)
+
+
+def test_a_rank_whose_heartbeat_stopped_is_the_stalled_one():
+    first = {0: _beat(0, 7), 1: _beat(1, 3)}
+    second = {0: _beat(0, 9), 1: _beat(1, 3)}
+    stalled = stalled_ranks(first, second, world_size=3)
+    assert [(s.rank, s.how) for s in stalled] == [
+        (1, "stopped responding"), (2, "never reported"),
+    ]  # fmt: skip
+    me = _beat(0, 9, step=6)
+    line = hang_line(stalled[:1], me, Timeout(30, "5 x slowest step 2.10 s, min_timeout 30"))
+    assert line == (
+        "hang: rank 1 (host h, pid 101) stopped responding (last heartbeat in step 5); "
+        "rank 0 waited in step 6 for 1.0 s, timeout 30 s (5 x slowest step 2.10 s, "
+        "min_timeout 30)"
+    )
+
+
+def test_with_every_rank_alive_the_one_outside_a_collective_or_behind_is_named():
+    before = {0: _beat(0, 1), 1: _beat(1, 1)}
+    stuck = {0: _beat(0, 2), 1: _beat(1, 2, where="/x/checkpoint_io.py:40 write")}
+    assert [(s.rank, s.how) for s in stalled_ranks(before, stuck, 2)] == [
+        (1, "is stuck at /x/checkpoint_io.py:40 write")
+    ]
+    behind = {0: _beat(0, 2, step=9), 1: _beat(1, 2, step=8)}
+    assert [(s.rank, s.how) for s in stalled_ranks(before, behind, 2)] == [
+        (1, "is behind the others")
+    ]
+
+
+def test_a_single_rank_stuck_past_its_timeout_ends_with_its_stacks(capfd):
+    clock = [0.0]
+    phases = PhaseClock(TimeoutSettings(rank_heartbeat_timeout=10), lambda: clock[0])
+    phases.begin("step", 4)
+    exits = []
+    watchdog = HangWatchdog(phases, 0, 1, 0.1, None, exit_process=exits.append)
+
+    def check_from_the_watchdogs_thread():
+        thread = threading.Thread(target=watchdog.check)
+        thread.start()
+        thread.join()  # the main thread: stuck here
+
+    check_from_the_watchdogs_thread()
+    assert exits == []
+    clock[0] = 11.0
+    check_from_the_watchdogs_thread()
+    assert exits == [HUNG_EXIT_CODE]
+    err = capfd.readouterr().err
+    assert err.startswith(f"hang: rank 0 (host {HOST}, pid {os.getpid()}) is stuck at "), err
+    assert re.match(r"hang: [^\n]* is stuck at \S*threading.py:\d+ wait", err), err
+    assert "waited in step 4 for 11.0 s, timeout 10 s (rank_heartbeat_timeout)" in err
+    assert "test_a_single_rank_stuck_past_its_timeout_ends_with_its_stacks" in err  # stacks
+
+
+@pytest.mark.slow
+def test_a_stopped_store_is_a_verdict_not_a_stuck_watchdog():
+    """torch's own client waits for ever on a stopped server."""
+    server = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import sys, time, datetime, torch.distributed as d\n"
+            "s = d.TCPStore('127.0.0.1', 0, None, True, datetime.timedelta(seconds=30),"
+            " wait_for_workers=False)\n"
+            "print(s.port, flush=True)\ntime.sleep(120)"
+        )],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        store = WatchdogStore("127.0.0.1", int(server.stdout.readline()), timeout_s=1.0)
+        store.call("set", "k", "v")
+        assert store.get_if_set("k") == "v" and store.get_if_set("other") is None
+        os.kill(server.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(StoreUnanswered, match="no answer in 1 s"):
+            store.get_if_set("k")
+        assert time.monotonic() - start < 5
+        os.kill(server.pid, signal.SIGCONT)  # a store that answers again is used again
+        assert store.get_if_set("k") == "v" and store.lost is None
+    finally:
+        server.kill()
+        server.wait()
+
+
+# -- local two-rank runs
+
+
+def _overrides(exp_dir, *more, restarts=0):
+    return [
+        *TINY_RUN_OVERRIDES, "trainer.devices=2", f"exp_manager.exp_dir={exp_dir}",
+        f"exp_manager.fault_tolerance.max_rank_restarts={restarts}",  # 0: the attempt ends
+        "exp_manager.fault_tolerance.workload_check_interval=0.25", *more,
+    ]  # fmt: skip
+
+
+class _Run:
+    """``megatron-lns train`` with a fault injected; its output lines with their times, and
+    every process it started."""
+
+    def __init__(self, fault, *overrides):
+        env = fresh_launch_env(MEGATRON_LNS_CACHE=os.environ["MEGATRON_LNS_CACHE"])
+        if fault:
+            env["MEGATRON_LNS_INJECT_FAULT"] = fault
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "megatron_lns.cli", "train", str(DEMO), *overrides],
+            cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        self.lines: list[tuple[float, str]] = []
+        self.seen: set[psutil.Process] = set()
+        self._reader = threading.Thread(target=self._read)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.process.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def wait(self, timeout=600):
+        deadline = time.monotonic() + timeout
+        while self.process.poll() is None:
+            assert time.monotonic() < deadline, self.text
+            with contextlib.suppress(psutil.Error):  # it has just ended
+                self.seen.update(psutil.Process(self.process.pid).children(recursive=True))
+            time.sleep(0.2)
+        self._reader.join()
+        return self.process.returncode
+
+    @property
+    def text(self):
+        return "\n".join(line for _, line in self.lines)
+
+    def at(self, pattern):
+        """When the first line matching ``pattern`` came, and the line."""
+        return next((t, line) for t, line in self.lines if re.search(pattern, line))
+
+    def left_behind(self):
+        psutil.wait_procs(list(self.seen), timeout=10)
+        return [p for p in self.seen if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _detected_in_time(run):
+    """Seconds from the injected stop to the hang line; asserts they are within twice the
+    timeout the line names. (The stopped rank's last heartbeat may be a phase before the
+    one it stopped in: it beats every workload_check_interval.)"""
+    stopped_at, _ = run.at(r"^fault injection: stop on rank 1")
+    found_at, line = run.at(r"^hang: ")
+    timeout = float(re.search(r"timeout ([\d.]+) s", line).group(1))
+    assert re.search(
+        rf"^hang: rank 1 \(host {HOST}, pid \d+\) stopped responding \(last heartbeat in "
+        rf"\w+ \d+\); rank 0 waited in \w+ \d+ for [\d.]+ s, timeout ", line
+    ), line  # fmt: skip
+    assert found_at - stopped_at <= 2 * timeout, (found_at - stopped_at, line)
+    return found_at - stopped_at
+
+
+@pytest.mark.long
+@pytest.mark.usefixtures("private_corpus_cache")
+def test_a_rank_stopped_mid_step_is_named_with_its_stack_and_the_attempt_ends(tmp_path):
+    run = _Run(
+        "kind=stop,rank=1,step=7",
+        *_overrides(tmp_path, "trainer.max_steps=40",
+                    "exp_manager.fault_tolerance.rank_heartbeat_timeout=4",
+                    "exp_manager.fault_tolerance.min_timeout=4"),
+    )  # fmt: skip
+    assert run.wait() != 0
+    seconds = _detected_in_time(run)
+    print(f"detected {seconds:.1f} s after the stop: {run.at('^hang: ')[1]}")
+    out = run.text
+    assert len(re.findall(r"^hang: ", out, re.M)) == 1
+    assert f"error: rank 0 exited with code {HUNG_EXIT_CODE}" in out  # no restart: attempt ended
+    # The stopped rank's stack, read by py-spy: stopped inside the step.
+    spy = out.split("py-spy dump of stalled rank 1", 1)[1]
+    assert "inject_fault" in spy and "train_step" in spy
+    # Every live rank's threads: rank 0's main thread waits in a collective.
+    stacks = out.split("hang watchdog: rank 0", 1)[1]
+    assert "ends in " in stacks and "distributed_c10d.py" in stacks
+    assert not run.left_behind()
+    ended = [e for e in read_events(tmp_path / "lns") if e.event == "ended"]
+    assert ended[-1].fields["how"] == "hung"
+
+
+def _losses(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(row["step"], row["loss"]) for row in rows if "loss" in row]
+
+
+@pytest.mark.long
+@pytest.mark.usefixtures("private_corpus_cache")
+def test_a_hung_run_restarts_in_job_and_trains_on_bitwise(tmp_path):
+    """Issue 35's first case end to end: a rank stopped mid-step is detected, every rank
+    restarts in-job from the newest checkpoint, and the loss curve is the uninterrupted
+    run's."""
+    every_2 = "exp_manager.checkpoint_callback_params.every_n_train_steps=2"
+    straight = _Run(None, *_overrides(tmp_path / "straight", every_2))
+    assert straight.wait() == 0, straight.text
+    hung = _Run(
+        "kind=stop,rank=1,step=4",
+        *_overrides(tmp_path / "hung", every_2, "exp_manager.fault_tolerance.min_timeout=4",
+                    "exp_manager.fault_tolerance.rank_heartbeat_timeout=4", restarts=1),
+    )  # fmt: skip
+    assert hung.wait() == 0, hung.text
+    _detected_in_time(hung)
+    _, restart = hung.at("^in-job restart")
+    assert re.match(r"in-job restart 1 of 1: rank 0 found the run hung \(exit code 75\)", restart)
+    assert restart.endswith("from the checkpoint of step 2"), restart
+    assert _losses(tmp_path / "hung" / "lns") == _losses(tmp_path / "straight" / "lns")
+    assert [a.how for a in run_report(tmp_path / "hung" / "lns").goodput.attempts] == [
+        "hung", "finished",
+    ]  # fmt: skip
+    assert not hung.left_behind()
+
+
+@pytest.mark.long
+@pytest.mark.usefixtures("private_corpus_cache")
+def test_a_rank_stopped_while_saving_leaves_a_partial_checkpoint_no_resume_picks(tmp_path):
+    hung = _Run(
+        "kind=stop,rank=1,step=6,phase=save",
+        *_overrides(tmp_path, "trainer.max_steps=9",
+                    "exp_manager.fault_tolerance.checkpoint_save_timeout=4",
+                    "exp_manager.fault_tolerance.min_timeout=4"),
+    )  # fmt: skip
+    assert hung.wait() != 0
+    seconds = _detected_in_time(hung)
+    print(f"detected {seconds:.1f} s after the stop: {hung.at('^hang: ')[1]}")
+    assert not hung.left_behind()
+    checkpoints = tmp_path / "lns" / "checkpoints"
+    assert (checkpoints / "iter_0000006.partial").is_dir()
+    assert latest_complete_checkpoint(checkpoints).name == "iter_0000003"
+
+    resumed = _Run(None, *_overrides(tmp_path, "trainer.max_steps=9"))
+    assert resumed.wait() == 0, resumed.text
+    assert f"resumed from {checkpoints / 'iter_0000003'}" in resumed.text
+    assert latest_complete_checkpoint(checkpoints).name == "iter_0000009"
+
+
+@pytest.mark.long
+@pytest.mark.usefixtures("private_corpus_cache")
+def test_slow_first_steps_and_a_slow_first_save_do_not_stop_a_healthy_run(tmp_path):
+    """The first steps and the first save are slow (as compilation and a cold filesystem
+    make them); the timeouts learnt from them are recorded and never fire."""
+    run = _Run(
+        "kind=slow,rank=0,step=1,until=2,seconds=1.5;"
+        "kind=slow,rank=1,step=3,until=3,phase=save,seconds=1.5",
+        *_overrides(tmp_path, "trainer.max_steps=12",
+                    "exp_manager.fault_tolerance.min_timeout=3",
+                    "exp_manager.fault_tolerance.safety_factor=3"),
+    )  # fmt: skip
+    assert run.wait() == 0, run.text
+    assert "hang:" not in run.text
+    (timeouts,) = [e for e in read_events(tmp_path / "lns") if e.event == "timeouts"]
+    # 3 x the slow first steps and save (1.5 s and more), not the floor
+    learnt = timeouts.number("step_timeout_s"), timeouts.number("save_timeout_s")
+    assert 4.5 <= learnt[0] < 180 and 4.5 <= learnt[1] < 420, timeouts
+    assert "hang watchdog: timeouts learnt in this attempt: step " in run.text
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_the_watchdog_runs_only_when_on_and_close_joins_it(on):
+    from helpers import tiny_run_config
+
+    cfg = tiny_run_config("/nonexistent", f"exp_manager.create_fault_tolerance_callback={on}")
+    said, recorded = [], []
+    watch = HangWatch(cfg.exp_manager, 0, 1, said.append, recorded.append)
+    assert (watch.watchdog is not None) == on
+    watch.step(1)
+    watch.step(2)
+    watch.close()
+    assert not [t for t in threading.enumerate() if t.name == "hang-watchdog"]
+    if on:  # the learnt timeouts are said and recorded at the end of the attempt
+        assert said[-1] == "hang watchdog: timeouts learnt in this attempt: step 30 s"
+        assert recorded == [{"step": 30.0}]
+    else:
+        assert recorded == []
+
+
+def test_ranks_that_find_the_hang_together_print_one_line_and_all_end(capfd):
+    """Both ranks' phases expire at once (a collective neither leaves): the abort key's
+    compare-and-set lets one name the hang; both dump their stacks and end."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore(
+        "127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False
+    )
+    clock = [0.0]
+    exits = []
+    watchdogs = []
+    for rank in (0, 1):
+        phases = PhaseClock(TimeoutSettings(rank_heartbeat_timeout=10), lambda: clock[0])
+        phases.begin("step", 4)
+        store = WatchdogStore("127.0.0.1", server.port, timeout_s=2.0)
+        watchdogs.append(HangWatchdog(phases, rank, 2, 0.1, store, exit_process=exits.append))
+    for watchdog in watchdogs:
+        watchdog.prefix = "shared"  # two "processes" of one run
+        watchdog.check()  # first heartbeats
+    clock[0] = 11.0
+    threads = [threading.Thread(target=w.check) for w in watchdogs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert exits == [HUNG_EXIT_CODE, HUNG_EXIT_CODE]
+    err = capfd.readouterr().err
+    assert len(re.findall(r"^hang: ", err, re.M)) == 1, err
+    for rank in (0, 1):
+        assert f"hang watchdog: rank {rank} (host {HOST}, pid {os.getpid()}) ends in step 4" in err
