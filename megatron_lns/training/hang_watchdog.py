@@ -14,9 +14,9 @@ any collective (a stalled filesystem in a save) is never noticed at all. So ever
 
 When the timeout expires, the rank reads every heartbeat twice, a few heartbeats apart,
 and names the stalled ranks: those whose heartbeat stopped (the process is stopped, dead
-or its host gone), else those whose main thread is not waiting in a collective, else
-those behind the others. The first rank to set the abort key prints the one line that
-names them, with the Python stacks of stalled ranks on its host read by
+or its host gone) and those whose main thread is not waiting in a collective; where
+there are none, those behind the others. The first rank to set the abort key prints the
+one line that names them, with the Python stacks of stalled ranks on its host read by
 ``py-spy dump --nonblocking`` (a stopped process cannot print its own). Every live rank
 then writes the stacks of all its threads to stderr and ends with ``HUNG_EXIT_CODE``,
 its child processes (background checkpoint writers, data loader workers) killed first.
@@ -60,7 +60,16 @@ from megatron_lns.training.phase_timeouts import (
 # Seconds a py-spy dump of a stalled rank may take.
 PY_SPY_TIMEOUT_S = 20.0
 # A main thread whose innermost frame is in here waits for other ranks.
-COLLECTIVE_CODE = (f"torch{os.sep}distributed{os.sep}",)
+# (megatron-core waits on the handles of its own asynchronous sends, receives and
+# gradient reductions).
+COLLECTIVE_CODE = tuple(
+    path.replace("/", os.sep)
+    for path in (
+        "torch/distributed/",
+        "megatron/core/pipeline_parallel/p2p_communication",
+        "megatron/core/distributed/param_and_grad_buffer",
+    )
+)
 
 
 _WATCHDOGS = itertools.count()
@@ -177,16 +186,17 @@ def stalled_ranks(
         for rank, beat in sorted(second.items())
         if rank in first and first[rank].seq == beat.seq
     ]
-    if silent:
-        return sorted(silent, key=lambda s: s.rank)
-    beats = sorted(second.values(), key=lambda b: b.rank)
+    beats = sorted((b for r, b in second.items() if r not in {s.rank for s in silent}),
+                   key=lambda b: b.rank)  # fmt: skip
     stuck = [
         Stalled(b.rank, b.who(), f"is stuck at {b.where}", b)
         for b in beats
         if not b.in_collective()
     ]
-    if stuck:
-        return stuck
+    # Both: a live rank stuck outside any collective is a culprit beyond doubt, and a
+    # heartbeat that did not move may only be a rank starved of CPU on a loaded host.
+    if silent or stuck:
+        return sorted(silent + stuck, key=lambda s: s.rank)
     furthest = max(b.step for b in beats)
     behind = [
         Stalled(b.rank, b.who(), "is behind the others", b) for b in beats if b.step < furthest

@@ -62,6 +62,15 @@ def test_with_every_rank_alive_the_one_outside_a_collective_or_behind_is_named()
     assert [(s.rank, s.how) for s in stalled_ranks(before, stuck, 2)] == [
         (1, "is stuck at /x/checkpoint_io.py:40 write")
     ]
+    # A rank stuck outside a collective is named beside one whose heartbeat did not move
+    # (which may only have been starved of CPU for a moment).
+    starved = {0: _beat(0, 1), 1: _beat(1, 2, where="/x/fault_injection.py:109 inject_fault")}
+    assert [(s.rank, s.how) for s in stalled_ranks(before, starved, 2)] == [
+        (0, "stopped responding"), (1, "is stuck at /x/fault_injection.py:109 inject_fault"),
+    ]  # fmt: skip
+    waiting = where = "/m/megatron/core/pipeline_parallel/p2p_communication.py:80 _communicate"
+    pipeline = {0: _beat(0, 2, where=waiting), 1: _beat(1, 2, where=where)}
+    assert stalled_ranks(before, pipeline, 2)[0].how == "waits in a collective"
     behind = {0: _beat(0, 2, step=9), 1: _beat(1, 2, step=8)}
     assert [(s.rank, s.how) for s in stalled_ranks(before, behind, 2)] == [
         (1, "is behind the others")
