@@ -16,7 +16,7 @@ and hands every call on to megatron's :class:`~megatron.core.timers.Timers` when
 the cost is two clock reads per wait. Waits megatron-core does not time count as work:
 the distributed optimizer's gradient-norm all-reduce inside ``optimizer.step()`` is one;
 a rank slowed between its backward pass and its optimizer step then makes the others'
-optimizer step look slow too (docs/resilience-stragglers.md).
+optimizer step look slow too (docs/resilience.md, "Straggler report").
 
 Every ``report_every_n_steps`` steps (global step numbers) the ranks all-gather three
 floats each (steps, wall seconds, waited seconds of the interval): one small collective
