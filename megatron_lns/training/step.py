@@ -19,6 +19,7 @@ from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_batch_on_this_cp_rank
 
+from megatron_lns.runtime.fault_injection import inject_fault
 from megatron_lns.training.timers import timed
 
 Batch = dict[str, torch.Tensor]
@@ -121,12 +122,16 @@ def train_step(
     model: Sequence[DistributedDataParallel],
     optimizer: MegatronOptimizer,
     microbatches: Sequence[Batch],
+    step: int = 0,
 ) -> StepResult:
-    """Zero grads, forward/backward every micro-batch, optimizer step (with clipping)."""
+    """Zero grads, forward/backward every micro-batch, optimizer step (with clipping).
+
+    ``step``: the training step this is (1-based), for the test-only fault injection."""
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     result = forward_backward(model, microbatches)
+    inject_fault("step", step)
     config = optimizer.config  # megatron's timers, when the run has them (timers.py)
     with timed(config.timers, "optimizer", barrier=config.barrier_with_L1_time):
         update_successful, grad_norm, _ = optimizer.step()

@@ -371,7 +371,7 @@ class Trainer:
             microbatches = [next(self.train_batches) for _ in range(get_num_microbatches())]
         if self.moe_metrics is not None:
             self.moe_metrics.start_step()  # every step, logged or not
-        result = train_step(self.model, self.optimizer, microbatches)
+        result = train_step(self.model, self.optimizer, microbatches, self.state.iteration + 1)
         self.state.consumed_samples += result.num_samples
         if not result.update_successful:
             self.consecutive_skips += 1
