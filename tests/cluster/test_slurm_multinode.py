@@ -41,6 +41,7 @@ from slurm_jobs import (
 )
 
 from megatron_lns.cluster.slurm.rank_env import expand_nodelist
+from megatron_lns.runtime.fault_injection import FAULT_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # one at a time: tests/conftest.py
 
@@ -215,3 +216,60 @@ def test_preempted_then_lost_node_job_comes_back_each_time_and_ends_bitwise(
     assert [step for step, _ in logged[:stopped_at]] == list(range(1, stopped_at + 1))
     assert {step for step, _ in logged} == set(expected) == set(range(1, MAX_STEPS + 1))
     assert [(step, expected[step]) for step, _ in logged] == logged
+
+
+# --- in-job restarts (docs/cluster.md#in-job-restarts) ----------------------------------
+
+# Rank 3 is the second task of the second node: its crash is the node's.
+CRASH_AT_STEP_3 = "kind=crash,rank=3,step=3"
+
+
+def _in_job_restarts(job_log: str) -> list[str]:
+    return [line for line in job_log.splitlines() if "restarting in-job" in line]
+
+
+def test_a_crashed_rank_restarts_in_job_and_ends_with_the_uninterrupted_losses(
+    slurm, two_node_run, tmp_path, monkeypatch
+):
+    """Rank 3 SIGKILLs itself in step 3 (after the checkpoint of step 2): srun ends the
+    step, the batch script runs it again in the same allocation (no requeue), every rank
+    resumes from step 2, and the curve is the uninterrupted job's to the last bit."""
+    monkeypatch.setenv(FAULT_ENV, CRASH_AT_STEP_3)
+    job = submit(
+        slurm, tmp_path, *TWO_NODES, "exp_manager.checkpoint_callback_params.every_n_train_steps=2"
+    )
+    state = wait_for_end(job)
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "0", logs(job.run_dir)
+    job_log = job.log.read_text()
+    second_node = expand_nodelist(state["NodeList"])[1]
+    [restart] = _in_job_restarts(job_log)
+    expected = f"attempt 0 failed: task 3 on {second_node}: Killed; restarting in-job (1 of"
+    assert expected + " at most 3) from the checkpoint of step 2" in restart, job_log
+    assert f"finished at step {MAX_STEPS}" in job_log and "requeu" not in job_log, job_log
+    run_log = job.run_log(0).read_text()
+    assert "fault injection: crash on rank 3 at step 3" in run_log
+    assert "restarted 2 attempt=1" in (job.run_dir / "run_progress").read_text()
+    logged = losses(job.run_dir)
+    assert [step for step, _ in logged] == list(range(1, MAX_STEPS + 1)), logged
+    assert logged == losses(two_node_run[0].run_dir)
+
+
+def test_a_crash_in_every_attempt_ends_the_job_failed_naming_the_cause(
+    slurm, tmp_path, monkeypatch
+):
+    """The same crash again after the restart, with no checkpoint committed in between:
+    after max_restarts_without_progress (1 here) the job ends FAILED, not requeued."""
+    monkeypatch.setenv(FAULT_ENV, f"{CRASH_AT_STEP_3};{CRASH_AT_STEP_3},attempt=1")
+    job = submit(
+        slurm, tmp_path, *TWO_NODES, "exp_manager.fault_tolerance.max_restarts_without_progress=1"
+    )
+    state = wait_for_end(job)
+    assert state["JobState"] == "FAILED" and state["Restarts"] == "0", logs(job.run_dir)
+    job_log = job.log.read_text()
+    assert len(_in_job_restarts(job_log)) == 1, job_log
+    assert "attempt 1 failed: task 3 on " in job_log, job_log
+    assert (
+        "not restarted: the last 1 in-job restarts committed no checkpoint newer than step 0 "
+        "(exp_manager.fault_tolerance.max_restarts_without_progress=1)"
+    ) in job_log, job_log
+    assert "not requeued" in job_log.splitlines()[-1], job_log
