@@ -126,7 +126,8 @@ def train_step(
 ) -> StepResult:
     """Zero grads, forward/backward every micro-batch, optimizer step (with clipping).
 
-    ``step``: the training step this is (1-based), for the test-only fault injection."""
+    ``step`` (1-based) is where a test's injected fault hits (``runtime/fault_injection``):
+    between the two halves, so that the other ranks wait in a collective."""
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
