@@ -273,3 +273,60 @@ def test_a_crash_in_every_attempt_ends_the_job_failed_naming_the_cause(
         "(exp_manager.fault_tolerance.max_restarts_without_progress=1)"
     ) in job_log, job_log
     assert "not requeued" in job_log.splitlines()[-1], job_log
+
+
+def test_a_node_that_failed_twice_is_left_out_for_the_spare_node(
+    slurm, two_node_run, tmp_path, monkeypatch
+):
+    """cluster.spare_nodes=1: the job holds all three nodes and trains on two. Rank 3 (on
+    the second of them) crashes in attempts 0 and 1; the third attempt runs without that
+    node, on the first and the spare, and ends with the uninterrupted losses."""
+    require_cluster(nodes=3)
+    monkeypatch.setenv(FAULT_ENV, f"{CRASH_AT_STEP_3};{CRASH_AT_STEP_3},attempt=1")
+    job = submit(
+        slurm,
+        tmp_path,
+        *TWO_NODES,
+        "cluster.spare_nodes=1",
+        "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
+    )
+    state = wait_for_end(job)
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "0", logs(job.run_dir)
+    assert state["NumNodes"] == "3"
+    job_log = job.log.read_text()
+    failed = re.findall(r"attempt [01] failed: task 3 on (\S+): Killed", job_log)
+    assert len(failed) == 2 and failed[0] == failed[1], job_log
+    assert f"{failed[0]} failed twice: left out of the next srun (spare node 1 of 1" in job_log
+    assert len(_in_job_restarts(job_log)) == 2 and "requeu" not in job_log, job_log
+    logged = losses(job.run_dir)
+    assert [step for step, _ in logged] == list(range(1, MAX_STEPS + 1)), logged
+    assert logged == losses(two_node_run[0].run_dir)
+
+
+def test_without_a_spare_the_job_requeues_itself_without_the_node_that_failed_twice(
+    slurm, two_node_run, tmp_path, monkeypatch
+):
+    """Rank 3 crashes in step 3 of attempt 0 and in step 5 of attempt 1 (after the
+    checkpoint of step 4: progress, so the restarts go on); its node has failed twice and
+    there is no spare: the job requeues itself excluding that node, comes back on the other
+    two and finishes with the uninterrupted losses."""
+    require_cluster(nodes=3)
+    monkeypatch.setenv(FAULT_ENV, f"{CRASH_AT_STEP_3};kind=crash,rank=3,step=5,attempt=1")
+    job = submit(
+        slurm, tmp_path, *TWO_NODES, "exp_manager.checkpoint_callback_params.every_n_train_steps=2"
+    )
+    wait_until(job, lambda state: state["Restarts"] == "1", "requeue", 300)
+    start_requeued_soon(job)
+    state = wait_for_end(job)
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", logs(job.run_dir)
+    job_log = job.log.read_text()
+    failed = re.findall(r"attempt [01] failed: task 3 on (\S+): Killed", job_log)
+    assert len(failed) == 2 and failed[0] == failed[1], job_log
+    bad = failed[0]
+    assert f"{bad} failed twice and no spare node is left: requeueing without {bad}" in job_log
+    assert f"(requeued by this job to leave out {bad}, which failed twice)" in job_log
+    assert state["ExcNodeList"] == bad and bad not in expand_nodelist(state["NodeList"])
+    logged = losses(job.run_dir)
+    assert {step for step, _ in logged} == set(range(1, MAX_STEPS + 1))
+    expected = dict(losses(two_node_run[0].run_dir))
+    assert [(step, expected[step]) for step, _ in logged] == logged

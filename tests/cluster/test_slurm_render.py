@@ -283,7 +283,11 @@ case $FAKE_MODE in
                 echo "srun: error: $node: task 3: Killed" >&2
                 echo "srun: error: n1: tasks 0-2: Killed" >&2
                 exit 137 ;;
-            hang@*) echo "srun: error: $node: task 1: Exited with exit code 75" >&2; exit 75 ;;
+            hang@*)
+                # A watchdog on n1 names the stalled rank on $node, then exits 75.
+                echo "[lns] hang: rank 3 (host $node, pid 99) stopped responding; rank 0 ..."
+                echo "srun: error: n1: task 0: Exited with exit code 75" >&2
+                exit 75 ;;
             save_crash@*)
                 FAKE_STEP=$((FAKE_STEP + MEGATRON_LNS_ATTEMPT)) save
                 rm "$FAKE_STATUS"
@@ -758,12 +762,16 @@ def test_a_crashed_rank_is_restarted_in_job_with_the_next_attempt_number(tmp_pat
     assert "42 0 restarted 0 attempt=1" in _progress(job)[1]
 
 
-def test_a_hung_rank_is_restarted_and_the_note_says_its_watchdog_found_it(tmp_path):
-    result, _, _, given = _restarted(tmp_path, "hang@n2 finish")
-    assert result.returncode == 0 and len(given) == 2
-    assert "task 1 on n2: Exited with exit code 75 (its watchdog found the run hung)" in (
-        result.stdout
-    )
+def test_a_hang_is_restarted_and_blamed_on_the_stalled_ranks_host(tmp_path):
+    """The watchdog that exits first runs on a healthy node (n1): the node that counts
+    towards leaving it out is the one its line names, twice here, then left out."""
+    result, _, _, given = _restarted(tmp_path, "hang@n2 hang@n2 finish", "cluster.spare_nodes=1")
+    assert result.returncode == 0 and len(given) == 3
+    assert (
+        "attempt 0 failed: task 0 on n1: Exited with exit code 75 (its watchdog found the run "
+        "hung on n2); restarting in-job"
+    ) in result.stdout
+    assert "--exclude=n2" in given[2][1].split()
 
 
 def test_restarts_without_a_newer_checkpoint_end_the_job_with_that_cause(tmp_path):
@@ -824,7 +832,7 @@ def test_a_node_that_failed_twice_is_left_out_while_a_spare_remains(tmp_path):
 def test_without_a_spare_node_the_job_requeues_itself_excluding_the_node(tmp_path):
     result, requeues, _, given = _restarted(tmp_path, "crash@n2 crash@n2 finish")
     assert result.returncode == 0 and len(given) == 2, result.stdout
-    assert requeues == "show job 42\nupdate JobId=42 ExcNodeList=n2\nrequeue 42\n"
+    assert requeues == "show job 42\nrequeue 42\nupdate JobId=42 ExcNodeList=n2\n"
     assert "n2 failed twice and no spare node is left: requeueing without n2 (1 of at most" in (
         result.stdout
     )
