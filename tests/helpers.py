@@ -135,6 +135,38 @@ def fresh_launch_env(**extra: str) -> dict[str, str]:
     return env
 
 
+@contextlib.contextmanager
+def killed_on_exit(process: subprocess.Popen):
+    """``process`` is killed if it is still running when the block ends (a failed test
+    leaves nothing behind)."""
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def wait_while_running(
+    process: subprocess.Popen, ready: Callable[[], bool], within_s: float, what: str
+) -> None:
+    """Poll ``ready()`` until it holds; fail with ``process``'s stderr if it ended first, or
+    saying ``what`` did not happen within ``within_s`` seconds."""
+    deadline = time.monotonic() + within_s
+    while not ready():
+        assert process.poll() is None, process.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def end_by_signal(process: subprocess.Popen, signum: int, within_s: float) -> str:
+    """Send ``signum`` to ``process`` and wait for it to end of it; its stderr."""
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=within_s)
+    assert process.returncode in (128 + signum, -signum), stderr[-2000:]
+    return stderr
+
+
 # The longest a multi-process test may run: its slowest case takes a few minutes on a
 # loaded 2-core CI machine; a hang (ranks waiting on a collective) fails instead of
 # stalling CI until its limit.

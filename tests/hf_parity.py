@@ -98,6 +98,27 @@ def import_refuses_edited_config(source: Path, changes: dict, message: str) -> N
     assert_nothing_written(out)
 
 
+def assert_architecture_round_trips(arch, model_config, out: Path) -> None:
+    """``arch`` exports ``model_config`` (a run's model section) as a ``config.json`` of its
+    Hugging Face class, and reading that file back gives the same architecture, with or
+    without LNS."""
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    from megatron_lns.config.norm_scalings import imported_norm_scaling
+    from megatron_lns.convert.architectures import architecture_for_hf_config
+
+    exported = arch.from_model_config(model_config)
+    exported.hf_config(VOCAB, torch.float32, None, ByteTokenizer().eod).save_pretrained(out)
+    config = AutoConfig.from_pretrained(out, local_files_only=True)
+    assert config.architectures == [arch.hf_class]
+    for lns in (False, True):
+        assert architecture_for_hf_config(config, lns) == dataclasses.replace(
+            exported, norm_scaling=imported_norm_scaling(lns)
+        )
+
+
 def export_then_import(run: Path, tmp_path: Path):
     """``run`` exported to ``tmp_path/hf`` and that export imported back as an LNS run to
     ``tmp_path/imported``: the export and the imported run's config."""

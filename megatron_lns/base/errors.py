@@ -95,6 +95,8 @@ def report_user_error_once(err: UserError) -> None:
 class RankFailed(Exception):
     """A rank of a local multi-process run exited with an error (``runtime.local_ranks``)."""
 
+    explained = False  # whether the message says all (else the rank's output says why)
+
     def __init__(self, rank: int, exit_code: int) -> None:
         super().__init__(f"rank {rank} exited with code {exit_code}")
         self.rank = rank

@@ -45,5 +45,8 @@ def exit_status(body: Callable[[], int | None]) -> int:
     except RankFailed as err:
         if err.exit_code == USER_ERROR_EXIT_CODE:
             return USER_ERROR_EXIT_CODE  # the rank has reported it
-        print(f"error: {err} (its output above says why)", file=sys.stderr)
+        print(
+            f"error: {err}{'' if err.explained else ' (its output above says why)'}",
+            file=sys.stderr,
+        )
         return 1

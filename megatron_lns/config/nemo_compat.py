@@ -226,6 +226,46 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
     "exp_manager.checkpoint_callback_params.save_weights_only": Fixed(
         (False,), "checkpoints hold the optimizer state so that runs can resume"
     ),
+    # exp_manager: NeMo hands these to nvidia-resiliency-ext; megatron-lns runs its own
+    # watchdog and restarts (docs/resilience.md), whose keys are in the schema.
+    "exp_manager.fault_tolerance.rank_termination_signal": Inert(
+        "the watchdog ends a hung attempt itself: its ranks exit and the launcher kills the rest"
+    ),
+    "exp_manager.fault_tolerance.log_level": Inert(
+        "ft_launcher's log level; the watchdog writes to the run's log"
+    ),
+    "exp_manager.fault_tolerance.max_subsequent_job_failures": Fixed(
+        (0,),
+        "no continuation job is prescheduled: a SLURM job restarts in-job (exp_manager."
+        "fault_tolerance.max_rank_restarts) and requeues itself (cluster.max_requeues)",
+    ),
+    "exp_manager.fault_tolerance.additional_ft_launcher_args": Fixed(
+        ("",), "megatron-lns does not run ft_launcher"
+    ),
+    "exp_manager.fault_tolerance.simulated_fault": Fixed(
+        (None,), "faults are injected with the MEGATRON_LNS_INJECT_FAULT environment variable"
+    ),
+    "exp_manager.straggler_detection_params.report_time_interval": Inert(
+        "reports come every straggler_detection_params.report_every_n_steps steps"
+    ),
+    "exp_manager.straggler_detection_params.calc_relative_gpu_perf": Inert(
+        "each rank's compute time per step is always compared with the median rank's"
+    ),
+    "exp_manager.straggler_detection_params.calc_individual_gpu_perf": Inert(
+        "a GPU's own kernel timings (CUPTI) are not measured"
+    ),
+    "exp_manager.straggler_detection_params.num_gpu_perf_scores_to_log": Inert(
+        "every rank's compute time goes to TensorBoard; the log names the stragglers"
+    ),
+    "exp_manager.straggler_detection_params.gpu_relative_perf_threshold": Inert(
+        "the threshold here is straggler_detection_params.slower_than_median"
+    ),
+    "exp_manager.straggler_detection_params.gpu_individual_perf_threshold": Inert(
+        "a GPU's own kernel timings (CUPTI) are not measured"
+    ),
+    "exp_manager.straggler_detection_params.stop_if_detected": Fixed(
+        (False,), "a straggler is named, not stopped: the run goes on"
+    ),
     # model: what is built
     "model.mcore_gpt": Fixed((True,), "the model is megatron-core's GPTModel"),
     "model.transformer_block_type": Fixed(

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from megatron_lns.runtime.fault_injection import ATTEMPT_ENV
 from megatron_lns.runtime.progress_file import LOCAL_JOB_ID
 
 # SIGUSR1 is what schedulers send ahead of a time limit or pre-emption (SLURM's
@@ -103,6 +104,15 @@ class JobEnvironment(ABC):
         return 0
 
     @property
+    def in_job_restart(self) -> int:
+        """Which in-job restart of this run this process belongs to (0: the first start):
+        ``MEGATRON_LNS_ATTEMPT``, set by the launcher that restarts the ranks after a dead
+        or hung one (``runtime/restarts.py``). With :attr:`restart_count` it names an
+        attempt in the run's records."""
+        value = os.environ.get(ATTEMPT_ENV, "0")
+        return int(value) if value.isdigit() else 0
+
+    @property
     def host(self) -> str:
         return socket.gethostname()
 
@@ -154,4 +164,6 @@ class LocalJob(JobEnvironment):
         return None
 
     def attempt_started_at(self) -> float:
-        return self.started_at
+        """The launcher's start for the first attempt; a rank's own start for an in-job
+        restart (the launcher spawned it then: the time before is the restart's)."""
+        return self.started_at if self.in_job_restart == 0 else process_start_time()

@@ -126,9 +126,9 @@ def _rank_entry(
 
 
 @contextlib.contextmanager
-def _forward_stop_signals(processes: list) -> Iterator[None]:
-    """While running, stop signals to this process go to the ranks (see module doc)."""
-    received: list[int] = []
+def _forward_stop_signals(processes: list, received: list[int]) -> Iterator[None]:
+    """While running, stop signals to this process go to the ranks (see module doc);
+    ``received`` collects them."""
 
     def forward(signum: int, frame: Any) -> None:
         first_stop = not received or signum == signal.SIGUSR1
@@ -152,21 +152,33 @@ def _forward_stop_signals(processes: list) -> Iterator[None]:
 
 
 def spawn_local(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float | None = None
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float | None = None,
+    environment: dict[str, str] | None = None,
+    stop_signals: list[int] | None = None,
 ) -> None:
     """Run ``fn(*args)`` in ``world_size`` fresh processes on this machine.
 
-    Each process gets the torchrun environment (RANK, WORLD_SIZE, MASTER_*), so ``fn``
-    calls ``init_distributed`` exactly as it would under torchrun or SLURM. A rank's
-    failure raises :class:`RankFailed` (after a user error, which the rank reported)
-    or torch's ``ProcessRaisedException`` with the rank's traceback (a bug). With
-    ``timeout_s`` (tests), ranks still running after it are killed and
-    :class:`RanksTimedOut` is raised: ranks that disagree on a collective wait forever.
+    Each process gets the torchrun environment (RANK, WORLD_SIZE, MASTER_*; a free port
+    at each call), so ``fn`` calls ``init_distributed`` exactly as it would under
+    torchrun or SLURM, plus ``environment``. A rank's failure raises :class:`RankFailed`
+    (after a user error, which the rank reported) or torch's ``ProcessRaisedException``
+    with the rank's traceback (a bug); either way no rank, nor any process a rank
+    started, is left. With ``timeout_s`` (tests), ranks still running after it are
+    killed and :class:`RanksTimedOut` is raised: ranks that disagree on a collective
+    wait forever. ``stop_signals`` collects the stop signals forwarded to the ranks (a
+    failure after one is the user's doing, not the run's).
     """
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="megatron-lns-launch-") as scratch:
-        environment = {**os.environ, REPORT_MARKER_ENV: str(Path(scratch) / "error-reported")}
+        environment = {
+            **os.environ,
+            **(environment or {}),
+            REPORT_MARKER_ENV: str(Path(scratch) / "error-reported"),
+        }
         output = (_LauncherFd(1), _LauncherFd(2))
         context = mp.start_processes(
             _rank_entry,
@@ -176,7 +188,8 @@ def spawn_local(
             start_method=_start_method(),
         )
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with _forward_stop_signals(context.processes):
+        received = [] if stop_signals is None else stop_signals
+        with _forward_stop_signals(context.processes, received):
             try:
                 while not context.join(
                     timeout=_seconds_until(deadline), grace_period=FAILURE_GRACE_SECONDS
@@ -190,8 +203,18 @@ def spawn_local(
             finally:
                 for process in context.processes:
                     if process.is_alive():
-                        process.kill()
+                        process.kill()  # SIGKILL ends a SIGSTOPped rank too
                         process.join()
+                    _kill_process_group(process.pid)
+
+
+def _kill_process_group(pid: int) -> None:
+    """Kill what is left of the process group of rank ``pid`` (which made itself its
+    leader): a save's writer it forked, say, which would otherwise go on writing into
+    the run directory beside the next attempt. The group's id is not reused while any
+    member lives; a rank that died before making its group has none."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 # Imported once by the forkserver, so that each rank forked from it starts without
@@ -230,11 +253,14 @@ class NoMultiNodeLauncher(UserError, RuntimeError):
 
 
 def run_job(fn: Callable[..., Any], num_nodes: int, devices: int, *args: Any,
-            multi_node_hint: str) -> None:  # fmt: skip
+            multi_node_hint: str, local_launch: Callable[..., None] | None = None
+            ) -> None:  # fmt: skip
     """Run ``fn(*args)`` on every rank: in this process under an external launcher
     (torchrun, srun: :func:`launcher_environment`) or for one device, else on ``devices`` local
-    processes (:func:`spawn_local`). Several nodes need the external launcher;
-    ``multi_node_hint`` ends the refusal with what the calling command offers."""
+    processes (``local_launch``, called as :func:`spawn_local` is, which is the default;
+    :func:`.restarts.spawn_with_restarts` restarts them in-job). Several nodes need the
+    external launcher; ``multi_node_hint`` ends the refusal with what the calling command
+    offers."""
     world = world_size(num_nodes, devices)
     if launcher_environment() is not None:
         # As spawn_local's ranks do: a process group still alive when the interpreter
@@ -251,4 +277,4 @@ def run_job(fn: Callable[..., Any], num_nodes: int, devices: int, *args: Any,
             "trainer.num_nodes > 1 needs a multi-node launcher" + multi_node_hint
         )
     else:
-        spawn_local(fn, world, *args)
+        (local_launch or spawn_local)(fn, world, *args)

@@ -35,6 +35,8 @@ class AttemptRecorder:
     ) -> None:
         self.run_dir, self.warn, self.active = Path(run_dir), warn, active
         self.job_id, self.restart = job.record_id, job.restart_count
+        # An in-job restart's lines say which one it is (the first start's say nothing).
+        self.attempt_field = {"attempt": job.in_job_restart} if job.in_job_restart else {}
         self.started_at = job.attempt_started_at()
         self.load_s = self.train_s = self.save_s = self.eval_s = 0.0
         self.steps = self.step = self.samples = 0
@@ -46,7 +48,10 @@ class AttemptRecorder:
         if not self.active:
             return
         try:
-            append_line(self.run_dir, self.job_id, self.restart, event, self.step, **fields)
+            append_line(
+                self.run_dir, self.job_id, self.restart, event, self.step,
+                **self.attempt_field, **fields,
+            )  # fmt: skip
         except OSError as err:
             if not self.write_failed:
                 self.write_failed = True
@@ -66,14 +71,17 @@ class AttemptRecorder:
             "samples": self.samples,
         }
 
-    def began(self, step: int, samples: int) -> None:
-        """The first step is about to start, from ``step`` (0: a fresh start)."""
+    def began(self, step: int, samples: int, logged_past: int | None = None) -> None:
+        """The first step is about to start, from ``step`` (0: a fresh start);
+        ``logged_past``: the last step an earlier attempt logged past ``step`` (the
+        metrics rows this resume dropped), which it trained after its last record."""
         now = time.time()
         self.began_at, self.step, self.samples = now, step, samples
         startup_s = max(0.0, now - self.started_at)
+        past = {} if logged_past is None else {"logged_past": logged_past}
         self._append(
             "began", at=f"{now:.2f}", startup_s=f"{startup_s:.2f}",
-            load_s=f"{self.load_s:.2f}", samples=samples,
+            load_s=f"{self.load_s:.2f}", samples=samples, **past,
         )  # fmt: skip
 
     def step_done(self, step: int, seconds: float, samples: int) -> None:

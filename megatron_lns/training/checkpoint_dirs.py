@@ -105,3 +105,10 @@ def latest_complete_checkpoint(root: str | Path) -> Path | None:
     """The newest complete checkpoint under ``root``; partial ones are never chosen."""
     found = complete_checkpoints(root)
     return found[0] if found else None
+
+
+def newest_checkpoint_step(root: str | Path) -> int:
+    """The step of the newest complete checkpoint under ``root`` (0: none): how far a
+    restart resumes from."""
+    newest = latest_complete_checkpoint(root)
+    return int(CHECKPOINT_DIR_RE.match(newest.name).group(1)) if newest else 0

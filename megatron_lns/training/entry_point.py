@@ -9,6 +9,8 @@ every rank, in the job environment its caller chose (a scheduler's job or a loca
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -33,7 +35,7 @@ def train(
     print_resolved_config(cfg)
     if dry_run:
         return
-    run_on_every_rank(cfg, train_job, job)
+    run_on_every_rank(cfg, train_job, job, local_launch=in_job_restarts(cfg, job))
 
 
 def train_job(cfg: ExperimentConfig, job: JobEnvironment | None = None) -> None:
@@ -49,16 +51,39 @@ def run_on_every_rank(
     *args: Any,
     multi_node_hint: str = ": `megatron-lns submit` on SLURM, or one process per GPU started by "
     "torchrun or srun",
+    local_launch: Callable[..., None] | None = None,
 ) -> None:
     """Run ``job(cfg, *args)`` on every rank: in-process under torchrun/SLURM or for one
-    device, else as ``trainer.devices`` local processes. ``multi_node_hint`` ends the
-    refusal of a multi-node config started by hand on one node."""
+    device, else as ``trainer.devices`` local processes (started by ``local_launch``,
+    default ``spawn_local``: no restart). ``multi_node_hint`` ends the refusal of a
+    multi-node config started by hand on one node."""
     from megatron_lns.runtime import run_job
 
     run_job(
         job, cfg.trainer.num_nodes, cfg.trainer.devices, cfg, *args,
-        multi_node_hint=multi_node_hint,
+        multi_node_hint=multi_node_hint, local_launch=local_launch,
     )  # fmt: skip
+
+
+def in_job_restarts(cfg: ExperimentConfig, *args: Any) -> Callable[..., None] | None:
+    """The launch of local ranks that restarts them in-job after a dead or hung rank, as
+    ``exp_manager.fault_tolerance`` allows (None: restarts are off). A restart always
+    resumes from the newest complete checkpoint, even where the first start was told
+    ``resume_if_exists=false`` (it made the run directory's checkpoints itself)."""
+    em = cfg.exp_manager
+    if not em.create_fault_tolerance_callback or em.fault_tolerance.max_rank_restarts == 0:
+        return None
+    from megatron_lns.config.paths import run_directory
+    from megatron_lns.runtime.restarts import RestartPolicy, spawn_with_restarts
+    from megatron_lns.training.checkpoint_dirs import newest_checkpoint_step
+
+    policy = RestartPolicy(
+        em.fault_tolerance.max_rank_restarts,
+        em.fault_tolerance.max_restarts_without_progress,
+        functools.partial(newest_checkpoint_step, run_directory(cfg) / "checkpoints"),
+    )
+    resumed = dataclasses.replace(cfg, exp_manager=dataclasses.replace(em, resume_if_exists=True))
+    return functools.partial(spawn_with_restarts, policy=policy, restart_args=(resumed, *args))
 
 
 def load_checked_config(

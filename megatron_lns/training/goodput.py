@@ -4,10 +4,13 @@ A run trains in attempts: the first start, and every resume after a stop, a requ
 crash. Rank 0 of each attempt appends to ``<run_dir>/run_progress``
 (:mod:`megatron_lns.runtime.progress_file`; :mod:`.attempt_recorder` writes them)::
 
-    JOB RESTART began R at=T startup_s=S load_s=L samples=N
-    JOB RESTART trained S at=T steps=K train_s=X save_s=Y eval_s=Z samples=N
-    JOB RESTART ended S at=T how=finished|stopped|failed steps=K train_s=X ...
+    JOB RESTART began R [attempt=A] at=T startup_s=S load_s=L samples=N
+    JOB RESTART trained S [attempt=A] at=T steps=K train_s=X save_s=Y eval_s=Z samples=N
+    JOB RESTART ended S [attempt=A] at=T how=finished|stopped|failed steps=K train_s=X ...
 
+``attempt``: the in-job restart (``runtime/restarts.py``: the ranks restarted by their
+launcher inside the job after a dead or hung one; absent: 0, the job's first start), so
+that an attempt is named by job, scheduler restart and in-job restart.
 ``began``: before the first step, from step ``R`` (0: a fresh start); ``startup_s`` from
 the attempt's start as its launcher saw it (a SLURM batch script's start, else the
 launcher process's) to the first step, of which ``load_s`` loading the checkpoint.
@@ -23,7 +26,8 @@ From these, :func:`account` divides the wall time: productive steps; start-up; c
 load; saves; evaluation; lost work (the steps an attempt that did not end cleanly trained
 past the step the next attempt resumed from, which are trained again); restarts and queue
 wait (from an attempt's last line to the next one's start, when both belong to one
-scheduler job: a requeue); and the rest (logging, shutdown). The time between two jobs
+scheduler job: a requeue, or one launch: an in-job restart); and the rest (logging,
+shutdown). The time between two jobs
 (a new ``submit``, a rerun by hand) is nobody's allocation and is not counted.
 Torch-free: ``megatron-lns status`` reads it on a login node.
 """
@@ -44,6 +48,7 @@ class Attempt:
 
     job_id: str
     restart: int
+    in_job_restart: int
     began_at: float  # epoch seconds of its first step
     startup_s: float
     load_s: float
@@ -57,7 +62,14 @@ class Attempt:
     samples: int = 0
     how: str | None = None  # finished / stopped / failed; None: no end was recorded
     lost_steps: int = 0
-    lost_s: float = 0.0
+    lost_s: float = 0.0  # of its recorded training time
+    unrecorded_lost_s: float = 0.0  # of the steps it trained after its last record
+    logged_past: int | None = None  # its ``began``: the last step the previous one logged
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """What names this attempt's lines in ``run_progress``."""
+        return self.job_id, self.restart, self.in_job_restart
 
     @property
     def start(self) -> float:
@@ -97,6 +109,7 @@ def attempts_of(events: list[ProgressEvent]) -> list[Attempt]:
                 Attempt(
                     job_id=event.job_id,
                     restart=event.restart,
+                    in_job_restart=_in_job_restart(event),
                     began_at=at,
                     startup_s=max(0.0, event.number("startup_s")),
                     load_s=max(0.0, event.number("load_s")),
@@ -104,13 +117,23 @@ def attempts_of(events: list[ProgressEvent]) -> list[Attempt]:
                     last_step=event.step or 0,
                     last_at=at,
                     samples=int(event.number("samples")),
+                    logged_past=_optional_step(event, "logged_past"),
                 )
             )
         elif event.event in ("trained", "ended") and attempts:
             current = attempts[-1]
-            if (current.job_id, current.restart) == (event.job_id, event.restart):
+            if current.key == (event.job_id, event.restart, _in_job_restart(event)):
                 current.update(event)
     return attempts
+
+
+def _optional_step(event: ProgressEvent, key: str) -> int | None:
+    value = event.fields.get(key, "")
+    return int(value) if value.isdigit() else None
+
+
+def _in_job_restart(event: ProgressEvent) -> int:
+    return int(event.number("attempt", 0))
 
 
 @dataclass
@@ -146,24 +169,37 @@ ROWS = (
 def _charge_lost_work(attempts: list[Attempt], resumable_step: int | None) -> None:
     """Charge each attempt that did not end cleanly the steps it trained past the step the
     next attempt resumed from (``resumable_step`` for the last one: the newest complete
-    checkpoint's step; None while it may still be running), at its mean step time."""
+    checkpoint's step; None while it may still be running), at its mean step time.
+
+    A crash leaves up to half a minute of steps after the attempt's last record; the next
+    attempt's ``logged_past`` (the last metrics row it dropped) says how far it got. Their
+    time lies between its last record and the next start (``unrecorded_lost_s``), which
+    :func:`account` moves from the restart's time to the lost work."""
     for index, attempt in enumerate(attempts):
-        if attempt.how in CLEAN_ENDS or not attempt.steps:
+        if attempt.how in CLEAN_ENDS:
             continue
-        later = attempts[index + 1].first_step if index + 1 < len(attempts) else resumable_step
+        after = attempts[index + 1] if index + 1 < len(attempts) else None
+        later = after.first_step if after is not None else resumable_step
         if later is None:
             continue
-        attempt.lost_steps = max(0, attempt.last_step - max(later, attempt.first_step))
-        per_step = attempt.train_s / attempt.steps
-        attempt.lost_s = min(attempt.train_s, attempt.lost_steps * per_step)
+        resumed_at = max(later, attempt.first_step)
+        recorded = max(0, attempt.last_step - resumed_at)
+        reached = max(attempt.last_step, (after and after.logged_past) or 0)
+        unrecorded = max(0, reached - max(attempt.last_step, resumed_at))
+        attempt.lost_steps = recorded + unrecorded
+        rates = [a.train_s / a.steps for a in (attempt, after) if a is not None and a.steps]
+        per_step = rates[0] if rates else 0.0
+        attempt.lost_s = min(attempt.train_s, recorded * per_step)
+        attempt.unrecorded_lost_s = unrecorded * per_step
 
 
 def queue_wait_s(before: Attempt, after: Attempt) -> float:
-    """From ``before``'s last record to ``after``'s start, when both are attempts of one
-    scheduler job (a requeue); 0 otherwise."""
-    if before.job_id != after.job_id or before.job_id == LOCAL_JOB_ID:
-        return 0.0
-    return max(0.0, after.start - before.last_at)
+    """From ``before``'s last record to ``after``'s start, when ``after`` is an in-job
+    restart of ``before``'s launch or both are attempts of one scheduler job (a
+    requeue); 0 otherwise (a rerun by hand: nobody's allocation between them)."""
+    in_job = after.in_job_restart > 0 and after.key[:2] == before.key[:2]
+    requeue = before.job_id == after.job_id and before.job_id != LOCAL_JOB_ID
+    return max(0.0, after.start - before.last_at) if in_job or requeue else 0.0
 
 
 def account(events: list[ProgressEvent], resumable_step: int | None) -> Goodput:
@@ -181,7 +217,10 @@ def account(events: list[ProgressEvent], resumable_step: int | None) -> Goodput:
         rows["evaluation"] += attempt.eval_s
         rows["lost work"] += attempt.lost_s
     for before, after in itertools.pairwise(attempts):
-        rows["restarts, queue wait"] += queue_wait_s(before, after)
+        gap = queue_wait_s(before, after)
+        lost = min(gap, before.unrecorded_lost_s)
+        rows["lost work"] += lost
+        rows["restarts, queue wait"] += gap - lost
     wall = sum(attempt.wall_s for attempt in attempts) + rows["restarts, queue wait"]
     # What no record names; never below 0 (the records are rounded to 10 ms).
     rows["other"] = max(0.0, wall - sum(rows.values()))

@@ -104,13 +104,15 @@ class MetricsLogger:
         self.writer = None
         self.wandb_run = None
         self.jsonl: MetricRows | None = None
+        self.dropped_up_to: int | None = None  # the last step of the rows dropped at resume
         self.unwritten: list[int] = []  # steps whose rows the disk refused, since the last
         if not self.active:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         metrics = run_dir / "metrics.jsonl"
         try:
-            _drop_rows_after(metrics, resume_step)
+            # How far an interrupted attempt got past its checkpoint (goodput's lost work).
+            self.dropped_up_to = _drop_rows_after(metrics, resume_step)
             self.jsonl = MetricRows(metrics)
         except (OSError, DiskFullError) as err:
             # Rows of replayed steps cannot be dropped: appending would log them twice.
@@ -196,18 +198,23 @@ class MetricsLogger:
             self.wandb_run.finish()
 
 
-def _drop_rows_after(path: Path, step: int) -> None:
-    """Keep only the rows of ``path`` up to ``step`` (a torn last line goes too)."""
+def _drop_rows_after(path: Path, step: int) -> int | None:
+    """Keep only the rows of ``path`` up to ``step`` (a torn last line goes too); the
+    last step of the rows dropped (None: none)."""
     if not path.is_file():
-        return
-    kept = []
+        return None
+    kept, dropped = [], None
     for line in path.read_text().splitlines():
         try:
-            if json.loads(line)["step"] <= step:
+            row_step = json.loads(line)["step"]
+            if row_step <= step:
                 kept.append(line)
+            else:
+                dropped = max(dropped or row_step, row_step)
         except (ValueError, KeyError, TypeError):
             continue
     write_text_atomically(path, "".join(line + "\n" for line in kept))
+    return dropped
 
 
 def _fmt(value: float) -> str:

@@ -67,6 +67,12 @@ class RunReport:
             return None
         return max(0, self.max_steps - self.step) * self.step_s
 
+    @property
+    def in_job_restarts(self) -> int:
+        """The attempts that the launcher restarted inside the job after a dead or hung
+        rank (``runtime/restarts.py``), not the scheduler or a person."""
+        return sum(1 for a in self.goodput.attempts if a.in_job_restart > 0)
+
     def endings(self) -> list[str]:
         """How each attempt ended: as recorded, else ``running`` (the last one, while the
         run directory's lock is held) or ``killed or crashed`` (no end recorded)."""
@@ -91,6 +97,8 @@ class RunReport:
             ),
             "attempts": len(g.attempts),
             "restarts": max(0, len(g.attempts) - 1),
+            "in_job_restarts": self.in_job_restarts,
+            "lost_steps": sum(a.lost_steps for a in g.attempts),
             "step_s": _rounded(self.step_s, 4),
             "time_to_max_steps_s": _rounded(self.time_to_max_steps_s),
             "last_record_at": self.last_record_at,
@@ -100,7 +108,8 @@ class RunReport:
                         for name, value in g.rows.items()},
             "attempt_list": [
                 {
-                    "job_id": a.job_id, "restart": a.restart, "start": _rounded(a.start),
+                    "job_id": a.job_id, "restart": a.restart, "in_job_restart": a.in_job_restart,
+                    "start": _rounded(a.start),
                     "wall_s": _rounded(a.wall_s), "from_step": a.first_step, "to_step": a.last_step,
                     "steps": a.steps, "ended": ended, "lost_steps": a.lost_steps,
                 }
@@ -118,7 +127,12 @@ class RunReport:
         ends = self.endings()
         said = ", ".join(f"{ends.count(e)} {e}" for e in dict.fromkeys(ends))
         restarts = max(0, len(g.attempts) - 1)
-        lines.append(f"attempts: {len(g.attempts)} ({said}); restarts: {restarts}")
+        in_job = f" ({self.in_job_restarts} in-job)" if self.in_job_restarts else ""
+        lost = sum(a.lost_steps for a in g.attempts)
+        recomputed = f"; {lost} step(s) trained again after failures" if lost else ""
+        lines.append(
+            f"attempts: {len(g.attempts)} ({said}); restarts: {restarts}{in_job}{recomputed}"
+        )
         if self.time_to_max_steps_s:  # none for a finished run
             lines.append(
                 f"time to max_steps: {duration(self.time_to_max_steps_s)} at "

@@ -124,10 +124,8 @@ def train_step(
     microbatches: Sequence[Batch],
     step: int = 0,
 ) -> StepResult:
-    """Zero grads, forward/backward every micro-batch, optimizer step (with clipping).
-
-    ``step`` (1-based) is where a test's injected fault hits (``runtime/fault_injection``):
-    between the two halves, so that the other ranks wait in a collective."""
+    """Zero grads, forward/backward every micro-batch, optimizer step (with clipping);
+    ``step`` (1-based) is where a test's injected fault hits."""
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()

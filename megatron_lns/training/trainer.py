@@ -488,7 +488,9 @@ class Trainer:
         checkpointing on the configured intervals."""
         cfg, t = self.cfg, self.cfg.trainer
         summary = RunSummary(cfg.exp_manager.name, self.run_dir, t.max_steps, self.resumed_from)
-        self.attempt.began(self.state.iteration, self.state.consumed_samples)
+        self.attempt.began(
+            self.state.iteration, self.state.consumed_samples, self.logger.dropped_up_to
+        )
         if self.state.iteration >= t.max_steps:
             self._print(
                 f"nothing to do: {self.resumed_path} is at step {self.state.iteration} and "

@@ -3,7 +3,6 @@ tokenizer ids, and refusal of bad inputs with nothing half-written."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import types
@@ -16,6 +15,7 @@ from hf_parity import (
     HF_TINY,
     SEQ,
     VOCAB,
+    assert_architecture_round_trips,
     assert_nothing_written,
     assert_parity,
     export_then_import,
@@ -26,7 +26,6 @@ from hf_parity import (
 )
 
 from megatron_lns.config import load_config, to_yaml
-from megatron_lns.config.norm_scalings import imported_norm_scaling
 from megatron_lns.convert import ConversionError, export_hf, import_hf
 from megatron_lns.convert.architectures import (
     ARCHITECTURES,
@@ -496,19 +495,10 @@ def test_each_architecture_reads_back_the_config_json_it_writes(tmp_path, arch):
     """The config.json a dense architecture writes comes back through AutoConfig and the
     registry as the same architecture; export picks the first dense one with the model's
     norm (the MoE ones: tests/convert/test_convert_moe.py)."""
-    from transformers import AutoConfig
-
     model = run_config(normalization=arch.norm, rotary_base=50000).model
     first = next(o for o in ARCHITECTURES if o.norm == arch.norm and not o.moe)
     assert type(architecture_for_model_config(model)) is first
-    exported = arch.from_model_config(model)
-    exported.hf_config(VOCAB, torch.float32, None, ByteTokenizer().eod).save_pretrained(tmp_path)
-    config = AutoConfig.from_pretrained(tmp_path, local_files_only=True)
-    assert config.architectures == [arch.hf_class]
-    for lns in (False, True):
-        assert architecture_for_hf_config(config, lns) == dataclasses.replace(
-            exported, norm_scaling=imported_norm_scaling(lns)
-        )
+    assert_architecture_round_trips(arch, model, tmp_path)
 
 
 def test_an_unknown_architecture_is_named_with_the_supported_ones():

@@ -16,6 +16,7 @@ from hf_parity import (
     MIXTRAL,
     QWEN2_MOE,
     VOCAB,
+    assert_architecture_round_trips,
     assert_parity,
     export_then_import,
     import_refuses_edited_config,
@@ -28,7 +29,6 @@ from hf_parity import (
 
 from megatron_lns.config import load_config
 from megatron_lns.config.moe_layers import moe_layer_pattern
-from megatron_lns.config.norm_scalings import imported_norm_scaling
 from megatron_lns.config.schema import ModelConfig
 from megatron_lns.config.settings import HF_CONVERTER, HF_REFUSE, declared_settings
 from megatron_lns.convert import ConversionError, export_hf, import_hf
@@ -294,17 +294,8 @@ def test_tiny_cpu_moe_exports_as_qwen2_moe():
     "arch", [a for a in ARCHITECTURES if a.moe], ids=lambda arch: arch.hf_class
 )
 def test_each_moe_architecture_reads_back_the_config_json_it_writes(tmp_path, arch):
-    from transformers import AutoConfig
-
     model = QWEN2_MOE | dict(moe_layer_freq=[0, 1, 1, 1]) if arch.hf_shared_expert else MIXTRAL
-    exported = arch.from_model_config(run_config(**model, rotary_base=50000).model)
-    exported.hf_config(VOCAB, torch.float32, None, ByteTokenizer().eod).save_pretrained(tmp_path)
-    config = AutoConfig.from_pretrained(tmp_path, local_files_only=True)
-    assert config.architectures == [arch.hf_class]
-    for lns in (False, True):
-        assert architecture_for_hf_config(config, lns) == dataclasses.replace(
-            exported, norm_scaling=imported_norm_scaling(lns)
-        )
+    assert_architecture_round_trips(arch, run_config(**model, rotary_base=50000).model, tmp_path)
 
 
 # Training values config.json records, set away from transformers' defaults.

@@ -22,7 +22,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from helpers import byte_gpt_datasets, fresh_launch_env
+from helpers import (
+    byte_gpt_datasets,
+    end_by_signal,
+    fresh_launch_env,
+    killed_on_exit,
+    wait_while_running,
+)
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_lns.cli import main
@@ -348,19 +354,11 @@ def test_a_run_stopped_midway_keeps_its_finished_units_and_resumes_to_the_same_b
         text=True,
     )
     units = tmp_path / "data.parts" / "units"
-    try:
-        deadline = time.monotonic() + 120
-        while len(list(units.glob("*.json"))) < 2:
-            assert process.poll() is None, process.communicate()[1][-2000:]
-            assert time.monotonic() < deadline, "no unit finished"
-            time.sleep(0.05)
+    with killed_on_exit(process):
+        wait_while_running(process, lambda: len(list(units.glob("*.json"))) >= 2, 120,
+                           "no unit finished")  # fmt: skip
         workers = _children(process.pid)
-        process.send_signal(signum)
-        _, stderr = process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode in (128 + signum, -signum), stderr[-2000:]
+        end_by_signal(process, signum, 60)
     assert not Path(f"{tmp_path}/data.bin").exists()
     finished = len(list(units.glob("*.json")))
     assert 2 <= finished < 40

@@ -9,12 +9,18 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import byte_gpt_datasets, fresh_launch_env, read_only
+from helpers import (
+    byte_gpt_datasets,
+    end_by_signal,
+    fresh_launch_env,
+    killed_on_exit,
+    read_only,
+    wait_while_running,
+)
 
 import megatron_lns.data.blend as blend
 from megatron_lns.cli import main
@@ -247,18 +253,10 @@ def test_a_signal_midway_leaves_no_files(tmp_path, signum):
         stderr=subprocess.PIPE,
         text=True,
     )
-    try:
-        deadline = time.monotonic() + 240
-        while not _leftovers(tmp_path):
-            assert process.poll() is None, process.communicate()[1][-2000:]
-            assert time.monotonic() < deadline, "preprocess did not start"
-            time.sleep(0.2)
-        process.send_signal(signum)
-        _, stderr = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode in (128 + signum, -signum), stderr[-2000:]
+    with killed_on_exit(process):
+        wait_while_running(process, lambda: bool(_leftovers(tmp_path)), 240,
+                           "preprocess did not start")  # fmt: skip
+        end_by_signal(process, signum, 120)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -122,6 +122,42 @@ def test_a_requeue_counts_the_wait_in_the_queue_and_ignores_the_guard_lines(tmp_
     assert goodput.rows["lost work"] == 0
 
 
+def test_an_in_job_restart_is_an_attempt_of_its_own_and_its_time_a_restart(tmp_path):
+    """A rank killed after step 55 (newest checkpoint 50, last record at step 50); the
+    launcher restarts every rank in-job (attempt=1), which drops the metrics rows of
+    steps 51-55 (logged_past): those 5 steps are lost work, taken from the time between
+    the last record and the restart's start, and the rest of it is the restart's."""
+    events = _write(
+        tmp_path,
+        *FIRST,
+        "local 0 began 50 attempt=1 at=1090 startup_s=6 load_s=2 samples=200 logged_past=55",
+        f"local 0 trained 100 attempt=1 at=1120 {_totals(50, 28, 0, 0, 400)}",
+        f"local 0 ended 100 attempt=1 at=1130 how=finished {_totals(50, 40, 0, 0, 400)}",
+    )
+    goodput = account(events, resumable_step=100)
+    crashed, restarted = goodput.attempts
+    assert [a.in_job_restart for a in goodput.attempts] == [0, 1]
+    assert (crashed.how, crashed.last_step, crashed.lost_steps) == (None, 50, 5)
+    assert (restarted.first_step, restarted.steps, restarted.how) == (50, 50, "finished")
+    rows = goodput.rows
+    assert rows["lost work"] == pytest.approx(5 * 40 / 50)  # at the crashed one's step time
+    assert rows["restarts, queue wait"] == pytest.approx((1084 - 1075) - 4)
+    assert rows["productive steps"] == pytest.approx(40 + 40)
+    assert goodput.wall_s == pytest.approx(75 + 9 + 46)  # the gap between is the job's
+
+
+def test_a_rerun_by_hand_is_not_a_restart_even_when_it_drops_rows(tmp_path):
+    events = _write(
+        tmp_path,
+        *FIRST,
+        "local 0 began 50 at=5000 startup_s=6 load_s=2 samples=200 logged_past=55",
+        f"local 0 ended 100 at=5040 how=finished {_totals(50, 40, 0, 0, 400)}",
+    )
+    goodput = account(events, resumable_step=100)
+    assert goodput.rows["restarts, queue wait"] == 0 and goodput.rows["lost work"] == 0
+    assert goodput.attempts[0].lost_steps == 5  # trained again, outside any allocation
+
+
 def test_no_records_mean_no_goodput_and_the_table_says_so(tmp_path):
     goodput = account(_write(tmp_path, "half a li"), resumable_step=0)
     assert goodput.attempts == [] and goodput.fraction is None
@@ -199,6 +235,23 @@ def test_log_lines_are_recorded_unless_the_last_record_is_seconds_old(tmp_path, 
         ["trained", "2"],
         ["trained", "3"],
     ]
+
+
+def test_an_in_job_restart_says_which_one_in_its_lines_and_starts_with_its_process(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("MEGATRON_LNS_ATTEMPT", "2")
+    job = LocalJob(started_at=5.0)  # the launcher's start: the first attempt's only
+    assert job.in_job_restart == 2 and job.attempt_started_at() > 5.0
+    recorder = AttemptRecorder(tmp_path, job, print, True)
+    recorder.began(4, 16, logged_past=6)
+    recorder.ended("finished")
+    lines = (tmp_path / RUN_PROGRESS_FILE).read_text().splitlines()
+    assert lines[0].startswith("local 0 began 4 attempt=2 at=")
+    assert lines[0].endswith(" samples=16 logged_past=6")
+    assert lines[1].startswith("local 0 ended 4 attempt=2 how=finished")
+    (attempt,) = account(read_events(tmp_path), resumable_step=4).attempts
+    assert (attempt.in_job_restart, attempt.logged_past, attempt.how) == (2, 6, "finished")
 
 
 def test_a_local_attempt_starts_when_its_process_did():

@@ -264,6 +264,7 @@ def test_a_user_error_in_every_rank_is_reported_once(tmp_path):
                      "complete checkpoint (an iter_NNNNNNN directory with complete.json): it "
                      "does not exist"]  # fmt: skip
     assert "Traceback" not in err
+    assert "in-job restart" not in err  # a restart would only repeat it
 
 
 def _record_pid_and_wait_forever(directory):

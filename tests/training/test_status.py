@@ -49,7 +49,8 @@ def test_status_says_where_the_run_is_and_its_goodput(tmp_path, capsys):
         f"run {run}: stopped",
         "step 60 of 100, 30,720 tokens",  # 240 sequences of 128 tokens
         "newest complete checkpoint: iter_0000060",
-        "attempts: 2 (1 killed or crashed, 1 stopped); restarts: 1",
+        "attempts: 2 (1 killed or crashed, 1 stopped); restarts: 1; 10 step(s) trained "
+        "again after failures",
     ]
     # 40 steps left at 30 s / 20 steps since the last attempt's first step.
     assert out[4].startswith("time to max_steps: 1m 00s at 1.5 s per step")
