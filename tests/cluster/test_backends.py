@@ -53,3 +53,18 @@ def test_job_environments_reach_spawned_ranks_whole():
 def test_submit_uses_the_registered_slurm_executor():
     assert set(BACKENDS) == {"slurm"}
     assert isinstance(executor_for(None), SlurmExecutor)
+
+
+def test_the_lock_of_an_earlier_in_job_attempt_is_stale_on_any_host():
+    """The batch script's in-job restart may start rank 0 on another node (a node left out):
+    the lock the killed attempt left there names an earlier attempt of this very run."""
+    env = {"SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "2", "MEGATRON_LNS_ATTEMPT": "1"}
+    job = job_of_this_process(env)
+    assert job.lock_record()["slurm"]["attempt"] == 1
+    earlier = {"pid": 7, "host": "n2", "slurm": {"job_id": "41", "restart_count": 2}}
+    assert "attempt 0 of this SLURM job 41 (run 2) left it on n2" in (
+        job.judge_foreign_lock(earlier).stale
+    )
+    same = {**earlier, "slurm": job.lock_record()["slurm"]}
+    verdict = job.judge_foreign_lock(same)
+    assert verdict.stale == "" and "run 2" in verdict.held_by

@@ -269,6 +269,37 @@ case $FAKE_MODE in
         kill -USR1 "$PPID"
         for _ in $(seq 100); do sleep 0.1; done
         exit 9 ;;
+    attempts)
+        # In-job restarts: attempt N does the Nth word of $FAKE_ATTEMPTS, saying what srun
+        # says of failed tasks: crash@NODE (a rank SIGKILLed; srun kills the others),
+        # hang@NODE (a watchdog's exit), save_crash@NODE (commits the checkpoint of step
+        # FAKE_STEP + N, then crashes), input_error, finish, finish_then_abort.
+        printf '%s\n' "$MEGATRON_LNS_ATTEMPT $*" >> "$FAKE_OUT/attempts"
+        words=($FAKE_ATTEMPTS)
+        what=${words[$MEGATRON_LNS_ATTEMPT]}
+        node=${what#*@}
+        case $what in
+            crash@*)
+                echo "srun: error: $node: task 3: Killed" >&2
+                echo "srun: error: n1: tasks 0-2: Killed" >&2
+                exit 137 ;;
+            hang@*)
+                # A watchdog on n1 names the stalled rank on $node, then exits 75.
+                echo "[lns] hang: rank 3 (host $node, pid 99) stopped responding; rank 0 ..."
+                echo "srun: error: n1: task 0: Exited with exit code 75" >&2
+                exit 75 ;;
+            save_crash@*)
+                FAKE_STEP=$((FAKE_STEP + MEGATRON_LNS_ATTEMPT)) save
+                rm "$FAKE_STATUS"
+                echo "srun: error: $node: task 3: Killed" >&2
+                exit 137 ;;
+            input_error) echo "srun: error: n1: tasks 0-3: Exited with exit code 2" >&2; exit 2 ;;
+            finish) echo "finished 6" > "$FAKE_STATUS"; exit 0 ;;
+            finish_then_abort)
+                echo "finished 6" > "$FAKE_STATUS"
+                echo "srun: error: n2: task 3: Exited with exit code 134" >&2
+                exit 143 ;;
+        esac ;;
 esac
 """
 FAKE_SCONTROL = """#!/bin/bash
@@ -696,3 +727,139 @@ def test_quote_round_trips_through_bash():
         ).stdout
         assert out == value
         assert quote("k", value) == shlex.quote(value)
+
+
+# --- in-job restarts (docs/cluster.md#in-job-restarts) ----------------------------------
+
+
+def _restarted(tmp_path, attempts, *overrides, restart=None):
+    """The batch script, its srun stand-in doing ``attempts`` (FAKE_SRUN's words) in turn;
+    also what each attempt's srun was given, by MEGATRON_LNS_ATTEMPT."""
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path), *overrides)
+    result, requeues, out, job = _run_batch_script(
+        tmp_path, cfg, "attempts", restart=restart, attempts=attempts, step=2
+    )
+    given = [line.split(" ", 1) for line in (out / "attempts").read_text().splitlines()]
+    return result, requeues, job, given
+
+
+def _notes(job_log: str) -> list[str]:
+    """The job log's lines without their time stamps."""
+    return [line.split(" ", 1)[1] for line in job_log.splitlines()]
+
+
+def test_a_crashed_rank_is_restarted_in_job_with_the_next_attempt_number(tmp_path):
+    result, requeues, job, given = _restarted(tmp_path, "crash@n2 finish")
+    assert result.returncode == 0 and requeues == "", result.stdout
+    assert [attempt for attempt, _ in given] == ["0", "1"]
+    assert given[0][1] == given[1][1]  # the same srun, no node left out
+    notes = _notes(result.stdout)
+    assert notes[1:] == [
+        "job 42 restart 0: attempt 0 failed: task 3 on n2: Killed; restarting in-job (1 of at "
+        "most 3) from the start (no complete checkpoint yet)",
+        "job 42 restart 0: finished at step 6",
+    ]
+    assert "42 0 restarted 0 attempt=1" in _progress(job)[1]
+
+
+def test_a_hang_is_restarted_and_blamed_on_the_stalled_ranks_host(tmp_path):
+    """The watchdog that exits first runs on a healthy node (n1): the node that counts
+    towards leaving it out is the one its line names, twice here, then left out."""
+    result, _, _, given = _restarted(tmp_path, "hang@n2 hang@n2 finish", "cluster.spare_nodes=1")
+    assert result.returncode == 0 and len(given) == 3
+    assert (
+        "attempt 0 failed: task 0 on n1: Exited with exit code 75 (its watchdog found the run "
+        "hung on n2); restarting in-job"
+    ) in result.stdout
+    assert "--exclude=n2" in given[2][1].split()
+
+
+def test_restarts_without_a_newer_checkpoint_end_the_job_with_that_cause(tmp_path):
+    result, requeues, _, given = _restarted(tmp_path, "crash@n2 crash@n3 crash@n4 finish")
+    assert result.returncode == 137 and requeues == ""
+    assert len(given) == 3  # the first start and 2 restarts (max_restarts_without_progress)
+    notes = _notes(result.stdout)
+    assert notes[-2] == (
+        "job 42 restart 0: attempt 2 failed: task 3 on n4: Killed; not restarted: the last 2 "
+        "in-job restarts committed no checkpoint newer than step 0 "
+        "(exp_manager.fault_tolerance.max_restarts_without_progress=2)"
+    )
+    assert notes[-1] == "job 42 restart 0: failed: srun exited with status 137; not requeued"
+
+
+def test_restarts_that_commit_checkpoints_go_on_until_max_rank_restarts(tmp_path):
+    attempts = "save_crash@n2 save_crash@n3 save_crash@n4 save_crash@n5 finish"
+    result, _, _, given = _restarted(
+        tmp_path, attempts, "exp_manager.fault_tolerance.max_rank_restarts=2"
+    )
+    assert result.returncode == 137 and len(given) == 3
+    assert "restarting in-job (2 of at most 2) from the checkpoint of step 3" in result.stdout
+    assert (
+        "attempt 2 failed: task 3 on n4: Killed; not restarted: all "
+        "exp_manager.fault_tolerance.max_rank_restarts=2 in-job restarts used"
+    ) in result.stdout
+
+
+@pytest.mark.parametrize(
+    "attempts, overrides, why",
+    [
+        ("input_error finish", [], "a rank reported an input error (exit code 2)"),
+        ("crash@n2 finish", ["exp_manager.fault_tolerance.max_rank_restarts=0"], "are off"),
+        ("crash@n2 finish", ["exp_manager.create_fault_tolerance_callback=false"], "are off"),
+    ],
+)
+def test_no_restart_after_an_input_error_or_with_restarts_off(tmp_path, attempts, overrides, why):
+    result, requeues, _, given = _restarted(tmp_path, attempts, *overrides)
+    assert result.returncode != 0 and requeues == "" and len(given) == 1
+    assert why in result.stdout and "restarting in-job" not in result.stdout
+
+
+def test_a_node_that_failed_twice_is_left_out_while_a_spare_remains(tmp_path):
+    result, requeues, job, given = _restarted(
+        tmp_path, "crash@n2 crash@n2 finish", "cluster.spare_nodes=1"
+    )
+    assert result.returncode == 0 and requeues == "", result.stdout
+    assert "#SBATCH --nodes=2\n" in job.script  # trainer.num_nodes=1 and the spare
+    first_srun = given[0][1].split()
+    assert "--nodes=1" in first_srun and "--ntasks=2" in first_srun
+    assert not any(word.startswith("--exclude") for word in first_srun)
+    assert "--exclude=n2" in given[2][1].split()
+    assert "n2 failed twice: left out of the next srun (spare node 1 of 1; left out: n2)" in (
+        result.stdout
+    )
+
+
+def test_without_a_spare_node_the_job_requeues_itself_excluding_the_node(tmp_path):
+    result, requeues, _, given = _restarted(tmp_path, "crash@n2 crash@n2 finish")
+    assert result.returncode == 0 and len(given) == 2, result.stdout
+    assert requeues == "show job 42\nrequeue 42\nupdate JobId=42 ExcNodeList=n2\n"
+    assert "n2 failed twice and no spare node is left: requeueing without n2 (1 of at most" in (
+        result.stdout
+    )
+    result, _, _, _ = _restarted(tmp_path, "finish", restart=1)
+    assert "(requeued by this job to leave out n2, which failed twice)" in result.stdout
+
+
+def test_a_rank_that_fails_after_the_trainer_finished_does_not_fail_the_job(tmp_path):
+    result, requeues, _, given = _restarted(tmp_path, "finish_then_abort")
+    assert result.returncode == 0 and requeues == "" and len(given) == 1
+    assert "finished at step 6 (srun exited with status 143 after the trainer finished" in (
+        result.stdout
+    )
+
+
+def test_each_attempt_rendezvouses_on_its_own_port_and_step_nodes():
+    env = {
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "4",
+        "SLURM_LOCALID": "0",
+        "SLURM_JOB_NODELIST": "n[1-3]",
+        "SLURM_STEP_NODELIST": "n[1,3]",
+        "SLURM_JOB_ID": "4711",
+    }
+    first = rank_environment(env)
+    again = rank_environment({**env, "MEGATRON_LNS_ATTEMPT": "1"})
+    assert first["MASTER_PORT"] == str(master_port(4711))
+    assert again["MASTER_PORT"] == str(master_port(4711, 1)) != first["MASTER_PORT"]
+    assert first["MASTER_ADDR"] == again["MASTER_ADDR"] == "n1"
+    assert rank_environment({**env, "SLURM_STEP_NODELIST": "n[2-3]"})["MASTER_ADDR"] == "n2"

@@ -65,6 +65,12 @@ class SlurmEnvironment(JobEnvironment):
                     f"{host}, and SLURM has requeued the job since (this is run "
                     f"{self.job.restart_count})"
                 )
+            if theirs.run_and_attempt < self.job.run_and_attempt:
+                return ForeignLock(
+                    stale=f"attempt {theirs.attempt} of this SLURM job {job} (run "
+                    f"{theirs.restart_count}) left it on {host}, and the batch script has "
+                    f"restarted the ranks in-job since (this is attempt {self.job.attempt})"
+                )
             return ForeignLock(held_by=f" (this SLURM job {job}, run {theirs.restart_count})")
         try:
             state = self.job_state(job)

@@ -2,8 +2,9 @@
 
 The run directory's lock (``training/run_dir.py``) records the job that took it (through
 :mod:`.environment`), so that a later job can tell a lock left behind by a killed job (an
-earlier run of the same, requeued job, or a job SLURM has ended) from the lock of a live
-job, whichever host each ran on: a pid says nothing about a process on another host.
+earlier run or in-job attempt of the same job, or a job SLURM has ended) from the lock of
+a live job, whichever host each ran on: a pid says nothing about a process on another
+host.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import os
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from megatron_lns.runtime.fault_injection import ATTEMPT_ENV
 
 # The states in which a job's processes may still exist (and write into its run directory).
 LIVE_STATES = frozenset({"RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "SIGNALING", "RESIZING"})
@@ -26,11 +29,13 @@ class SlurmQueryError(Exception):
 
 @dataclass(frozen=True)
 class SlurmJob:
-    """One run of a SLURM job: its id, and how often SLURM had requeued it before this run."""
+    """One run of a SLURM job: its id, how often SLURM had requeued it before this run,
+    and the batch script's in-job restart within the run (``attempt``)."""
 
     job_id: str
     restart_count: int = 0
     cluster: str | None = None
+    attempt: int = 0
 
     @classmethod
     def of_this_process(cls, env: Mapping[str, str] = os.environ) -> SlurmJob | None:
@@ -39,10 +44,12 @@ class SlurmJob:
         if not job_id:
             return None
         restarts = env.get("SLURM_RESTART_COUNT", "0").strip()
+        attempt = env.get(ATTEMPT_ENV, "0").strip()
         return cls(
             job_id,
             int(restarts) if restarts.isdigit() else 0,
             env.get("SLURM_CLUSTER_NAME") or None,
+            int(attempt) if attempt.isdigit() else 0,
         )
 
     @classmethod
@@ -51,14 +58,26 @@ class SlurmJob:
         if not isinstance(record, dict) or not isinstance(record.get("job_id"), str):
             return None
         restarts, cluster = record.get("restart_count", 0), record.get("cluster")
+        attempt = record.get("attempt", 0)
         return cls(
             record["job_id"],
             restarts if isinstance(restarts, int) else 0,
             cluster if isinstance(cluster, str) else None,
+            attempt if isinstance(attempt, int) else 0,
         )
 
     def record(self) -> dict[str, object]:
-        return {"job_id": self.job_id, "restart_count": self.restart_count, "cluster": self.cluster}
+        """The lock's record of this run; ``attempt`` only after an in-job restart."""
+        record = {"job_id": self.job_id, "restart_count": self.restart_count}
+        record["cluster"] = self.cluster
+        if self.attempt:
+            record["attempt"] = self.attempt
+        return record
+
+    @property
+    def run_and_attempt(self) -> tuple[int, int]:
+        """Later runs and in-job restarts of one job compare greater."""
+        return self.restart_count, self.attempt
 
 
 def job_state(job_id: str) -> str:

@@ -11,11 +11,15 @@ import re
 from collections.abc import Mapping
 
 from megatron_lns.base.errors import UserError
+from megatron_lns.runtime.fault_injection import ATTEMPT_ENV
 
 # MASTER_PORT = base + job id modulo span: below Linux's ephemeral range (32768+), so
 # no outgoing connection holds it, and different jobs sharing a first node differ.
 PORT_BASE = 10000
 PORT_SPAN = 20000
+# Each in-job restart of a job rendezvouses on another port (a prime stride apart), so the
+# store socket of the attempt before, killed with its rank 0, can never be in the way.
+ATTEMPT_PORT_STRIDE = 7919
 
 
 class SlurmEnvironmentError(UserError, RuntimeError):
@@ -77,9 +81,10 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
-def master_port(job_id: int) -> int:
-    """The rendezvous port of a job: the same on every node and across its requeues."""
-    return PORT_BASE + job_id % PORT_SPAN
+def master_port(job_id: int, attempt: int = 0) -> int:
+    """The rendezvous port of a job's in-job ``attempt``: the same on every node and
+    across the job's requeues."""
+    return PORT_BASE + (job_id + attempt * ATTEMPT_PORT_STRIDE) % PORT_SPAN
 
 
 def _required(env: Mapping[str, str], name: str) -> str:
@@ -92,17 +97,28 @@ def _required(env: Mapping[str, str], name: str) -> str:
     return value
 
 
+def _attempt(env: Mapping[str, str]) -> int:
+    """The batch script's in-job restart number (0 without one: srun by hand)."""
+    value = env.get(ATTEMPT_ENV, "0").strip()
+    if not value.isdigit():
+        raise SlurmEnvironmentError(f"{ATTEMPT_ENV}={value!r} is not a number")
+    return int(value)
+
+
 def rank_environment(env: Mapping[str, str]) -> dict[str, str]:
     """RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for this srun task.
 
-    Rank 0 is task 0, which SLURM places on the first node of the allocation, so the
-    first host of SLURM_JOB_NODELIST is where rank 0's TCP store listens.
+    Rank 0 is task 0, which SLURM places on the first node of the step, so the first
+    host of SLURM_STEP_NODELIST is where rank 0's TCP store listens. That is the first
+    node of the allocation (SLURM_JOB_NODELIST, for a task started without a step's
+    variables) unless the step leaves nodes out: spare nodes, or nodes that failed.
     """
-    nodelist = _required(env, "SLURM_JOB_NODELIST")
+    source = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
+    nodelist = _required(env, source)
     try:
         first_host = expand_nodelist(nodelist)[0]
     except ValueError as err:
-        raise SlurmEnvironmentError(f"SLURM_JOB_NODELIST: {err}") from None
+        raise SlurmEnvironmentError(f"{source}: {err}") from None
     values = {
         "RANK": _required(env, "SLURM_PROCID"),
         "WORLD_SIZE": _required(env, "SLURM_NTASKS"),
@@ -115,5 +131,5 @@ def rank_environment(env: Mapping[str, str]) -> dict[str, str]:
     return {
         **values,
         "MASTER_ADDR": first_host,
-        "MASTER_PORT": str(master_port(int(job_id))),
+        "MASTER_PORT": str(master_port(int(job_id), _attempt(env))),
     }

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from megatron_lns.base.errors import HUNG_EXIT_CODE, USER_ERROR_EXIT_CODE
 from megatron_lns.cluster.slurm.options import (
     SBATCH_LONG_OPTIONS,
     SRUN_LONG_OPTIONS,
@@ -120,6 +121,8 @@ _OWN_SBATCH_OPTIONS = {
 _OWN_SRUN_OPTIONS = {
     "--kill-on-bad-exit": "the script (a failed rank ends the job step)",
     "-K": "the script (a failed rank ends the job step)",
+    "--exclude": "the script (nodes that failed twice; cluster.sbatch_args for the job's)",
+    "-x": "the script (nodes that failed twice; cluster.sbatch_args for the job's)",
     **_OWN_TASK_OPTIONS,
     **CLUSTER_SRUN_OPTIONS,
 }
@@ -226,7 +229,7 @@ def sbatch_directives(cfg: ExperimentConfig, paths: JobPaths) -> list[str]:
     )
     lines = [
         directive("cluster.job_name_prefix + name", "--job-name", job_name(cfg, paths.submission)),
-        directive("trainer.num_nodes", "--nodes", t.num_nodes),
+        directive("trainer.num_nodes + cluster.spare_nodes", "--nodes", allocated_nodes(cfg)),
         directive("trainer.devices", "--ntasks-per-node", t.devices),
         *log_directives("exp_manager.exp_dir", paths.log_dir),
         directive(
@@ -235,6 +238,11 @@ def sbatch_directives(cfg: ExperimentConfig, paths: JobPaths) -> list[str]:
     ]
     lines += cluster_directives(c, gpus_per_node=gpus or None)
     return lines + extra_directives(c, _OWN_SBATCH_OPTIONS)
+
+
+def allocated_nodes(cfg: ExperimentConfig) -> int:
+    """The job's nodes: the run's, and the spares that replace a node that keeps failing."""
+    return cfg.trainer.num_nodes + cfg.cluster.spare_nodes
 
 
 def log_directives(key: str, log_dir: Path) -> list[str]:
@@ -300,6 +308,11 @@ def extra_srun_words(c: ClusterConfig, own: dict[str, str]) -> list[str]:
     return [quote("cluster.srun_args", arg) for arg in c.srun_args]
 
 
+# The nodes the batch script leaves out of the next srun (a comma list, empty at first):
+# one word, or none at all while the list is empty.
+EXCLUDE_WORD = '${excluded_nodes:+"--exclude=$excluded_nodes"}'
+
+
 def srun_command(cfg: ExperimentConfig, paths: JobPaths, python: str) -> str:
     t = cfg.trainer
     words = [
@@ -307,8 +320,14 @@ def srun_command(cfg: ExperimentConfig, paths: JobPaths, python: str) -> str:
         "--kill-on-bad-exit=1",
         f"--nodes={t.num_nodes}",
         f"--ntasks-per-node={t.devices}",
+    ]
+    if cfg.cluster.spare_nodes:
+        # srun reads the job's task count (SLURM_NTASKS: spares included) unless given its own.
+        words.append(f"--ntasks={t.num_nodes * t.devices}")
+    words += [
         *container_words(cfg.cluster, paths.workdir),
         *extra_srun_words(cfg.cluster, _OWN_SRUN_OPTIONS),
+        EXCLUDE_WORD,
     ]
     command = [
         quote("python", python),
@@ -333,6 +352,21 @@ def env_exports(c: ClusterConfig) -> str:
     return "\n".join(exports) if exports else "# (no cluster.env_vars)"
 
 
+def rank_restart_values(cfg: ExperimentConfig) -> dict[str, str]:
+    """The batch script's in-job restarts after a rank died or hung (docs/cluster.md):
+    none when ``exp_manager.create_fault_tolerance_callback`` is off."""
+    e = cfg.exp_manager
+    ft = e.fault_tolerance
+    return {
+        "max_rank_restarts": str(ft.max_rank_restarts if e.create_fault_tolerance_callback else 0),
+        "max_restarts_without_progress": str(ft.max_restarts_without_progress),
+        "num_nodes": str(cfg.trainer.num_nodes),
+        "spare_nodes": str(cfg.cluster.spare_nodes),
+        "user_error_code": str(USER_ERROR_EXIT_CODE),
+        "hung_exit_code": str(HUNG_EXIT_CODE),
+    }
+
+
 def render_sbatch(cfg: ExperimentConfig, paths: JobPaths, python: str) -> str:
     """The batch script for ``cfg`` (validated, with an absolute exp_manager.exp_dir).
 
@@ -354,6 +388,7 @@ def render_sbatch(cfg: ExperimentConfig, paths: JobPaths, python: str) -> str:
         "progress_file": quote("exp_manager.exp_dir", paths.run_dir / RUN_PROGRESS_FILE),
         "checkpoint_dir": quote("exp_manager.exp_dir", paths.run_dir / "checkpoints"),
         "max_requeues": str(c.max_requeues),
+        **rank_restart_values(cfg),
         "lead_s": str(c.preemption_signal_lead_s),
         "env_exports": env_exports(c),
         "srun_command": srun_command(cfg, paths, python),

@@ -103,5 +103,18 @@ class ClusterConfig:
     max_requeues: int = setting(
         5,
         non_negative,
-        doc="how often the job may requeue itself after that warning (`SLURM_RESTART_COUNT`)",
+        doc=(
+            "how often the job may requeue itself, after that warning or to leave out a node "
+            "that failed twice (`SLURM_RESTART_COUNT`)"
+        ),
+    )
+    spare_nodes: int = setting(
+        0,
+        non_negative,
+        doc=(
+            "nodes allocated beyond `trainer.num_nodes` (`#SBATCH --nodes` is the sum; `srun` "
+            "runs on `trainer.num_nodes`): a node that failed twice in in-job restarts is left "
+            "out of the next `srun` while a spare remains; without one the job requeues itself "
+            "excluding it"
+        ),
     )
