@@ -6,10 +6,10 @@ timestamped as it arrives) and ``megatron-lns status RUN_DIR --json``.
 ``faults`` (the default) trains a 200-step CPU job on 2 local ranks twice:
 
 - fault-free;
-- with three faults, one per attempt: rank 1 hangs in step 40 (``kind=hang``: its main
+- with three faults, one per attempt: rank 1 hangs in step 45 (``kind=hang``: its main
   thread sleeps for ever, the other rank waits in the gradient sync), rank 1 is killed
-  in step 110 of the first restart (``kind=crash``), rank 1 sleeps ``--slow-s`` in every
-  step from step 150 of the second restart (``kind=slow``: a straggler).
+  in step 115 of the first restart (``kind=crash``), rank 1 sleeps 0.6 of a fault-free
+  step in every step from step 176 of the second restart (``kind=slow``: a straggler).
 
 and prints (i) the time from the hang to the first line naming it (the watchdog's "hang: ...", else
 the launcher's restart line "found the run hung") against the step phase's timeout
@@ -31,7 +31,7 @@ report's lines (which reports named whom).
 
     .venv/bin/python benchmarks/resilience.py [faults|contention] [--out DIR] [--output FILE.json]
 
-``faults`` takes about 3 minutes on two cores, ``contention`` about 1.
+``faults`` takes about 4 minutes on two cores, ``contention`` about 1.
 """
 
 from __future__ import annotations

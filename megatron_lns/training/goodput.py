@@ -22,7 +22,9 @@ the same at a clean end (``finished``: max_steps; ``stopped``: a stop request or
 exit_interval, its checkpoint committed; ``failed``: an error the trainer raised). A
 crash or a kill writes nothing: an attempt without ``ended`` ended at its last line.
 
-From these, :func:`account` divides the wall time: productive steps; start-up; checkpoint
+From these, :func:`account` divides the wall time: productive steps (each up to where
+every rank agrees it is done, so waiting for a slower rank is training at its pace: the
+straggler report names such ranks); start-up; checkpoint
 load; saves; evaluation; lost work (the steps an attempt that did not end cleanly trained
 past the step the next attempt resumed from, which are trained again); restarts and queue
 wait (from an attempt's last line to the next one's start, when both belong to one

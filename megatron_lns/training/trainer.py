@@ -529,6 +529,9 @@ class Trainer:
                 self.hangs.step(self.state.iteration + 1)
                 with self.profiler.step(self.state.iteration + 1), self.stragglers.step():
                     result = self.train_step()
+                # Every rank ends the step here, so a step's time includes waiting for a
+                # slower rank: that is training at the slowest rank's pace, not lost time.
+                stop_agreed = stop.agreed(self.device)
                 seconds = time.perf_counter() - start
                 throughput.add(result.num_tokens, seconds)
                 self.attempt.step_done(self.state.iteration, seconds, self.state.consumed_samples)
@@ -555,7 +558,7 @@ class Trainer:
                 self.stragglers.step_done(step, advanced)
                 periodic = advanced and step % every == 0 and step < t.max_steps
                 exit_interval = advanced and bool(t.exit_interval) and step % t.exit_interval == 0
-                stop_now = (exit_interval and step < t.max_steps) or stop.agreed(self.device)
+                stop_now = (exit_interval and step < t.max_steps) or stop_agreed
                 if periodic or stop_now:
                     self.save()
                 if stop_now:
