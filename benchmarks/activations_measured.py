@@ -26,6 +26,9 @@ import tempfile
 import weakref
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or imported
+from tiny_model import TINY_WIDTH
+
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 257  # the byte tokenizer
 WORLD_SIZE = 2
@@ -35,12 +38,7 @@ TOLERANCE = 0.07
 TINY = [
     "trainer.devices=2",
     "model.num_layers=4",
-    "model.hidden_size=64",
-    "model.num_attention_heads=4",
-    "model.ffn_hidden_size=128",
-    "model.encoder_seq_length=32",
-    "model.micro_batch_size=2",
-    "model.global_batch_size=4",
+    *TINY_WIDTH,
 ]
 FULL_RECOMPUTE = [
     "model.activations_checkpoint_granularity=full",

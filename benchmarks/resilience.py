@@ -50,6 +50,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or imported
+from tiny_model import TINY_WIDTH
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 200
 # The demo model cut to 4 layers: steps of about a tenth of a second on 2 CPU ranks.
@@ -373,12 +376,7 @@ def contention(out: Path, steps: int = 1200, every: int = 100) -> dict:
     if os.cpu_count() < 2:
         raise Missing("contention needs 2 cores (each rank pinned to one)")
     tiny = [
-        "model.hidden_size=64",
-        "model.num_attention_heads=4",
-        "model.ffn_hidden_size=128",
-        "model.encoder_seq_length=32",
-        "model.micro_batch_size=2",
-        "model.global_batch_size=4",
+        *TINY_WIDTH,
         f"trainer.max_steps={steps}",
         f"trainer.val_check_interval={steps}",
         f"exp_manager.straggler_detection_params.report_every_n_steps={every}",

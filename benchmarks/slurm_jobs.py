@@ -17,16 +17,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or imported
+from tiny_model import TINY_WIDTH
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "nemo_configs" / "tiny_cpu_demo.yaml"
 TWO_NODE_JOB = [
     "model.num_layers=4",
-    "model.hidden_size=64",
-    "model.num_attention_heads=4",
-    "model.ffn_hidden_size=128",
-    "model.encoder_seq_length=32",
-    "model.micro_batch_size=2",
-    "model.global_batch_size=4",
+    *TINY_WIDTH,
     "model.data.splits_string=90,10,0",
     "model.optim.sched.warmup_steps=2",
     "trainer.limit_val_batches=0",

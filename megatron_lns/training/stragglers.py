@@ -42,26 +42,7 @@ import torch.distributed as dist
 from megatron.core.utils import get_model_config
 
 from megatron_lns.training.metrics import MetricsLogger
-
-# megatron-core's timers (0.19) that time waiting for other ranks: finalize_model_grads'
-# all-reduces and the pipeline's point-to-point transfers.
-WAIT_TIMERS = frozenset(
-    {
-        "all-grads-sync",
-        "conditional-embedder-grads-all-reduce",
-        "non-tensor-parallel-grads-all-reduce",
-        "embedding-grads-all-reduce",
-        "forward-recv",
-        "forward-send",
-        "backward-recv",
-        "backward-send",
-        "forward-send-forward-recv",
-        "forward-send-backward-recv",
-        "backward-send-forward-recv",
-        "backward-send-backward-recv",
-        "forward-backward-send-forward-backward-recv",
-    }
-)
+from megatron_lns.training.timers import WAIT_TIMERS
 
 
 class _NoTimer:

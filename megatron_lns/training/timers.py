@@ -30,13 +30,10 @@ from megatron.core.timers import Timers
 
 from megatron_lns.config.schema import ExperimentConfig
 
-# Every timer megatron-core 0.19 starts (pipeline_parallel/, distributed/,
-# optimizer/), then the two the loop adds, in Megatron-LM's reporting order.
-TIMER_NAMES = (
-    "forward-backward",
-    "forward-compute",
-    "backward-compute",
-    "batch-generator",
+# megatron-core's timers (0.19) that time waiting for other ranks: the pipeline's
+# point-to-point transfers and finalize_model_grads' all-reduces (stragglers.py subtracts
+# them from a step to get a rank's own compute time).
+PIPELINE_TRANSFER_TIMERS = (
     "forward-recv",
     "forward-send",
     "backward-recv",
@@ -46,10 +43,23 @@ TIMER_NAMES = (
     "backward-send-forward-recv",
     "backward-send-backward-recv",
     "forward-backward-send-forward-backward-recv",
+)
+GRADIENT_REDUCTION_TIMERS = (
     "conditional-embedder-grads-all-reduce",
     "non-tensor-parallel-grads-all-reduce",
     "embedding-grads-all-reduce",
     "all-grads-sync",
+)
+WAIT_TIMERS = frozenset(PIPELINE_TRANSFER_TIMERS + GRADIENT_REDUCTION_TIMERS)
+# Every timer megatron-core 0.19 starts (pipeline_parallel/, distributed/,
+# optimizer/), then the two the loop adds, in Megatron-LM's reporting order.
+TIMER_NAMES = (
+    "forward-backward",
+    "forward-compute",
+    "backward-compute",
+    "batch-generator",
+    *PIPELINE_TRANSFER_TIMERS,
+    *GRADIENT_REDUCTION_TIMERS,
     "params-all-gather",
     "optimizer-copy-to-main-grad",
     "optimizer-unscale-and-check-inf",
