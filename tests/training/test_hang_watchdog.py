@@ -2,7 +2,6 @@
 with HUNG_EXIT_CODE and no process left; a healthy run with slow first steps untouched."""
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -15,7 +14,7 @@ import time
 import psutil
 import pytest
 from helpers import DEMO_CONFIG as DEMO
-from helpers import ROOT, TINY_RUN_OVERRIDES, fresh_launch_env
+from helpers import ROOT, TINY_RUN_OVERRIDES, fresh_launch_env, logged_losses
 
 from megatron_lns.base.errors import HUNG_EXIT_CODE
 from megatron_lns.runtime.progress_file import read_events
@@ -225,11 +224,6 @@ def test_a_rank_stopped_mid_step_is_named_with_its_stack_and_the_attempt_ends(tm
     assert ended[-1].fields["how"] == "hung"
 
 
-def _losses(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(row["step"], row["loss"]) for row in rows if "loss" in row]
-
-
 @pytest.mark.long
 @pytest.mark.usefixtures("private_corpus_cache")
 def test_a_hung_run_restarts_in_job_and_trains_on_bitwise(tmp_path):
@@ -249,7 +243,7 @@ def test_a_hung_run_restarts_in_job_and_trains_on_bitwise(tmp_path):
     _, restart = hung.at("^in-job restart")
     assert re.match(r"in-job restart 1 of 1: rank 0 found the run hung \(exit code 75\)", restart)
     assert restart.endswith("from the checkpoint of step 2"), restart
-    assert _losses(tmp_path / "hung" / "lns") == _losses(tmp_path / "straight" / "lns")
+    assert logged_losses(tmp_path / "hung" / "lns") == logged_losses(tmp_path / "straight" / "lns")
     assert [a.how for a in run_report(tmp_path / "hung" / "lns").goodput.attempts] == [
         "hung", "finished",
     ]  # fmt: skip

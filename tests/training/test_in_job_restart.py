@@ -2,7 +2,6 @@
 a killed rank costs a restart from the newest checkpoint, not the run, and the loss curve
 stays the uninterrupted run's; a failure that recurs stops the run with its cause."""
 
-import json
 import os
 import re
 import subprocess
@@ -10,7 +9,7 @@ import sys
 
 import pytest
 from helpers import DEMO_CONFIG as DEMO
-from helpers import ROOT, TINY_RUN_OVERRIDES, fresh_launch_env
+from helpers import ROOT, TINY_RUN_OVERRIDES, fresh_launch_env, logged_losses
 
 from megatron_lns.training.run_report import run_report
 
@@ -33,11 +32,6 @@ def _train(exp_dir, *overrides, fault=""):
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
-def _losses(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(row["step"], row["loss"]) for row in rows if "loss" in row]
-
-
 def test_a_killed_rank_restarts_in_job_and_the_run_trains_on_bitwise(tmp_path):
     straight = _train(tmp_path / "straight")
     assert straight.returncode == 0, straight.stderr
@@ -54,7 +48,7 @@ def test_a_killed_rank_restarts_in_job_and_the_run_trains_on_bitwise(tmp_path):
     run_dir = tmp_path / "killed" / "lns"
     # Steps 3 and 4 trained again from step 2's checkpoint, as the uninterrupted run did
     # them, and logged once.
-    assert _losses(run_dir) == _losses(tmp_path / "straight" / "lns")
+    assert logged_losses(run_dir) == logged_losses(tmp_path / "straight" / "lns")
 
     report = run_report(run_dir)
     failed, restarted = report.goodput.attempts
