@@ -2,7 +2,7 @@
 
 The trainer tells :class:`AttemptRecorder` what its loop spends time on (each training
 step, checkpoint saves, evaluation) and where it is; the recorder appends the lines
-``training/goodput.py`` reads (``began``, ``trained``, ``ended``), for every run, whoever
+``training/goodput.py`` reads (:data:`ATTEMPT_EVENTS`), for every run, whoever
 scheduled it: the job's identity and the attempt's start come through the job
 environment (:class:`~megatron_lns.runtime.job.JobEnvironment`). A line that cannot be
 written costs the records, not the run: one warning, then training goes on. It also
@@ -20,6 +20,9 @@ from megatron_lns.runtime.job import JobEnvironment
 from megatron_lns.runtime.progress_file import RUN_PROGRESS_FILE, append_line
 from megatron_lns.training.goodput import duration
 
+# The events of the lines this recorder writes in ``run_progress`` (beside the batch
+# script's own): an attempt's start, its progress, its end, and the hang timeouts it learnt.
+ATTEMPT_EVENTS = ("began", "trained", "ended", "timeouts")
 # Most seconds between two ``trained`` lines: what a crash can leave unrecorded.
 RECORD_EVERY_S = 30.0
 # Fewest seconds between two ``trained`` lines of logged steps: a run that logs every

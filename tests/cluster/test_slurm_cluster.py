@@ -28,6 +28,7 @@ from slurm_jobs import (
 )
 
 from megatron_lns.data.preprocess import preprocess, read_documents
+from megatron_lns.training.attempt_recorder import ATTEMPT_EVENTS
 from megatron_lns.training.checkpoint import latest_complete_checkpoint
 from megatron_lns.training.run_report import run_report
 
@@ -89,11 +90,10 @@ def test_preempted_job_requeues_and_continues_the_loss_curve_exactly(
     # What the progress guard read (docs/cluster.md#progress-guard): each run's start
     # with the newest checkpoint, the step it resumed from, the warning, the commits.
     lines = [line.split() for line in (run_dir / "run_progress").read_text().splitlines()]
-    accounting = ("began", "trained", "ended")  # the goodput's lines, below
     events = sorted(
         (run, event, step)
         for job_, run, event, step, *_ in lines
-        if job_ == job.id and event not in accounting
+        if job_ == job.id and event not in ATTEMPT_EVENTS  # the goodput's lines, below
     )
     stopped = str(stopped_at)
     assert events == sorted([

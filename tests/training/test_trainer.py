@@ -7,6 +7,7 @@ import pytest
 from helpers import ROOT, run_distributed
 
 from megatron_lns.config import load_config, validate
+from megatron_lns.training.attempt_recorder import ATTEMPT_EVENTS
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("private_corpus_cache")]
 
@@ -143,9 +144,7 @@ def test_under_the_batch_script_the_run_records_its_progress_and_warns(
     validate(cfg)
     run_distributed(_fit, 1, tmp_path, cfg)
     all_lines = (tmp_path / "lns" / "run_progress").read_text().splitlines()
-    accounting = [
-        line for line in all_lines if line.split()[2] in ("began", "trained", "ended", "timeouts")
-    ]
+    accounting = [line for line in all_lines if line.split()[2] in ATTEMPT_EVENTS]
     lines = [line for line in all_lines if line not in accounting]
     assert [line.split()[:4] for line in lines] == [
         ["42", "1", "resumed", "0"],
