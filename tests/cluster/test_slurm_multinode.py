@@ -228,59 +228,18 @@ def _in_job_restarts(job_log: str) -> list[str]:
     return [line for line in job_log.splitlines() if "restarting in-job" in line]
 
 
-def test_a_crashed_rank_restarts_in_job_and_ends_with_the_uninterrupted_losses(
-    slurm, two_node_run, tmp_path, monkeypatch
-):
-    """Rank 3 SIGKILLs itself in step 3 (after the checkpoint of step 2): srun ends the
-    step, the batch script runs it again in the same allocation (no requeue), every rank
-    resumes from step 2, and the curve is the uninterrupted job's to the last bit."""
-    monkeypatch.setenv(FAULT_ENV, CRASH_AT_STEP_3)
-    job = submit(
-        slurm, tmp_path, *TWO_NODES, "exp_manager.checkpoint_callback_params.every_n_train_steps=2"
-    )
-    state = wait_for_end(job)
-    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "0", logs(job.run_dir)
-    job_log = job.log.read_text()
-    second_node = expand_nodelist(state["NodeList"])[1]
-    [restart] = _in_job_restarts(job_log)
-    expected = f"attempt 0 failed: task 3 on {second_node}: Killed; restarting in-job (1 of"
-    assert expected + " at most 3) from the checkpoint of step 2" in restart, job_log
-    assert f"finished at step {MAX_STEPS}" in job_log and "requeu" not in job_log, job_log
-    run_log = job.run_log(0).read_text()
-    assert "fault injection: crash on rank 3 at step 3" in run_log
-    assert "restarted 2 attempt=1" in (job.run_dir / "run_progress").read_text()
-    logged = losses(job.run_dir)
-    assert [step for step, _ in logged] == list(range(1, MAX_STEPS + 1)), logged
-    assert logged == losses(two_node_run[0].run_dir)
-
-
-def test_a_crash_in_every_attempt_ends_the_job_failed_naming_the_cause(
-    slurm, tmp_path, monkeypatch
-):
-    """The same crash again after the restart, with no checkpoint committed in between:
-    after max_restarts_without_progress (1 here) the job ends FAILED, not requeued."""
-    monkeypatch.setenv(FAULT_ENV, f"{CRASH_AT_STEP_3};{CRASH_AT_STEP_3},attempt=1")
-    job = submit(
-        slurm, tmp_path, *TWO_NODES, "exp_manager.fault_tolerance.max_restarts_without_progress=1"
-    )
-    state = wait_for_end(job)
-    assert state["JobState"] == "FAILED" and state["Restarts"] == "0", logs(job.run_dir)
-    job_log = job.log.read_text()
-    assert len(_in_job_restarts(job_log)) == 1, job_log
-    assert "attempt 1 failed: task 3 on " in job_log, job_log
-    assert (
-        "not restarted: the last 1 in-job restarts committed no checkpoint newer than step 0 "
-        "(exp_manager.fault_tolerance.max_restarts_without_progress=1)"
-    ) in job_log, job_log
-    assert "not requeued" in job_log.splitlines()[-1], job_log
-
-
 def test_a_node_that_failed_twice_is_left_out_for_the_spare_node(
     slurm, two_node_run, tmp_path, monkeypatch
 ):
-    """cluster.spare_nodes=1: the job holds all three nodes and trains on two. Rank 3 (on
-    the second of them) crashes in attempts 0 and 1; the third attempt runs without that
-    node, on the first and the spare, and ends with the uninterrupted losses."""
+    """A crashed rank restarts in-job, and a node that failed twice is left out: with
+    cluster.spare_nodes=1 the job holds all three nodes and trains on two. Rank 3 (on the
+    second of them) SIGKILLs itself in step 3, after the checkpoint of step 2, in attempts 0
+    and 1: srun ends the step, the batch script runs it again in the same allocation (no
+    requeue) from step 2; the third attempt runs without that node, on the first and the
+    spare, and the curve is the uninterrupted job's to the last bit. (The script's other
+    decisions, such as ending the job after restarts that commit nothing newer, are tested
+    with an srun stand-in in test_slurm_render.py, and with real ranks by
+    tests/training/test_in_job_restart.py.)"""
     require_cluster(nodes=3)
     monkeypatch.setenv(FAULT_ENV, f"{CRASH_AT_STEP_3};{CRASH_AT_STEP_3},attempt=1")
     job = submit(
@@ -297,7 +256,12 @@ def test_a_node_that_failed_twice_is_left_out_for_the_spare_node(
     failed = re.findall(r"attempt [01] failed: task 3 on (\S+): Killed", job_log)
     assert len(failed) == 2 and failed[0] == failed[1], job_log
     assert f"{failed[0]} failed twice: left out of the next srun (spare node 1 of 1" in job_log
-    assert len(_in_job_restarts(job_log)) == 2 and "requeu" not in job_log, job_log
+    restarts = _in_job_restarts(job_log)
+    assert len(restarts) == 2 and "requeu" not in job_log, job_log
+    expected = f"attempt 0 failed: task 3 on {failed[0]}: Killed; restarting in-job (1 of"
+    assert expected + " at most 3) from the checkpoint of step 2" in restarts[0], job_log
+    assert "fault injection: crash on rank 3 at step 3" in job.run_log(0).read_text()
+    assert "restarted 2 attempt=1" in (job.run_dir / "run_progress").read_text()
     logged = losses(job.run_dir)
     assert [step for step, _ in logged] == list(range(1, MAX_STEPS + 1)), logged
     assert logged == losses(two_node_run[0].run_dir)
