@@ -10,12 +10,15 @@ lasted longer than :meth:`PhaseClock.timeout`. The phases:
 - ``step``: training step N, from its start until the next phase begins (its logging and
   the poll that commits a background save included);
 - ``eval``: an evaluation;
-- ``save``: a checkpoint save, or the wait for a background one to be committed.
+- ``save``: a checkpoint save (with ``async_save``: taking the state to write);
+- ``commit``: waiting for background saves to be written and committed (``async_save``).
 
 A phase's timeout is the configured one (``exp_manager.fault_tolerance``) until this
 attempt has measured that phase once; then, with ``calculate_timeouts``, it is learnt:
 ``safety_factor`` x the slowest seen, at least ``min_timeout``, at most the configured one.
 Start-up and load happen once per attempt, so they always keep the configured timeout;
+so does ``commit``, whose waits range from nothing (a write finished long ago) to a whole
+write (the last one), so that none of them bounds the next;
 nothing learnt carries into the next attempt (a restart's first steps are slow again).
 Torch-free: a thread reads it while the main thread is blocked in C++.
 """
@@ -28,7 +31,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-PHASES = ("startup", "load", "step", "eval", "save")
+PHASES = ("startup", "load", "step", "eval", "save", "commit")
 # The phases that recur within an attempt, whose timeouts it can learn.
 LEARNT_PHASES = ("step", "eval", "save")
 # Learnt timeouts are announced again only when they changed by more than this fraction.
@@ -59,6 +62,7 @@ class TimeoutSettings:
             "step": "rank_heartbeat_timeout",
             "eval": "rank_heartbeat_timeout",
             "save": "checkpoint_save_timeout",
+            "commit": "checkpoint_save_timeout",
         }[phase]
         return getattr(self, key), key
 

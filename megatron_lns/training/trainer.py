@@ -448,16 +448,20 @@ class Trainer:
         With ``async_save`` the checkpoint is written in the background and counts once
         :meth:`wait_for_checkpoints` (or a later step's poll) has committed it.
         """
-        with self.attempt.timing("save"), self.hangs.during("save"):
-            sync_parameters(self.model)  # with overlap_param_sync the weights lag the update
-            return self.checkpoints.save(
-                self.model, self.optimizer, self.scheduler, self.state, self.config_yaml
-            )
+        with self.attempt.timing("save"):
+            if self.checkpoints.asynchronous:  # the previous save is committed first
+                with self.hangs.during("commit"):
+                    self.checkpoints.wait()
+            with self.hangs.during("save"):
+                sync_parameters(self.model)  # with overlap_param_sync the weights lag
+                return self.checkpoints.save(
+                    self.model, self.optimizer, self.scheduler, self.state, self.config_yaml
+                )
 
     def wait_for_checkpoints(self) -> None:
         """Wait for checkpoints being written in the background and commit them (all
         ranks must call it)."""
-        with self.attempt.timing("save"), self.hangs.during("save"):
+        with self.attempt.timing("save"), self.hangs.during("commit"):
             self.checkpoints.wait()
 
     def _log_train_step(self, result: StepResult, lr: float, tokens_per_second: float) -> None:

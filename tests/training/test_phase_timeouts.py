@@ -61,6 +61,17 @@ def test_learnt_timeouts_are_a_multiple_of_the_slowest_seen_between_the_floor_an
     assert timeouts_line(phases.learnt()) == "step 100 s, save 420 s"
 
 
+def test_waiting_for_background_saves_keeps_the_configured_timeout():
+    """A commit that found the write long finished must not bound the last one, which
+    waits for a whole write."""
+    phases, clock = _clock()
+    phases.begin("step", 1)
+    with phases.during("commit"):
+        clock.t += 0.01
+    assert phases.timeout("commit").seconds == 420
+    assert "commit" not in phases.learnt()
+
+
 def test_a_fast_phase_gets_the_floor_and_the_line_says_so():
     phases, clock = _clock()
     phases.begin("step", 1)
