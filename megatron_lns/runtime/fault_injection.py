@@ -29,11 +29,17 @@ import time
 from dataclasses import dataclass
 from functools import cache
 
+from megatron_lns.base.errors import UserError
+
 FAULT_ENV = "MEGATRON_LNS_INJECT_FAULT"
 # The in-job restart this process belongs to (0: the first start), set by the launcher.
 ATTEMPT_ENV = "MEGATRON_LNS_ATTEMPT"
 KINDS = ("stop", "crash", "hang", "slow")
 PHASES = ("step", "save")
+
+
+class FaultSpecError(UserError, ValueError):
+    """``MEGATRON_LNS_INJECT_FAULT`` names a fault this module cannot read."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,7 @@ class Fault:
 
 
 def parse_faults(text: str) -> tuple[Fault, ...]:
-    """The faults ``text`` names (the module doc's format); ValueError names a bad one."""
+    """The faults ``text`` names (the module doc's format); FaultSpecError names a bad one."""
     faults = []
     for spec in filter(None, (part.strip() for part in text.split(";"))):
         fields = dict(pair.split("=", 1) for pair in spec.split(",") if "=" in pair)
@@ -71,9 +77,9 @@ def parse_faults(text: str) -> tuple[Fault, ...]:
             )
             fields.pop("until", None)
         except (KeyError, ValueError) as err:
-            raise ValueError(f"{FAULT_ENV}: cannot read {spec!r} ({err})") from None
+            raise FaultSpecError(f"{FAULT_ENV}: cannot read {spec!r} ({err})") from None
         if fields or fault.kind not in KINDS or fault.phase not in PHASES:
-            raise ValueError(
+            raise FaultSpecError(
                 f"{FAULT_ENV}: {spec!r}: kind is one of {KINDS}, phase one of {PHASES}, "
                 "and the keys are kind, rank, step, phase, attempt, seconds, until"
             )
