@@ -93,8 +93,10 @@ def _faults() -> tuple[Fault, ...]:
 
 
 def attempt() -> int:
-    """The in-job restart this process belongs to (0: the job's first start)."""
-    return int(os.environ.get(ATTEMPT_ENV, "0"))
+    """The in-job restart this process belongs to (0: the job's first start, or a value
+    no launcher of ours wrote: SLURM tasks refuse one in ``rank_env``)."""
+    value = os.environ.get(ATTEMPT_ENV, "0")
+    return int(value) if value.isdigit() else 0
 
 
 def inject_fault(phase: str, step: int) -> None:

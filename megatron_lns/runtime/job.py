@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from megatron_lns.runtime.fault_injection import ATTEMPT_ENV
+from megatron_lns.runtime.fault_injection import attempt
 from megatron_lns.runtime.progress_file import LOCAL_JOB_ID
 
 # SIGUSR1 is what schedulers send ahead of a time limit or pre-emption (SLURM's
@@ -109,8 +109,7 @@ class JobEnvironment(ABC):
         ``MEGATRON_LNS_ATTEMPT``, set by the launcher that restarts the ranks after a dead
         or hung one (``runtime/restarts.py``). With :attr:`restart_count` it names an
         attempt in the run's records."""
-        value = os.environ.get(ATTEMPT_ENV, "0")
-        return int(value) if value.isdigit() else 0
+        return attempt()
 
     @property
     def host(self) -> str:
