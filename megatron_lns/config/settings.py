@@ -2,10 +2,13 @@
 
 Every field of the schema (``schema.py``) is declared with :func:`setting`::
 
-    hidden_dropout: float = setting(
-        0.0, probability, target="TransformerConfig.hidden_dropout", group="architecture",
-        doc="dropout after attention and MLP, before the residual add",
-    )
+    @listed_in("architecture")
+    @dataclass
+    class ArchitectureSettings:
+        hidden_dropout: float = setting(
+            0.0, probability, target="TransformerConfig.hidden_dropout",
+            doc="dropout after attention and MLP, before the residual add",
+        )
 
 The declaration carries everything the rest of the package derives from it:
 
@@ -28,7 +31,9 @@ The declaration carries everything the rest of the package derives from it:
 * ``training_only``: the value reaches megatron-core only in a training run; a model built
   to analyse or convert weights computes the same function without it;
 * ``group``, ``doc``, ``null_means``: the key's row in the tables of docs/configuration.md
-  (``config/reference.py`` renders them; a test keeps the committed tables current).
+  (``config/reference.py`` renders them; a test keeps the committed tables current). The
+  group is usually said once for a whole section (:func:`listed_in`), else the key's
+  section names its table.
 
 A model setting also says what a checkpoint and a Hugging Face model make of it:
 
@@ -57,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Literal
 
 from megatron_lns.config.rules import Check
@@ -175,6 +181,24 @@ def setting(
     else:
         kwargs["default"] = default
     return dataclasses.field(**kwargs)
+
+
+def listed_in(group: str) -> Callable[[type], type]:
+    """A class decorator (above ``@dataclass``): the keys of a schema section that name no
+    group of their own are listed in the docs table ``group`` (its subsections' keys are
+    theirs to place). The mixin sections of
+    ``model`` (architecture, MoE, performance, ...) are flat in the YAML, so their table is
+    not their section's name."""
+
+    def list_fields(cls: type) -> type:
+        for f in dataclasses.fields(cls):
+            declared = f.metadata.get(SETTING)  # a subsection's field has none
+            if declared is not None and declared.group is None:
+                declared = dataclasses.replace(declared, group=group)
+                f.metadata = MappingProxyType({**f.metadata, SETTING: declared})
+        return cls
+
+    return list_fields
 
 
 def declaration(f: dataclasses.Field) -> Setting:

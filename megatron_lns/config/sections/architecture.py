@@ -16,7 +16,7 @@ from megatron_lns.config.rules import (
     probability,
     rng_seed,
 )
-from megatron_lns.config.settings import HF_CONVERTER, HF_REFUSE, setting, to
+from megatron_lns.config.settings import HF_CONVERTER, HF_REFUSE, listed_in, setting, to
 
 NORMALIZATIONS = {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm", "layernorm1p": "LayerNorm"}
 
@@ -29,6 +29,7 @@ def _normalization(value: str, cfg: Any) -> dict[str, Any]:
     }
 
 
+@listed_in("architecture")
 @dataclass
 class ArchitectureSettings:
     """``model``'s architecture keys (the ``architecture`` table)."""
@@ -38,7 +39,6 @@ class ArchitectureSettings:
         positive,
         target="GPTModel.max_sequence_length",
         translate=to("seq_length"),
-        group="architecture",
         doc="training sequence length (`GPTModel` / `GPTDataset` sequence length)",
         shapes=True,
         hf=HF_CONVERTER,
@@ -49,7 +49,6 @@ class ArchitectureSettings:
         target="GPTModel.max_sequence_length",
         translate=to("max_position_embeddings"),
         null_means="= seq length",
-        group="architecture",
         doc="`GPTModel.max_sequence_length`",
         shapes=True,
         hf="max_position_embeddings",
@@ -58,7 +57,6 @@ class ArchitectureSettings:
         12,
         positive,
         target="TransformerConfig.num_layers",
-        group="architecture",
         doc="`TransformerConfig.num_layers`",
         shapes=True,
         hf="num_hidden_layers",
@@ -67,7 +65,6 @@ class ArchitectureSettings:
         "gpt",
         one_of(ARCHITECTURES),
         target="layer_spec.architecture",
-        group="architecture",
         doc=(
             "megatron-core's model class: `gpt` (`GPTModel`, deprecated in megatron-core 0.19) "
             "or `hybrid` (`HybridModel`, its successor: one module per sublayer of "
@@ -82,7 +79,6 @@ class ArchitectureSettings:
         target="HybridModel.hybrid_layer_pattern",
         aliases=("hybrid_override_pattern",),
         null_means="the GPT twin",
-        group="architecture",
         doc=(
             "`architecture: hybrid` only: one symbol per sublayer, `*` attention, `-` MLP, `E` "
             "MoE, `|` between pipeline segments (one per stage and virtual chunk); `num_layers` "
@@ -97,7 +93,6 @@ class ArchitectureSettings:
         768,
         positive,
         target="TransformerConfig.hidden_size",
-        group="architecture",
         doc="`hidden_size`",
         shapes=True,
         hf="hidden_size",
@@ -107,7 +102,6 @@ class ArchitectureSettings:
         positive,
         target="TransformerConfig.ffn_hidden_size",
         null_means="4 x hidden",
-        group="architecture",
         doc="`ffn_hidden_size` (per gate/up half with SwiGLU)",
         shapes=True,
         hf=HF_CONVERTER,
@@ -116,7 +110,6 @@ class ArchitectureSettings:
         12,
         positive,
         target="TransformerConfig.num_attention_heads",
-        group="architecture",
         doc="`num_attention_heads`",
         shapes=True,
         hf="num_attention_heads",
@@ -126,7 +119,6 @@ class ArchitectureSettings:
         positive,
         target="TransformerConfig.kv_channels",
         null_means="= hidden / heads",
-        group="architecture",
         doc=(
             "`kv_channels`: the attention head size; queries, keys and values are `heads x "
             "kv_channels` wide, so attention may be wider or narrower than `hidden_size` (which "
@@ -142,7 +134,6 @@ class ArchitectureSettings:
         positive,
         target="TransformerConfig.num_query_groups",
         null_means="= heads",
-        group="architecture",
         doc="`num_query_groups` (grouped-query attention)",
         shapes=True,
         hf="num_key_value_heads",
@@ -151,7 +142,6 @@ class ArchitectureSettings:
         "rope",
         one_of(POSITION_EMBEDDINGS),
         target="GPTModel.position_embedding_type",
-        group="architecture",
         doc="`rope` (rotate-half, as Hugging Face Llama) or `learned_absolute`",
         shapes=True,
         hf=HF_CONVERTER,
@@ -160,7 +150,6 @@ class ArchitectureSettings:
         10000,
         positive,
         target="GPTModel.rotary_base",
-        group="architecture",
         doc="RoPE theta",
         hf=HF_CONVERTER,
     )
@@ -169,7 +158,6 @@ class ArchitectureSettings:
         one_of(NORMALIZATIONS),
         target="TransformerConfig.normalization",
         translate=_normalization,
-        group="architecture",
         doc=(
             "`rmsnorm`, `layernorm`, or `layernorm1p` (LayerNorm with zero-centred gamma, "
             "`layernorm_zero_centered_gamma`)"
@@ -180,7 +168,6 @@ class ArchitectureSettings:
     norm_affine: bool = setting(
         True,
         target="layer_spec.norm_affine",
-        group="architecture",
         doc=(
             "false: parameter-free norms (OLMo); with LNS the effective gamma is the constant "
             "`1/sqrt(l)`"
@@ -192,7 +179,6 @@ class ArchitectureSettings:
         1e-5,
         positive,
         target="TransformerConfig.layernorm_epsilon",
-        group="architecture",
         doc="`layernorm_epsilon`",
         hf=HF_CONVERTER,
     )
@@ -200,7 +186,6 @@ class ArchitectureSettings:
         False,
         target="TransformerConfig.add_bias_linear",
         translate=to("bias"),
-        group="architecture",
         doc="`add_bias_linear` and `add_qkv_bias`",
         shapes=True,
         hf=HF_CONVERTER,
@@ -208,7 +193,6 @@ class ArchitectureSettings:
     qk_layernorm: bool = setting(
         False,
         target="TransformerConfig.qk_layernorm",
-        group="architecture",
         doc=(
             "`qk_layernorm`: megatron-core's QK-norm, a norm (`normalization`) on each head's "
             "queries and keys before RoPE (OLMo 2, Qwen3); never LNS-scaled. Not exported to "
@@ -222,7 +206,6 @@ class ArchitectureSettings:
         one_of(ACTIVATIONS),
         target="TransformerConfig.activation_func",
         translate=to("activation"),
-        group="architecture",
         doc="`swiglu` (`gated_linear_unit` + SiLU) or `gelu`",
         shapes=True,
         hf=HF_CONVERTER,
@@ -230,7 +213,6 @@ class ArchitectureSettings:
     share_embeddings_and_output_weights: bool = setting(
         False,
         target="GPTModel.share_embeddings_and_output_weights",
-        group="architecture",
         doc="tie input embedding and LM head",
         shapes=True,
         hf="tie_word_embeddings",
@@ -239,7 +221,6 @@ class ArchitectureSettings:
         0.02,
         positive,
         target="TransformerConfig.init_method_std",
-        group="architecture",
         doc="`init_method_std`",
         hf="initializer_range",
     )
@@ -247,7 +228,6 @@ class ArchitectureSettings:
         0.0,
         probability,
         target="TransformerConfig.hidden_dropout",
-        group="architecture",
         doc="`hidden_dropout`",
         hf=HF_CONVERTER,
     )
@@ -255,14 +235,12 @@ class ArchitectureSettings:
         0.0,
         probability,
         target="TransformerConfig.attention_dropout",
-        group="architecture",
         doc="`attention_dropout`",
         hf="attention_dropout",
     )
     make_vocab_size_divisible_by: int = setting(
         128,
         positive,
-        group="architecture",
         doc=(
             "embedding rows = tokenizer vocab rounded up to a multiple of lcm(this, TP) "
             "(Megatron-LM multiplies by TP instead, which ties checkpoints to one TP size)"
@@ -273,6 +251,5 @@ class ArchitectureSettings:
     seed: int = setting(
         1234,
         rng_seed,
-        group="architecture",
         doc="init, data order and dropout seeds (`model_parallel_cuda_manual_seed`)",
     )

@@ -18,7 +18,7 @@ from megatron_lns.config.layer_variants import REGISTRY as LAYER_VARIANTS
 from megatron_lns.config.norm_scalings import REGISTRY as NORM_SCALINGS
 from megatron_lns.config.output_inits import REGISTRY as OUTPUT_INITS
 from megatron_lns.config.rules import one_of
-from megatron_lns.config.settings import HF_CONVERTER, setting, to
+from megatron_lns.config.settings import HF_CONVERTER, listed_in, setting, to
 
 
 def _rows(registry: dict, what: str) -> str:
@@ -36,6 +36,7 @@ _NULL_INIT = ", ".join(
 )
 
 
+@listed_in("lns")
 @dataclass
 class _SharedLnsSettings:
     """The keys every model has; the variants' own keys follow (:class:`LnsSettings`)."""
@@ -44,7 +45,6 @@ class _SharedLnsSettings:
         "lns",
         one_of(NORM_SCALINGS),
         target="layer_spec.norm_scaling",
-        group="lns",
         doc=f"registered in `config/norm_scalings.py`: {_rows(NORM_SCALINGS, 'math')}",
         hf=HF_CONVERTER,
     )
@@ -53,7 +53,6 @@ class _SharedLnsSettings:
         one_of(OUTPUT_INITS),
         target="TransformerConfig.output_layer_init_method",
         translate=to("output_layer_init"),
-        group="lns",
         doc=(
             "(NeMo: `use_scaled_init_method`) init of the residual output projections "
             "(`linear_proj`, `linear_fc2`), registered in `config/output_inits.py`: "
@@ -64,7 +63,6 @@ class _SharedLnsSettings:
         "pre_ln",
         one_of(LAYER_VARIANTS),
         target="layer_spec.layer_variant",
-        group="lns",
         doc=(
             "registered in `config/layer_variants.py` ([variants.md](variants.md)): "
             + _VARIANT_LAYERS

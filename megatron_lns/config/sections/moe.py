@@ -20,7 +20,7 @@ from megatron_lns.config.rules import (
     one_of,
     positive,
 )
-from megatron_lns.config.settings import HF_CONVERTER, HF_REFUSE, setting
+from megatron_lns.config.settings import HF_CONVERTER, HF_REFUSE, listed_in, setting
 
 
 def _moe_layer_freq(value: Any, cfg: Any) -> dict[str, Any]:
@@ -28,6 +28,7 @@ def _moe_layer_freq(value: Any, cfg: Any) -> dict[str, Any]:
     return {"moe_layer_freq": parse_moe_layer_freq(value)}
 
 
+@listed_in("moe")
 @dataclass
 class MoeSettings:
     """``model``'s MoE keys (the ``moe`` table)."""
@@ -37,7 +38,6 @@ class MoeSettings:
         positive,
         target="TransformerConfig.num_moe_experts",
         null_means="dense MLPs",
-        group="moe",
         doc=(
             "`num_moe_experts`: routed experts per MoE layer. Each MoE layer is megatron-core's "
             "`MoELayer` (router, token dispatcher, experts, optional shared expert) behind the "
@@ -52,7 +52,6 @@ class MoeSettings:
         moe_layer_frequency,
         target="TransformerConfig.moe_layer_freq",
         translate=_moe_layer_freq,
-        group="moe",
         doc=(
             "which layers are MoE: an int N (layers 1, N+1, 2N+1, ... counted from 1; 1 = all), "
             "a list of 0 (dense) / 1 (MoE) per layer, or megatron-lm's list expression such as "
@@ -66,7 +65,6 @@ class MoeSettings:
         positive,
         target="TransformerConfig.moe_ffn_hidden_size",
         null_means="= ffn_hidden_size",
-        group="moe",
         doc="`moe_ffn_hidden_size`: each routed expert's MLP width (per gate/up half with SwiGLU)",
         shapes=True,
         hf=HF_CONVERTER,
@@ -75,7 +73,6 @@ class MoeSettings:
         2,
         positive,
         target="TransformerConfig.moe_router_topk",
-        group="moe",
         doc="`moe_router_topk`: experts each token is sent to; at most `num_moe_experts`",
         hf=HF_CONVERTER,
     )
@@ -83,7 +80,6 @@ class MoeSettings:
         "softmax",
         one_of(MOE_SCORE_FUNCTIONS),
         target="TransformerConfig.moe_router_score_function",
-        group="moe",
         doc=(
             "`moe_router_score_function`: `softmax` (Mixtral, OLMoE, Qwen-MoE) or `sigmoid` "
             "(DeepSeek-V3; the top-k scores are renormalised to sum to 1 when k > 1)"
@@ -94,7 +90,6 @@ class MoeSettings:
     moe_router_pre_softmax: bool = setting(
         False,
         target="TransformerConfig.moe_router_pre_softmax",
-        group="moe",
         doc=(
             "`moe_router_pre_softmax`: softmax over all experts before top-k (the chosen "
             "probabilities then do not sum to 1, as in OLMoE); false: softmax over the top-k "
@@ -107,7 +102,6 @@ class MoeSettings:
         positive,
         target="TransformerConfig.moe_router_topk_scaling_factor",
         null_means="1",
-        group="moe",
         doc="`moe_router_topk_scaling_factor`: multiplies the routing weights (DeepSeek-V3's 2.5)",
         hf=HF_REFUSE,
         hf_refusal="the stock MoE routers do not scale the routing weights",
@@ -115,7 +109,6 @@ class MoeSettings:
     moe_router_enable_expert_bias: bool = setting(
         False,
         target="TransformerConfig.moe_router_enable_expert_bias",
-        group="moe",
         doc=(
             "`moe_router_enable_expert_bias`: DeepSeek-V3's aux-loss-free balancing, a per-expert "
             "bias added to the scores for selection only, updated after each step from the "
@@ -130,7 +123,6 @@ class MoeSettings:
         positive,
         target="TransformerConfig.moe_router_bias_update_rate",
         training_only=True,
-        group="moe",
         doc="`moe_router_bias_update_rate`: the expert-bias step size",
     )
     moe_router_dtype: str | None = setting(
@@ -138,7 +130,6 @@ class MoeSettings:
         one_of(MOE_ROUTER_DTYPES),
         target="TransformerConfig.moe_router_dtype",
         null_means="the activations' dtype",
-        group="moe",
         doc="`moe_router_dtype`: the router's GEMM and scores in `fp32` or `fp64`",
     )
     moe_router_load_balancing_type: str = setting(
@@ -146,7 +137,6 @@ class MoeSettings:
         one_of(MOE_LOAD_BALANCING),
         target="TransformerConfig.moe_router_load_balancing_type",
         training_only=True,
-        group="moe",
         doc=(
             "`moe_router_load_balancing_type`: `aux_loss` (GShard/Switch, over the micro-batch), "
             "`seq_aux_loss` (per sequence), `global_aux_loss` (over the data-parallel group), "
@@ -159,7 +149,6 @@ class MoeSettings:
         non_negative,
         target="TransformerConfig.moe_aux_loss_coeff",
         training_only=True,
-        group="moe",
         doc="`moe_aux_loss_coeff`: weight of the load-balancing loss (1e-2 is common)",
         hf=HF_CONVERTER,
     )
@@ -169,21 +158,18 @@ class MoeSettings:
         target="TransformerConfig.moe_z_loss_coeff",
         training_only=True,
         null_means="off",
-        group="moe",
         doc="`moe_z_loss_coeff`: weight of the router z-loss (ST-MoE; 1e-3 is common)",
     )
     moe_per_layer_logging: bool = setting(
         False,
         target="TransformerConfig.moe_per_layer_logging",
         training_only=True,
-        group="moe",
         doc="log the load-balancing and z losses and the expert load of every MoE layer too",
     )
     moe_token_dispatcher_type: str = setting(
         "allgather",
         one_of(MOE_DISPATCHERS),
         target="TransformerConfig.moe_token_dispatcher_type",
-        group="moe",
         doc=(
             "`moe_token_dispatcher_type`: `allgather` (megatron-core's default) or `alltoall` "
             "(the usual choice with expert parallelism); same function, different "
@@ -195,7 +181,6 @@ class MoeSettings:
         None,
         target="TransformerConfig.moe_grouped_gemm",
         policy="machine",
-        group="moe",
         doc=(
             "`moe_grouped_gemm`: the experts of a rank as one grouped GEMM (Transformer Engine's "
             "`TEGroupedMLP`) instead of one GEMM per expert (`SequentialMLP`). Needs "
@@ -208,7 +193,6 @@ class MoeSettings:
         target="TransformerConfig.moe_permute_fusion",
         policy="machine",
         training_only=True,
-        group="moe",
         doc=(
             "`moe_permute_fusion`: Transformer Engine's fused token permute/unpermute in the "
             "dispatcher. Needs Transformer Engine on CUDA. null: on with Transformer Engine "
@@ -220,7 +204,6 @@ class MoeSettings:
         positive,
         target="TransformerConfig.moe_shared_expert_intermediate_size",
         null_means="no shared expert",
-        group="moe",
         doc=(
             "`moe_shared_expert_intermediate_size`: width of the shared expert every token "
             "passes through (all shared experts together, as in Qwen-MoE and DeepSeek)"
@@ -231,7 +214,6 @@ class MoeSettings:
     moe_shared_expert_gate: bool = setting(
         False,
         target="TransformerConfig.moe_shared_expert_gate",
-        group="moe",
         doc="`moe_shared_expert_gate`: a sigmoid gate on the shared expert's output (Qwen2-MoE)",
         shapes=True,
         hf=HF_CONVERTER,
@@ -240,7 +222,6 @@ class MoeSettings:
         False,
         target="TransformerConfig.moe_shared_expert_overlap",
         training_only=True,
-        group="moe",
         doc=(
             "`moe_shared_expert_overlap`: compute the shared expert while the dispatcher "
             "communicates; needs a shared expert and `moe_token_dispatcher_type: alltoall`"
@@ -251,7 +232,6 @@ class MoeSettings:
         positive,
         target="TransformerConfig.moe_expert_capacity_factor",
         null_means="no token dropping",
-        group="moe",
         doc=(
             "`moe_expert_capacity_factor`: each expert takes at most factor x its even share of "
             "the tokens; the rest are dropped (their MoE output is 0, the residual carries them)"
@@ -265,13 +245,11 @@ class MoeSettings:
         "probs",
         one_of(MOE_DROP_POLICIES),
         target="TransformerConfig.moe_token_drop_policy",
-        group="moe",
         doc="`moe_token_drop_policy`: over capacity, drop the least likely or the last tokens",
     )
     moe_pad_expert_input_to_capacity: bool = setting(
         False,
         target="TransformerConfig.moe_pad_expert_input_to_capacity",
-        group="moe",
         doc=(
             "`moe_pad_expert_input_to_capacity`: pad every expert's input to its capacity "
             "(static shapes); needs `moe_expert_capacity_factor`"
@@ -281,7 +259,6 @@ class MoeSettings:
         1,
         positive,
         target="ParallelLayout.expert",
-        group="moe",
         doc=(
             "`expert_model_parallel_size` (EP): the experts of each MoE layer are split over EP "
             "ranks, which come out of the data-parallel ranks (megatron-core's expert groups: "
@@ -293,7 +270,6 @@ class MoeSettings:
         positive,
         target="ParallelLayout.expert_tensor",
         null_means="= TP",
-        group="moe",
         doc=(
             "`expert_tensor_parallel_size` (ETP): each expert's weights split over ETP ranks; "
             "1 keeps experts whole while attention runs at TP"

@@ -11,20 +11,20 @@ from megatron_lns.config.rules import (
     one_of,
     positive,
 )
-from megatron_lns.config.settings import setting
+from megatron_lns.config.settings import listed_in, setting
 
 # megatron.core.timers.Timers' log_option: the maximum over ranks, the minimum and maximum,
 # or every rank's time.
 TIMER_LOG_OPTIONS = ("max", "minmax", "all")
 
 
+@listed_in("operations")
 @dataclass
 class NsysProfileConfig:
     """A profiling window over training steps (``training/profiling.py``)."""
 
     enabled: bool = setting(
         False,
-        group="operations",
         doc=(
             "profile the window below (`training/profiling.py`). On CUDA: "
             "`torch.cuda.profiler.start()`/`stop()` around the window, for `nsys profile "
@@ -37,7 +37,6 @@ class NsysProfileConfig:
     start_step: int = setting(
         10,
         positive,
-        group="operations",
         doc=(
             "first profiled step, numbered as the log numbers steps (the first step is 1; NeMo "
             "counts completed steps, so its 10 is step 11 here). A run resumed inside the window "
@@ -47,7 +46,6 @@ class NsysProfileConfig:
     end_step: int = setting(
         10,
         positive,
-        group="operations",
         doc=(
             "last profiled step (inclusive); refused if before `start_step`, and a `start_step` "
             "after `trainer.max_steps` is refused"
@@ -56,12 +54,10 @@ class NsysProfileConfig:
     ranks: list[int] = setting(
         check=global_ranks,
         default_factory=lambda: [0],
-        group="operations",
         doc="global ranks that profile; refused if not ranks of the run",
     )
     gen_shape: bool = setting(
         False,
-        group="operations",
         doc=(
             "record operator input shapes (`record_shapes` of the NVTX ranges and of the torch "
             "trace)"
@@ -69,7 +65,6 @@ class NsysProfileConfig:
     )
     torch_trace: bool | None = setting(
         None,
-        group="operations",
         doc=(
             "not in NeMo: write the torch profiler trace (CPU and CUDA activity on a GPU). null: "
             "on CPU yes, on CUDA no (nsys records the window). The autograd profiler records one "
@@ -79,6 +74,7 @@ class NsysProfileConfig:
     )
 
 
+@listed_in("operations")
 @dataclass
 class MegatronTimerKwargs:
     """How megatron-core's own timers are reported (``training/timers.py``)."""
@@ -86,7 +82,6 @@ class MegatronTimerKwargs:
     log_every_n_steps: int | None = setting(
         None,
         positive,
-        group="operations",
         doc=(
             "report after every N-th applied update (step numbers, so a resumed run keeps the "
             "grid); null: `trainer.log_every_n_steps`. An interval longer than "
@@ -96,7 +91,6 @@ class MegatronTimerKwargs:
     log_mode: str | None = setting(
         None,
         one_of(TIMER_LOG_OPTIONS),
-        group="operations",
         doc=(
             "megatron's `log_option`: `minmax` (the fastest and slowest rank), `max`, or `all` "
             "(every rank); null: `minmax`. NeMo's YAML spells the key `log_mode` while NeMo's "
@@ -104,11 +98,10 @@ class MegatronTimerKwargs:
         ),
     )
     log_option: str | None = setting(
-        None, one_of(TIMER_LOG_OPTIONS), group="operations", doc="the same setting as `log_mode`"
+        None, one_of(TIMER_LOG_OPTIONS), doc="the same setting as `log_mode`"
     )
     barrier: bool = setting(
         False,
-        group="operations",
         doc=(
             "a barrier across all ranks before the times are read (megatron's "
             "`get_all_timers_string(barrier=...)`)"
@@ -116,6 +109,7 @@ class MegatronTimerKwargs:
     )
 
 
+@listed_in("operations")
 @dataclass
 class OperationsSettings:
     """``model``'s operations keys (the ``operations`` table)."""
@@ -123,7 +117,6 @@ class OperationsSettings:
     gc_interval: int = setting(
         0,
         non_negative,
-        group="operations",
         doc=(
             "Megatron-LM's manual garbage collection (`--manual-gc --manual-gc-interval`): with N"
             " > 0 Python's automatic collector is off for the run and every rank runs "
@@ -136,7 +129,6 @@ class OperationsSettings:
     dist_ckpt_parallel_save: bool = setting(
         False,
         target="dist_checkpointing.FullyParallelSaveStrategyWrapper",
-        group="operations",
         doc=(
             "megatron-core's `FullyParallelSaveStrategyWrapper` over the data-parallel group "
             "(Megatron-LM's `--ckpt-fully-parallel-save`): the shards every data-parallel rank "
@@ -148,7 +140,6 @@ class OperationsSettings:
     dist_ckpt_parallel_load: bool = setting(
         False,
         target="dist_checkpointing.FullyParallelLoadStrategyWrapper",
-        group="operations",
         doc=(
             "megatron-core's `FullyParallelLoadStrategyWrapper` over the data-parallel group "
             "(Megatron-LM's `--ckpt-fully-parallel-load`): each data-parallel rank reads a share "
@@ -159,7 +150,6 @@ class OperationsSettings:
     enable_megatron_timers: bool = setting(
         False,
         target="timers.Timers",
-        group="operations",
         doc=(
             "megatron-core's own timers (`megatron.core.timers.Timers` at log level 2, as NeMo "
             "builds them, set as the model config's and optimizer config's `timers`): the "

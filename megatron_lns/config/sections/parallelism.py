@@ -9,20 +9,20 @@ from megatron_lns.config.rules import (
     positive,
     rampup_batch_sizes,
 )
-from megatron_lns.config.settings import setting
+from megatron_lns.config.settings import listed_in, setting
 
 
+@listed_in("parallelism")
 @dataclass
 class ParallelismSettings:
     """``model``'s batch and parallelism keys (the ``parallelism`` table)."""
 
     micro_batch_size: int = setting(
-        4, positive, group="parallelism", doc="sequences per forward pass per data-parallel rank"
+        4, positive, doc="sequences per forward pass per data-parallel rank"
     )
     global_batch_size: int = setting(
         8,
         positive,
-        group="parallelism",
         doc=(
             "sequences per optimizer step; megatron's num-microbatches calculator derives "
             "gradient accumulation = global / (micro x DP)"
@@ -31,7 +31,6 @@ class ParallelismSettings:
     rampup_batch_size: list[int] | None = setting(
         None,
         rampup_batch_sizes,
-        group="parallelism",
         doc=(
             "`[start_batch_size, batch_size_increment, ramp_up_samples]`: batch-size ramp-up, "
             "Megatron-LM's `--rampup-batch-size` (below)"
@@ -41,27 +40,23 @@ class ParallelismSettings:
         1,
         positive,
         target="ParallelLayout.tensor",
-        group="parallelism",
         doc="`TransformerConfig.tensor_model_parallel_size`",
     )
     pipeline_model_parallel_size: int = setting(
         1,
         positive,
         target="ParallelLayout.pipeline",
-        group="parallelism",
         doc="`pipeline_model_parallel_size`; layers split evenly across stages",
     )
     virtual_pipeline_model_parallel_size: int | None = setting(
         None,
         positive,
         target="ParallelLayout.virtual_pipeline",
-        group="parallelism",
         doc="model chunks per pipeline stage (interleaved 1F1B schedule)",
     )
     sequence_parallel: bool = setting(
         False,
         target="ParallelLayout.sequence_parallel",
-        group="parallelism",
         doc=(
             "megatron sequence parallelism (needs TP > 1); LNS norms mark their weights for the "
             "TP grad all-reduce"
@@ -72,7 +67,6 @@ class ParallelismSettings:
         1,
         positive,
         target="ParallelLayout.context",
-        group="parallelism",
         doc=(
             "`context_parallel_size` of `parallel_state` and `TransformerConfig`: each sequence "
             "is split into 2 x CP chunks and every rank of a CP group keeps two of them "

@@ -18,7 +18,7 @@ from megatron_lns.config.rules import (
     one_of,
     positive,
 )
-from megatron_lns.config.settings import setting, to
+from megatron_lns.config.settings import listed_in, setting, to
 
 # model.ub_tp_comm_bootstrap_backend: the collectives that set up TE's userbuffers.
 UB_BOOTSTRAP_BACKENDS = ("nccl", "mpi", "gloo")
@@ -43,6 +43,7 @@ def _cpu_offloading_num_layers(value: int | None, cfg: Any) -> dict[str, Any]:
     return {"cpu_offloading_num_layers": cpu_offloading_num_layers(cfg.model)}
 
 
+@listed_in("recomputation")
 @dataclass
 class RecomputationSettings:
     """``model``'s activation-recomputation keys (the ``recomputation`` table)."""
@@ -52,7 +53,6 @@ class RecomputationSettings:
         one_of(RECOMPUTE_GRANULARITIES),
         target="TransformerConfig.recompute_granularity",
         aliases=("recompute_granularity",),
-        group="recomputation",
         doc=(
             "`recompute_granularity`: null keeps every activation; `selective` recomputes the "
             "core attention (softmax, dropout, attention x V) of every layer, megatron's default "
@@ -66,7 +66,6 @@ class RecomputationSettings:
         one_of(RECOMPUTE_METHODS),
         target="TransformerConfig.recompute_method",
         aliases=("recompute_method",),
-        group="recomputation",
         doc=(
             "`recompute_method`, `full` only: `uniform` splits each pipeline stage's layers into "
             "groups of `num_layers` and keeps only each group's input; `block` recomputes the "
@@ -78,7 +77,6 @@ class RecomputationSettings:
         positive,
         target="TransformerConfig.recompute_num_layers",
         aliases=("recompute_num_layers",),
-        group="recomputation",
         doc=(
             "`recompute_num_layers`, `full` only: 1 .. layers per pipeline stage. With "
             "`architecture: hybrid` it counts what `num_layers` counts: blocks in the GPT twin "
@@ -92,7 +90,6 @@ class RecomputationSettings:
         target="TransformerConfig.recompute_modules",
         translate=_module_names,
         null_means="`[core_attn]`",
-        group="recomputation",
         doc=(
             "`recompute_modules`, `selective` only: what megatron-core recomputes in backward: "
             "`core_attn`, `mlp` (a dense layer's MLP), `moe` (the whole MoE layer), `moe_act` "
@@ -103,6 +100,7 @@ class RecomputationSettings:
     )
 
 
+@listed_in("performance")
 @dataclass
 class PerformanceSettings:
     """``model``'s fused kernels, overlap, offloading and loss scaling (the
@@ -113,7 +111,6 @@ class PerformanceSettings:
         target="TransformerConfig.bias_activation_fusion",
         policy="machine",
         training_only=True,
-        group="performance",
         doc=(
             "`TransformerConfig.bias_activation_fusion`: the MLP's bias + activation "
             "(SwiGLU/GELU) as one TorchScript-fused function. Runs on CPU and CUDA; refused with "
@@ -126,7 +123,6 @@ class PerformanceSettings:
         target="TransformerConfig.bias_dropout_fusion",
         policy="machine",
         training_only=True,
-        group="performance",
         doc=(
             "`bias_dropout_fusion`: bias + dropout + residual add fused (TorchScript). null: on "
             "with CUDA"
@@ -137,7 +133,6 @@ class PerformanceSettings:
         target="TransformerConfig.masked_softmax_fusion",
         policy="machine",
         training_only=True,
-        group="performance",
         doc=(
             "`masked_softmax_fusion`: the local backend's `FusedScaleMaskSoftmax` uses Apex's "
             "`scaled_*_masked_softmax_cuda` kernels for half-precision CUDA inputs (it fails with"
@@ -151,7 +146,6 @@ class PerformanceSettings:
         target="TransformerConfig.apply_rope_fusion",
         policy="machine",
         training_only=True,
-        group="performance",
         doc=(
             "`apply_rope_fusion`: Transformer Engine's fused RoPE kernel (megatron-core refuses "
             "it without TE; needs `position_embedding_type: rope`). null: on with "
@@ -163,7 +157,6 @@ class PerformanceSettings:
         target="TransformerConfig.gradient_accumulation_fusion",
         policy="machine",
         training_only=True,
-        group="performance",
         doc=(
             "`gradient_accumulation_fusion`: weight-gradient GEMMs accumulate straight into "
             "megatron DDP's fp32 `main_grad` buffer. Needs Apex's "
@@ -176,7 +169,6 @@ class PerformanceSettings:
         target="TransformerConfig.cross_entropy_loss_fusion",
         policy="machine",
         training_only=True,
-        group="performance",
         doc=(
             "`cross_entropy_loss_fusion` with megatron-core's `native` implementation "
             "(TorchScript; the `te` one has known stability issues). null: on with CUDA"
@@ -187,7 +179,6 @@ class PerformanceSettings:
         target="TransformerConfig.attention_backend",
         policy="machine",
         training_only=True,
-        group="performance",
         doc=(
             "`TransformerConfig.attention_backend` of the TE spec: true `flash` (FlashAttention),"
             " false `fused` (cuDNN fused attention, no FlashAttention: NeMo's false), null `auto`"
@@ -198,7 +189,6 @@ class PerformanceSettings:
     overlap_p2p_comm: bool = setting(
         False,
         target="TransformerConfig.overlap_p2p_comm",
-        group="performance",
         doc=(
             "`overlap_p2p_comm`: pipeline send/receive overlap compute; megatron-core does it in "
             "the interleaved schedule only, so it needs `virtual_pipeline_model_parallel_size`"
@@ -209,7 +199,6 @@ class PerformanceSettings:
         target="TransformerConfig.batch_p2p_comm",
         policy="machine",
         training_only=True,
-        group="performance",
         doc=(
             "`batch_p2p_comm`: send/receive batched with `batch_isend_irecv`. Cannot be on with "
             "`overlap_p2p_comm`. On gloo (CPU) with a pipeline it is refused: gloo matches "
@@ -221,7 +210,6 @@ class PerformanceSettings:
     fp32_residual_connection: bool = setting(
         False,
         target="TransformerConfig.fp32_residual_connection",
-        group="performance",
         doc=(
             "`fp32_residual_connection`: the residual stream in fp32 (megatron-core then sends "
             "fp32 between pipeline stages)"
@@ -230,7 +218,6 @@ class PerformanceSettings:
     sharp: bool = setting(
         False,
         target="ParallelLayout.sharp",
-        group="performance",
         doc=(
             "`initialize_model_parallel(use_sharp=True)`: megatron-core creates the data-parallel"
             " NCCL communicator first with `NCCL_COLLNET_ENABLE=1`, so its reductions run in the "
@@ -244,7 +231,6 @@ class PerformanceSettings:
         target="TransformerConfig.tp_comm_overlap",
         translate=to("tp_comm_overlap"),
         training_only=True,
-        group="performance",
         doc=(
             "`TransformerConfig.tp_comm_overlap`: Transformer Engine's linears overlap the "
             "sequence-parallel all-gather and reduce-scatter with their GEMMs through "
@@ -259,7 +245,6 @@ class PerformanceSettings:
     ub_tp_comm_overlap_cfg: Any = setting(
         None,
         free_form=True,
-        group="performance",
         doc=(
             "TE's `ub_cfgs`: per-GEMM userbuffer settings (`method`, `num_sm`, `cga_size`, "
             "`num_splits`, `set_sm_margin`, `aggregate`, `atomic_gemm`, `fp8_buf`, ...) keyed by "
@@ -277,7 +262,6 @@ class PerformanceSettings:
         target="TransformerConfig.tp_comm_bootstrap_backend",
         translate=to("tp_comm_bootstrap_backend"),
         training_only=True,
-        group="performance",
         doc=(
             "`tp_comm_bootstrap_backend`: the collectives (`nccl`, `mpi` or `gloo`) TE uses to "
             "set userbuffers up"
@@ -287,7 +271,6 @@ class PerformanceSettings:
         False,
         target="TransformerConfig.cpu_offloading",
         training_only=True,
-        group="performance",
         doc=(
             "`TransformerConfig.cpu_offloading`: Transformer Engine's offload context moves the "
             "activations saved for backward of the first `cpu_offloading_num_layers` layers to "
@@ -304,7 +287,6 @@ class PerformanceSettings:
         target="TransformerConfig.cpu_offloading_num_layers",
         translate=_cpu_offloading_num_layers,
         training_only=True,
-        group="performance",
         doc=(
             "`cpu_offloading_num_layers`, 1 to `num_layers - 1` (the last layer's activations are"
             " used at once). null: `num_layers - 1`, NeMo's `${sum:${.num_layers},-1}` (the `sum`"
@@ -315,14 +297,12 @@ class PerformanceSettings:
         True,
         target="TransformerConfig.cpu_offloading_activations",
         training_only=True,
-        group="performance",
         doc="`cpu_offloading_activations`; false offloads nothing and is refused",
     )
     cpu_offloading_weights: bool = setting(
         False,
         target="TransformerConfig.cpu_offloading_weights",
         training_only=True,
-        group="performance",
         doc=(
             "`cpu_offloading_weights`: true is refused. Transformer Engine deprecated weight "
             "offloading in 2.3 and ignores the flag with a warning (megatron-lns needs TE >= "
@@ -332,7 +312,6 @@ class PerformanceSettings:
     apply_query_key_layer_scaling: bool = setting(
         False,
         target="TransformerConfig.apply_query_key_layer_scaling",
-        group="performance",
         doc=(
             "`apply_query_key_layer_scaling`: attention scores divided by the layer number before"
             " the (then fp32) softmax and multiplied back, for fp16 range"
@@ -342,7 +321,6 @@ class PerformanceSettings:
         False,
         target="get_megatron_optimizer.config_overrides",
         translate=to("decay_norms_and_biases"),
-        group="performance",
         doc=(
             "weight decay on every parameter. false is megatron's standard `config_overrides`, "
             "which exempts biases and 1-D tensors (norm weights); true passes none "
@@ -353,20 +331,17 @@ class PerformanceSettings:
         2.0**32,
         positive,
         target="OptimizerConfig.initial_loss_scale",
-        group="performance",
         doc="`OptimizerConfig.initial_loss_scale` of fp16 dynamic loss scaling",
     )
     native_amp_growth_interval: int = setting(
         1000,
         positive,
         target="OptimizerConfig.loss_scale_window",
-        group="performance",
         doc="`OptimizerConfig.loss_scale_window`: overflow-free steps before the scale doubles",
     )
     hysteresis: int = setting(
         2,
         positive,
         target="OptimizerConfig.hysteresis",
-        group="performance",
         doc="`OptimizerConfig.hysteresis`: overflows tolerated before the scale halves",
     )

@@ -10,7 +10,7 @@ from megatron_lns.config.rules import (
     one_of,
     positive,
 )
-from megatron_lns.config.settings import HF_REFUSE, setting, to
+from megatron_lns.config.settings import HF_REFUSE, listed_in, setting, to
 
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 FP8_FORMATS = ("hybrid", "e4m3")
@@ -25,6 +25,7 @@ def _fp8_format(value: str | None, cfg: Any) -> dict[str, Any]:
     return {"fp8_format": value or "hybrid"}
 
 
+@listed_in("transformer_engine")
 @dataclass
 class TransformerEngineSettings:
     """``model``'s Transformer Engine keys (the ``transformer_engine`` table)."""
@@ -33,7 +34,6 @@ class TransformerEngineSettings:
         False,
         target="layer_spec.backend",
         translate=_backend,
-        group="transformer_engine",
         doc="Transformer Engine layer spec (fused norm + linear; LNS folded into the fused norm)",
     )
     fp8: str | None = setting(
@@ -41,7 +41,6 @@ class TransformerEngineSettings:
         one_of(FP8_RECIPES),
         target="TransformerConfig.fp8_recipe",
         translate=to("fp8"),
-        group="transformer_engine",
         doc=(
             "NeMo's `false` = null; `TransformerConfig.fp8_recipe` (needs `transformer_engine` "
             "and `trainer.precision: bf16-mixed`): `delayed` (amax history, compute capability >="
@@ -55,7 +54,6 @@ class TransformerEngineSettings:
         target="TransformerConfig.fp8",
         translate=_fp8_format,
         null_means="`hybrid`",
-        group="transformer_engine",
         doc=(
             "`TransformerConfig.fp8`: `hybrid` (E4M3 forward, E5M2 gradients) or `e4m3`. NeMo's "
             "`fp8_e4m3: true` sets `e4m3` (and contradicts an explicit `hybrid`); NeMo's "
@@ -66,7 +64,6 @@ class TransformerEngineSettings:
     fp8_param: bool = setting(
         False,
         target="TransformerConfig.fp8_param",
-        group="transformer_engine",
         doc=(
             "`fp8_param`: keep the weights themselves in FP8; false keeps bf16 weights with fp32 "
             "main weights in the optimizer"
@@ -77,20 +74,17 @@ class TransformerEngineSettings:
         0,
         non_negative,
         target="TransformerConfig.fp8_margin",
-        group="transformer_engine",
         doc="`TransformerConfig.fp8_margin`",
     )
     fp8_amax_history_len: int = setting(
         1024,
         positive,
         target="TransformerConfig.fp8_amax_history_len",
-        group="transformer_engine",
         doc="`fp8_amax_history_len` (delayed scaling)",
     )
     fp8_amax_compute_algo: str = setting(
         "max",
         one_of(FP8_AMAX_COMPUTE_ALGOS),
         target="TransformerConfig.fp8_amax_compute_algo",
-        group="transformer_engine",
         doc="`fp8_amax_compute_algo` (`max` or `most_recent`)",
     )
