@@ -313,25 +313,18 @@ class Trainer:
         """Close the logs, release the run directory, restore the signal handlers
         (idempotent). A checkpoint still being written in the background is abandoned
         (left ``.partial``) unless :meth:`wait_for_checkpoints` ran first on every rank."""
-        hangs = getattr(self, "hangs", None)
-        if hangs is not None:  # first: what follows cannot hang on a stalled peer
-            hangs.close()
-        checkpoints = getattr(self, "checkpoints", None)
-        if checkpoints is not None:
-            checkpoints.close()
-        self.stop_request.restore()
-        manual_gc = getattr(self, "manual_gc", None)
-        if manual_gc is not None:
-            manual_gc.stop()
-        profiler = getattr(self, "profiler", None)
-        if profiler is not None:
-            profiler.close()
-        moe_metrics = getattr(self, "moe_metrics", None)
-        if moe_metrics is not None:
-            moe_metrics.close()
-        logger = getattr(self, "logger", None)
-        if logger is not None:
-            logger.close()
+        for part, finish in (
+            ("hangs", "close"),  # first: what follows cannot hang on a stalled peer
+            ("checkpoints", "close"),
+            ("stop_request", "restore"),
+            ("manual_gc", "stop"),
+            ("profiler", "close"),
+            ("moe_metrics", "close"),
+            ("logger", "close"),
+        ):
+            made = getattr(self, part, None)  # None where __init__ failed before making it
+            if made is not None:
+                getattr(made, finish)()
         if self.run_lock is not None:
             self.run_lock.release()
 
