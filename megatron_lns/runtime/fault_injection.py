@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 
@@ -92,10 +93,10 @@ def _faults() -> tuple[Fault, ...]:
     return parse_faults(os.environ.get(FAULT_ENV, ""))
 
 
-def attempt() -> int:
+def attempt(env: Mapping[str, str] = os.environ) -> int:
     """The in-job restart this process belongs to (0: the job's first start, or a value
     no launcher of ours wrote: SLURM tasks refuse one in ``rank_env``)."""
-    value = os.environ.get(ATTEMPT_ENV, "0")
+    value = env.get(ATTEMPT_ENV, "0").strip()
     return int(value) if value.isdigit() else 0
 
 

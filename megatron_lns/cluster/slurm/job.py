@@ -14,7 +14,7 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from megatron_lns.runtime.fault_injection import ATTEMPT_ENV
+from megatron_lns.runtime.fault_injection import attempt
 
 # The states in which a job's processes may still exist (and write into its run directory).
 LIVE_STATES = frozenset({"RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "SIGNALING", "RESIZING"})
@@ -44,12 +44,11 @@ class SlurmJob:
         if not job_id:
             return None
         restarts = env.get("SLURM_RESTART_COUNT", "0").strip()
-        attempt = env.get(ATTEMPT_ENV, "0").strip()
         return cls(
             job_id,
             int(restarts) if restarts.isdigit() else 0,
             env.get("SLURM_CLUSTER_NAME") or None,
-            int(attempt) if attempt.isdigit() else 0,
+            attempt(env),
         )
 
     @classmethod

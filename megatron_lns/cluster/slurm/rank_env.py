@@ -97,14 +97,6 @@ def _required(env: Mapping[str, str], name: str) -> str:
     return value
 
 
-def _attempt(env: Mapping[str, str]) -> int:
-    """The batch script's in-job restart number (0 without one: srun by hand)."""
-    value = env.get(ATTEMPT_ENV, "0").strip()
-    if not value.isdigit():
-        raise SlurmEnvironmentError(f"{ATTEMPT_ENV}={value!r} is not a number")
-    return int(value)
-
-
 def rank_environment(env: Mapping[str, str]) -> dict[str, str]:
     """RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for this srun task.
 
@@ -125,11 +117,13 @@ def rank_environment(env: Mapping[str, str]) -> dict[str, str]:
         "LOCAL_RANK": _required(env, "SLURM_LOCALID"),
     }
     job_id = _required(env, "SLURM_JOB_ID")
-    for name, value in [*values.items(), ("SLURM_JOB_ID", job_id)]:
+    # The batch script's in-job restart number (0 without one: srun by hand).
+    attempt = env.get(ATTEMPT_ENV, "0").strip()
+    for name, value in [*values.items(), ("SLURM_JOB_ID", job_id), (ATTEMPT_ENV, attempt)]:
         if not value.isdigit():
             raise SlurmEnvironmentError(f"{name}={value!r} is not a number")
     return {
         **values,
         "MASTER_ADDR": first_host,
-        "MASTER_PORT": str(master_port(int(job_id), _attempt(env))),
+        "MASTER_PORT": str(master_port(int(job_id), int(attempt))),
     }
