@@ -70,15 +70,18 @@ def in_job_restarts(cfg: ExperimentConfig, *args: Any) -> Callable[..., None] | 
     ``exp_manager.fault_tolerance`` allows (None: restarts are off). A restart always
     resumes from the newest complete checkpoint, even where the first start was told
     ``resume_if_exists=false`` (it made the run directory's checkpoints itself)."""
+    from megatron_lns.config.sections.exp_manager import rank_restart_limit
+
     em = cfg.exp_manager
-    if not em.create_fault_tolerance_callback or em.fault_tolerance.max_rank_restarts == 0:
+    max_rank_restarts = rank_restart_limit(em)
+    if max_rank_restarts == 0:
         return None
     from megatron_lns.config.paths import run_directory
     from megatron_lns.runtime.restarts import RestartPolicy, spawn_with_restarts
     from megatron_lns.training.checkpoint_dirs import newest_checkpoint_step
 
     policy = RestartPolicy(
-        em.fault_tolerance.max_rank_restarts,
+        max_rank_restarts,
         em.fault_tolerance.max_restarts_without_progress,
         functools.partial(newest_checkpoint_step, run_directory(cfg) / "checkpoints"),
     )

@@ -30,6 +30,7 @@ from megatron_lns.cluster.slurm.progress import RUN_PROGRESS_FILE
 from megatron_lns.config import ConfigError, ExperimentConfig
 from megatron_lns.config.cluster import job_name
 from megatron_lns.config.sections.cluster import ClusterConfig
+from megatron_lns.config.sections.exp_manager import rank_restart_limit
 from megatron_lns.training.run_status import RUN_STATUS_FILE
 
 # slurm/ at the top of the repository, inside the package through the megatron_lns/slurm
@@ -355,11 +356,11 @@ def env_exports(c: ClusterConfig) -> str:
 def rank_restart_values(cfg: ExperimentConfig) -> dict[str, str]:
     """The batch script's in-job restarts after a rank died or hung (docs/cluster.md):
     none when ``exp_manager.create_fault_tolerance_callback`` is off."""
-    e = cfg.exp_manager
-    ft = e.fault_tolerance
     return {
-        "max_rank_restarts": str(ft.max_rank_restarts if e.create_fault_tolerance_callback else 0),
-        "max_restarts_without_progress": str(ft.max_restarts_without_progress),
+        "max_rank_restarts": str(rank_restart_limit(cfg.exp_manager)),
+        "max_restarts_without_progress": str(
+            cfg.exp_manager.fault_tolerance.max_restarts_without_progress
+        ),
         "num_nodes": str(cfg.trainer.num_nodes),
         "spare_nodes": str(cfg.cluster.spare_nodes),
         "user_error_code": str(USER_ERROR_EXIT_CODE),

@@ -118,3 +118,11 @@ class ExpManagerConfig:
     straggler_detection_params: StragglerDetectionParams = field(
         default_factory=StragglerDetectionParams
     )
+
+
+def rank_restart_limit(exp_manager: ExpManagerConfig) -> int:
+    """How often a run's ranks may restart in-job, the same for local runs and the batch
+    script's srun loop: none without the fault-tolerance callback."""
+    if not exp_manager.create_fault_tolerance_callback:
+        return 0
+    return exp_manager.fault_tolerance.max_rank_restarts
