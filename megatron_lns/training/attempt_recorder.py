@@ -127,7 +127,7 @@ class AttemptRecorder:
 
     def hung(self, line: str) -> None:
         """The hang watchdog ends the attempt (from its thread; the main one is stuck)."""
-        self._append("ended", how="hung", **self._totals())
+        self.ended("hung")
 
     def time_to(self, max_steps: int) -> str | None:
         """The time left to ``max_steps`` at this attempt's rate (wall seconds per step

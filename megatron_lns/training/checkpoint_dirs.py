@@ -82,6 +82,11 @@ def is_complete(path: Path) -> bool:
     return checkpoint_problem(path) is None
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step an ``iter_NNNNNNN`` directory holds."""
+    return int(CHECKPOINT_DIR_RE.match(path.name).group(1))
+
+
 def complete_checkpoints(root: str | Path) -> list[Path]:
     """The committed checkpoints under ``root`` (with ``complete.json``), newest first;
     partial ones never appear.
@@ -95,7 +100,7 @@ def complete_checkpoints(root: str | Path) -> list[Path]:
         return []
     candidates = sorted(
         (p for p in root.iterdir() if p.is_dir() and CHECKPOINT_DIR_RE.match(p.name)),
-        key=lambda p: int(CHECKPOINT_DIR_RE.match(p.name).group(1)),
+        key=checkpoint_step,
         reverse=True,
     )
     return [p for p in candidates if (p / COMPLETE_MARKER).is_file()]
@@ -111,4 +116,4 @@ def newest_checkpoint_step(root: str | Path) -> int:
     """The step of the newest complete checkpoint under ``root`` (0: none): how far a
     restart resumes from."""
     newest = latest_complete_checkpoint(root)
-    return int(CHECKPOINT_DIR_RE.match(newest.name).group(1)) if newest else 0
+    return checkpoint_step(newest) if newest else 0

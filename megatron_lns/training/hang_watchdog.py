@@ -49,6 +49,7 @@ import psutil
 
 from megatron_lns.base.errors import HUNG_EXIT_CODE
 from megatron_lns.runtime.fault_injection import attempt
+from megatron_lns.runtime.launcher_env import launcher_environment
 from megatron_lns.training.phase_timeouts import (
     PhaseClock,
     PhaseNow,
@@ -135,6 +136,11 @@ class WatchdogStore:
         self._client = None
 
 
+def who(rank: int, host: str, pid: int) -> str:
+    """A rank as the watchdog's lines name it."""
+    return f"rank {rank} (host {host}, pid {pid})"
+
+
 @dataclass(frozen=True)
 class Heartbeat:
     rank: int
@@ -150,7 +156,7 @@ class Heartbeat:
         return any(part in self.where for part in COLLECTIVE_CODE)
 
     def who(self) -> str:
-        return f"rank {self.rank} (host {self.host}, pid {self.pid})"
+        return who(self.rank, self.host, self.pid)
 
 
 @dataclass(frozen=True)
@@ -384,7 +390,7 @@ class HangWatchdog:
         self, line: str, reporter: bool, silent: list[int], stalled: list[Stalled] = ()
     ) -> None:
         now = self.phases.now()
-        me = f"rank {self.rank} (host {self.host}, pid {self.pid})"
+        me = who(self.rank, self.host, self.pid)
         if reporter:
             write_block(line + "\n")
             for s in stalled:  # a stopped rank cannot print its own stacks
@@ -419,10 +425,10 @@ class HangWatchdog:
 
 def store_address() -> tuple[str, int] | None:
     """Rank 0's store as the launcher named it (None: a world of one, no store)."""
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not host or not port or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    launch = launcher_environment()
+    if launch is None or launch.world_size <= 1:
         return None
-    return host, int(port)
+    return launch.master_addr, launch.master_port
 
 
 class HangWatch:

@@ -1,7 +1,7 @@
 """Which phase a rank's main thread is in, since when, and how long that phase may last.
 
 The trainer's main thread reports each phase as it enters it (:meth:`PhaseClock.begin`,
-:meth:`PhaseClock.during`); the hang watchdog (``runtime/hang_watchdog.py``) reads
+:meth:`PhaseClock.during`); the hang watchdog (``training/hang_watchdog.py``) reads
 :meth:`PhaseClock.now` from its own thread and declares the run hung once the phase has
 lasted longer than :meth:`PhaseClock.timeout`. The phases:
 

@@ -22,7 +22,7 @@ import yaml
 from megatron_lns.base.errors import UserError
 from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.runtime.progress_file import RUN_PROGRESS_FILE, ProgressEvent, read_events
-from megatron_lns.training.checkpoint_dirs import CHECKPOINT_DIR_RE, latest_complete_checkpoint
+from megatron_lns.training.checkpoint_dirs import checkpoint_step, latest_complete_checkpoint
 from megatron_lns.training.goodput import Goodput, account, duration, goodput_table
 from megatron_lns.training.run_dir import LOCK_NAME, pid_alive
 from megatron_lns.training.run_status import RUN_STATUS_FILE
@@ -75,6 +75,11 @@ class RunReport:
         rank (``runtime/restarts.py``), not the scheduler or a person."""
         return sum(1 for a in self.goodput.attempts if a.in_job_restart > 0)
 
+    @property
+    def lost_steps(self) -> int:
+        """Steps trained again after failures, over every attempt."""
+        return sum(a.lost_steps for a in self.goodput.attempts)
+
     def endings(self) -> list[str]:
         """How each attempt ended: as recorded, else ``running`` (the last one, while the
         run directory's lock is held) or ``killed or crashed`` (no end recorded)."""
@@ -100,7 +105,7 @@ class RunReport:
             "attempts": len(g.attempts),
             "restarts": max(0, len(g.attempts) - 1),
             "in_job_restarts": self.in_job_restarts,
-            "lost_steps": sum(a.lost_steps for a in g.attempts),
+            "lost_steps": self.lost_steps,
             "step_s": _rounded(self.step_s, 4),
             "time_to_max_steps_s": _rounded(self.time_to_max_steps_s),
             "last_record_at": self.last_record_at,
@@ -131,7 +136,7 @@ class RunReport:
         said = ", ".join(f"{ends.count(e)} {e}" for e in dict.fromkeys(ends))
         restarts = max(0, len(g.attempts) - 1)
         in_job = f" ({self.in_job_restarts} in-job)" if self.in_job_restarts else ""
-        lost = sum(a.lost_steps for a in g.attempts)
+        lost = self.lost_steps
         recomputed = f"; {lost} step(s) trained again after failures" if lost else ""
         lines.append(
             f"attempts: {len(g.attempts)} ({said}); restarts: {restarts}{in_job}{recomputed}"
@@ -209,7 +214,7 @@ def run_report(run_dir: str | Path) -> RunReport:
         )
     config = _config(run_dir)
     newest = latest_complete_checkpoint(run_dir / "checkpoints")
-    newest_step = int(CHECKPOINT_DIR_RE.match(newest.name).group(1)) if newest else 0
+    newest_step = checkpoint_step(newest) if newest else 0
     holder = _lock_holder(run_dir)
     events = read_events(run_dir)
     goodput = account(events, None if holder is not None else newest_step)

@@ -44,7 +44,7 @@ from megatron_lns.training.build import (
     parallel_layout,
     tokenizer_spec,
 )
-from megatron_lns.training.checkpoint_dirs import CHECKPOINT_DIR_RE, latest_complete_checkpoint
+from megatron_lns.training.checkpoint_dirs import checkpoint_step, latest_complete_checkpoint
 from megatron_lns.training.checkpoint_writer import CheckpointWriter
 from megatron_lns.training.data_change import data_in_use
 from megatron_lns.training.hang_watchdog import HangWatch
@@ -201,7 +201,7 @@ class Trainer:
     def _checkpoint_committed(self, path: Path, seconds: float) -> None:
         self.attempt.committed()
         if self.progress is not None:
-            step = int(CHECKPOINT_DIR_RE.match(path.name).group(1))
+            step = checkpoint_step(path)
             for line in self.progress.committed(step, seconds):
                 self._print(f"warning: {line}")
 
