@@ -53,6 +53,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or imported
 from tiny_model import TINY_WIDTH
 
+from megatron_lns.runtime.launcher_env import ADDRESS_VARIABLES, RANK_VARIABLES
+from megatron_lns.runtime.progress_file import read_events
+from megatron_lns.training.goodput import attempts_of
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 200
 # The demo model cut to 4 layers: steps of about a tenth of a second on 2 CPU ranks.
@@ -185,7 +189,8 @@ def _session_members(session: int) -> list[int]:
 
 
 def _train(exp_dir: Path, log: Path, *extra: str, faults: str = "") -> Training:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    # A launcher's variables inherited from this shell would make the run join its world.
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES + ADDRESS_VARIABLES}
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("MEGATRON_LNS_INJECT_FAULT", None)
     if faults:
@@ -207,15 +212,11 @@ def _status(run_dir: Path) -> dict:
 
 
 def _began_records(run_dir: Path) -> list[dict[str, float]]:
-    """``run_progress``'s ``began`` records in order (one per attempt of a fresh run
-    directory): each attempt's start-up and checkpoint-load seconds."""
-    records = []
-    for line in (run_dir / "run_progress").read_text().splitlines():
-        parts = line.split()
-        if len(parts) > 2 and parts[2] == "began":
-            values = dict(p.split("=", 1) for p in parts[3:] if "=" in p)
-            records.append({k: float(values.get(k, "nan")) for k in ("startup_s", "load_s")})
-    return records
+    """Each attempt's start-up and checkpoint-load seconds, in order (one per attempt of a
+    fresh run directory), as the run's records (``run_progress``) account them."""
+    return [
+        {"startup_s": a.startup_s, "load_s": a.load_s} for a in attempts_of(read_events(run_dir))
+    ]
 
 
 def _goodput(status: dict) -> dict[str, float]:
@@ -237,8 +238,8 @@ def faults(out: Path, timeout_s: float, slow_fraction: float, hang_kind: str = "
     print(f"fault-free run of {STEPS} steps ...", flush=True)
     clean = _train(out / "clean", out / "clean.log", *common)
     clean_wall = clean.finish(900)
-    clean_status = _goodput(_status(out / "clean" / "lns"))
-    step_s = _status(out / "clean" / "lns")["step_s"]
+    clean_report = _status(out / "clean" / "lns")
+    clean_status, step_s = _goodput(clean_report), clean_report["step_s"]
     slow_s = round(slow_fraction * step_s, 3)
     print(f"  {clean_wall:.1f} s, {step_s:.3f} s/step, goodput {clean_status['goodput']:.1%}")
 

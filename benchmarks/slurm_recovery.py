@@ -2,7 +2,7 @@
 
 Needs a SLURM cluster with 2 idle nodes (``SLURM_CONF``; the multi-node test cluster:
 ``slurm/test-cluster/cluster.sh start DIR --nodes 3``). One 2-node job of the tiny CPU demo
-(``benchmarks/slurm_jobs.py``), a checkpoint every 4 steps, serves both measurements:
+(``benchmarks/slurm_job_runs.py``), a checkpoint every 4 steps, serves both measurements:
 
 1. **in-job**: rank 3 SIGKILLs itself in step 6 (``MEGATRON_LNS_INJECT_FAULT``); srun ends
    the step, the batch script runs it again in the same allocation and every rank resumes
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from slurm_jobs import Job, exit_on_term, require_idle_nodes, submit, wait_for
+from slurm_job_runs import Job, exit_on_term, require_idle_nodes, submit, wait_for
 
 CRASH_STEP = 6
 REQUEUE_AFTER_STEP = 12

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from slurm_jobs import TERMINAL, Job, exit_on_term, require_idle_nodes, submit, wait_for
+from slurm_job_runs import TERMINAL, Job, exit_on_term, require_idle_nodes, submit, wait_for
 
 MAX_STEPS = 10
 JOB_S = 300  # one job's limit, after the ones before it

@@ -4,6 +4,8 @@ benchmarks (``slurm_recovery.py``, ``slurm_repeat.py``).
 The job is the one of ``tests/cluster/test_slurm_multinode.py``: the tiny CPU demo model,
 2 nodes x 2 tasks (TP=2 within a node, DP=2 across them), every loss logged. The cluster is
 the one ``SLURM_CONF`` names (``slurm/test-cluster/cluster.sh start DIR --nodes 3``).
+Not named ``slurm_jobs``: tests that import benchmarks put this folder on ``sys.path``,
+where that name would hide the tests' own ``tests/slurm_jobs.py``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or imported
 from tiny_model import TINY_WIDTH
+
+from megatron_lns.runtime.launcher_env import ADDRESS_VARIABLES, RANK_VARIABLES
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "nemo_configs" / "tiny_cpu_demo.yaml"
@@ -38,7 +42,7 @@ TWO_NODE_JOB = [
 ]
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 # torchrun's variables: a value inherited from this shell would contradict SLURM's.
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_VARIABLES = RANK_VARIABLES + ADDRESS_VARIABLES
 
 
 @dataclass(frozen=True)
