@@ -361,7 +361,6 @@ def rank_restart_values(cfg: ExperimentConfig) -> dict[str, str]:
         "max_restarts_without_progress": str(
             cfg.exp_manager.fault_tolerance.max_restarts_without_progress
         ),
-        "num_nodes": str(cfg.trainer.num_nodes),
         "spare_nodes": str(cfg.cluster.spare_nodes),
         "user_error_code": str(USER_ERROR_EXIT_CODE),
         "hung_exit_code": str(HUNG_EXIT_CODE),
