@@ -1,6 +1,7 @@
 import pytest
 import torch
 from factory import Factory, shared_root
+from helpers import TWO_RANK_RUN_OVERRIDES
 
 
 @pytest.fixture(scope="session")
@@ -33,6 +34,14 @@ def straight_tiny_run(factory):
     deterministic on CPU, so one straight run serves them all. Its run directory (with
     checkpoints at steps 3 and 6) is shared: read it, never write to it."""
     return factory.tiny_run()
+
+
+@pytest.fixture(scope="session")
+def straight_two_rank_run(factory):
+    """The run directory of ``TWO_RANK_RUN_OVERRIDES`` trained once through ``megatron-lns
+    train``, without a fault: the losses the in-job restart tests expect of a faulted run
+    that restarted (tests/training/test_in_job_restart.py, test_hang_watchdog.py)."""
+    return factory.cli_run(*TWO_RANK_RUN_OVERRIDES)
 
 
 @pytest.fixture()

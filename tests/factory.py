@@ -21,6 +21,8 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,7 @@ import pytest
 
 # filelock comes with torch (a dependency of the package): no test-only requirement.
 from filelock import FileLock
-from helpers import train_tiny_run
+from helpers import DEMO_CONFIG, ROOT, fresh_launch_env, train_tiny_run
 
 # -- tokenizers -----------------------------------------------------------------------------
 
@@ -223,3 +225,18 @@ class Factory:
 
         directory = self.built("tiny_run", list(overrides), build)
         return pickle.loads((directory / "summary.pkl").read_bytes())
+
+    def cli_run(self, *overrides: str) -> Path:
+        """``megatron-lns train`` of the demo config with ``overrides``, run once: its run
+        directory (``<exp_dir>/lns``), shared: read it, never write to it."""
+
+        def build(directory: Path) -> None:
+            env = fresh_launch_env(MEGATRON_LNS_CACHE=str(self.corpus_cache))
+            env.pop("MEGATRON_LNS_ATTEMPT", None)
+            command = [sys.executable, "-m", "megatron_lns.cli", "train", str(DEMO_CONFIG),
+                       *overrides, f"exp_manager.exp_dir={directory}"]  # fmt: skip
+            run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                                 timeout=600)  # fmt: skip
+            assert run.returncode == 0, run.stderr
+
+        return self.built("cli_run", list(overrides), build) / "lns"

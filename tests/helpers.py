@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import psutil
 import torch
 
 from megatron_lns.model.language_model import GPTModelConfig
@@ -53,6 +54,14 @@ TINY_RUN_OVERRIDES = [
     "exp_manager.checkpoint_callback_params.every_n_train_steps=3",
 ]
 
+
+# The six-step run on two data-parallel ranks with a checkpoint every two steps: a rank
+# failing in step 3 or 4 is restarted from step 2's.
+TWO_RANK_RUN_OVERRIDES = [
+    *TINY_RUN_OVERRIDES,
+    "trainer.devices=2",
+    "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
+]
 
 # The tiny run as a mixture-of-experts model: experts in layers 2-4 (2 of 4 routed),
 # all-to-all dispatch, a load-balancing loss, the distributed optimizer.
@@ -157,6 +166,13 @@ def wait_while_running(
         assert process.poll() is None, process.communicate()[1][-2000:]
         assert time.monotonic() < deadline, what
         time.sleep(0.05)
+
+
+def still_running(processes: list[psutil.Process], within_s: float = 10) -> list[psutil.Process]:
+    """Those of ``processes`` that have not ended within ``within_s`` seconds (a zombie,
+    killed but not yet reaped, has ended)."""
+    _, alive = psutil.wait_procs(processes, timeout=within_s)
+    return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 def end_by_signal(process: subprocess.Popen, signum: int, within_s: float) -> str:

@@ -16,6 +16,7 @@ from helpers import (
     TINY_RUN_OVERRIDES,
     fit_and_summarize,
     fresh_launch_env,
+    still_running,
     tiny_run_config,
     train_on_its_ranks,
 )
@@ -229,8 +230,7 @@ def test_job_killed_during_an_async_save_leaves_nothing_to_resume_from_or_runnin
     assert writer in helpers  # and the server of the writer's result queue
     job.send_signal(signal.SIGKILL)
     job.wait(timeout=30)
-    _, alive = psutil.wait_procs(helpers, timeout=10)
-    survivors = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    survivors = still_running(helpers)
     for process in survivors:  # so that a failure here leaves nothing running either
         process.kill()
     assert not survivors

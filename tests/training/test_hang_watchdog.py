@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 from helpers import DEMO_CONFIG as DEMO
-from helpers import ROOT, TINY_RUN_OVERRIDES, fresh_launch_env, logged_losses
+from helpers import ROOT, TINY_RUN_OVERRIDES, fresh_launch_env, logged_losses, still_running
 
 from megatron_lns.base.errors import HUNG_EXIT_CODE
 from megatron_lns.runtime.progress_file import read_events
@@ -179,8 +179,7 @@ class _Run:
         return next((t, line) for t, line in self.lines if re.search(pattern, line))
 
     def left_behind(self):
-        psutil.wait_procs(list(self.seen), timeout=10)
-        return [p for p in self.seen if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        return still_running(list(self.seen))
 
 
 def _detected_in_time(run):
@@ -226,13 +225,11 @@ def test_a_rank_stopped_mid_step_is_named_with_its_stack_and_the_attempt_ends(tm
 
 @pytest.mark.long
 @pytest.mark.usefixtures("private_corpus_cache")
-def test_a_hung_run_restarts_in_job_and_trains_on_bitwise(tmp_path):
+def test_a_hung_run_restarts_in_job_and_trains_on_bitwise(tmp_path, straight_two_rank_run):
     """Issue 35's first case end to end: a rank stopped mid-step is detected, every rank
     restarts in-job from the newest checkpoint, and the loss curve is the uninterrupted
     run's."""
     every_2 = "exp_manager.checkpoint_callback_params.every_n_train_steps=2"
-    straight = _Run(None, *_overrides(tmp_path / "straight", every_2))
-    assert straight.wait() == 0, straight.text
     hung = _Run(
         "kind=stop,rank=1,step=4",
         *_overrides(tmp_path / "hung", every_2, "exp_manager.fault_tolerance.min_timeout=4",
@@ -243,7 +240,7 @@ def test_a_hung_run_restarts_in_job_and_trains_on_bitwise(tmp_path):
     _, restart = hung.at("^in-job restart")
     assert re.match(r"in-job restart 1 of 1: rank 0 found the run hung \(exit code 75\)", restart)
     assert restart.endswith("from the checkpoint of step 2"), restart
-    assert logged_losses(tmp_path / "hung" / "lns") == logged_losses(tmp_path / "straight" / "lns")
+    assert logged_losses(tmp_path / "hung" / "lns") == logged_losses(straight_two_rank_run)
     assert [a.how for a in run_report(tmp_path / "hung" / "lns").goodput.attempts] == [
         "hung", "finished",
     ]  # fmt: skip

@@ -9,17 +9,11 @@ import sys
 
 import pytest
 from helpers import DEMO_CONFIG as DEMO
-from helpers import ROOT, TINY_RUN_OVERRIDES, fresh_launch_env, logged_losses
+from helpers import ROOT, TWO_RANK_RUN_OVERRIDES, fresh_launch_env, logged_losses
 
 from megatron_lns.training.run_report import run_report
 
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.usefixtures("private_corpus_cache")]
-
-TWO_RANKS = [
-    *TINY_RUN_OVERRIDES,
-    "trainer.devices=2",
-    "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
-]
 
 
 def _train(exp_dir, *overrides, fault=""):
@@ -27,14 +21,14 @@ def _train(exp_dir, *overrides, fault=""):
     env.pop("MEGATRON_LNS_ATTEMPT", None)
     if fault:
         env["MEGATRON_LNS_INJECT_FAULT"] = fault
-    command = [sys.executable, "-m", "megatron_lns.cli", "train", str(DEMO), *TWO_RANKS,
+    command = [sys.executable, "-m", "megatron_lns.cli", "train", str(DEMO), *TWO_RANK_RUN_OVERRIDES,
                f"exp_manager.exp_dir={exp_dir}", *overrides]  # fmt: skip
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
-def test_a_killed_rank_restarts_in_job_and_the_run_trains_on_bitwise(tmp_path):
-    straight = _train(tmp_path / "straight")
-    assert straight.returncode == 0, straight.stderr
+def test_a_killed_rank_restarts_in_job_and_the_run_trains_on_bitwise(
+    tmp_path, straight_two_rank_run
+):
     # Rank 1 dies in step 4 (its forward-backward done); the newest checkpoint is step 2's.
     run = _train(tmp_path / "killed", fault="kind=crash,rank=1,step=4")
     assert run.returncode == 0, run.stderr
@@ -48,7 +42,7 @@ def test_a_killed_rank_restarts_in_job_and_the_run_trains_on_bitwise(tmp_path):
     run_dir = tmp_path / "killed" / "lns"
     # Steps 3 and 4 trained again from step 2's checkpoint, as the uninterrupted run did
     # them, and logged once.
-    assert logged_losses(run_dir) == logged_losses(tmp_path / "straight" / "lns")
+    assert logged_losses(run_dir) == logged_losses(straight_two_rank_run)
 
     report = run_report(run_dir)
     failed, restarted = report.goodput.attempts

@@ -14,7 +14,15 @@ from pathlib import Path
 import psutil
 import pytest
 from helpers import DEMO_CONFIG as DEMO
-from helpers import ROOT, TINY_RUN_OVERRIDES, fresh_launch_env, run_distributed, tiny_run_config
+from helpers import (
+    ROOT,
+    TINY_RUN_OVERRIDES,
+    fresh_launch_env,
+    run_distributed,
+    still_running,
+    tiny_run_config,
+    wait_while_running,
+)
 
 from megatron_lns.training.checkpoint import latest_complete_checkpoint
 from megatron_lns.training.run_report import run_report
@@ -220,17 +228,14 @@ def test_sigterm_stops_both_ranks_of_a_local_run_which_then_resumes_bitwise(tmp_
     run = [*overrides, f"exp_manager.exp_dir={tmp_path}"]
     launcher = _cli("train", str(DEMO), *run)
     metrics = tmp_path / "lns" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (metrics.is_file() and metrics.read_text().strip()):
-        assert launcher.poll() is None, launcher.stderr.read()
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_while_running(
+        launcher, lambda: metrics.is_file() and metrics.read_text().strip(), 300, "no step logged"
+    )
     ranks = psutil.Process(launcher.pid).children(recursive=True)
     launcher.send_signal(signal.SIGTERM)
     assert launcher.wait(timeout=120) == 0, launcher.stderr.read()
     assert "stopping at step" in launcher.stdout.read()
-    psutil.wait_procs(ranks, timeout=10)
-    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not still_running(ranks)
 
     stopped_at = int(latest_complete_checkpoint(tmp_path / "lns" / "checkpoints").name[5:])
     assert 1 <= stopped_at < 40
