@@ -467,9 +467,10 @@ class HangWatch:
             self.on_hang(line)
 
     def step(self, step: int) -> None:
-        """Training step ``step`` starts; say learnt timeouts that changed much."""
+        """Training step ``step`` starts; say learnt timeouts that changed much (only where
+        a watchdog applies them)."""
         self.phases.begin("step", step)
-        if changed := self.phases.changed_timeouts():
+        if self.watchdog is not None and (changed := self.phases.changed_timeouts()):
             self.say(f"hang watchdog: timeouts learnt so far: {timeouts_line(changed)}")
 
     def during(self, phase: str) -> contextlib.AbstractContextManager[None]:
