@@ -110,7 +110,9 @@ class ModelConfig(
 
 @dataclass
 class ExperimentConfig:
-    name: str = setting("megatron_gpt", doc="a label for the run (plots, logs)")
+    name: str = setting("megatron_gpt")
+    """a label for the run (plots, logs)"""
+
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     exp_manager: ExpManagerConfig = field(default_factory=ExpManagerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -5,15 +5,16 @@ Every field of the schema (``schema.py``) is declared with :func:`setting`::
     @listed_in("architecture")
     @dataclass
     class ArchitectureSettings:
-        hidden_dropout: float = setting(
-            0.0, probability, target="TransformerConfig.hidden_dropout",
-            doc="dropout after attention and MLP, before the residual add",
-        )
+        hidden_dropout: float = setting(0.0, probability, target="TransformerConfig")
+        "dropout after attention and MLP, before the residual add"
 
-The declaration carries everything the rest of the package derives from it:
+The declaration, with the docstring under it, carries everything the rest of the package
+derives from it:
 
 * ``check``: the rule the value must meet beyond its type (``rules.value_errors``);
-* ``target``: where the value goes, as ``Class.field``: a megatron-core class
+* ``target``: where the value goes, as ``Class.field``, or ``Class`` for its field of the
+  key's own name (``hidden_dropout`` above goes to ``TransformerConfig.hidden_dropout``): a
+  megatron-core class
   (``TransformerConfig``, ``GPTModel``, ``OptimizerConfig``, ``DistributedDataParallelConfig``,
   ``GPTDatasetConfig``, ...) or megatron-lns's own ``layer_spec`` (the arguments of
   ``specs.get_lns_block_spec``), ``layer_variant`` (a layer variant's own setting,
@@ -33,7 +34,12 @@ The declaration carries everything the rest of the package derives from it:
 * ``group``, ``doc``, ``null_means``: the key's row in the tables of docs/configuration.md
   (``config/reference.py`` renders them; a test keeps the committed tables current). The
   group is usually said once for a whole section (:func:`listed_in`), else the key's
-  section names its table.
+  section names its table. The doc is the docstring written under the field (PEP 257's
+  attribute docstring, as torchtitan's job config writes its help); ``doc=`` gives it where
+  it is computed (a registry's rows) or the class has no source (``make_dataclass``).
+
+:func:`declared_settings` completes each declaration with what its class knows (the key's
+name for a ``Class`` target, the docstring); :func:`declaration` gives it as written.
 
 A model setting also says what a checkpoint and a Hugging Face model make of it:
 
@@ -59,7 +65,12 @@ Nothing here imports torch or megatron-core: the config layer stays light.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
+import itertools
+import textwrap
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -91,7 +102,8 @@ HF_CONVERTER = "converter"
 class Setting:
     """The declaration of one config key (module doc)."""
 
-    doc: str
+    # None as written when the docstring under the field says it (declared_settings reads it).
+    doc: str | None = None
     # The table the key is listed in; None: its section's (``model.optim``, ``cluster``, ...).
     group: str | None = None
     check: Check | None = None
@@ -128,7 +140,7 @@ def setting(
     default: Any = dataclasses.MISSING,
     check: Check | None = None,
     *,
-    doc: str,
+    doc: str | None = None,
     group: str | None = None,
     target: str | None = None,
     translate: Translate | None = None,
@@ -144,21 +156,21 @@ def setting(
     default_factory: Callable[[], Any] | None = None,
 ) -> Any:
     """A schema field with its declaration (module doc)."""
-    if target is not None and "." not in target:
-        raise ValueError(f"target={target!r} must be 'Class.field'")
+    if target is not None and not all(part.isidentifier() for part in target.split(".", 1)):
+        raise ValueError(f"target={target!r} must be 'Class' or 'Class.field'")
     if translate is not None and target is None:
         raise ValueError("a translated setting names where it goes (target=...)")
     if shapes and hf is None:
         raise ValueError(
             f"a setting that shapes parameters says its Hugging Face role: hf='<config.json "
-            f"field>', {HF_REFUSE!r} or {HF_CONVERTER!r} ({doc!r})"
+            f"field>', {HF_REFUSE!r} or {HF_CONVERTER!r}"
         )
     if hf is not None and not hf.isidentifier():
         raise ValueError(f"hf={hf!r} is not a config.json field name")
     if hf_refusal is not None and hf != HF_REFUSE:
-        raise ValueError(f"hf_refusal says why export refuses: it needs hf={HF_REFUSE!r} ({doc!r})")
+        raise ValueError(f"hf_refusal says why export refuses: it needs hf={HF_REFUSE!r}")
     if params is not None and not shapes:
-        raise ValueError(f"a setting whose parameters plan counts shapes them ({doc!r})")
+        raise ValueError("a setting whose parameters plan counts shapes them")
     declared = Setting(
         doc=doc,
         group=group,
@@ -202,8 +214,41 @@ def listed_in(group: str) -> Callable[[type], type]:
 
 
 def declaration(f: dataclasses.Field) -> Setting:
-    """The declaration of schema field ``f``."""
+    """The declaration of schema field ``f`` as written (:func:`declared_settings` completes
+    its doc and target)."""
     return f.metadata[SETTING]
+
+
+@functools.cache
+def field_docs(cls: type) -> MappingProxyType[str, str]:
+    """The docstrings written under the fields of ``cls``, each on one line."""
+    (class_def,) = ast.parse(textwrap.dedent(inspect.getsource(cls))).body
+    docs = {}
+    for field_stmt, after in itertools.pairwise(class_def.body):
+        if (
+            isinstance(field_stmt, ast.AnnAssign)
+            and isinstance(field_stmt.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[field_stmt.target.id] = " ".join(after.value.value.split())
+    return MappingProxyType(docs)
+
+
+def _completed(cls: type, f: dataclasses.Field) -> Setting:
+    """``f``'s declaration with its doc and the target field its name implies."""
+    declared = declaration(f)
+    if declared.target is not None and "." not in declared.target:
+        declared = dataclasses.replace(declared, target=f"{declared.target}.{f.name}")
+    if declared.doc is None:
+        # The class that writes the field: a mixin section of ``model`` for most model keys.
+        owner = next(c for c in cls.__mro__ if f.name in vars(c).get("__annotations__", {}))
+        doc = field_docs(owner).get(f.name)
+        if doc is None:
+            raise ValueError(f"{owner.__name__}.{f.name} has no docstring under it and no doc=")
+        declared = dataclasses.replace(declared, doc=doc)
+    return declared
 
 
 @dataclass(frozen=True)
@@ -229,7 +274,7 @@ def declared_settings(cls: type, prefix: str = "") -> Iterator[Declared]:
         if dataclasses.is_dataclass(default):
             yield from declared_settings(type(default), f"{prefix}{f.name}.")
         else:
-            yield Declared(f"{prefix}{f.name}", f.name, default, declaration(f))
+            yield Declared(f"{prefix}{f.name}", f.name, default, _completed(cls, f))
 
 
 def section(cfg: Any, key: str) -> Any:

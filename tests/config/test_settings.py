@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import pytest
 from helpers import DEMO_CONFIG
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
@@ -132,3 +133,35 @@ def test_qk_layernorm_is_a_declared_pass_through():
     cfg = load_config(DEMO_CONFIG, ["model.qk_layernorm=true"])
     gpt = model_config(cfg, 256)
     assert gpt.qk_layernorm and gpt.transformer_config().qk_layernorm
+
+
+@dataclasses.dataclass
+class _DocumentedSection:
+    hidden_dropout: float = setting(0.1, target="TransformerConfig")
+    """dropout after attention and MLP,
+    before the residual add"""
+
+    lr: float = setting(1e-3, target="OptimizerConfig.lr", doc="given, not read from the source")
+
+
+@dataclasses.dataclass
+class _UndocumentedSection:
+    seq_length: int = setting(8)
+
+
+def test_a_declaration_is_completed_by_its_field_name_and_docstring():
+    hidden_dropout, lr = declared_settings(_DocumentedSection)
+    assert hidden_dropout.setting.target == "TransformerConfig.hidden_dropout"
+    assert hidden_dropout.setting.doc == "dropout after attention and MLP, before the residual add"
+    assert (lr.setting.target, lr.setting.doc) == (
+        "OptimizerConfig.lr",
+        "given, not read from the source",
+    )
+    assert target_values(_DocumentedSection(), MODEL_TARGETS, training=True) == {
+        "hidden_dropout": 0.1
+    }
+
+
+def test_a_key_without_a_doc_is_named():
+    with pytest.raises(ValueError, match=r"_UndocumentedSection\.seq_length has no docstring"):
+        list(declared_settings(_UndocumentedSection))

@@ -44,7 +44,7 @@ class _SharedLnsSettings:
     norm_scaling: str = setting(
         "lns",
         one_of(NORM_SCALINGS),
-        target="layer_spec.norm_scaling",
+        target="layer_spec",
         doc=f"registered in `config/norm_scalings.py`: {_rows(NORM_SCALINGS, 'math')}",
         hf=HF_CONVERTER,
     )
@@ -62,7 +62,7 @@ class _SharedLnsSettings:
     layer_variant: str = setting(
         "pre_ln",
         one_of(LAYER_VARIANTS),
-        target="layer_spec.layer_variant",
+        target="layer_spec",
         doc=(
             "registered in `config/layer_variants.py` ([variants.md](variants.md)): "
             + _VARIANT_LAYERS

@@ -73,99 +73,82 @@ class SchedConfig:
         one_of(SCHEDULES),
         target="OptimizerParamScheduler.lr_decay_style",
         translate=_decay_style,
-        doc=(
-            "`OptimizerParamScheduler` decay style: `CosineAnnealing` -> cosine, "
-            "`LinearAnnealing` -> linear, `Constant` -> constant"
-        ),
     )
+    """`OptimizerParamScheduler` decay style: `CosineAnnealing` -> cosine, `LinearAnnealing` ->
+    linear, `Constant` -> constant"""
+
     warmup_steps: int = setting(
         0,
         non_negative,
         target="OptimizerParamScheduler.lr_warmup_steps",
         translate=to("warmup_steps"),
-        doc="linear warmup steps",
     )
+    """linear warmup steps"""
+
     constant_steps: int = setting(
-        0,
-        non_negative,
-        target="OptimizerParamScheduler.lr_decay_steps",
-        translate=_decay_steps,
-        doc="steps held at `min_lr` at the end (decay spans `max_steps - constant_steps`)",
+        0, non_negative, target="OptimizerParamScheduler.lr_decay_steps", translate=_decay_steps
     )
-    min_lr: float = setting(
-        0.0, non_negative, target="OptimizerConfig.min_lr", doc="final learning rate"
-    )
+    """steps held at `min_lr` at the end (decay spans `max_steps - constant_steps`)"""
+
+    min_lr: float = setting(0.0, non_negative, target="OptimizerConfig")
+    """final learning rate"""
 
 
 @dataclass
 class OptimConfig:
     name: str = setting(
-        "fused_adam",
-        one_of(OPTIMIZERS),
-        target="OptimizerConfig.optimizer",
-        translate=_optimizer,
-        doc=(
-            "`fused_adam`, `adam`, `adamw`: megatron's `adam` (decoupled weight decay, i.e. "
-            "AdamW); `distributed_fused_adam`: the same with the distributed optimizer "
-            "(`use_distributed_optimizer`); `sgd`"
-        ),
+        "fused_adam", one_of(OPTIMIZERS), target="OptimizerConfig.optimizer", translate=_optimizer
     )
-    lr: float = setting(1e-4, positive, target="OptimizerConfig.lr", doc="peak learning rate")
+    """`fused_adam`, `adam`, `adamw`: megatron's `adam` (decoupled weight decay, i.e. AdamW);
+    `distributed_fused_adam`: the same with the distributed optimizer (`use_distributed_optimizer`);
+    `sgd`"""
+
+    lr: float = setting(1e-4, positive, target="OptimizerConfig")
+    """peak learning rate"""
+
     betas: list[float] = setting(
         check=adam_betas,
         default_factory=lambda: [0.9, 0.95],
         target="OptimizerConfig.adam_beta1",
         translate=_betas,
-        doc="`adam_beta1`, `adam_beta2`",
     )
-    eps: float = setting(
-        1e-8, positive, target="OptimizerConfig.adam_eps", translate=to("eps"), doc="`adam_eps`"
-    )
-    weight_decay: float = setting(
-        0.0, non_negative, target="OptimizerConfig.weight_decay", doc="`weight_decay`"
-    )
+    """`adam_beta1`, `adam_beta2`"""
+
+    eps: float = setting(1e-8, positive, target="OptimizerConfig.adam_eps", translate=to("eps"))
+    """`adam_eps`"""
+
+    weight_decay: float = setting(0.0, non_negative, target="OptimizerConfig")
+    """`weight_decay`"""
+
     sched: SchedConfig = field(default_factory=SchedConfig)
     overlap_grad_sync: bool | None = setting(
-        None,
-        target="DistributedDataParallelConfig.overlap_grad_reduce",
-        policy="machine",
-        doc=(
-            "`DistributedDataParallelConfig.overlap_grad_reduce`: each gradient bucket's "
-            "all-reduce (reduce-scatter with the distributed optimizer) starts as soon as "
-            "backward has filled it. Runs on gloo too. null: on with CUDA"
-        ),
+        None, target="DistributedDataParallelConfig.overlap_grad_reduce", policy="machine"
     )
+    """`DistributedDataParallelConfig.overlap_grad_reduce`: each gradient bucket's all-reduce
+    (reduce-scatter with the distributed optimizer) starts as soon as backward has filled it. Runs
+    on gloo too. null: on with CUDA"""
+
     overlap_param_sync: bool | None = setting(
-        None,
-        target="DistributedDataParallelConfig.overlap_param_gather",
-        policy="machine",
-        doc=(
-            "`overlap_param_gather`: the distributed optimizer's all-gather of updated weights "
-            "overlaps the next forward pass (forward pre-hooks); before a checkpoint the weights "
-            "are gathered synchronously. Needs `name: distributed_fused_adam` and "
-            "`overlap_grad_sync`. null: on with CUDA and the distributed optimizer"
-        ),
+        None, target="DistributedDataParallelConfig.overlap_param_gather", policy="machine"
     )
+    """`overlap_param_gather`: the distributed optimizer's all-gather of updated weights overlaps
+    the next forward pass (forward pre-hooks); before a checkpoint the weights are gathered
+    synchronously. Needs `name: distributed_fused_adam` and `overlap_grad_sync`. null: on with CUDA
+    and the distributed optimizer"""
+
     bucket_cap_mb: float | None = setting(
-        None,
-        positive,
-        target="DistributedDataParallelConfig.bucket_size",
-        translate=_bucket_size,
-        doc=(
-            "`bucket_size` = MB x 2^20 / bytes per reduced gradient (4 in fp32, 2 in bf16/fp16); "
-            "null is megatron's max(40M, 1M x DP) parameters. Needs `overlap_grad_sync` (without "
-            "overlap megatron DDP reduces everything in one bucket, so a size would be ignored)"
-        ),
+        None, positive, target="DistributedDataParallelConfig.bucket_size", translate=_bucket_size
     )
+    """`bucket_size` = MB x 2^20 / bytes per reduced gradient (4 in fp32, 2 in bf16/fp16); null is
+    megatron's max(40M, 1M x DP) parameters. Needs `overlap_grad_sync` (without overlap megatron DDP
+    reduces everything in one bucket, so a size would be ignored)"""
+
     grad_sync_dtype: str | None = setting(
         None,
         one_of(GRAD_SYNC_DTYPES),
         target="DistributedDataParallelConfig.grad_reduce_in_fp32",
         translate=_grad_reduce_in_fp32,
         null_means="`fp32`",
-        doc=(
-            "`grad_reduce_in_fp32`: `fp32` accumulates and reduces gradients in fp32; `bf16` / "
-            "`fp16` in the model's dtype (half the buffer and traffic), only with the matching "
-            "`trainer.precision`"
-        ),
     )
+    """`grad_reduce_in_fp32`: `fp32` accumulates and reduces gradients in fp32; `bf16` / `fp16` in
+    the model's dtype (half the buffer and traffic), only with the matching `trainer.precision`"""
