@@ -32,6 +32,18 @@ class ParallelLayout:
     expert: int = 1
     expert_tensor: int | None = None
 
+    def megatron_sizes(self) -> dict[str, int | None]:
+        """The sizes under megatron-core's names, which ``initialize_model_parallel`` and
+        ``TransformerConfig`` both take."""
+        return {
+            "tensor_model_parallel_size": self.tensor,
+            "pipeline_model_parallel_size": self.pipeline,
+            "virtual_pipeline_model_parallel_size": self.virtual_pipeline,
+            "context_parallel_size": self.context,
+            "expert_model_parallel_size": self.expert,
+            "expert_tensor_parallel_size": self.expert_tensor,
+        }
+
     def data_parallel(self, world_size: int) -> int:
         model_parallel = self.tensor * self.pipeline * self.context
         if world_size % model_parallel:

@@ -102,19 +102,20 @@ HF_CONVERTER = "converter"
 class Setting:
     """The declaration of one config key (module doc)."""
 
-    # None as written when the docstring under the field says it (declared_settings reads it).
-    doc: str | None = None
-    # The table the key is listed in; None: its section's (``model.optim``, ``cluster``, ...).
-    group: str | None = None
+    # In the module doc's order: the value, where it goes, its docs row, the model's facts.
     check: Check | None = None
     target: str | None = None
     translate: Translate | None = None
     aliases: tuple[str, ...] = ()
     policy: Literal["fixed", "machine"] = "fixed"
     training_only: bool = False
-    null_means: str | None = None
     # The value may be a mapping with keys of its own, checked by the key's own rules.
     free_form: bool = False
+    # The table the key is listed in; None: its section's (``model.optim``, ``cluster``, ...).
+    group: str | None = None
+    # None as written when the docstring under the field says it (declared_settings reads it).
+    doc: str | None = None
+    null_means: str | None = None
     shapes: bool = False
     hf: str | None = None
     # Why no Hugging Face model holds a value other than the default (hf=HF_REFUSE only).

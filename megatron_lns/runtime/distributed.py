@@ -83,12 +83,7 @@ def init_distributed(
     _destroy_subgroups()
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tensor,
-        pipeline_model_parallel_size=layout.pipeline,
-        virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
-        context_parallel_size=layout.context,
-        expert_model_parallel_size=layout.expert,
-        expert_tensor_parallel_size=layout.expert_tensor,
+        **layout.megatron_sizes(),
         use_sharp=layout.sharp,
         distributed_timeout_minutes=collective_timeout_minutes,
     )
