@@ -86,6 +86,31 @@ def tiny_run_config(exp_dir, *overrides: str):
     return cfg
 
 
+def config_error(*overrides: str) -> str:
+    """The message of the ``ConfigError`` that loading the demo config with ``overrides``
+    and validating it (its data files unchecked) raises; every refusal is one line, and
+    this asserts it is."""
+    import pytest
+
+    from megatron_lns.config import ConfigError, load_config, validate
+
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(DEMO_CONFIG, list(overrides)), check_files=False)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+def cli_error_of(capsys, *args: str) -> str:
+    """The one line ``megatron-lns args...`` prints for a user error (exit status 2)."""
+    from megatron_lns.cli import main
+
+    assert main(list(args)) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
 def fit_and_summarize(cfg) -> dict[str, Any]:
     """Train ``cfg`` on this rank: its losses, validation loss, resume point, steps and
     run directory."""
