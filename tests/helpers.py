@@ -86,16 +86,24 @@ def tiny_run_config(exp_dir, *overrides: str):
     return cfg
 
 
+def validated_demo_config(*overrides: str):
+    """The demo config with ``overrides``, validated (its data files unchecked)."""
+    from megatron_lns.config import load_config, validate
+
+    cfg = load_config(DEMO_CONFIG, list(overrides))
+    validate(cfg, check_files=False)
+    return cfg
+
+
 def config_error(*overrides: str) -> str:
-    """The message of the ``ConfigError`` that loading the demo config with ``overrides``
-    and validating it (its data files unchecked) raises; every refusal is one line, and
-    this asserts it is."""
+    """The message of the ``ConfigError`` that ``validated_demo_config(*overrides)``
+    raises; every refusal is one line, and this asserts it is."""
     import pytest
 
-    from megatron_lns.config import ConfigError, load_config, validate
+    from megatron_lns.config import ConfigError
 
     with pytest.raises(ConfigError) as info:
-        validate(load_config(DEMO_CONFIG, list(overrides)), check_files=False)
+        validated_demo_config(*overrides)
     message = str(info.value)
     assert "\n" not in message, message
     return message

@@ -4,7 +4,7 @@ or combination refused in one line naming its key before any process group exist
 import re
 
 import pytest
-from helpers import DEMO_CONFIG, TINY_MODEL_OVERRIDES, config_error
+from helpers import DEMO_CONFIG, TINY_MODEL_OVERRIDES, config_error, validated_demo_config
 
 from megatron_lns.config import ConfigError, load_config, validate
 from megatron_lns.config.fast_paths import MachineFacts
@@ -20,9 +20,7 @@ MOE = [
 
 
 def _config(*overrides: str, devices: int = 1):
-    cfg = load_config(DEMO_CONFIG, [*MOE, f"trainer.devices={devices}", *overrides])
-    validate(cfg, check_files=False)
-    return cfg
+    return validated_demo_config(*MOE, f"trainer.devices={devices}", *overrides)
 
 
 def test_moe_keys_reach_megatron_transformer_config():
