@@ -86,6 +86,39 @@ def tiny_run_config(exp_dir, *overrides: str):
     return cfg
 
 
+def validated_demo_config(*overrides: str):
+    """The demo config with ``overrides``, validated (its data files unchecked)."""
+    from megatron_lns.config import load_config, validate
+
+    cfg = load_config(DEMO_CONFIG, list(overrides))
+    validate(cfg, check_files=False)
+    return cfg
+
+
+def config_error(*overrides: str) -> str:
+    """The message of the ``ConfigError`` that ``validated_demo_config(*overrides)``
+    raises; every refusal is one line, and this asserts it is."""
+    import pytest
+
+    from megatron_lns.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        validated_demo_config(*overrides)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+def cli_error_of(capsys, *args: str) -> str:
+    """The one line ``megatron-lns args...`` prints for a user error (exit status 2)."""
+    from megatron_lns.cli import main
+
+    assert main(list(args)) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
 def fit_and_summarize(cfg) -> dict[str, Any]:
     """Train ``cfg`` on this rank: its losses, validation loss, resume point, steps and
     run directory."""
@@ -354,6 +387,25 @@ def read_only(directory: Path):
         subprocess.run(["umount", str(directory)], check=True)
 
 
+# Megatron-LM's arguments for what no config here builds (multi-token prediction, latent
+# attention and MoE latents, gated or experimental attention, linear-attention layers, a
+# layer spec of its own), at the values its argument parser leaves them when unasked for:
+# its two counting functions then count nothing for them.
+_MEGATRON_FEATURES_NOT_BUILT: dict[str, Any] = {
+    "mtp_num_layers": None,
+    "multi_latent_attention": False,
+    "moe_latent_size": None,
+    "attention_output_gate": False,
+    "experimental_attention_variant": None,
+    "linear_key_head_dim": None,
+    "linear_value_head_dim": None,
+    "linear_num_key_heads": None,
+    "linear_num_value_heads": None,
+    "linear_conv_kernel_dim": None,
+    "spec": None,
+}
+
+
 def megatron_args(cfg, vocab_size: int) -> SimpleNamespace:
     """Megatron-LM's argument names for the same run (megatron/training/arguments.py), as
     its ``theoretical_memory_usage`` and ``num_floating_point_operations`` read them."""
@@ -376,16 +428,11 @@ def megatron_args(cfg, vocab_size: int) -> SimpleNamespace:
         moe_layer_freq=m.moe_layer_freq,  # read only with experts
         num_layers=m.num_layers,
         moe_ffn_hidden_size=m.moe_ffn_hidden_size,
-        mtp_num_layers=None,
         normalization="RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm",
-        multi_latent_attention=False,
-        attention_output_gate=False,
-        experimental_attention_variant=None,
         padded_vocab_size=padded_vocab_size(vocab_size, tp, m.make_vocab_size_divisible_by),
         untie_embeddings_and_output_weights=not m.share_embeddings_and_output_weights,
         ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
         swiglu=m.activation == "swiglu",
-        moe_latent_size=None,
         moe_router_topk=m.moe_router_topk,
         add_bias_linear=m.bias,
         moe_shared_expert_gate=m.moe_shared_expert_gate,
@@ -394,12 +441,6 @@ def megatron_args(cfg, vocab_size: int) -> SimpleNamespace:
         mamba_head_dim=64,
         mamba_num_groups=8,
         mamba_num_heads=None,
-        linear_key_head_dim=None,
-        linear_value_head_dim=None,
-        linear_num_key_heads=None,
-        linear_num_value_heads=None,
-        linear_conv_kernel_dim=None,
-        spec=None,
         expert_tensor_parallel_size=m.expert_tensor_parallel_size or tp,
         expert_model_parallel_size=m.expert_model_parallel_size,
         pipeline_model_parallel_size=pp,
@@ -407,6 +448,7 @@ def megatron_args(cfg, vocab_size: int) -> SimpleNamespace:
         world_size=world,
         data_parallel_size=world // (tp * pp * m.context_parallel_size),
         use_distributed_optimizer=m.optim.name == "distributed_fused_adam",
+        **_MEGATRON_FEATURES_NOT_BUILT,
     )
 
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import ROOT
+from helpers import ROOT, cli_error_of
 
 DEMO = ROOT / "nemo_configs" / "tiny_cpu_demo.yaml"
 
@@ -38,16 +38,6 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
     assert result.returncode == 141  # 128 + SIGPIPE, as a shell reports `cat big | head`
 
 
-def _error_of(capsys, *args: str) -> str:
-    """The one line a command prints for a user error (exit 2)."""
-    from megatron_lns.cli import main
-
-    assert main(list(args)) == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line]
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
-    return lines[0]
-
-
 def test_a_path_of_the_wrong_kind_is_not_said_not_to_exist(tmp_path, capsys):
     """Every command that takes a file or a directory: one that exists but is the other
     kind was reported as "does not exist"."""
@@ -74,7 +64,7 @@ def test_a_path_of_the_wrong_kind_is_not_said_not_to_exist(tmp_path, capsys):
         ("import-hf", str(plain), out): f"Hugging Face directory {plain} is a file, not a directory",
     }  # fmt: skip
     for args, expected in cases.items():
-        assert _error_of(capsys, *args).startswith(f"error: {expected}"), args
+        assert cli_error_of(capsys, *args).startswith(f"error: {expected}"), args
 
 
 def test_userbuffer_settings_and_config_files_that_are_directories(tmp_path):
@@ -99,21 +89,21 @@ def test_preprocess_refuses_outputs_it_could_not_write_as_named(tmp_path, capsys
     (tmp_path / "taken.idx").mkdir()
     prep = ("preprocess", "--input", str(corpus), "--quiet", "--workers", "1", "--output-prefix")
     newdir = f"{tmp_path / 'newdir'}/"
-    assert _error_of(capsys, *prep, newdir) == (
+    assert cli_error_of(capsys, *prep, newdir) == (
         f"error: output prefix {newdir} ends in '/': it names the files, not a directory "
         f"(e.g. {newdir}corpus writes {newdir}corpus.bin)"
     )
-    assert _error_of(capsys, *prep, str(tmp_path / "taken")) == (
+    assert cli_error_of(capsys, *prep, str(tmp_path / "taken")) == (
         f"error: cannot write {tmp_path / 'taken.idx'}: it is a directory"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "taken.idx"]
-    assert _error_of(capsys, *prep, str(tmp_path / "x"), "--tokenizer-library", "huggingface") == (
+    library = (*prep, str(tmp_path / "x"), "--tokenizer-library")
+    assert cli_error_of(capsys, *library, "huggingface") == (
         "error: --tokenizer-library huggingface needs --tokenizer-type (a local tokenizer "
         "directory)"
     )
-    assert (
-        _error_of(capsys, *prep, str(tmp_path / "x"), "--tokenizer-library", "sentencepiece")
-        == "error: --tokenizer-library sentencepiece needs --tokenizer-model (a .model file)"
+    assert cli_error_of(capsys, *library, "sentencepiece") == (
+        "error: --tokenizer-library sentencepiece needs --tokenizer-model (a .model file)"
     )
 
 
@@ -155,6 +145,6 @@ def test_every_command_answers_bad_input_in_one_line(tmp_path, capsys):
     cases = _bad_input_of_every_command(tmp_path)
     assert set(cases) == _command_names()
     for command, (args, named) in cases.items():
-        line = _error_of(capsys, *args)
+        line = cli_error_of(capsys, *args)
         assert named in line, (command, line)
     assert sorted(p.name for p in tmp_path.iterdir()) == []

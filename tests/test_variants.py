@@ -6,7 +6,13 @@ import math
 
 import pytest
 import torch
-from helpers import fixed_microbatches, forward_backward_at, run_distributed, tiny_config
+from helpers import (
+    fixed_microbatches,
+    forward_backward_at,
+    logged_losses,
+    run_distributed,
+    tiny_config,
+)
 from reference_llama import ReferenceLlama, reference_sizes
 
 from megatron_lns.model.language_model import build_model
@@ -410,13 +416,6 @@ RESUME_CASES = [
 ]
 
 
-def _losses_of(run_dir) -> list[tuple[int, float]]:
-    import json
-
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
-
-
 def _straight_and_resumed(tmp: str) -> dict:
     from pathlib import Path
 
@@ -435,8 +434,8 @@ def _straight_and_resumed(tmp: str) -> dict:
         curves[variant] = {
             "resumed_from": second.resumed_from,
             "stopped_at": first.steps,
-            "straight": _losses_of(straight / "lns"),
-            "resumed": _losses_of(resumed / "lns"),
+            "straight": logged_losses(straight / "lns"),
+            "resumed": logged_losses(resumed / "lns"),
         }
     return curves
 

@@ -7,6 +7,7 @@ checked against a stand-in with ``initialize_ub``'s signature in TE 2.8-2.18.
 """
 
 import enum
+import inspect
 import sys
 import types
 import warnings
@@ -64,6 +65,18 @@ def test_tp_comm_overlap_reaches_the_transformer_config_of_training_runs():
     assert not _transformer_config(cfg, training=False).tp_comm_overlap
 
 
+def _te_initialize_ub(
+    shape,
+    tp_size,
+    use_fp8=False,
+    quantization_modes=None,
+    dtype=torch.bfloat16,
+    ub_cfgs=None,
+    bootstrap_backend=None,
+):
+    """The signature of Transformer Engine's ``initialize_ub`` (TE 2.8-2.18)."""
+
+
 class _StandInTE:
     """``transformer_engine.pytorch.module.base`` as the userbuffer call sees it."""
 
@@ -75,26 +88,12 @@ class _StandInTE:
             NONE = "none"
             FP8 = "fp8"
 
-        def initialize_ub(
-            shape,
-            tp_size,
-            use_fp8=False,
-            quantization_modes=None,
-            dtype=torch.bfloat16,
-            ub_cfgs=None,
-            bootstrap_backend=None,
-        ):
-            self.calls.append(
-                dict(
-                    shape=shape,
-                    tp_size=tp_size,
-                    use_fp8=use_fp8,
-                    quantization_modes=quantization_modes,
-                    dtype=dtype,
-                    ub_cfgs=ub_cfgs,
-                    bootstrap_backend=bootstrap_backend,
-                )
-            )
+        def initialize_ub(*args, **kwargs):
+            """Records the call's arguments by name, defaults included; raises as TE's
+            would for a call its signature does not take."""
+            call = inspect.signature(_te_initialize_ub).bind(*args, **kwargs)
+            call.apply_defaults()
+            self.calls.append(call.arguments)
 
         base.UserBufferQuantizationMode = UserBufferQuantizationMode
         base.initialize_ub = initialize_ub

@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, tiny_config
 
 from megatron_lns.config import ConfigError, load_config, validate
-from megatron_lns.model.language_model import GPTModelConfig
 from megatron_lns.model.te import TransformerEngineUnavailable, te_available
 from megatron_lns.training.machine import check_environment
 
@@ -89,12 +88,7 @@ def test_fp8_config_validation(overrides, expected):
 
 
 def test_fp8_maps_onto_megatron_transformer_config():
-    cfg = GPTModelConfig(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        vocab_size=128,
-        seq_length=16,
+    cfg = tiny_config(
         precision="bf16",
         fp8="tensorwise",
         fp8_margin=1,

@@ -185,16 +185,11 @@ def test_moe_export_import_export_is_bitwise_identical(seeded, tmp_path, model):
 
 
 def _tiny_hf_mixtral(path: Path) -> Path:
+    """Three layers of MIXTRAL's experts: 4 of 48 channels, 2 routed to."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    config = MixtralConfig(
-        **HF_TINY,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        rope_theta=50000.0,
-    )
+    experts = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)
+    config = MixtralConfig(**HF_TINY, **experts, num_hidden_layers=3, rope_theta=50000.0)
     return _save_hf(MixtralForCausalLM(config), path)
 
 

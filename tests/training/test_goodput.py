@@ -18,6 +18,12 @@ def _write(tmp_path, *lines: str):
     return read_events(tmp_path)
 
 
+def _goodput(tmp_path, *lines: str, resumable_step: int | None = 100):
+    """The accounting of a run whose record file holds ``lines``, a next attempt resuming
+    from ``resumable_step`` (by default 100, where these runs end)."""
+    return account(_write(tmp_path, *lines), resumable_step=resumable_step)
+
+
 def _totals(steps, train, save=0.0, evals=0.0, samples=0):
     return f"steps={steps} train_s={train} save_s={save} eval_s={evals} samples={samples}"
 
@@ -32,7 +38,7 @@ FIRST_FINISHED = [*FIRST, f"local 0 ended 100 at=1125 how=finished {_totals(100,
 
 
 def test_a_clean_run_divides_its_wall_time(tmp_path):
-    goodput = account(_write(tmp_path, *FIRST_FINISHED), resumable_step=100)
+    goodput = _goodput(tmp_path, *FIRST_FINISHED)
     assert goodput.rows == pytest.approx(
         {
             "productive steps": 80,
@@ -53,7 +59,7 @@ def test_a_clean_run_divides_its_wall_time(tmp_path):
 
 
 def test_a_run_stopped_and_resumed_loses_nothing_and_the_time_between_is_not_its(tmp_path):
-    events = _write(
+    goodput = _goodput(
         tmp_path,
         *FIRST,
         f"local 0 ended 60 at=1090 how=stopped {_totals(60, 48, 5, 2, 240)}",
@@ -61,7 +67,6 @@ def test_a_run_stopped_and_resumed_loses_nothing_and_the_time_between_is_not_its
         "local 0 began 60 at=4620 startup_s=20 load_s=5 samples=240",
         f"local 0 ended 100 at=4660 how=finished {_totals(40, 32, 2, 2, 400)}",
     )
-    goodput = account(events, resumable_step=100)
     assert [a.how for a in goodput.attempts] == ["stopped", "finished"]
     rows = goodput.rows
     assert rows["lost work"] == 0 and rows["restarts, queue wait"] == 0
@@ -72,13 +77,12 @@ def test_a_run_stopped_and_resumed_loses_nothing_and_the_time_between_is_not_its
 
 
 def test_steps_past_the_last_checkpoint_of_a_crashed_attempt_are_lost_work(tmp_path):
-    events = _write(
+    goodput = _goodput(
         tmp_path,
         *FIRST,  # trained to step 50, then killed: no end; its last checkpoint was step 40
         "local 0 began 40 at=2000 startup_s=25 load_s=5 samples=160",
         f"local 0 ended 100 at=2070 how=finished {_totals(60, 48, 4, 2, 400)}",
     )
-    goodput = account(events, resumable_step=100)
     crashed, resumed = goodput.attempts
     assert crashed.how is None and crashed.lost_steps == 10
     assert crashed.lost_s == pytest.approx(10 * 40 / 50)  # at its mean step time
@@ -99,7 +103,7 @@ def test_the_last_attempt_loses_nothing_while_it_may_still_run(tmp_path):
 
 
 def test_a_requeue_counts_the_wait_in_the_queue_and_ignores_the_guard_lines(tmp_path):
-    events = _write(
+    goodput = _goodput(
         tmp_path,
         "42 0 start 0",  # the batch script's progress guard: not accounting lines
         "42 0 began 0 at=1030 startup_s=30 load_s=0 samples=0",
@@ -115,7 +119,6 @@ def test_a_requeue_counts_the_wait_in_the_queue_and_ignores_the_guard_lines(tmp_
         "43 0 began 100 at=99000 startup_s=10 load_s=4 samples=400",
         f"43 0 ended 100 at=99001 how=finished {_totals(0, 0)}",
     )
-    goodput = account(events, resumable_step=100)
     assert [(a.job_id, a.restart) for a in goodput.attempts] == [("42", 0), ("42", 1), ("43", 0)]
     assert goodput.rows["restarts, queue wait"] == pytest.approx(1230 - 1090)
     assert goodput.wall_s == pytest.approx(90 + 140 + 90 + 11)
@@ -127,14 +130,13 @@ def test_an_in_job_restart_is_an_attempt_of_its_own_and_its_time_a_restart(tmp_p
     launcher restarts every rank in-job (attempt=1), which drops the metrics rows of
     steps 51-55 (logged_past): those 5 steps are lost work, taken from the time between
     the last record and the restart's start, and the rest of it is the restart's."""
-    events = _write(
+    goodput = _goodput(
         tmp_path,
         *FIRST,
         "local 0 began 50 attempt=1 at=1090 startup_s=6 load_s=2 samples=200 logged_past=55",
         f"local 0 trained 100 attempt=1 at=1120 {_totals(50, 28, 0, 0, 400)}",
         f"local 0 ended 100 attempt=1 at=1130 how=finished {_totals(50, 40, 0, 0, 400)}",
     )
-    goodput = account(events, resumable_step=100)
     crashed, restarted = goodput.attempts
     assert [a.in_job_restart for a in goodput.attempts] == [0, 1]
     assert (crashed.how, crashed.last_step, crashed.lost_steps) == (None, 50, 5)
@@ -147,19 +149,18 @@ def test_an_in_job_restart_is_an_attempt_of_its_own_and_its_time_a_restart(tmp_p
 
 
 def test_a_rerun_by_hand_is_not_a_restart_even_when_it_drops_rows(tmp_path):
-    events = _write(
+    goodput = _goodput(
         tmp_path,
         *FIRST,
         "local 0 began 50 at=5000 startup_s=6 load_s=2 samples=200 logged_past=55",
         f"local 0 ended 100 at=5040 how=finished {_totals(50, 40, 0, 0, 400)}",
     )
-    goodput = account(events, resumable_step=100)
     assert goodput.rows["restarts, queue wait"] == 0 and goodput.rows["lost work"] == 0
     assert goodput.attempts[0].lost_steps == 5  # trained again, outside any allocation
 
 
 def test_no_records_mean_no_goodput_and_the_table_says_so(tmp_path):
-    goodput = account(_write(tmp_path, "half a li"), resumable_step=0)
+    goodput = _goodput(tmp_path, "half a li", resumable_step=0)
     assert goodput.attempts == [] and goodput.fraction is None
     assert goodput_table(goodput)[-1] == "goodput - (productive steps over wall time)"
 

@@ -197,18 +197,26 @@ def _detected_in_time(run):
     return found_at - stopped_at
 
 
-@pytest.mark.long
-@pytest.mark.usefixtures("private_corpus_cache")
-def test_a_rank_stopped_mid_step_is_named_with_its_stack_and_the_attempt_ends(tmp_path):
+def _ended_by_the_watchdog(tmp_path, fault: str, max_steps: int, timeout_key: str) -> _Run:
+    """A two-rank run of ``max_steps`` with ``fault`` injected, ``timeout_key`` (of
+    exp_manager.fault_tolerance) and the floor of learnt timeouts at 4 s and no restart,
+    waited for: it must fail, its hang found in time (how soon is printed)."""
     run = _Run(
-        "kind=stop,rank=1,step=7",
-        *_overrides(tmp_path, "trainer.max_steps=40",
-                    "exp_manager.fault_tolerance.rank_heartbeat_timeout=4",
+        fault,
+        *_overrides(tmp_path, f"trainer.max_steps={max_steps}",
+                    f"exp_manager.fault_tolerance.{timeout_key}=4",
                     "exp_manager.fault_tolerance.min_timeout=4"),
     )  # fmt: skip
     assert run.wait() != 0
     seconds = _detected_in_time(run)
     print(f"detected {seconds:.1f} s after the stop: {run.at('^hang: ')[1]}")
+    return run
+
+
+@pytest.mark.long
+@pytest.mark.usefixtures("private_corpus_cache")
+def test_a_rank_stopped_mid_step_is_named_with_its_stack_and_the_attempt_ends(tmp_path):
+    run = _ended_by_the_watchdog(tmp_path, "kind=stop,rank=1,step=7", 40, "rank_heartbeat_timeout")
     out = run.text
     assert len(re.findall(r"^hang: ", out, re.M)) == 1
     assert f"error: rank 0 exited with code {HUNG_EXIT_CODE}" in out  # no restart: attempt ended
@@ -250,15 +258,9 @@ def test_a_hung_run_restarts_in_job_and_trains_on_bitwise(tmp_path, straight_two
 @pytest.mark.long
 @pytest.mark.usefixtures("private_corpus_cache")
 def test_a_rank_stopped_while_saving_leaves_a_partial_checkpoint_no_resume_picks(tmp_path):
-    hung = _Run(
-        "kind=stop,rank=1,step=6,phase=save",
-        *_overrides(tmp_path, "trainer.max_steps=9",
-                    "exp_manager.fault_tolerance.checkpoint_save_timeout=4",
-                    "exp_manager.fault_tolerance.min_timeout=4"),
-    )  # fmt: skip
-    assert hung.wait() != 0
-    seconds = _detected_in_time(hung)
-    print(f"detected {seconds:.1f} s after the stop: {hung.at('^hang: ')[1]}")
+    hung = _ended_by_the_watchdog(
+        tmp_path, "kind=stop,rank=1,step=6,phase=save", 9, "checkpoint_save_timeout"
+    )
     assert not hung.left_behind()
     checkpoints = tmp_path / "lns" / "checkpoints"
     assert (checkpoints / "iter_0000006.partial").is_dir()

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import cli_error_of
 
 from megatron_lns.cli import main
 from megatron_lns.runtime.progress_file import RUN_PROGRESS_FILE
@@ -94,23 +95,16 @@ def test_a_run_that_is_running_has_lost_nothing_yet(tmp_path):
     assert report.endings() == ["killed or crashed"]
 
 
-def _error_of(capsys, *args: str) -> str:
-    assert main(list(args)) == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line]
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
-    return lines[0]
-
-
 def test_what_is_no_run_directory_is_said_in_one_line(tmp_path, capsys):
-    assert _error_of(capsys, "status", str(tmp_path / "nope")) == (
+    assert cli_error_of(capsys, "status", str(tmp_path / "nope")) == (
         f"error: {tmp_path / 'nope'}: no such directory"
     )
-    assert _error_of(capsys, "status", str(tmp_path)) == (
+    assert cli_error_of(capsys, "status", str(tmp_path)) == (
         f"error: {tmp_path} is not a run directory (no config.yaml or run_progress): give "
         "<exp_manager.exp_dir>/<exp_manager.name>"
     )
     (tmp_path / "config.yaml").write_text("trainer: [unclosed\n")
-    assert _error_of(capsys, "status", str(tmp_path)).startswith(
+    assert cli_error_of(capsys, "status", str(tmp_path)).startswith(
         f"error: cannot read {tmp_path / 'config.yaml'}: "
     )
 
