@@ -182,10 +182,7 @@ class PerformanceSettings:
     collectives where the switch has no SHARP groups left"""
 
     ub_tp_comm_overlap: bool = setting(
-        False,
-        target="TransformerConfig.tp_comm_overlap",
-        translate=to("tp_comm_overlap"),
-        training_only=True,
+        False, target="TransformerConfig.tp_comm_overlap", training_only=True
     )
     """`TransformerConfig.tp_comm_overlap`: Transformer Engine's linears overlap the
     sequence-parallel all-gather and reduce-scatter with their GEMMs through userbuffers, which the
@@ -208,7 +205,6 @@ class PerformanceSettings:
         "nccl",
         one_of(UB_BOOTSTRAP_BACKENDS),
         target="TransformerConfig.tp_comm_bootstrap_backend",
-        translate=to("tp_comm_bootstrap_backend"),
         training_only=True,
     )
     """`tp_comm_bootstrap_backend`: the collectives (`nccl`, `mpi` or `gloo`) TE uses to set
