@@ -6,11 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from megatron_lns.commands.arguments import add_config
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     submit = commands.add_parser("submit", help="submit training as a SLURM job (cluster: section)")
-    submit.add_argument("config", help="YAML file (trainer / exp_manager / model / cluster)")
-    submit.add_argument("overrides", nargs="*", help="key=value, +key=value (add), ~key (delete)")
+    add_config(submit, "YAML file (trainer / exp_manager / model / cluster)")
     submit.add_argument(
         "--dry-run", action="store_true", help="print the sbatch script; write and submit nothing"
     )

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_lns.commands.arguments import add_config
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     train = commands.add_parser("train", help="pretrain from a NeMo-style YAML config")
-    train.add_argument(
-        "config",
-        help="YAML file (trainer / exp_manager / model sections) or a bundled config's name",
+    add_config(
+        train, "YAML file (trainer / exp_manager / model sections) or a bundled config's name"
     )
-    train.add_argument("overrides", nargs="*", help="key=value, +key=value (add), ~key (delete)")
     train.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     train.set_defaults(func=run)
 
