@@ -57,6 +57,7 @@ from dataclasses import dataclass
 
 from megatron_lns.config import layout
 from megatron_lns.config.schema import PRECISIONS, ExperimentConfig, cpu_offloading_num_layers
+from megatron_lns.config.sections.optim import reduced_gradient_bytes
 from megatron_lns.planning.shape import ModelShape, parameter_counts, world_and_data_parallel
 
 GB = 1e9
@@ -101,7 +102,7 @@ def stage_estimates(cfg: ExperimentConfig, shape: ModelShape) -> list[MemoryEsti
     counts = parameter_counts(shape, tp)
     precision = PRECISIONS[str(cfg.trainer.precision)]
     weight_bytes = 4 if precision == "fp32" else 2
-    grad_bytes = 4 if (precision == "fp32" or (m.optim.grad_sync_dtype or "fp32") == "fp32") else 2
+    grad_bytes = reduced_gradient_bytes(cfg)
     optimizer_bytes = 12 if precision != "fp32" else 8  # (+ fp32 main copy) + Adam m, v
     activation_bytes = 4 if precision == "fp32" else 2
     distributed = m.optim.name == "distributed_fused_adam"

@@ -226,6 +226,20 @@ def test_every_honoured_key_reaches_megatron_cores_configs():
     assert optim_settings(cfg).decay_norms_and_biases
 
 
+def test_a_bucket_holds_as_many_gradients_as_its_megabytes_fit_in_the_reduced_dtype():
+    """``bucket_cap_mb`` is NeMo's size in MB; megatron counts a bucket in gradients, 4 bytes
+    each reduced in fp32 (also what null means), 2 in bf16 (as `plan` counts their memory)."""
+    for grad_sync_dtype, gradient_bytes in [("bf16", 2), ("fp32", 4), ("null", 4)]:
+        cfg = _cfg(
+            "+model.optim.overlap_grad_sync=true",
+            "+model.optim.bucket_cap_mb=10",
+            f"+model.optim.grad_sync_dtype={grad_sync_dtype}",
+            "trainer.precision=bf16-mixed",
+        )
+        ddp = ddp_config(cfg, resolved_fast_paths(cfg, H100_TE_APEX))
+        assert ddp.bucket_size == 10 * 2**20 // gradient_bytes, grad_sync_dtype
+
+
 def test_fp16_loss_scaling_keys_reach_the_optimizer_config():
     cfg = _cfg(
         "trainer.precision=16-mixed",

@@ -12,6 +12,7 @@ from megatron_lns.config.rules import (
     one_of,
     positive,
 )
+from megatron_lns.config.sections.trainer import PRECISIONS
 from megatron_lns.config.settings import setting, to
 
 SCHEDULES = {"CosineAnnealing": "cosine", "LinearAnnealing": "linear", "Constant": "constant"}
@@ -52,18 +53,27 @@ def _decay_steps(constant_steps: int, cfg: Any) -> dict[str, Any]:
     return {"decay_steps": cfg.trainer.max_steps - constant_steps}
 
 
+def reduces_gradients_in_fp32(grad_sync_dtype: str | None) -> bool:
+    """What ``model.optim.grad_sync_dtype`` asks of megatron DDP (null: fp32)."""
+    return (grad_sync_dtype or "fp32") == "fp32"
+
+
+def reduced_gradient_bytes(cfg: Any) -> int:
+    """Bytes of each gradient megatron DDP keeps and reduces: fp32 with fp32 parameters or
+    an fp32 reduction, else the 16-bit type of the parameters."""
+    fp32_params = PRECISIONS[str(cfg.trainer.precision)] == "fp32"
+    return 4 if fp32_params or reduces_gradients_in_fp32(cfg.model.optim.grad_sync_dtype) else 2
+
+
 def _grad_reduce_in_fp32(value: str | None, cfg: Any) -> dict[str, Any]:
-    return {"grad_reduce_in_fp32": (value or "fp32") == "fp32"}
+    return {"grad_reduce_in_fp32": reduces_gradients_in_fp32(value)}
 
 
 def _bucket_size(value: float | None, cfg: Any) -> dict[str, Any]:
     """megatron counts a bucket in parameters; NeMo sizes it in MB of reduced gradients."""
     if value is None:
         return {"bucket_size": None}
-    reduce_in_fp32 = _grad_reduce_in_fp32(cfg.model.optim.grad_sync_dtype, cfg)[
-        "grad_reduce_in_fp32"
-    ]
-    return {"bucket_size": int(value * 2**20 / (4 if reduce_in_fp32 else 2))}
+    return {"bucket_size": int(value * 2**20 / reduced_gradient_bytes(cfg))}
 
 
 @dataclass
