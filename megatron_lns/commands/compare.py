@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         seeds_for,
     )
     from megatron_lns.config.bundled import DEMO_CONFIG_NAME
+    from megatron_lns.config.paths import experiments_directory
     from megatron_lns.training.entry_point import (
         load_checked_config,
         print_resolved_config,
@@ -90,6 +91,6 @@ def run(args: argparse.Namespace) -> int:
         print_resolved_config(cfg)
         return 0
     # Chosen once, before the ranks start, so that every rank writes to the same place.
-    out = args.out or str(Path(cfg.exp_manager.exp_dir or "runs") / time.strftime("%Y%m%d-%H%M%S"))
+    out = args.out or str(experiments_directory(cfg) / time.strftime("%Y%m%d-%H%M%S"))
     run_on_every_rank(cfg, compare_job, variants, num_seeds, out)
     return 0

@@ -22,8 +22,13 @@ from megatron_lns.data.blend import BUILTIN_PREFIX, DataBlend, cache_dir
 MEGATRON_DEFAULT_INDEX_CACHE = Path("cache") / "GPTDataset_indices"
 
 
+def experiments_directory(cfg: ExperimentConfig) -> Path:
+    """``exp_manager.exp_dir``, null meaning ``runs`` (relative: where the command runs)."""
+    return Path(cfg.exp_manager.exp_dir or "runs")
+
+
 def run_directory(cfg: ExperimentConfig) -> Path:
-    return Path(cfg.exp_manager.exp_dir or "runs") / cfg.exp_manager.name
+    return experiments_directory(cfg) / cfg.exp_manager.name
 
 
 def unwritable_reason(directory: Path) -> str | None:

@@ -14,6 +14,7 @@ from megatron_lns.base.errors import UserError
 from megatron_lns.cluster.slurm.render import JobPaths, render_sbatch, unmounted_workdir_warning
 from megatron_lns.config import ExperimentConfig, to_yaml
 from megatron_lns.config.cluster import job_name
+from megatron_lns.config.paths import experiments_directory, run_directory
 
 
 class SubmitError(UserError, RuntimeError):
@@ -56,8 +57,8 @@ def prepare_job(
     """
     cfg = copy.deepcopy(cfg)
     workdir = workdir.resolve()
-    cfg.exp_manager.exp_dir = str(workdir / (cfg.exp_manager.exp_dir or "runs"))
-    run_dir = Path(cfg.exp_manager.exp_dir) / cfg.exp_manager.name
+    cfg.exp_manager.exp_dir = str(workdir / experiments_directory(cfg))
+    run_dir = run_directory(cfg)
     # One folder per submission: resubmitting never overwrites an earlier script.
     submit_dir = run_dir / "slurm" / (stamp or time.strftime("%Y%m%d-%H%M%S"))
     suffix = 1
