@@ -5,7 +5,9 @@ Every field of the schema (``schema.py``) is declared with :func:`setting`::
     @listed_in("architecture")
     @dataclass
     class ArchitectureSettings:
-        hidden_dropout: float = setting(0.0, probability, target="TransformerConfig")
+        hidden_dropout: float = setting(
+            0.0, probability, target="TransformerConfig", hf=HF_CONVERTER
+        )
         "dropout after attention and MLP, before the residual add"
 
 The declaration, with the docstring under it, carries everything the rest of the package
@@ -128,7 +130,9 @@ class Setting:
 
     @property
     def target_field(self) -> str | None:
-        return self.target.split(".", 1)[1] if self.target else None
+        """None also for a ``Class`` target as written (:func:`declared_settings` completes
+        it with the key's name)."""
+        return self.target.split(".", 1)[1] if self.target and "." in self.target else None
 
 
 def to(target_field: str) -> Translate:
@@ -237,6 +241,7 @@ def field_docs(cls: type) -> MappingProxyType[str, str]:
     return MappingProxyType(docs)
 
 
+@functools.cache
 def _completed(cls: type, f: dataclasses.Field) -> Setting:
     """``f``'s declaration with its doc and the target field its name implies."""
     declared = declaration(f)
@@ -244,7 +249,7 @@ def _completed(cls: type, f: dataclasses.Field) -> Setting:
         declared = dataclasses.replace(declared, target=f"{declared.target}.{f.name}")
     if declared.doc is None:
         # The class that writes the field: a mixin section of ``model`` for most model keys.
-        owner = next(c for c in cls.__mro__ if f.name in vars(c).get("__annotations__", {}))
+        owner = next(c for c in cls.__mro__ if f.name in inspect.get_annotations(c))
         doc = field_docs(owner).get(f.name)
         if doc is None:
             raise ValueError(f"{owner.__name__}.{f.name} has no docstring under it and no doc=")

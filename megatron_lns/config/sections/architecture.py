@@ -195,7 +195,7 @@ class ArchitectureSettings:
     """`init_method_std`"""
 
     hidden_dropout: float = setting(0.0, probability, target="TransformerConfig", hf=HF_CONVERTER)
-    """`hidden_dropout`"""
+    """dropout after attention and MLP, before the residual add"""
 
     attention_dropout: float = setting(
         0.0, probability, target="TransformerConfig", hf="attention_dropout"
