@@ -12,7 +12,8 @@ any collective (a stalled filesystem in a save) is never noticed at all. So ever
    phase's age, and ``where`` the main thread is (its innermost Python frame);
 3. reads ``hang_watchdog/<attempt>/<n>/abort``, which a rank that found the run hung sets.
 
-When the timeout expires, the rank reads every heartbeat twice, a few heartbeats apart,
+When the timeout expires, the rank reads every heartbeat twice, a few heartbeats apart
+(publishing its own meanwhile: the others' timeouts often expire in the same moment),
 and names the stalled ranks: those whose heartbeat stopped (the process is stopped, dead
 or its host gone) and those whose main thread is not waiting in a collective; where
 there are none, those behind the others. The first rank to set the abort key prints the
@@ -365,10 +366,8 @@ class HangWatchdog:
                 raise StoreUnanswered(self.store.lost)
             else:
                 first = self._heartbeats()
-                # Time for every live rank to publish again, even late on a busy machine.
-                if self._stopping.wait(max(3 * self.interval_s, 1.0)):
+                if not self._beat_while_others_publish():
                     return  # the main thread got out and closed the trainer: not hung
-                self._publish(self.phases.now())
                 stalled = stalled_ranks(first, self._heartbeats(), self.world_size)
         except StoreUnanswered as err:
             at = f"the store at {self.store.host}:{self.store.port}"
@@ -385,6 +384,18 @@ class HangWatchdog:
                 verdict = json.loads(first)
                 line, silent = verdict["line"], verdict["silent"]
         self._end(line, reporter, silent, stalled)
+
+    def _beat_while_others_publish(self) -> bool:
+        """Wait long enough for every live rank to publish again, even late on a busy
+        machine, publishing as usual meanwhile: another rank whose timeout expires now
+        reads this rank's heartbeats in the same wait, and must not find it silent.
+        False: the watchdog was stopped meanwhile."""
+        deadline = time.monotonic() + max(3 * self.interval_s, 1.0)
+        while (left := deadline - time.monotonic()) > 0:
+            if self._stopping.wait(min(self.interval_s, left)):
+                return False
+            self._publish(self.phases.now())
+        return True
 
     def _end(
         self, line: str, reporter: bool, silent: list[int], stalled: list[Stalled] = ()

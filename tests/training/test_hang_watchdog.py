@@ -312,9 +312,9 @@ def test_the_watchdog_runs_only_when_on_and_close_joins_it(on):
         assert recorded == [] and said == []
 
 
-def test_ranks_that_find_the_hang_together_print_one_line_and_all_end(capfd):
-    """Both ranks' phases expire at once (a collective neither leaves): the abort key's
-    compare-and-set lets one name the hang; both dump their stacks and end."""
+def _two_ranks_in_step_4(exits: list[int]):
+    """The watchdogs of two ranks of one run (a 10 s step timeout, one store, the first
+    heartbeats published) and the clock of their phases, at 0 s into step 4."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -323,7 +323,6 @@ def test_ranks_that_find_the_hang_together_print_one_line_and_all_end(capfd):
         "127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False
     )
     clock = [0.0]
-    exits = []
     watchdogs = []
     for rank in (0, 1):
         phases = PhaseClock(TimeoutSettings(rank_heartbeat_timeout=10), lambda: clock[0])
@@ -333,14 +332,40 @@ def test_ranks_that_find_the_hang_together_print_one_line_and_all_end(capfd):
     for watchdog in watchdogs:
         watchdog.prefix = "shared"  # two "processes" of one run
         watchdog.check()  # first heartbeats
-    clock[0] = 11.0
+    return server, watchdogs, clock
+
+
+def _check_in_threads(watchdogs, stagger_s: float = 0.0) -> None:
     threads = [threading.Thread(target=w.check) for w in watchdogs]
     for thread in threads:
         thread.start()
+        time.sleep(stagger_s)
     for thread in threads:
         thread.join()
+
+
+def test_ranks_that_find_the_hang_together_print_one_line_and_all_end(capfd):
+    """Both ranks' phases expire at once (a collective neither leaves): the abort key's
+    compare-and-set lets one name the hang; both dump their stacks and end."""
+    exits = []
+    _server, watchdogs, clock = _two_ranks_in_step_4(exits)
+    clock[0] = 11.0
+    _check_in_threads(watchdogs)
     assert exits == [HUNG_EXIT_CODE, HUNG_EXIT_CODE]
     err = capfd.readouterr().err
     assert len(re.findall(r"^hang: ", err, re.M)) == 1, err
     for rank in (0, 1):
         assert f"hang watchdog: rank {rank} (host {HOST}, pid {os.getpid()}) ends in step 4" in err
+
+
+def test_a_rank_that_found_the_hang_still_answers_the_others(capfd):
+    """A rank names the stalled ones from heartbeats read about a second apart; a rank
+    whose own timeout expired a moment later is looking too, and keeps publishing while
+    it does, so it is not named as having stopped responding."""
+    exits = []
+    _server, watchdogs, clock = _two_ranks_in_step_4(exits)
+    clock[0] = 11.0
+    _check_in_threads(watchdogs, stagger_s=0.2)  # rank 0 looks first, and reports
+    line = next(x for x in capfd.readouterr().err.splitlines() if x.startswith("hang: "))
+    assert "stopped responding" not in line, line
+    assert exits == [HUNG_EXIT_CODE, HUNG_EXIT_CODE]
