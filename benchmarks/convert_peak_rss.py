@@ -130,9 +130,9 @@ def _child_env(tree: Path) -> dict[str, str]:
 
     A caller started by a launcher (torchrun, a test's rank) has its variables; a child
     inheriting them would try to join that world. (``init_distributed`` writes none.)"""
-    from megatron_lns.runtime.launcher_env import ADDRESS_VARIABLES, RANK_VARIABLES
+    from megatron_lns.runtime.launcher_env import LAUNCHER_VARIABLES
 
-    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES + ADDRESS_VARIABLES}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     env.update(PYTHONPATH=str(tree), MALLOC_ARENA_MAX="2")
     return env
 

@@ -53,7 +53,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or imported
 from tiny_model import TINY_WIDTH
 
-from megatron_lns.runtime.launcher_env import ADDRESS_VARIABLES, RANK_VARIABLES
+from megatron_lns.runtime.launcher_env import LAUNCHER_VARIABLES
 from megatron_lns.runtime.progress_file import read_events
 from megatron_lns.training.goodput import attempts_of
 
@@ -190,7 +190,7 @@ def _session_members(session: int) -> list[int]:
 
 def _train(exp_dir: Path, log: Path, *extra: str, faults: str = "") -> Training:
     # A launcher's variables inherited from this shell would make the run join its world.
-    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES + ADDRESS_VARIABLES}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("MEGATRON_LNS_INJECT_FAULT", None)
     if faults:

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or imported
 from tiny_model import TINY_WIDTH
 
-from megatron_lns.runtime.launcher_env import ADDRESS_VARIABLES, RANK_VARIABLES
+from megatron_lns.runtime.launcher_env import LAUNCHER_VARIABLES
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "nemo_configs" / "tiny_cpu_demo.yaml"
@@ -41,8 +41,6 @@ TWO_NODE_JOB = [
     "cluster.preemption_signal_lead_s=60",
 ]
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
-# torchrun's variables: a value inherited from this shell would contradict SLURM's.
-LAUNCHER_VARIABLES = RANK_VARIABLES + ADDRESS_VARIABLES
 
 
 @dataclass(frozen=True)
@@ -78,6 +76,7 @@ class Job:
 
 def submit(exp_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> Job:
     """``megatron-lns submit`` of the 2-node job into ``exp_dir``."""
+    # A launcher's variables inherited from this shell would contradict SLURM's.
     environment = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     environment["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])

@@ -17,7 +17,7 @@ import torch
 
 from megatron_lns.model.language_model import GPTModelConfig
 from megatron_lns.runtime import ParallelLayout, spawn_local
-from megatron_lns.runtime.launcher_env import ADDRESS_VARIABLES, RANK_VARIABLES
+from megatron_lns.runtime.launcher_env import LAUNCHER_VARIABLES
 
 
 def _run_and_record(fn: Callable[..., Any], out_dir: str, args: tuple) -> None:
@@ -149,9 +149,6 @@ def train_on_its_ranks(
     return run_distributed(fit, cfg.trainer.devices, out, cfg)
 
 
-TORCHRUN_VARIABLES = RANK_VARIABLES + ADDRESS_VARIABLES
-
-
 def hugging_face_tokenizer_dir(directory: Path) -> Path:
     """A minimal Hugging Face tokenizer directory (``tokenizer.json`` and its config, eos
     ``</s>``), made with the ``tokenizers`` library alone: no transformers, no download."""
@@ -172,7 +169,7 @@ def fresh_launch_env(**extra: str) -> dict[str, str]:
     them), but a test running inside a rank (``run_distributed``) or under torchrun has
     its launcher's, and a subprocess inheriting them would try to join that world.
     """
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     env.update(extra)
     return env
 

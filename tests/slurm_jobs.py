@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 from helpers import DEMO_CONFIG as DEMO
-from helpers import ROOT, TINY_MODEL_OVERRIDES, TORCHRUN_VARIABLES
+from helpers import ROOT, TINY_MODEL_OVERRIDES
 
 from megatron_lns.cli import main
+from megatron_lns.runtime.launcher_env import LAUNCHER_VARIABLES
 
 MAX_STEPS = 10
 # The tiny model, 10 steps, TP=2 over the two tasks of a node, one checkpoint at the end.
@@ -98,7 +99,7 @@ def submitting(cache_dir: Path):
     list of submitted job ids, and cancels them at the end."""
     submitted: list[str] = []
     with pytest.MonkeyPatch.context() as env:
-        for name in TORCHRUN_VARIABLES:
+        for name in LAUNCHER_VARIABLES:
             env.delenv(name, raising=False)
         env.setenv("PYTHONPATH", str(ROOT), prepend=os.pathsep)
         env.setenv("MEGATRON_LNS_CACHE", str(cache_dir))

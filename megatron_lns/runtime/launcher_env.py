@@ -29,6 +29,8 @@ from megatron_lns.base.errors import UserError
 # Set by every launcher for each rank; RANK and WORLD_SIZE decide that one started us.
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 ADDRESS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT")
+# All of them: what a fresh launch of ours removes from an inherited environment.
+LAUNCHER_VARIABLES = RANK_VARIABLES + ADDRESS_VARIABLES
 # How to start over without them, for the messages.
 UNSET_HINT = (
     "unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT to let "
@@ -124,7 +126,7 @@ def launcher_environment(env: Mapping[str, str] | None = None) -> LauncherEnviro
             "them; without them the ranks cannot find each other)"
         )
     if problem:
-        shown = _shown(env, (*RANK_VARIABLES, *ADDRESS_VARIABLES))
+        shown = _shown(env, LAUNCHER_VARIABLES)
         raise LauncherEnvironmentError(f"{shown}: {problem}; {UNSET_HINT}")
     return LauncherEnvironment(
         rank=rank,
