@@ -17,7 +17,8 @@ failure after the user's stop signal (Ctrl-C, SIGTERM: the ranks were asked to e
 The restarts end the run, with one line naming the failure, when
 ``max_rank_restarts`` are used up or when ``max_restarts_without_progress`` restarts in a
 row committed no newer checkpoint: a failure that recurs at the same place would
-otherwise be retried for the whole allocation.
+otherwise be retried for the whole allocation. When one failure reaches both limits, the
+line names the second, as the batch script does (``slurm/sbatch.template``).
 """
 
 from __future__ import annotations
@@ -120,13 +121,6 @@ def spawn_with_restarts(
         failed_at = time.time()
         newest = policy.newest_checkpoint_step()
         without_progress = 0 if newest > newest_before else without_progress + (restarts > 0)
-        if restarts >= policy.max_rank_restarts:
-            raise RestartsEnded(
-                failure,
-                f"restarted {restarts} time(s) in-job (exp_manager.fault_tolerance."
-                f"max_rank_restarts={policy.max_rank_restarts}); a rerun resumes from "
-                f"{_checkpoint_name(newest)}",
-            ) from None
         if without_progress >= policy.max_restarts_without_progress:
             raise RestartsEnded(
                 failure,
@@ -135,6 +129,13 @@ def spawn_with_restarts(
                 f"(exp_manager.fault_tolerance."
                 f"max_restarts_without_progress={policy.max_restarts_without_progress}): "
                 "the failure recurs; stopping",
+            ) from None
+        if restarts >= policy.max_rank_restarts:
+            raise RestartsEnded(
+                failure,
+                f"restarted {restarts} time(s) in-job (exp_manager.fault_tolerance."
+                f"max_rank_restarts={policy.max_rank_restarts}); a rerun resumes from "
+                f"{_checkpoint_name(newest)}",
             ) from None
         restarts += 1
         print(

@@ -787,6 +787,18 @@ def test_restarts_without_a_newer_checkpoint_end_the_job_with_that_cause(tmp_pat
     assert notes[-1] == "job 42 restart 0: failed: srun exited with status 137; not requeued"
 
 
+def test_restarts_used_up_without_progress_name_the_recurring_failure(tmp_path):
+    """Both limits hit by the same failure: the cause named is the one the local restarts
+    name (runtime/restarts.py), that the failure recurs."""
+    result, _, _, given = _restarted(
+        tmp_path,
+        "crash@n2 crash@n3 crash@n4 finish",
+        "exp_manager.fault_tolerance.max_rank_restarts=2",
+    )
+    assert result.returncode == 137 and len(given) == 3
+    assert "not restarted: the last 2 in-job restarts committed no checkpoint" in result.stdout
+
+
 def test_restarts_that_commit_checkpoints_go_on_until_max_rank_restarts(tmp_path):
     attempts = "save_crash@n2 save_crash@n3 save_crash@n4 save_crash@n5 finish"
     result, _, _, given = _restarted(

@@ -93,6 +93,16 @@ def test_restarts_that_commit_nothing_new_end_the_run_with_that_cause(monkeypatc
     assert raised.value.explained and raised.value.exit_code == -signal.SIGKILL
 
 
+def test_restarts_used_up_without_progress_name_the_recurring_failure(monkeypatch):
+    """Both limits hit by the same failure: the cause named is the one the batch script
+    names (slurm/sbatch.template), that the failure recurs."""
+    launches = _Launches([-signal.SIGKILL] * 3, progress=[2, 2, 2])
+    with pytest.raises(RestartsEnded) as raised:
+        _run(monkeypatch, launches, max_restarts=2, without_progress=2)
+    assert len(launches.calls) == 3
+    assert "max_restarts_without_progress=2): the failure recurs" in str(raised.value)
+
+
 def test_restarts_that_progress_go_on_until_they_are_used_up(monkeypatch):
     launches = _Launches([HUNG_EXIT_CODE] * 4, progress=[2, 4, 6, 8])
     with pytest.raises(RestartsEnded) as raised:
