@@ -9,6 +9,7 @@ takes the unit's lock names and removes what was left. Worker processes run
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 import signal
 import time
@@ -193,7 +194,7 @@ def worker_main(
     ``timeout``, srun), are the parent's to act on: it kills the workers and cleans up."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    die_with_parent(signal.SIGKILL)
+    die_with_parent(signal.SIGKILL, multiprocessing.parent_process().pid)
     os.environ["RAYON_NUM_THREADS"] = str(threads)
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
     try:

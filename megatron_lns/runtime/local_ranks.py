@@ -34,7 +34,7 @@ from megatron_lns.base.errors import (
     debug_enabled,
     report_user_error_once,
 )
-from megatron_lns.base.parent_death import die_with_parent
+from megatron_lns.base.parent_death import end_with_process, own_pidfd
 from megatron_lns.config.layout import world_size
 from megatron_lns.runtime.distributed import destroy_distributed, free_port
 from megatron_lns.runtime.job import STOP_SIGNALS  # what the ranks stop on is what is forwarded
@@ -43,12 +43,6 @@ from megatron_lns.runtime.launcher_env import launcher_environment
 # Seconds the other ranks get to exit on their own after one failed, then again after
 # SIGTERM, before SIGKILL: a rank blocked in a collective with a dead peer never returns.
 FAILURE_GRACE_SECONDS = 2.0
-
-
-def _die_with_parent() -> None:
-    """Ask the kernel to send SIGTERM to this process when its parent dies (Linux): the
-    launcher, or the forkserver, which exits as soon as the launcher is gone."""
-    die_with_parent(signal.SIGTERM)
 
 
 def _share_cpu_threads(world_size: int) -> None:
@@ -93,6 +87,7 @@ def _rank_entry(
     port: int,
     environment: dict[str, str],
     output: tuple[int, int],
+    launcher: int | None,
     fn: Callable,
     args: tuple,
 ) -> None:
@@ -104,7 +99,9 @@ def _rank_entry(
             os.dup2(launchers, fd)
             os.close(launchers)
     os.setpgrp()
-    _die_with_parent()
+    # Asked to stop when the launcher ends, however it ends: with the forkserver, the
+    # parent of this process is the server, which outlives the launcher.
+    end_with_process(launcher, signal.SIGTERM)
     _share_cpu_threads(world_size)
     os.environ.update(
         RANK=str(rank),
@@ -180,13 +177,19 @@ def spawn_local(
             REPORT_MARKER_ENV: str(Path(scratch) / "error-reported"),
         }
         output = (_LauncherFd(1), _LauncherFd(2))
-        context = mp.start_processes(
-            _rank_entry,
-            args=(world_size, free_port(), environment, output, fn, args),
-            nprocs=world_size,
-            join=False,
-            start_method=_start_method(),
-        )
+        pidfd = own_pidfd()
+        try:
+            launcher = None if pidfd is None else _LauncherFd(pidfd)
+            context = mp.start_processes(
+                _rank_entry,
+                args=(world_size, free_port(), environment, output, launcher, fn, args),
+                nprocs=world_size,
+                join=False,
+                start_method=_start_method(),
+            )
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)  # each rank has its own copy
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         received = [] if stop_signals is None else stop_signals
         with _forward_stop_signals(context.processes, received):

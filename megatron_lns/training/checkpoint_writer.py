@@ -56,9 +56,7 @@ def _follow_rank(rank_pid: int) -> None:
     """In a process forked by a rank: die with it, and leave stop signals to it."""
     for sig in _STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    die_with_parent(signal.SIGKILL)
-    if os.getppid() != rank_pid:  # the rank died before the line above
-        os._exit(1)
+    die_with_parent(signal.SIGKILL, rank_pid)
 
 
 def _write_following_rank(rank_pid: int, write, *args, **kwargs) -> None:
