@@ -91,18 +91,23 @@ TOKENIZER_FLAGS = {
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse, naming the flag, what would fail later or mean something else: a tokenizer
-    without its file, an output prefix that ends in '/' (``Path`` drops the '/', so
-    ``data/new/`` wrote ``data/new.bin``), a worker count below one."""
+    without its file, an output prefix that names a directory (``data/new/``: ``Path``
+    drops the '/', so it wrote ``data/new.bin``; ``.``, ``..``, ``data/.``: no file name
+    to add ``.bin`` to), a worker count below one."""
     from megatron_lns.data.preprocess import PreprocessError
 
     needed = TOKENIZER_FLAGS.get(args.tokenizer_library)
     if needed and not getattr(args, needed[0]):
         raise PreprocessError(f"--tokenizer-library {args.tokenizer_library} needs {needed[1]}")
     prefix = args.output_prefix
-    if prefix.endswith(("/", os.sep)):
-        example = f"{prefix}{Path(args.input[0]).name.split('.')[0]}"
+    last_part = prefix.replace(os.sep, "/").rpartition("/")[2]
+    if last_part in ("", ".", ".."):
+        name = Path(args.input[0]).name.split(".")[0] or "corpus"
+        example = os.path.join(prefix, name) if prefix else name
+        shown = prefix or "''"
+        ends = "ends in '/'" if prefix.endswith(("/", os.sep)) else "names a directory"
         raise PreprocessError(
-            f"output prefix {prefix} ends in '/': it names the files, not a directory "
+            f"output prefix {shown} {ends}: it names the files, not a directory "
             f"(e.g. {example} writes {example}.bin)"
         )
     if args.workers is not None and args.workers < 1:

@@ -29,6 +29,7 @@ from megatron_lns.data.metadata import DatasetMetadata
 from megatron_lns.data.output_files import (
     StopSignals,
     check_output_place,
+    check_output_prefix,
     publish,
     remove_temporaries,
     temporary_prefix,
@@ -150,6 +151,7 @@ class _Runner:
     def __init__(self, run: CorpusRun) -> None:
         self.run = run
         self.prefix = Path(run.output_prefix)
+        check_output_prefix(self.prefix)
         self.parts = PartsDirectory(self.prefix)
         self.lines: list[str] = []
 

@@ -62,7 +62,19 @@ def publish(temporary: str, output_prefix: Path, suffixes: tuple[str, ...]) -> N
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
+def check_output_prefix(output_prefix: Path) -> None:
+    """Refuse a prefix that names a directory, not the files: ``.``, ``..``, ``/`` or
+    empty, whose last part is no file name (``PREFIX.bin`` and ``PREFIX.parts/`` are made
+    by adding to that name)."""
+    if output_prefix.name in ("", ".."):
+        raise PreprocessError(
+            f"output prefix {output_prefix} names a directory, not the files (e.g. "
+            f"{output_prefix / 'corpus'} writes {output_prefix / 'corpus'}.bin)"
+        )
+
+
 def check_output_place(output_prefix: Path) -> None:
+    check_output_prefix(output_prefix)
     for suffix in OUTPUT_SUFFIXES:
         if Path(f"{output_prefix}{suffix}").is_dir():  # found before tokenizing, not after
             raise PreprocessError(f"cannot write {output_prefix}{suffix}: it is a directory")
