@@ -51,7 +51,7 @@ def submit_preprocess(args: argparse.Namespace) -> int:
     workdir = Path.cwd().resolve()
     prefix = Path(os.path.abspath(args.output_prefix))
     inputs = [os.path.abspath(text) for text in args.input]
-    expand_inputs(inputs)  # a missing input is refused here, not after the queue
+    expand_inputs(inputs, prefix)  # a missing input is refused now, not after the queue
     if not args.dry_run:  # (which creates the output's directory)
         check_output_place(prefix)
     arguments, tokenizer_files = _arguments(args, inputs, prefix)

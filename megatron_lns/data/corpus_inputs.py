@@ -63,14 +63,27 @@ def _is_data_file(path: Path) -> bool:
     return not path.name.startswith(".") and name.endswith(DATA_SUFFIXES)
 
 
-def expand_inputs(inputs: list[str]) -> list[Path]:
+def expand_inputs(inputs: list[str], output_prefix: Path | None = None) -> list[Path]:
     """The files ``inputs`` name, in order; a missing one, an empty directory or glob,
-    or a file named twice is refused by name."""
+    or a file named twice is refused by name.
+
+    The files of the output at ``output_prefix`` are never inputs: a directory or glob
+    leaves them out (``--input data --output-prefix data/corpus`` reruns with the inputs
+    of its first run, not its own ``corpus.json``), and one named as an input is refused
+    (the run would overwrite it)."""
+    from megatron_lns.data.output_files import output_file_of
+
+    def is_output(path: Path) -> str | None:
+        return None if output_prefix is None else output_file_of(path, output_prefix)
+
+    def data_files(found) -> list[Path]:
+        return sorted(p for p in found if p.is_file() and _is_data_file(p) and not is_output(p))
+
     files: list[Path] = []
     for item in inputs:
         path = Path(item)
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and _is_data_file(p))
+            found = data_files(path.rglob("*"))
             if not found:
                 raise PreprocessError(
                     f"input directory {item} holds no data files "
@@ -78,13 +91,18 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
                 )
             files += found
         elif glob.has_magic(item) and not path.exists():
-            found = sorted(Path(p) for p in glob.glob(item, recursive=True) if Path(p).is_file())
+            found = data_files(Path(p) for p in glob.glob(item, recursive=True))
             if not found:
                 raise PreprocessError(f"input pattern {item} matches no file")
             files += found
         else:
             if why := not_a_file(path):
                 raise PreprocessError(f"input file {item} {why}")
+            if output := is_output(path):
+                raise PreprocessError(
+                    f"input {item} is {output}, which --output-prefix {output_prefix} "
+                    "writes: give another prefix"
+                )
             files.append(path)
     seen: dict[Path, Path] = {}
     for path in files:

@@ -160,7 +160,7 @@ class _Runner:
         if run.workers <= 1:  # this process tokenizes: on one core, as asked
             os.environ["TOKENIZERS_PARALLELISM"] = "false"
         tokenizer = self.tokenizer = run.tokenizer.build()
-        files = expand_inputs(run.inputs)
+        files = expand_inputs(run.inputs, self.prefix)
         settings = Settings(
             tokenizer=tokenizer.name,
             vocab_size=tokenizer.vocab_size,
@@ -193,7 +193,8 @@ class _Runner:
         digest = plan_digest(settings, units)
         if self._published_digest() == digest:
             metadata = DatasetMetadata.load(prefix)
-            return Outcome([f"{prefix}.bin/.idx are up to date: nothing to do"], metadata)
+            self.lines.append(f"{prefix}.bin/.idx are up to date: nothing to do")
+            return Outcome(self.lines, metadata)
         start_over = self._compare_with_earlier_plan(settings, units)
         published = [s for s in (".bin", ".idx") if Path(f"{prefix}{s}").exists()]
         if published and not run.overwrite:

@@ -41,3 +41,41 @@ def test_an_output_prefix_that_names_a_directory_is_refused(tmp_path, capsys, pr
     with pytest.raises(PreprocessError, match=r"output prefix \.\. names a directory"):
         preprocess_corpus(CorpusRun([corpus], Path("..")))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["wiki.jsonl"]
+
+
+def test_an_input_that_is_one_of_the_outputs_files_is_refused(tmp_path, capsys):
+    """``--input c/wiki.json --output-prefix c/wiki`` replaced the input with the
+    dataset's metadata and exited 0."""
+    corpus = _corpus_file(tmp_path / "wiki.json", "one document")
+    before = Path(corpus).read_bytes()
+    prefix = str(tmp_path / "wiki")
+    assert cli_error_of(capsys, "preprocess", "--input", corpus, "--output-prefix", prefix) == (
+        f"error: input {corpus} is {prefix}.json, which --output-prefix {prefix} writes: "
+        "give another prefix"
+    )
+    assert Path(corpus).read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["wiki.json"]
+    (tmp_path / "data.parts").mkdir()
+    receipt = _corpus_file(tmp_path / "data.parts" / "units" / "000000.json", "x")
+    with pytest.raises(PreprocessError, match=rf"input {receipt} is in {tmp_path}/data.parts/"):
+        preprocess_corpus(CorpusRun([receipt], tmp_path / "data"))
+
+
+@pytest.mark.parametrize("given", ["directory", "glob"])
+def test_a_directory_or_glob_leaves_out_the_outputs_own_files(tmp_path, given):
+    """An output beside its inputs: the rerun found PREFIX.json, PREFIX.manifest.json and
+    the receipts in PREFIX.parts/ as four new inputs and refused to continue ("other
+    settings"); with --overwrite it tokenized its own outputs."""
+    _corpus_file(tmp_path / "d" / "a.jsonl", "hello world", "second doc")
+    inputs = [str(tmp_path / "d") if given == "directory" else f"{tmp_path}/d/**/*.json*"]
+    run = CorpusRun(inputs, tmp_path / "d" / "out")
+    first = preprocess_corpus(run)
+    (tmp_path / "d" / "out.tmp-0123456789ab.json").write_text("{}")  # a stopped run's
+    assert preprocess_corpus(run).lines == [
+        f"removed {tmp_path}/d/out.tmp-0123456789ab.json: left by a run that stopped before "
+        "publishing",
+        f"{tmp_path}/d/out.bin/.idx are up to date: nothing to do",
+    ]
+    again = preprocess_corpus(CorpusRun(inputs, tmp_path / "d" / "out", overwrite=True))
+    assert again.metadata == first.metadata
+    assert again.metadata.num_documents == 2
