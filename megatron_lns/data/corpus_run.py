@@ -14,6 +14,7 @@ be reading it.
 
 from __future__ import annotations
 
+import glob
 import multiprocessing
 import os
 import queue
@@ -227,7 +228,9 @@ class _Runner:
         return self._merge(settings, units, digest)
 
     def _remove_stale_merges(self) -> None:
-        for stale in sorted(self.prefix.parent.glob(f"{self.prefix.name}.tmp-*")):
+        # Escaped: a prefix 'out[1]' would match another run's 'out1.tmp-*' as a pattern.
+        pattern = f"{glob.escape(self.prefix.name)}.tmp-*"
+        for stale in sorted(self.prefix.parent.glob(pattern)):
             stale.unlink(missing_ok=True)
             self.lines.append(f"removed {stale}: left by a run that stopped before publishing")
 

@@ -79,3 +79,16 @@ def test_a_directory_or_glob_leaves_out_the_outputs_own_files(tmp_path, given):
     again = preprocess_corpus(CorpusRun(inputs, tmp_path / "d" / "out", overwrite=True))
     assert again.metadata == first.metadata
     assert again.metadata.num_documents == 2
+
+
+def test_a_glob_character_in_the_prefix_removes_only_its_own_stale_temporaries(tmp_path):
+    """Stale merges were found with the prefix as a glob pattern: 'out[1]' removed
+    another run's out1.tmp-* file."""
+    corpus = _corpus_file(tmp_path / "a.jsonl", "hello world")
+    others = tmp_path / "out1.tmp-aaaaaaaaaaaa.bin"
+    own = tmp_path / "out[1].tmp-bbbbbbbbbbbb.bin"
+    others.touch()
+    own.touch()
+    lines = preprocess_corpus(CorpusRun([corpus], tmp_path / "out[1]")).lines
+    assert f"removed {own}: left by a run that stopped before publishing" in lines
+    assert others.exists() and not own.exists()
