@@ -112,6 +112,9 @@ def check_arguments(args: argparse.Namespace) -> None:
         )
     if args.workers is not None and args.workers < 1:
         raise PreprocessError(f"--workers {args.workers}: give at least 1")
+    from megatron_lns.data.unit_worker import BadRecordLimit
+
+    BadRecordLimit.parse(args.max_bad_records)  # here: --submit passes the text to the job
     if args.task is not None and args.plan_only:
         raise PreprocessError("--task and --plan-only: give one (the plan comes first)")
 

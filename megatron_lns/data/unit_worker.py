@@ -9,6 +9,7 @@ takes the unit's lock names and removes what was left. Worker processes run
 from __future__ import annotations
 
 import dataclasses
+import math
 import multiprocessing
 import os
 import signal
@@ -82,9 +83,13 @@ class BadRecordLimit:
 
     @classmethod
     def parse(cls, text: str) -> BadRecordLimit:
+        """A finite count or fraction: 'inf' (or 1e400) is refused like any other word,
+        there being no count it stands for (a fraction below 1 bounds any corpus)."""
         try:
             value = float(text)
         except ValueError:
+            value = -1.0
+        if not math.isfinite(value):
             value = -1.0
         if value >= 1 and value == int(value):
             return cls(count=int(value))

@@ -92,3 +92,19 @@ def test_a_glob_character_in_the_prefix_removes_only_its_own_stale_temporaries(t
     lines = preprocess_corpus(CorpusRun([corpus], tmp_path / "out[1]")).lines
     assert f"removed {own}: left by a run that stopped before publishing" in lines
     assert others.exists() and not own.exists()
+
+
+@pytest.mark.parametrize("limit", ["inf", "1e400", "nan", "-inf"])
+def test_a_bad_record_limit_that_is_no_number_is_refused_before_any_work(tmp_path, capsys, limit):
+    """'inf' (or 1e400) ended in an OverflowError traceback, and --submit wrote it into
+    the job's script for the job to fail on."""
+    corpus = _corpus_file(tmp_path / "a.jsonl", "hello world")
+    (tmp_path / "cluster.yaml").write_text("cluster:\n  partition: cpu\n")
+    expected = (
+        f"error: --max-bad-records {limit}: give a count (10) or a fraction of the records (0.001)"
+    )
+    prep = ["preprocess", "--input", corpus, "--output-prefix", str(tmp_path / "out")]
+    assert cli_error_of(capsys, *prep, f"--max-bad-records={limit}") == expected
+    submit = ["--submit", str(tmp_path / "cluster.yaml"), "--dry-run"]
+    assert cli_error_of(capsys, *prep, f"--max-bad-records={limit}", *submit) == expected
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "cluster.yaml"]
