@@ -91,14 +91,23 @@ TOKENIZER_FLAGS = {
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse, naming the flag, what would fail later or mean something else: a tokenizer
-    without its file, an output prefix that names a directory (``data/new/``: ``Path``
-    drops the '/', so it wrote ``data/new.bin``; ``.``, ``..``, ``data/.``: no file name
-    to add ``.bin`` to), a worker count below one."""
+    without its file, another library's tokenizer file (which the run would ignore: with
+    no --tokenizer-library, it tokenized bytes), an output prefix that names a directory
+    (``data/new/``: ``Path`` drops the '/', so it wrote ``data/new.bin``; ``.``, ``..``,
+    ``data/.``: no file name to add ``.bin`` to), a worker count below one."""
     from megatron_lns.data.preprocess import PreprocessError
 
-    needed = TOKENIZER_FLAGS.get(args.tokenizer_library)
+    library = args.tokenizer_library
+    needed = TOKENIZER_FLAGS.get(library)
     if needed and not getattr(args, needed[0]):
-        raise PreprocessError(f"--tokenizer-library {args.tokenizer_library} needs {needed[1]}")
+        raise PreprocessError(f"--tokenizer-library {library} needs {needed[1]}")
+    for user, (dest, _) in TOKENIZER_FLAGS.items():
+        if user != library and getattr(args, dest) is not None:
+            flag = f"--{dest.replace('_', '-')}"
+            raise PreprocessError(
+                f"{flag} {getattr(args, dest)}: --tokenizer-library {library} does not read "
+                f"it (--tokenizer-library {user} does)"
+            )
     prefix = args.output_prefix
     last_part = prefix.replace(os.sep, "/").rpartition("/")[2]
     if last_part in ("", ".", ".."):

@@ -108,3 +108,20 @@ def test_a_bad_record_limit_that_is_no_number_is_refused_before_any_work(tmp_pat
     submit = ["--submit", str(tmp_path / "cluster.yaml"), "--dry-run"]
     assert cli_error_of(capsys, *prep, f"--max-bad-records={limit}", *submit) == expected
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "cluster.yaml"]
+
+
+def test_a_tokenizer_file_the_library_does_not_read_is_refused(tmp_path, capsys):
+    """--tokenizer-model (or --tokenizer-type) without the library that reads it was
+    ignored: the run tokenized bytes and exited 0."""
+    corpus = _corpus_file(tmp_path / "a.jsonl", "hello world")
+    prep = ["preprocess", "--input", corpus, "--output-prefix", str(tmp_path / "out")]
+    assert cli_error_of(capsys, *prep, "--tokenizer-model", "anything.model") == (
+        "error: --tokenizer-model anything.model: --tokenizer-library byte does not read it "
+        "(--tokenizer-library sentencepiece does)"
+    )
+    sentencepiece = ["--tokenizer-library", "sentencepiece", "--tokenizer-model", "m.model"]
+    assert cli_error_of(capsys, *prep, *sentencepiece, "--tokenizer-type", "hf-dir") == (
+        "error: --tokenizer-type hf-dir: --tokenizer-library sentencepiece does not read it "
+        "(--tokenizer-library huggingface does)"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl"]
