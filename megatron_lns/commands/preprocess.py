@@ -14,6 +14,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     prep = commands.add_parser(
         "preprocess", help="corpus (jsonl, parquet, text; .gz/.zst) -> megatron indexed dataset"
     )
+    add_arguments(prep)
+    prep.set_defaults(func=run, overrides=[])
+
+
+def add_arguments(prep: argparse.ArgumentParser) -> None:
+    """preprocess's options; ``--submit`` reads them too, to pass each one to the job."""
     prep.add_argument(
         "--input",
         nargs="+",
@@ -79,7 +85,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="with --submit: print the sbatch script; write and submit nothing",
     )
-    prep.set_defaults(func=run, overrides=[])
 
 
 # The flag each tokenizer library needs, and what it names.

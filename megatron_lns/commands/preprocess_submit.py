@@ -123,11 +123,19 @@ def cluster_section(config: str, overrides: list[str]):
     return cfg.cluster, ignored
 
 
+# preprocess's options that the job's steps are not given as they came: the paths (made
+# absolute: a step may start elsewhere, in a container), this submission's own, and what
+# each step sets itself (refused with --submit). Every other option is passed on as given.
+PASSED_AS_PATHS = ("input", "output_prefix", "tokenizer_type", "tokenizer_model")
+THIS_SUBMISSIONS = ("submit", "nodes", "dry_run")
+SET_BY_EACH_STEP = ("task", "plan_only")
+
+
 def _arguments(args: argparse.Namespace, inputs: list[str], prefix: Path):
     """preprocess's arguments for the job's steps (paths absolute: the steps may start
-    elsewhere, in a container), and the tokenizer files they read."""
+    elsewhere, in a container), and the tokenizer files they read. Every option of the
+    parser is passed on, but those named above: a new one cannot be dropped silently."""
     words = ["--input", *inputs, "--output-prefix", str(prefix)]
-    words += ["--tokenizer-library", args.tokenizer_library, "--json-key", args.json_key]
     files = []
     for flag, value in (
         ("--tokenizer-type", args.tokenizer_type),
@@ -138,12 +146,23 @@ def _arguments(args: argparse.Namespace, inputs: list[str], prefix: Path):
                 value = os.path.abspath(value)
                 files.append((flag, _directory(Path(value))))
             words += [flag, value]
-    words += ["--max-bad-records", str(args.max_bad_records)]
-    if args.workers is not None:  # else each task takes its own CPUs
-        words += ["--workers", str(args.workers)]
-    if args.overwrite:
-        words.append("--overwrite")
+    not_as_given = {*PASSED_AS_PATHS, *THIS_SUBMISSIONS, *SET_BY_EACH_STEP, "help"}
+    for action in preprocess_options():
+        value = getattr(args, action.dest)
+        if action.dest in not_as_given or value is None or value is False:
+            continue  # (unset: a task's --workers are then its own CPUs)
+        flag = max(action.option_strings, key=len)
+        words += [flag] if value is True else [flag, str(value)]
     return words, files
+
+
+def preprocess_options() -> list[argparse.Action]:
+    """The options of ``megatron-lns preprocess``, as its parser declares them."""
+    from megatron_lns.commands.preprocess import add_arguments
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    return list(parser._actions)
 
 
 def _input_places(inputs: list[str]) -> list[Path]:

@@ -13,8 +13,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import hugging_face_tokenizer_dir
 
 from megatron_lns.cli import main
+from megatron_lns.commands.preprocess_submit import preprocess_options
 
 HOSTILE = "dir 'x' $(touch PWNED) `touch PWNED`"
 
@@ -210,6 +212,39 @@ def test_flags_of_a_local_run_are_refused_with_submit(
     extra = [] if flags[0] == "--nodes" else flags
     code, _, err = _render(capsys, plain_corpus, config, *extra, nodes=nodes)
     assert code != 0 and message in err
+
+
+def test_every_option_reaches_every_step_but_the_submissions_own(tmp_path, capsys, plain_corpus):
+    """--submit passed a fixed list of options: --encoder gigatoken (and --quiet) were
+    dropped, and the job tokenized with the standard encoder. The options are now read
+    from the parser: each reaches the three steps as given, but the submission's own and
+    those each step sets (refused with --submit, above)."""
+    (tmp_path / "tokenizer").mkdir()
+    tokenizer = hugging_face_tokenizer_dir(tmp_path / "tokenizer")
+    given = {
+        "--tokenizer-library": "huggingface",
+        "--tokenizer-type": str(tokenizer),
+        "--encoder": "gigatoken",
+        "--json-key": "body",
+        "--workers": "3",
+        "--max-bad-records": "5",
+        "--overwrite": None,
+        "--quiet": None,
+    }
+    own = {"--input", "--output-prefix", "--submit", "--nodes", "--dry-run"}
+    options = {max(a.option_strings, key=len) for a in preprocess_options()}
+    # --tokenizer-model is passed as --tokenizer-type is; --task and --plan-only refused.
+    others = {"--tokenizer-model", "--task", "--plan-only"}
+    assert options == {*given, *own, *others}, "a new option: test it here"
+    words = [word for flag, value in given.items() for word in (flag, value) if word]
+    code, script, err = _render(capsys, plain_corpus, _config(tmp_path, "cluster: {}\n"), *words)
+    assert code == 0, err
+    steps = [line for line in script.splitlines() if " -m megatron_lns.cli " in line]
+    assert len(steps) == 3
+    for step in steps:
+        for flag, value in given.items():
+            expected = f" {flag} {value} " if value else f" {flag} "
+            assert expected in f"{step} ", step
 
 
 def test_submit_flags_without_submit_are_refused(capsys, plain_corpus):
