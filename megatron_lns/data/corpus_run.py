@@ -246,8 +246,16 @@ class _Runner:
 
     def _compare_with_earlier_plan(self, settings: Settings, units: list[Unit]) -> bool:
         """Whether to start over (other settings, with ``overwrite``; refused without);
-        names the inputs that changed since an earlier run tokenized them."""
-        earlier = self.parts.load_plan()
+        names the inputs that changed since an earlier run tokenized them. An earlier plan
+        this version cannot read is refused likewise, and started over with ``overwrite``."""
+        try:
+            earlier = self.parts.load_plan()
+        except PreprocessError:
+            if not self.run.overwrite:
+                raise
+            plan = self.parts.root / "plan.json"
+            self.lines.append(f"{plan} is not a plan this version can read: started over")
+            return True
         if earlier is None:
             return False
         old_settings, old_units = earlier

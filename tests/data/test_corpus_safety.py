@@ -125,3 +125,22 @@ def test_a_tokenizer_file_the_library_does_not_read_is_refused(tmp_path, capsys)
         "(--tokenizer-library huggingface does)"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl"]
+
+
+def test_overwrite_starts_over_from_a_plan_that_cannot_be_read(tmp_path):
+    """An unreadable PREFIX.parts/plan.json was refused with '--overwrite starts over'
+    although --overwrite was given: the plan was read before the option was looked at."""
+    corpus = _corpus_file(tmp_path / "a.jsonl", "hello world", "second doc")
+    (tmp_path / "out.parts").mkdir()
+    (tmp_path / "out.parts" / "plan.json").write_text("[]\n")
+    with pytest.raises(PreprocessError, match=r"plan.json is not a plan .*: --overwrite starts"):
+        preprocess_corpus(CorpusRun([corpus], tmp_path / "out"))
+    lines = preprocess_corpus(CorpusRun([corpus], tmp_path / "out", overwrite=True)).lines
+    assert (
+        lines[0]
+        == f"{tmp_path}/out.parts/plan.json is not a plan this version can read: started over"
+    )
+    assert lines[-1].startswith(f"wrote {tmp_path}/out.bin/.idx: 2 documents")
+    assert preprocess_corpus(CorpusRun([corpus], tmp_path / "out")).lines == [
+        f"{tmp_path}/out.bin/.idx are up to date: nothing to do"
+    ]
