@@ -37,6 +37,14 @@ from megatron_lns.data.corpus_inputs import PreprocessError, input_format
 
 UNIT_BYTES = 32 << 20
 PLAN_FORMAT = 1
+# What a receipt (unit_worker writes it) holds that the merge and the manifest count with.
+RECEIPT_FIGURES = {
+    "documents": int,
+    "tokens": int,
+    "max_token_id": int,
+    "bad_records": list,
+    "seconds": (int, float),
+}
 
 
 @dataclass(frozen=True)
@@ -190,13 +198,17 @@ class PartsDirectory:
         write_json_atomically(self.root / "plan.json", data)
 
     def receipt(self, unit: Unit) -> dict | None:
-        """The unit's receipt if it is done (for this very input), else None."""
+        """The unit's receipt if it is done (for this very input), else None: also when
+        the receipt is not one (not JSON, not a mapping, a figure the merge sums missing),
+        so that the unit is tokenized again rather than merged from what it says."""
         prefix = self.prefix(unit)
         try:
             receipt = json.loads(Path(f"{prefix}.json").read_text())
         except (OSError, ValueError):
             return None
-        if receipt.get("unit") != asdict(unit):
+        if not isinstance(receipt, dict) or receipt.get("unit") != asdict(unit):
+            return None
+        if any(not isinstance(receipt.get(key), kind) for key, kind in RECEIPT_FIGURES.items()):
             return None
         if not (Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file()):
             return None

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import cli_error_of
 
-from megatron_lns.cli import main
+from megatron_lns.data.output_files import OUTPUT_SUFFIXES
 from megatron_lns.data.preprocess import CorpusRun, PreprocessError, preprocess_corpus
 
 
@@ -24,8 +24,10 @@ def _corpus_file(path: Path, *texts: str) -> str:
     return str(path)
 
 
-def _preprocess(*args: str) -> int:
-    return main(["preprocess", "--quiet", "--workers", "1", *args])
+def _unpublish(prefix: Path) -> None:
+    """Remove the published dataset, keeping PREFIX.parts/: a rerun then merges again."""
+    for suffix in OUTPUT_SUFFIXES:
+        Path(f"{prefix}{suffix}").unlink()
 
 
 @pytest.mark.parametrize("prefix", [".", "", "..", "data/.", "data/.."])
@@ -144,3 +146,33 @@ def test_overwrite_starts_over_from_a_plan_that_cannot_be_read(tmp_path):
     assert preprocess_corpus(CorpusRun([corpus], tmp_path / "out")).lines == [
         f"{tmp_path}/out.bin/.idx are up to date: nothing to do"
     ]
+
+
+@pytest.mark.parametrize(
+    "receipt", ["[]\n", '{"unit": null}\n', "receipt"], ids=["list", "no-unit", "not-json"]
+)
+def test_a_receipt_that_is_not_one_makes_its_unit_redone(tmp_path, receipt):
+    """A unit receipt holding a JSON list ended the rerun in an AttributeError traceback."""
+    first = _corpus_file(tmp_path / "in" / "1.jsonl", "hello world", "second doc")
+    second = _corpus_file(tmp_path / "in" / "2.jsonl", "third doc")
+    run = CorpusRun([first, second], tmp_path / "out")
+    expected = preprocess_corpus(run).metadata
+    (tmp_path / "out.parts" / "units" / "000000.json").write_text(receipt)
+    _unpublish(tmp_path / "out")
+    outcome = preprocess_corpus(run)
+    assert outcome.lines[0] == "resumed: 1 of 2 units were done before"
+    assert outcome.metadata == expected
+
+
+def test_a_receipt_without_a_figure_the_merge_sums_makes_its_unit_redone(tmp_path):
+    corpus = _corpus_file(tmp_path / "in" / "1.jsonl", "hello world", "second doc")
+    run = CorpusRun([corpus], tmp_path / "out")
+    expected = preprocess_corpus(run).metadata
+    path = tmp_path / "out.parts" / "units" / "000000.json"
+    receipt = json.loads(path.read_text())
+    del receipt["documents"]
+    path.write_text(json.dumps(receipt))
+    _unpublish(tmp_path / "out")
+    outcome = preprocess_corpus(run)
+    assert not outcome.lines[0].startswith("resumed")
+    assert outcome.metadata == expected
