@@ -206,11 +206,16 @@ def _read_parquet(path: Path, json_key: str) -> Iterator[RecordBatch]:
         parquet = pq.ParquetFile(path)
         schema = parquet.schema_arrow
     except (OSError, pa.ArrowException) as err:
-        raise PreprocessError(f"{path}: not a readable parquet file ({err})") from None
+        raise PreprocessError(f"{path}: not a readable parquet file ({_one_line(err)})") from None
     if json_key not in schema.names:
         raise PreprocessError(
             f"{path}: no column '{json_key}' (columns: {', '.join(schema.names)[:120]}); "
             "--json-key names the text column"
+        )
+    if (columns := schema.names.count(json_key)) > 1:
+        raise PreprocessError(
+            f"{path}: {columns} columns are named '{json_key}': which one holds the text "
+            "is not known; write the file with one"
         )
     kind = schema.field(json_key).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
@@ -233,7 +238,14 @@ def _read_parquet(path: Path, json_key: str) -> Iterator[RecordBatch]:
             batch.input_bytes, reported = position - reported, position
             yield batch
     except (OSError, pa.ArrowException) as err:
-        raise PreprocessError(f"{path}: cannot read parquet row {row + 1} on ({err})") from None
+        raise PreprocessError(
+            f"{path}: cannot read parquet row {row + 1} on ({_one_line(err)})"
+        ) from None
+
+
+def _one_line(err: Exception) -> str:
+    """pyarrow's message on one line: its lines (thrift's, then pyarrow's) joined by '; '."""
+    return "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
 
 
 def read_batches(

@@ -9,8 +9,11 @@ does what was asked; none leaves a file that a later run would take for finished
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from helpers import cli_error_of
 
@@ -176,3 +179,34 @@ def test_a_receipt_without_a_figure_the_merge_sums_makes_its_unit_redone(tmp_pat
     outcome = preprocess_corpus(run)
     assert not outcome.lines[0].startswith("resumed")
     assert outcome.metadata == expected
+
+
+def _parquet_with(path: Path, junk_at: int | None) -> str:
+    """Ten documents in parquet; with ``junk_at``, eight zero bytes written there (a
+    negative offset counts from the footer's start)."""
+    pq.write_table(pa.table({"text": ["a document"] * 10}), path)
+    data = bytearray(path.read_bytes())
+    if junk_at is not None:
+        footer = len(data) - 8 - struct.unpack("<i", data[-8:-4])[0]
+        start = footer + junk_at + 1 if junk_at < 0 else junk_at
+        data[start : start + 8] = b"\0" * 8
+    path.write_bytes(bytes(data))
+    return str(path)
+
+
+def test_parquet_that_cannot_be_read_is_one_line(tmp_path, capsys):
+    """Duplicate column names ended in a KeyError traceback; pyarrow's messages with
+    newlines (thrift's line, then pyarrow's) made the error two or three lines."""
+    table = pa.Table.from_arrays([pa.array(["a", "b"]), pa.array(["c", "d"])], ["text", "text"])
+    pq.write_table(table, tmp_path / "twice.parquet")
+    footer = _parquet_with(tmp_path / "footer.parquet", -1)
+    page = _parquet_with(tmp_path / "page.parquet", 4)
+    for corpus, message in [
+        (tmp_path / "twice.parquet", "2 columns are named 'text': which one holds the text"),
+        (footer, "not a readable parquet file (Couldn't deserialize thrift: "),
+        (page, "cannot read parquet row 1 on (Couldn't deserialize thrift: "),
+    ]:
+        out = str(tmp_path / "out" / Path(corpus).stem)
+        error = cli_error_of(capsys, "preprocess", "--input", str(corpus), "--output-prefix", out)
+        assert error.startswith(f"error: {corpus}: {message}"), error
+    assert "; Deserializing page header failed.)" in error
