@@ -296,6 +296,13 @@ class _Runner:
                 f"{bad} bad records in all, {why} (listed in {self.parts.units}/*.json); "
                 "nothing published"
             )
+        if records == bad:  # as preprocess() refuses: a dataset training cannot sample
+            inputs = ", ".join(settings.inputs[:3])
+            more = f" and {len(settings.inputs) - 3} more" if len(settings.inputs) > 3 else ""
+            why = "the input is empty"
+            if bad:
+                why = f"every record is bad ({bad}, listed in {self.parts.units}/*.json)"
+            raise PreprocessError(f"no documents in {inputs}{more}: {why}; nothing published")
         temporary = temporary_prefix(prefix)
         untouched = (
             f"; {prefix}.bin/.idx left as they were"

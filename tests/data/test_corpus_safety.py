@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import cli_error_of
 
+from megatron_lns.cli import main
 from megatron_lns.data.output_files import OUTPUT_SUFFIXES
 from megatron_lns.data.preprocess import CorpusRun, PreprocessError, preprocess_corpus
 
@@ -210,3 +211,24 @@ def test_parquet_that_cannot_be_read_is_one_line(tmp_path, capsys):
         error = cli_error_of(capsys, "preprocess", "--input", str(corpus), "--output-prefix", out)
         assert error.startswith(f"error: {corpus}: {message}"), error
     assert "; Deserializing page header failed.)" in error
+
+
+def test_a_corpus_without_a_document_publishes_nothing(tmp_path, capsys):
+    """Every record bad but within --max-bad-records: a dataset of 0 documents was
+    published with exit status 0 (preprocess() of documents in memory refused it)."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    out = tmp_path / "out" / "e"
+    args = ["--input", str(bad), "--output-prefix", str(out), "--max-bad-records", "5"]
+    assert main(["preprocess", *args, "--quiet"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: no documents in {bad}: every record is bad (1, listed in "
+        f"{out}.parts/units/*.json); nothing published"
+    )
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["e.parts"]
+    blank = tmp_path / "blank.txt"  # in byte ranges, none of which is a whole empty file
+    blank.write_text("\n" * 10_000)
+    run = CorpusRun([str(blank)], tmp_path / "out" / "blank", unit_bytes=4096)
+    with pytest.raises(PreprocessError, match=r"blank.txt: the input is empty; nothing publ"):
+        preprocess_corpus(run)
+    assert not Path(f"{tmp_path}/out/blank.bin").exists()
