@@ -17,7 +17,17 @@ from megatron_lns.convert.errors import ConversionError
 
 
 def check_output_dir(out_dir: Path, overwrite: bool) -> None:
-    """Refuse an existing non-empty OUT_DIR unless ``overwrite``; refuse a file."""
+    """Refuse an existing non-empty OUT_DIR unless ``overwrite``; refuse a file; refuse
+    the current directory (``.``) and those above it: OUT_DIR is written as a sibling and
+    renamed into place, which for these would leave the shell in a deleted directory (and
+    ``.`` has no name to make the sibling's from)."""
+    where, here = Path(os.path.abspath(out_dir)).resolve(), Path.cwd().resolve()
+    if where == here or where in here.parents:
+        what = "the current directory" if where == here else "a parent of the current directory"
+        raise ConversionError(
+            f"output directory {out_dir} is {what}, which the output would replace: name a "
+            f"directory to write (e.g. {Path(out_dir) / 'out'})"
+        )
     if out_dir.exists() and not out_dir.is_dir():
         raise ConversionError(f"output {out_dir} exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
@@ -44,10 +54,11 @@ def staged_output_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[
     out_dir = Path(out_dir)
     check_output_dir(out_dir, overwrite)
     then = f"; {out_dir} left as it was" if out_dir.exists() else f"; no {out_dir} written"
-    staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
+    place = Path(os.path.abspath(out_dir))  # 'x/..' has no name of its own: its place has
+    staging = place.with_name(f".{place.name}.partial-{os.getpid()}")
     try:
         with _unwritable(out_dir, then):
-            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            place.parent.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir()
         yield staging
@@ -58,12 +69,12 @@ def staged_output_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[
             needed = getattr(err, "needed", None)
             raise disk_full_error(out_dir, reason, needed, then) from err
         raise
-    previous = out_dir.with_name(f".{out_dir.name}.replaced-{os.getpid()}")
+    previous = place.with_name(f".{place.name}.replaced-{os.getpid()}")
     with _unwritable(out_dir, then, cleanup=staging):
         give_plain_modes(staging)  # the umask's, not a writer's 0600 (safetensors)
-        if out_dir.exists():
-            out_dir.rename(previous)
-        staging.rename(out_dir)
+        if place.exists():
+            place.rename(previous)
+        staging.rename(place)
     shutil.rmtree(previous, ignore_errors=True)
 
 

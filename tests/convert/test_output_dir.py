@@ -1,0 +1,50 @@
+"""OUT_DIR of export-hf, import-hf and analyze: written as a hidden sibling and renamed
+into place (convert/output.py), so it must have a name and a place beside it."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import cli_error_of
+
+from megatron_lns.convert.errors import ConversionError
+from megatron_lns.convert.output import staged_output_dir
+
+
+@pytest.mark.parametrize(
+    ("out_dir", "what"),
+    [
+        (".", "the current directory"),
+        ("sub/..", "the current directory"),
+        ("..", "a parent of the current directory"),
+    ],
+)
+def test_the_current_directory_or_one_above_it_is_refused(tmp_path, monkeypatch, out_dir, what):
+    """'export-hf RUN .' ended in a ValueError traceback ('.' has no name to make the
+    staging sibling's from); replacing it would leave the shell in a deleted directory."""
+    (tmp_path / "here" / "sub").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "here")
+    with (
+        pytest.raises(ConversionError, match=rf"^output directory {out_dir} is {what}, which"),
+        staged_output_dir(out_dir, overwrite=True),
+    ):
+        pass
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["here", "sub"]
+
+
+def test_a_path_through_dot_dot_is_written_where_it_leads(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    with staged_output_dir("sub/../out") as stage:
+        (stage / "file").write_text("x")
+    assert (tmp_path / "out" / "file").read_text() == "x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "sub"]
+
+
+def test_analyze_refuses_its_out_before_the_analysis(tmp_path, monkeypatch, capsys):
+    """'analyze RUN --out .' crashed only once the whole analysis had run: the output is
+    now checked first (here before the missing run is even looked for)."""
+    monkeypatch.chdir(tmp_path)
+    assert cli_error_of(capsys, "analyze", "no-such-run", "--out", ".") == (
+        "error: output directory . is the current directory, which the output would "
+        "replace: name a directory to write (e.g. out)"
+    )
