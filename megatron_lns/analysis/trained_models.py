@@ -169,16 +169,12 @@ def _hf_base(config: str | Path | None, hf_dir: Path):
     config may say what the export cannot: the dense ``ffn_hidden_size`` of a run whose
     every layer is MoE, which its model never uses)."""
     from megatron_lns.convert.architectures import architecture_for_hf_config
-    from megatron_lns.convert.hf_import import read_hf_config
+    from megatron_lns.convert.hf_import import read_base_config_file, read_hf_config
 
     if config is None:
         return OmegaConf.create({})
-    path = config_file(config)
     try:
-        base = OmegaConf.load(path)
-    except Exception as err:  # YAML syntax errors come in several types
-        raise AnalysisError(f"--config {path}: {str(err).splitlines()[0]}") from err
-    try:
+        base = read_base_config_file(config_file(config))  # as import-hf reads its --config
         settings = architecture_for_hf_config(read_hf_config(hf_dir), False).model_settings()
     except ConversionError as err:
         raise AnalysisError(str(err)) from err

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_lns.base.path_kind import not_a_directory, not_a_file
@@ -194,14 +195,25 @@ def _read_base_config(path: str | Path | DictConfig | None) -> DictConfig:
         return path.copy()
     if Path(path).is_dir():  # a run directory or checkpoint: the config it keeps
         path = config_file(path)
+    return read_base_config_file(Path(path))
+
+
+def read_base_config_file(path: Path) -> DictConfig:
+    """The ``--config`` YAML file ``path`` (of import-hf, and analyze's for a Hugging Face
+    input), refused in one line unless it is a mapping: OmegaConf loads a list as a
+    ListConfig and a file of one word as a mapping with that word as its key."""
     if problem := not_a_file(path):
         raise ConversionError(f"--config {path} {problem}")
     try:
-        raw = OmegaConf.load(path)
+        kind = type(yaml.safe_load(path.read_text(encoding="utf-8")))
+        raw = OmegaConf.load(path) if kind is dict else None
     except Exception as err:  # YAML syntax errors come in several types
         raise ConversionError(f"--config {path}: {str(err).splitlines()[0]}") from err
     if not isinstance(raw, DictConfig):
-        raise ConversionError(f"--config {path} is not a mapping of config sections")
+        got = {list: "a list", type(None): "nothing"}.get(kind, "a single value")
+        raise ConversionError(
+            f"--config {path} is not a mapping of config sections (it holds {got})"
+        )
     return raw
 
 

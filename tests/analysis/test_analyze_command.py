@@ -95,3 +95,21 @@ def test_document_batches_score_whole_documents_once_over_data_parallel_ranks(dp
     assert sum(float(m.sum()) for m in masks) == 14
     assert all(mb["tokens"].shape == (1, 4) for r in ranks for b in r.batches for mb in b)
     assert len({len(r.batches) for r in ranks}) == 1  # every rank runs as many passes
+
+
+@pytest.mark.parametrize(
+    ("text", "holds"),
+    [("- a\n- b\n", "a list"), ("hello\n", "a single value"), ("", "nothing")],
+    ids=["list", "word", "empty"],
+)
+def test_a_config_that_is_not_a_mapping_is_one_line(tmp_path, text, holds):
+    """analyze --config of a YAML list ended in an omegaconf ConfigTypeError traceback;
+    a file of one word was read as a mapping, and analyze then asked for the --config
+    that had been given. It is read as import-hf reads its --config."""
+    from megatron_lns.analysis.trained_models import AnalysisError, _hf_base
+
+    config = tmp_path / "base.yaml"
+    config.write_text(text)
+    message = rf"^--config {config} is not a mapping of config sections \(it holds {holds}\)$"
+    with pytest.raises(AnalysisError, match=message):
+        _hf_base(config, tmp_path / "hf")
