@@ -169,10 +169,21 @@ def read_hf_config(hf_dir: Path):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig
 
+    try:  # what transformers raises for a field it checks (a recent huggingface_hub)
+        from huggingface_hub.errors import StrictDataclassError
+
+        refused_fields: tuple[type[Exception], ...] = (StrictDataclassError,)
+    except ImportError:
+        refused_fields = ()
     try:
         return AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
     except (ValueError, KeyError, OSError) as err:
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConversionError(f"{hf_dir}/config.json: {message}") from err
+    except refused_fields as err:
+        # A field of the wrong type, or fields that do not fit together: a header line,
+        # then the validator's own, which names the field.
+        message = " ".join(str(err).split())
         raise ConversionError(f"{hf_dir}/config.json: {message}") from err
 
 

@@ -4,13 +4,14 @@ model larger than the memory the import may use converts."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import ROOT
-from hf_parity import silent
+from hf_parity import import_refuses_edited_config, silent
 from safetensors import safe_open
 from test_convert import _tiny_hf_llama
 
@@ -75,6 +76,44 @@ def test_import_reads_each_layer_once_in_order(seeded, tmp_path, monkeypatch):
     layers = [r for r in reads if any(".layers." in name for name in r)]
     assert [r[0].split(".")[2] for r in layers] == ["0", "1", "2"]
     assert all(len({name.split(".")[2] for name in r}) == 1 for r in layers)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A tiny Hugging Face Llama (hidden size 64, 4 heads, 3 layers): copy it to edit it."""
+    return _tiny_hf_llama(tmp_path_factory.mktemp("llama") / "source")
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"num_attention_heads": 5},
+            r"config.json: Class validation error for validator 'validate_architecture': "
+            r"ValueError: The hidden size \(64\) is not a multiple of the number of attention "
+            r"heads \(5\)",
+        ),
+        (
+            {"hidden_size": "64"},
+            r"config.json: Validation error for field 'hidden_size': TypeError: Field "
+            r"'hidden_size' expected int, got str",
+        ),
+        (
+            {"num_hidden_layers": 0},
+            r"config.json: num_hidden_layers=0 is not a model's: give a whole number of at "
+            r"least 1$",
+        ),
+    ],
+    ids=["heads-do-not-divide-hidden", "hidden-size-a-string", "no-layers"],
+)
+def test_impossible_config_json_values_are_one_line_naming_the_field(
+    seeded, tmp_path, tiny_llama, changes, message
+):
+    """transformers' strict field checks (huggingface_hub's StrictDataclass errors, which
+    are no ValueError) and a model of zero layers (a range of step 0 in the hybrid twin
+    pattern) ended in tracebacks."""
+    source = shutil.copytree(tiny_llama, tmp_path / "source")
+    import_refuses_edited_config(source, changes, message)
 
 
 @pytest.mark.long

@@ -38,7 +38,11 @@ from megatron_lns.convert.architectures.base import HF_NORM_OF, Architecture
 from megatron_lns.convert.architectures.llama import Llama
 from megatron_lns.convert.architectures.mixtral import Mixtral
 from megatron_lns.convert.architectures.qwen2_moe import Qwen2Moe
-from megatron_lns.convert.architectures.refusals import listed, refuse_unshared_design
+from megatron_lns.convert.architectures.refusals import (
+    listed,
+    refuse_impossible_hf_counts,
+    refuse_unshared_design,
+)
 from megatron_lns.convert.architectures.stablelm import StableLm
 from megatron_lns.convert.errors import ConversionError
 from megatron_lns.convert.hf_settings import refuse_unexportable
@@ -73,6 +77,7 @@ def architecture_for_hf_config(config, lns: bool) -> Architecture:
             f"config.json: architectures={architectures} is not supported; import reads "
             f"{listed(BY_HF_CLASS)}"
         )
+    refuse_impossible_hf_counts(config)
     return arch.from_hf_config(config, lns)
 
 

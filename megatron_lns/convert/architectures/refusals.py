@@ -115,3 +115,19 @@ def refuse_unshared_hf_design(config) -> None:
         raise ConversionError(
             f"config.json: hidden_act={config.hidden_act} is not supported (swiglu only)"
         )
+
+
+# config.json's sizes that a model has at least one of: a zero or a string in one would
+# otherwise end in a traceback (a range of step 0, a division), not a refusal.
+HF_COUNTS = ("num_hidden_layers", "hidden_size", "num_attention_heads")
+
+
+def refuse_impossible_hf_counts(config) -> None:
+    """Refuse, naming the field, a ``config.json`` count that is not a whole number of at
+    least 1 (``transformers`` checks some of them, depending on its version)."""
+    for key in HF_COUNTS:
+        value = getattr(config, key, None)
+        if type(value) is not int or value < 1:
+            raise ConversionError(
+                f"config.json: {key}={value!r} is not a model's: give a whole number of at least 1"
+            )
