@@ -7,7 +7,8 @@ follow it, so it must not depend on the file system's listing order.
 
 A file's format comes from its name: ``.jsonl``/``.json``/``.ndjson`` are JSON lines,
 ``.parquet`` is parquet, anything else is text (a document per non-blank line); JSON
-lines and text may be compressed, ``.gz`` or ``.zst``.
+lines and text may be compressed, ``.gz`` or ``.zst``; another compression (``.bz2``,
+``.xz``, ...) is refused by name, where it would have been read as text.
 """
 
 from __future__ import annotations
@@ -21,6 +22,17 @@ from megatron_lns.data.errors import DataError
 
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}
+# Compressions not read: refused by name (read as text, their bytes were documents), and
+# in a directory counted as data files, so that they are refused rather than left out.
+UNREAD_COMPRESSIONS = {
+    ".bz2": "bzip2",
+    ".xz": "xz",
+    ".lzma": "lzma",
+    ".lz4": "lz4",
+    ".br": "brotli",
+    ".zip": "zip",
+    ".7z": "7-zip",
+}
 # What a directory contributes: data files only, not its README or a tool's markers.
 DATA_SUFFIXES = (*JSON_SUFFIXES, ".parquet", ".txt")
 
@@ -42,6 +54,11 @@ class InputFormat:
 
 def input_format(path: Path) -> InputFormat:
     suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] in UNREAD_COMPRESSIONS:
+        raise PreprocessError(
+            f"{path}: {UNREAD_COMPRESSIONS[suffixes[-1]]} compression is not read; "
+            "decompress the file, or recompress it with gzip or zstd (.gz, .zst)"
+        )
     compression = COMPRESSIONS.get(suffixes[-1]) if suffixes else None
     if compression:
         suffixes = suffixes[:-1]
@@ -58,7 +75,7 @@ def input_format(path: Path) -> InputFormat:
 
 def _is_data_file(path: Path) -> bool:
     name = path.name.lower()
-    for ending in COMPRESSIONS:
+    for ending in (*COMPRESSIONS, *UNREAD_COMPRESSIONS):
         name = name.removesuffix(ending)
     return not path.name.startswith(".") and name.endswith(DATA_SUFFIXES)
 

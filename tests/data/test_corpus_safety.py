@@ -232,3 +232,18 @@ def test_a_corpus_without_a_document_publishes_nothing(tmp_path, capsys):
     with pytest.raises(PreprocessError, match=r"blank.txt: the input is empty; nothing publ"):
         preprocess_corpus(run)
     assert not Path(f"{tmp_path}/out/blank.bin").exists()
+
+
+@pytest.mark.parametrize("suffix", [".bz2", ".xz"])
+def test_a_compression_that_is_not_read_is_refused_by_name(tmp_path, suffix):
+    """A .jsonl.bz2 (or .xz) was read as text: its compressed bytes became documents (or
+    bad records), and a directory left it out without a word."""
+    compressed = tmp_path / "in" / f"a.jsonl{suffix}"
+    compressed.parent.mkdir()
+    compressed.write_bytes(b"BZh91AY&SY\x00\x01")
+    name = {".bz2": "bzip2", ".xz": "xz"}[suffix]
+    message = rf"^{compressed}: {name} compression is not read; decompress the file, or "
+    for given in (compressed, compressed.parent):
+        with pytest.raises(PreprocessError, match=message):
+            preprocess_corpus(CorpusRun([str(given)], tmp_path / "out"))
+    assert not (tmp_path / "out.parts").exists()
