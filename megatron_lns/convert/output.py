@@ -1,7 +1,8 @@
 """Write a directory all at once: into a hidden sibling, renamed into place at the end.
 
-A conversion that fails or is killed half-way leaves OUT_DIR as it was (absent or
-untouched); only a hidden ``.NAME.partial-PID`` sibling can remain after a kill.
+A conversion that fails, is interrupted or terminated (SIGTERM) half-way leaves OUT_DIR
+as it was (absent or untouched); only a hidden ``.NAME.partial-PID`` sibling can remain
+after a SIGKILL.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,11 +60,15 @@ def staged_output_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[
     place = Path(os.path.abspath(out_dir))  # 'x/..' has no name of its own: its place has
     staging = place.with_name(f".{place.name}.partial-{os.getpid()}")
     try:
-        with _unwritable(out_dir, then):
-            place.parent.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir()
-        yield staging
+        with _terminate_as_exit():
+            with _unwritable(out_dir, then):
+                place.parent.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.mkdir()
+            yield staging
+            # Ctrl-C and SIGTERM held back until the old OUT_DIR is gone: between the two
+            # renames below there is no OUT_DIR, and before the removal a hidden old one.
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
         if is_disk_full(err) or isinstance(err, DiskFullError):
@@ -70,12 +77,39 @@ def staged_output_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[
             raise disk_full_error(out_dir, reason, needed, then) from err
         raise
     previous = place.with_name(f".{place.name}.replaced-{os.getpid()}")
-    with _unwritable(out_dir, then, cleanup=staging):
-        give_plain_modes(staging)  # the umask's, not a writer's 0600 (safetensors)
-        if place.exists():
-            place.rename(previous)
-        staging.rename(place)
-    shutil.rmtree(previous, ignore_errors=True)
+    try:
+        with _unwritable(out_dir, then, cleanup=staging):
+            give_plain_modes(staging)  # the umask's, not a writer's 0600 (safetensors)
+            if place.exists():
+                place.rename(previous)
+            staging.rename(place)
+        shutil.rmtree(previous, ignore_errors=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+@contextlib.contextmanager
+def _terminate_as_exit() -> Iterator[None]:
+    """SIGTERM (kill, timeout, scancel) raised as ``SystemExit(143)`` in the block, so that
+    the staging directory is removed as on Ctrl-C: by the default action the process died
+    at once, and its ``.OUT_DIR.partial-PID`` stayed for good. Only where SIGTERM has the
+    default action, in the main thread (where Python runs handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous != signal.SIG_DFL:
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager

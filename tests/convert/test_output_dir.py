@@ -3,6 +3,10 @@ into place (convert/output.py), so it must have a name and a place beside it."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 from helpers import cli_error_of
 
@@ -48,3 +52,21 @@ def test_analyze_refuses_its_out_before_the_analysis(tmp_path, monkeypatch, caps
         "error: output directory . is the current directory, which the output would "
         "replace: name a directory to write (e.g. out)"
     )
+
+
+def test_sigterm_midway_removes_the_staging_directory(tmp_path):
+    """export-hf stopped by SIGTERM (kill, timeout, scancel) died at once and left its
+    .OUT.partial-PID, which no later run removes; it now ends as on Ctrl-C, cleaned up,
+    with the status a TERM gives (143)."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with pytest.raises(SystemExit) as stopped, staged_output_dir(tmp_path / "out") as stage:
+            (stage / "half-written.safetensors").write_bytes(b"x" * 100)
+            assert signal.getsignal(signal.SIGTERM) != signal.SIG_DFL, "TERM would kill"
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)  # the handler raises in here
+        assert stopped.value.code == 128 + signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert list(tmp_path.iterdir()) == []
