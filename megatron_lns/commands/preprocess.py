@@ -118,12 +118,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     if last_part in ("", ".", ".."):
         name = Path(args.input[0]).name.split(".")[0] or "corpus"
         example = os.path.join(prefix, name) if prefix else name
-        shown = prefix or "''"
-        ends = "ends in '/'" if prefix.endswith(("/", os.sep)) else "names a directory"
-        raise PreprocessError(
-            f"output prefix {shown} {ends}: it names the files, not a directory "
-            f"(e.g. {example} writes {example}.bin)"
-        )
+        if prefix.endswith(("/", os.sep)):
+            problem = f"{prefix} ends in '/': it names the files, not a directory"
+        else:
+            shown = prefix or "''"
+            problem = f"{shown} names a directory, not the files"
+        raise PreprocessError(f"output prefix {problem} (e.g. {example} writes {example}.bin)")
     if args.workers is not None and args.workers < 1:
         raise PreprocessError(f"--workers {args.workers}: give at least 1")
     from megatron_lns.data.unit_worker import BadRecordLimit

@@ -118,7 +118,7 @@ def expand_inputs(inputs: list[str], output_prefix: Path | None = None) -> list[
             if output := is_output(path):
                 raise PreprocessError(
                     f"input {item} is {output}, which --output-prefix {output_prefix} "
-                    "writes: give another prefix"
+                    "writes: the run would overwrite it; give another prefix"
                 )
             files.append(path)
     seen: dict[Path, Path] = {}
