@@ -6,15 +6,20 @@ step (``-`` for none), then fields. Lines are appended across attempts and jobs 
 several writers: a SLURM batch script (bash, outside any container: its progress guard,
 ``cluster/slurm/progress.py``) and rank 0 of the trainer (the accounting of its wall time,
 ``training/goodput.py``). Each line is one ``write`` to a file opened with ``O_APPEND``,
-so lines never interleave; a reader skips a line it cannot parse (a torn last line).
-Torch-free: ``megatron-lns status`` reads it on a login node.
+so lines never interleave. A line that a kill or a full disk cut short, or that was
+edited by hand, is no record: :func:`read_progress` leaves it out and says which it left
+(the next writer's line may follow a torn one on the same line, so that can be any line,
+not only the last). Torch-free: ``megatron-lns status`` reads it on a login node.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from megatron_lns.base.timestamps import epoch_seconds
 
 RUN_PROGRESS_FILE = "run_progress"
 # The job id of the lines of a run that no scheduler watches.
@@ -31,11 +36,13 @@ class ProgressEvent:
     text: str = ""  # the words after the step (a warning's text)
 
     def number(self, key: str, default: float = 0.0) -> float:
-        """Field ``key`` as a number (``default`` when absent or unreadable)."""
+        """Field ``key`` as a finite number (``default`` when absent or unreadable: no
+        writer writes ``nan`` or ``inf``)."""
         try:
-            return float(self.fields[key])
+            value = float(self.fields[key])
         except (KeyError, ValueError):
             return default
+        return value if math.isfinite(value) else default
 
 
 def append_line(
@@ -58,18 +65,62 @@ def append_line(
         os.close(fd)
 
 
-def read_events(run_dir: Path) -> list[ProgressEvent]:
-    """Every well-formed line of ``run_progress`` (none when there is no file)."""
+@dataclass(frozen=True)
+class ProgressLines:
+    """What ``run_progress`` holds: its records, and the numbers (1-based) of the lines
+    that are none (module doc)."""
+
+    events: list[ProgressEvent]
+    unreadable: list[int]
+
+
+def read_progress(run_dir: Path) -> ProgressLines:
+    """Every record of ``run_progress`` and the lines that are none (none of either when
+    there is no file). Raises ``OSError`` when the file is there but cannot be read."""
     path = Path(run_dir) / RUN_PROGRESS_FILE
     if not path.is_file():
-        return []
-    events = []
-    for line in path.read_text(errors="replace").splitlines():
-        words = line.split()
-        if len(words) < 4 or not words[1].isdigit():
+        return ProgressLines([], [])
+    events, unreadable = [], []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
             continue
-        step = int(words[3]) if words[3].isdigit() else None
-        pairs = dict(word.split("=", 1) for word in words[4:] if "=" in word)
-        text = " ".join(words[4:])
-        events.append(ProgressEvent(words[0], int(words[1]), words[2], step, pairs, text))
-    return events
+        event = _parse(line.split())
+        if event is None:
+            unreadable.append(number)
+        else:
+            events.append(event)
+    return ProgressLines(events, unreadable)
+
+
+def read_events(run_dir: Path) -> list[ProgressEvent]:
+    """Every record of ``run_progress`` (:func:`read_progress`, the lines that are none
+    left out)."""
+    return read_progress(run_dir).events
+
+
+def _count(word: str) -> int | None:
+    """A restart or step as the writers write it: ASCII digits (``str.isdigit`` also
+    takes ``²``, which ``int`` refuses)."""
+    return int(word) if word.isascii() and word.isdigit() else None
+
+
+def _parse(words: list[str]) -> ProgressEvent | None:
+    """The record a line's ``words`` hold, or None when they are not one: fewer than four
+    words, a restart or step (other than ``-``) that is no count, or an ``at`` that is no
+    time (every writer writes ``time.time()`` there)."""
+    if len(words) < 4:
+        return None
+    job_id, restart, event, step = words[0], _count(words[1]), words[2], _count(words[3])
+    if restart is None or (step is None and words[3] != "-"):
+        return None
+    pairs = dict(word.split("=", 1) for word in words[4:] if "=" in word)
+    if "at" in pairs and epoch_seconds(_float_or_none(pairs["at"])) is None:
+        return None
+    return ProgressEvent(job_id, restart, event, step, pairs, " ".join(words[4:]))
+
+
+def _float_or_none(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import socket
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,12 +20,13 @@ from typing import Any
 import yaml
 
 from megatron_lns.base.errors import UserError
+from megatron_lns.base.timestamps import local_time
 from megatron_lns.config.sources import RUN_CONFIG
-from megatron_lns.runtime.progress_file import RUN_PROGRESS_FILE, ProgressEvent, read_events
+from megatron_lns.runtime.progress_file import RUN_PROGRESS_FILE, ProgressEvent, read_progress
 from megatron_lns.training.checkpoint_dirs import checkpoint_step, latest_complete_checkpoint
 from megatron_lns.training.goodput import Goodput, account, duration, goodput_table
 from megatron_lns.training.run_dir import LOCK_NAME, pid_alive
-from megatron_lns.training.run_status import RUN_STATUS_FILE
+from megatron_lns.training.run_status import RUN_STATUS_FILE, read_run_status
 
 
 def _rounded(value: float | None, digits: int = 2) -> float | None:
@@ -35,6 +36,11 @@ def _rounded(value: float | None, digits: int = 2) -> float | None:
 
 class NotARunDirectory(UserError):
     """The directory given is not a run's (``<exp_manager.exp_dir>/<exp_manager.name>``)."""
+
+
+class RunFileError(UserError):
+    """A file of the run directory that is there but cannot be read (no permission, an
+    I/O error, a config that is no YAML)."""
 
 
 @dataclass
@@ -50,6 +56,8 @@ class RunReport:
     last_record_at: float | None
     # The phase timeouts the hang watchdog learnt in the last attempt that recorded them.
     hang_timeouts: dict[str, float] = field(default_factory=dict)
+    # The lines of run_progress that hold no record (torn or edited), left out.
+    unreadable_progress_lines: list[int] = field(default_factory=list)
 
     @property
     def tokens(self) -> int | None:
@@ -110,6 +118,7 @@ class RunReport:
             "time_to_max_steps_s": _rounded(self.time_to_max_steps_s),
             "last_record_at": self.last_record_at,
             "hang_timeouts_s": self.hang_timeouts,
+            "unreadable_progress_lines": self.unreadable_progress_lines,
             "wall_s": _rounded(g.wall_s),
             "goodput": _rounded(g.fraction, 4),
             "seconds": {name.replace(", ", "_").replace(" ", "_").replace("-", "_"): _rounded(value)
@@ -147,23 +156,47 @@ class RunReport:
                 f"{self.step_s:.3g} s per step (the last attempt's rate, saves and "
                 "evaluation included)"
             )
+        if skipped := self.unreadable_progress_lines:
+            lines.append(_unreadable_lines_note(self.run_dir / RUN_PROGRESS_FILE, skipped))
         if self.hang_timeouts:
             learnt = ", ".join(f"{phase} {s:g} s" for phase, s in self.hang_timeouts.items())
             lines.append(f"hang timeouts learnt (last attempt): {learnt}")
-        if self.last_record_at is not None:
-            at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.last_record_at))
+        if self.last_record_at is not None:  # a time (progress_file's reader checked it)
+            at = local_time(self.last_record_at)
             lines.append(f"wall time accounted up to the last record, {at}:")
         return lines + goodput_table(g)
+
+
+# The unreadable lines of run_progress that the report names; the rest are counted.
+_LINES_NAMED = 5
+
+
+def _unreadable_lines_note(path: Path, numbers: list[int]) -> str:
+    """The report's line on the lines of ``path`` that hold no record."""
+    named = ", ".join(map(str, numbers[:_LINES_NAMED]))
+    if len(numbers) > _LINES_NAMED:
+        named += f" and {len(numbers) - _LINES_NAMED} more"
+    which = f"line {named} holds" if len(numbers) == 1 else f"lines {named} hold"
+    return (
+        f"note: {path}: {which} no record (torn by a kill, or edited); left out of the accounting"
+    )
+
+
+def _read(path: Path, reader: Callable[[], Any]) -> Any:
+    """What ``reader`` reads of ``path``; :class:`RunFileError` naming ``path`` when the
+    file is there but cannot be read, or is not the text or YAML it should be (the
+    readers of the record files take whatever text they find)."""
+    try:
+        return reader()
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise RunFileError(f"cannot read {path}: {err}".splitlines()[0]) from None
 
 
 def _config(run_dir: Path) -> dict[str, Any]:
     path = run_dir / RUN_CONFIG
     if not path.is_file():
         return {}
-    try:
-        config = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as err:
-        raise NotARunDirectory(f"cannot read {path}: {err}".splitlines()[0]) from None
+    config = _read(path, lambda: yaml.safe_load(path.read_text()))
     return config if isinstance(config, dict) else {}
 
 
@@ -196,9 +229,9 @@ def _state(run_dir: Path, goodput: Goodput, holder: str | None) -> str:
     last = goodput.attempts[-1].how if goodput.attempts else None
     if last is not None:
         return last
-    status = run_dir / RUN_STATUS_FILE
-    if status.is_file() and status.read_text().split()[:1] in (["finished"], ["stopped"]):
-        return status.read_text().split()[0]
+    status = _read(run_dir / RUN_STATUS_FILE, lambda: read_run_status(run_dir))
+    if status is not None:
+        return status[0]
     return "ended without a record (killed or crashed)" if goodput.attempts else "not started"
 
 
@@ -216,7 +249,8 @@ def run_report(run_dir: str | Path) -> RunReport:
     newest = latest_complete_checkpoint(run_dir / "checkpoints")
     newest_step = checkpoint_step(newest) if newest else 0
     holder = _lock_holder(run_dir)
-    events = read_events(run_dir)
+    progress = _read(run_dir / RUN_PROGRESS_FILE, lambda: read_progress(run_dir))
+    events = progress.events
     goodput = account(events, None if holder is not None else newest_step)
     attempts = goodput.attempts
     last = attempts[-1] if attempts else None
@@ -234,6 +268,7 @@ def run_report(run_dir: str | Path) -> RunReport:
         goodput=goodput,
         last_record_at=max((a.last_at for a in attempts), default=None),
         hang_timeouts=_hang_timeouts(events),
+        unreadable_progress_lines=progress.unreadable,
     )
 
 

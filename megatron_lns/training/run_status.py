@@ -30,8 +30,14 @@ def write_run_status(run_dir: Path, stopped_early: bool, step: int) -> None:
 
 
 def read_run_status(run_dir: Path) -> tuple[str, int] | None:
+    """``(state, step)`` as :func:`write_run_status` wrote them; None when there is no
+    such file or it says something else (an older or a hand-edited one: no run of this
+    version ended with it). Raises ``OSError`` when the file is there but cannot be read."""
     path = Path(run_dir) / RUN_STATUS_FILE
     if not path.is_file():
         return None
-    state, step = path.read_text().split()
-    return state, int(step)
+    words = path.read_text(errors="replace").split()
+    if len(words) != 2 or words[0] not in ("finished", "stopped"):
+        return None
+    state, step = words
+    return (state, int(step)) if step.isascii() and step.isdigit() else None

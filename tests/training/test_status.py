@@ -5,6 +5,7 @@ numbers of a real tiny run."""
 from __future__ import annotations
 
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -129,3 +130,60 @@ def test_a_real_tiny_run_accounts_its_wall_time(straight_tiny_run):
     # The hang watchdog's timeouts learnt from its steps, evaluations and saves: the floor.
     assert report.hang_timeouts == {"step": 30, "eval": 30, "save": 30}
     assert "hang timeouts learnt (last attempt): step 30 s, eval 30 s, save 30 s" in report.lines()
+
+
+# Lines no writer writes: a time that is not a number or past the calendar's end, a
+# restart or step that str.isdigit takes but int refuses, a torn line.
+CORRUPT_LINES = [
+    "local 0 trained 55 at=nan steps=5 train_s=4 save_s=0 eval_s=0 samples=20",
+    "local 0 trained 55 at=1e30 steps=5 train_s=4 save_s=0 eval_s=0 samples=20",
+    "local ² began 0 at=1030",
+    "local 0 trained ² at=1060",
+    "local 0 tra",
+]
+
+
+def test_corrupt_progress_lines_are_left_out_and_named(tmp_path, capsys):
+    for name in ("clean", "corrupt"):
+        (tmp_path / name).mkdir()
+    clean = run_report(_run_dir(tmp_path / "clean", 40, 60)).to_json()
+    run = _run_dir(tmp_path / "corrupt", 40, 60)
+    lines = (run / RUN_PROGRESS_FILE).read_text().splitlines()
+    (run / RUN_PROGRESS_FILE).write_text("\n".join([*lines[:2], *CORRUPT_LINES, *lines[2:]]))
+    report = run_report(run)
+    assert report.unreadable_progress_lines == [3, 4, 5, 6, 7]
+    corrupt = report.to_json()
+    assert corrupt.pop("unreadable_progress_lines") == [3, 4, 5, 6, 7]
+    clean.pop("unreadable_progress_lines")
+    paths = {"run_dir": None, "newest_checkpoint": None}
+    assert {**corrupt, **paths} == {**clean, **paths}
+    assert main(["status", str(run)]) == 0
+    assert (
+        f"note: {run / RUN_PROGRESS_FILE}: lines 3, 4, 5, 6, 7 hold no record (torn by a "
+        "kill, or edited); left out of the accounting"
+    ) in capsys.readouterr().out.splitlines()
+
+
+def test_numbers_no_writer_writes_count_as_absent(tmp_path):
+    run = _run_dir(tmp_path, 40, 60)
+    with (run / RUN_PROGRESS_FILE).open("a") as f:
+        f.write(f"local 0 trained 60 at=2050 {_totals('nan', 'inf', '-inf', 240)}\n")
+    report = run_report(run)
+    assert report.unreadable_progress_lines == []
+    attempt = report.goodput.attempts[-1]
+    assert (attempt.steps, attempt.train_s, attempt.save_s) == (20, 16, 6)  # as they were
+    assert all(math.isfinite(value) for value in report.goodput.rows.values())
+
+
+def test_run_files_that_are_no_text_are_one_line_or_ignored(tmp_path, capsys):
+    run = tmp_path / "lns"
+    run.mkdir()
+    (run / RUN_PROGRESS_FILE).write_text("")
+    (run / "run_status").write_bytes(b"\xff\n")  # says nothing a run wrote: ignored
+    assert run_report(run).state == "not started"
+    (run / "run_status").write_text("finished 6\n")
+    assert run_report(run).state == "finished"
+    (run / "config.yaml").write_bytes(b"name: \xff\n")
+    assert cli_error_of(capsys, "status", str(run)).startswith(
+        f"error: cannot read {run / 'config.yaml'}: 'utf-8' codec can't decode byte 0xff"
+    )
