@@ -19,13 +19,17 @@ import functools
 import json
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_lns.base.disk import disk_full_reported
 from megatron_lns.base.errors import UserError
+from megatron_lns.base.timestamps import epoch_seconds, local_time
 from megatron_lns.runtime.job import JobEnvironment, LocalJob
 
 LOCK_NAME = ".lock"
+# The largest process id there can be (pid_t); os.kill overflows past it.
+_MAX_PID = 2**31 - 1
 
 
 class RunDirError(UserError):
@@ -42,6 +46,7 @@ def holds_a_run(run_dir: Path) -> bool:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` (a :attr:`LockHolder.pid`: positive, within pid_t) runs."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -49,6 +54,58 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    """What a run directory's lock says of its holder, each part only where it says it
+    as :class:`RunDirLock` writes it (a record torn by a kill or edited by hand may hold
+    anything): ``pid`` a process id, ``host`` a name, ``started`` a time; ``record``: the
+    whole record as read (``{}`` when it is no JSON object), for what a job environment
+    added to it (:meth:`~megatron_lns.runtime.job.JobEnvironment.judge_foreign_lock`)."""
+
+    pid: int | None = None
+    host: str | None = None
+    started: float | None = None
+    record: dict = field(default_factory=dict)
+
+    @property
+    def named(self) -> bool:
+        """Whether it names a process, on a host, that can be asked whether it runs."""
+        return self.pid is not None and self.host is not None
+
+    def describe(self, held_by: str = "") -> str:
+        """``process P on HOST since TIME`` (``held_by`` added), or words for a record
+        that names none."""
+        if not self.named:
+            return f"a process its lock does not name readably{held_by}"
+        since = f" since {local_time(self.started)}" if self.started is not None else ""
+        return f"process {self.pid} on {self.host}{since}{held_by}"
+
+
+def read_lock(path: Path) -> LockHolder | None:
+    """The holder of the lock at ``path``, or None when there is no lock: the one reader
+    of ``.lock``, for the next run (:class:`RunDirLock`) and ``megatron-lns status``."""
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return None
+    except OSError:  # there, but unreadable: it stands, naming no holder
+        return LockHolder()
+    try:
+        record = json.loads(text)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict):
+        return LockHolder()
+    pid, host = record.get("pid"), record.get("host")
+    is_pid = isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid <= _MAX_PID
+    return LockHolder(
+        pid=pid if is_pid else None,
+        host=host if isinstance(host, str) and host else None,
+        started=epoch_seconds(record.get("started")),
+        record=record,
+    )
 
 
 class RunDirLock:
@@ -81,31 +138,27 @@ class RunDirLock:
         raise RunDirError(f"could not lock {self.path.parent}: another run took it meanwhile")
 
     def _take_over_if_stale(self) -> None:
-        try:
-            holder = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            holder = {}
-        if not isinstance(holder, dict):
-            holder = {}
-        pid, host = holder.get("pid"), holder.get("host")
+        holder = read_lock(self.path)
+        if holder is None:  # released meanwhile: the next try takes it
+            return
         run_dir = self.path.parent
-        if host == self.owner["host"]:
-            if isinstance(pid, int) and not pid_alive(pid):
+        if holder.host == self.owner["host"]:
+            if holder.pid is not None and not pid_alive(holder.pid):
                 print(
-                    f"note: removing the stale lock of process {pid}, which is gone, on {run_dir}"
+                    f"note: removing the stale lock of process {holder.pid}, which is gone, "
+                    f"on {run_dir}"
                 )
                 self.path.unlink(missing_ok=True)
                 return
             held_by = ""
         else:
-            verdict = self.job.judge_foreign_lock(holder)  # a pid means nothing here
+            verdict = self.job.judge_foreign_lock(holder.record)  # a pid means nothing here
             held_by = verdict.held_by
             if verdict.stale:
                 print(f"note: taking over the stale lock on {run_dir}: {verdict.stale}")
                 self.path.unlink(missing_ok=True)
                 return
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
-        where = f"process {pid} on {host} since {since}{held_by}" if pid else "another process"
+        where = holder.describe(held_by)
         raise RunDirError(
             f"{run_dir} is in use by {where}: two runs must not share a run directory "
             f"(choose another exp_manager.name; if no run is active, delete {self.path})"

@@ -10,7 +10,6 @@ run trains.
 
 from __future__ import annotations
 
-import json
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.runtime.progress_file import RUN_PROGRESS_FILE, ProgressEvent, read_progress
 from megatron_lns.training.checkpoint_dirs import checkpoint_step, latest_complete_checkpoint
 from megatron_lns.training.goodput import Goodput, account, duration, goodput_table
-from megatron_lns.training.run_dir import LOCK_NAME, pid_alive
+from megatron_lns.training.run_dir import LOCK_NAME, pid_alive, read_lock
 from megatron_lns.training.run_status import RUN_STATUS_FILE, read_run_status
 
 
@@ -208,19 +207,16 @@ def _setting(config: dict[str, Any], *keys: str) -> int | None:
 
 def _lock_holder(run_dir: Path) -> str | None:
     """Who holds the run directory's lock (``process P on HOST``; ``""`` when its record
-    cannot be read), or None when no run does: no lock, or one left on this host by a
-    process that is gone (a killed run; the next run takes it over)."""
-    path = run_dir / LOCK_NAME
-    if not path.is_file():
+    names none readably), or None when no run does: no lock, or one left on this host by
+    a process that is gone (a killed run; the next run takes it over)."""
+    holder = read_lock(run_dir / LOCK_NAME)
+    if holder is None:
         return None
-    try:
-        holder = json.loads(path.read_text())
-        pid, host = holder["pid"], holder["host"]
-    except (OSError, ValueError, KeyError, TypeError):
+    if not holder.named:
         return ""
-    if host == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid):
+    if holder.host == socket.gethostname() and not pid_alive(holder.pid):
         return None
-    return f"process {pid} on {host}"
+    return f"process {holder.pid} on {holder.host}"
 
 
 def _state(run_dir: Path, goodput: Goodput, holder: str | None) -> str:

@@ -163,6 +163,25 @@ def test_without_slurm_a_lock_from_another_host_is_refused_as_before(tmp_path, i
     lock.release()
 
 
+@pytest.mark.parametrize("started", ["x", 1e30, float("nan"), None])
+def test_a_live_lock_whose_start_is_no_time_is_refused_in_one_line(tmp_path, started):
+    """Process 1 always runs: the lock stands, and its start is left unsaid."""
+    (tmp_path / "run").mkdir()
+    record = {"pid": 1, "host": socket.gethostname(), "started": started}
+    (tmp_path / "run" / LOCK_NAME).write_text(json.dumps(record))
+    with pytest.raises(RunDirError, match=r"in use by process 1 on [^ ]+: two runs must not"):
+        claim_run_dir(tmp_path / "run", resume_if_exists=True)
+
+
+@pytest.mark.parametrize("pid", [99999999999999999999, 0, -1, True, "7", None])
+def test_a_lock_that_names_no_process_is_refused_not_taken_over(tmp_path, pid):
+    """No pid that can be asked whether it runs: nobody can tell the lock is stale."""
+    _lock_held_by(tmp_path / "run", pid)
+    with pytest.raises(RunDirError, match="in use by a process its lock does not name readably"):
+        claim_run_dir(tmp_path / "run", resume_if_exists=True)
+    assert json.loads((tmp_path / "run" / LOCK_NAME).read_text())["pid"] == pid
+
+
 def test_no_resume_into_a_directory_that_holds_a_run_is_refused(tmp_path):
     (tmp_path / "run" / "checkpoints" / "iter_0000003").mkdir(parents=True)
     with pytest.raises(RunDirError, match=r"resume_if_exists=false, but .* already holds a run"):

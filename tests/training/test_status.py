@@ -187,3 +187,12 @@ def test_run_files_that_are_no_text_are_one_line_or_ignored(tmp_path, capsys):
     assert cli_error_of(capsys, "status", str(run)).startswith(
         f"error: cannot read {run / 'config.yaml'}: 'utf-8' codec can't decode byte 0xff"
     )
+
+
+@pytest.mark.parametrize(
+    "record", ['{"pid": 99999999999999999999, "host": "HOST"}', '{"pid": 1', "[1]"]
+)
+def test_a_lock_that_names_no_process_says_running(tmp_path, record):
+    run = _run_dir(tmp_path, 40)
+    (run / ".lock").write_text(record.replace("HOST", socket.gethostname()))
+    assert run_report(run).state == "running"
