@@ -384,6 +384,27 @@ def read_only(directory: Path):
         subprocess.run(["umount", str(directory)], check=True)
 
 
+@contextlib.contextmanager
+def immutable(path: Path):
+    """``path`` made immutable (``chattr +i``: not even root may replace it); the test is
+    skipped where that cannot be done (no root, no chattr, a filesystem without it)."""
+    import shutil
+
+    import pytest
+
+    made = (
+        shutil.which("chattr") is not None
+        and subprocess.run(["chattr", "+i", str(path)], capture_output=True, check=False).returncode
+        == 0
+    )
+    if not made:
+        pytest.skip("needs root and a filesystem where chattr +i works")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
 # Megatron-LM's arguments for what no config here builds (multi-token prediction, latent
 # attention and MoE latents, gated or experimental attention, linear-attention layers, a
 # layer spec of its own), at the values its argument parser leaves them when unasked for:

@@ -108,3 +108,21 @@ def test_a_checkpoint_save_the_disk_refused_reports_the_space_its_removal_gave_b
         assert message.endswith(
             "; iter_0000002.partial removed, a rerun starts afresh once space is freed"
         )
+
+
+def test_an_atomic_write_the_filesystem_refuses_is_one_line_and_leaves_no_temporary(tmp_path):
+    """A directory where the file goes, or a file that may not be replaced: the user's to
+    move, like a full disk; the old file stays as it was."""
+    from helpers import immutable
+
+    from megatron_lns.base.disk import WriteError, write_text_atomically
+
+    (tmp_path / "run_status").mkdir()
+    with pytest.raises(WriteError, match=f"^cannot write {tmp_path / 'run_status'}: is a dir"):
+        write_text_atomically(tmp_path / "run_status", "finished 6\n", "; the run ended")
+    (tmp_path / "config.yaml").write_text("a: 1\n")
+    refused = pytest.raises(WriteError, match=r"config\.yaml: operation not permitted; it stays$")
+    with immutable(tmp_path / "config.yaml"), refused:
+        write_text_atomically(tmp_path / "config.yaml", "b: 2\n", "; it stays")
+    assert (tmp_path / "config.yaml").read_text() == "a: 1\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "run_status"]

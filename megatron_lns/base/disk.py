@@ -5,7 +5,10 @@ bug; every writer of the package (checkpoints, conversions, ``preprocess``, the 
 records) reports it as a :class:`DiskFullError` naming its output, the space free and,
 where known, the space needed, and leaves nothing that a later command would take as
 complete. :func:`as_user_error` is the last resort of the entry points, for a write
-that no writer reported itself.
+that no writer reported itself. The small files replaced whole
+(:func:`write_text_atomically`: a run's config and status, records, receipts) report
+any refused write so (:class:`WriteError`): a directory or an immutable file where one
+goes is the user's to move too.
 """
 
 from __future__ import annotations
@@ -19,7 +22,12 @@ from pathlib import Path
 from megatron_lns.base.errors import UserError
 
 
-class DiskFullError(UserError):
+class WriteError(UserError):
+    """A write that the filesystem refused, naming its output: a directory where the file
+    goes, a file that may not be replaced, a full disk (:class:`DiskFullError`)."""
+
+
+class DiskFullError(WriteError):
     """A write that failed because its filesystem is full, over quota or read-only;
     ``needed``: the bytes it needed, where known."""
 
@@ -143,12 +151,24 @@ def as_user_error(err: BaseException) -> UserError | None:
 def write_text_atomically(
     path: str | Path, text: str, then: str = "", temporary: Path | None = None
 ) -> None:
-    """Replace ``path`` with ``text`` whole or not at all: a full disk leaves the old
-    file (no truncated one) and no temporary file, and raises :class:`DiskFullError`
-    (``then``: what that means for the reader of ``path``). ``temporary``: the name
-    written first (default ``PATH.tmp-PID``)."""
+    """Replace ``path`` with ``text`` whole or not at all: a write the filesystem refuses
+    leaves the old file (no truncated one) and no temporary file, and raises
+    :class:`DiskFullError` for a full disk, else :class:`WriteError` (``then``: what that
+    means for the reader of ``path``). ``temporary``: the name written first (default
+    ``PATH.tmp-PID``)."""
     path = Path(path)
     temporary = temporary or path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with disk_full_reported(path, then=then, cleanup=lambda: temporary.unlink(missing_ok=True)):
-        temporary.write_text(text)
-        os.replace(temporary, path)
+
+    def remove_temporary() -> None:  # what the write left, if it could; its error is the news
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+
+    with disk_full_reported(path, then=then, cleanup=remove_temporary):
+        try:
+            temporary.write_text(text)
+            os.replace(temporary, path)
+        except OSError as err:
+            if is_disk_full(err):
+                raise  # with the space free, by disk_full_reported
+            reason = (err.strerror or str(err)).lower()
+            raise WriteError(f"cannot write {path}: {reason}{then}") from err

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_lns.base.disk import DiskFullError, disk_full_error, write_text_atomically
+from megatron_lns.base.disk import WriteError, disk_full_error, write_text_atomically
 
 
 def warn(message: str) -> None:
@@ -114,7 +114,7 @@ class MetricsLogger:
             # How far an interrupted attempt got past its checkpoint (goodput's lost work).
             self.dropped_up_to = _drop_rows_after(metrics, resume_step)
             self.jsonl = MetricRows(metrics)
-        except (OSError, DiskFullError) as err:
+        except (OSError, WriteError) as err:
             # Rows of replayed steps cannot be dropped: appending would log them twice.
             reason = _reason(metrics, err) if isinstance(err, OSError) else str(err)
             warn(f"{reason}; this run logs no rows to it (the console keeps the metrics)")

@@ -56,7 +56,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_lns.base.disk import DiskFullError, disk_full_reported, write_text_atomically
+from megatron_lns.base.disk import WriteError, disk_full_reported, write_text_atomically
 from megatron_lns.base.errors import UserError
 
 ABANDONED_PREFIX = "abandoned-"
@@ -195,7 +195,7 @@ class RewindRecord:
 
     def write(self, checkpoint_dir: Path, then: str = "") -> None:
         """Atomically: a reader sees the previous record or this one, never half of one
-        (a full disk: :class:`DiskFullError`, ``then`` saying what that left)."""
+        (a refused write: :class:`WriteError`, ``then`` saying what that left)."""
         fields = {
             "checkpoint": str(self.checkpoint),
             "abandoned": str(self.abandoned) if self.abandoned else None,
@@ -260,7 +260,7 @@ def set_aside_newer_checkpoints(
         _write_journal(abandoned, names)
         if record is not None:
             dataclasses.replace(record, abandoned=abandoned).write(checkpoint_dir, _NOTHING_MOVED)
-    except DiskFullError:
+    except WriteError:
         shutil.rmtree(abandoned)  # its journal at most: the rewind is undone whole
         raise
     _move(checkpoint_dir, abandoned, names)

@@ -25,11 +25,16 @@ from pathlib import Path
 from megatron_lns.base.disk import disk_full_reported
 from megatron_lns.base.errors import UserError
 from megatron_lns.base.timestamps import epoch_seconds, local_time
+from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.runtime.job import JobEnvironment, LocalJob
+from megatron_lns.training.run_status import RUN_STATUS_FILE
 
 LOCK_NAME = ".lock"
 # The largest process id there can be (pid_t); os.kill overflows past it.
 _MAX_PID = 2**31 - 1
+# The files a run replaces whole and cannot do without, and what it keeps there: its
+# config at the start, and at the end how it ended (for whatever restarts it).
+_REPLACED_RUN_FILES = {RUN_CONFIG: "its config", RUN_STATUS_FILE: "how it ended"}
 
 
 class RunDirError(UserError):
@@ -190,4 +195,28 @@ def claim_run_dir(
             "another exp_manager.name or exp_dir, remove it, or set "
             "exp_manager.resume_if_exists=true to continue it"
         )
+    if problem := unreplaceable_run_file(run_dir):
+        lock.release()
+        raise RunDirError(problem)
     return lock
+
+
+def unreplaceable_run_file(run_dir: Path) -> str | None:
+    """Why a file that the run replaces whole, and cannot do without, could not be
+    replaced in ``run_dir`` (a directory there, an immutable or read-only file); None
+    when each can. Asked before the run starts, so that it does not train for hours to
+    fail on its last write (``run_status``). The files it appends to (``metrics.jsonl``,
+    ``run_progress``) are not asked about: a write they refuse costs their records, not
+    the run."""
+    for name, what in _REPLACED_RUN_FILES.items():
+        path = run_dir / name
+        if path.is_symlink() or not path.exists():  # a link is replaced, not followed
+            continue
+        if path.is_dir():
+            why = "is a directory"
+        elif not os.access(path, os.W_OK):
+            why = "cannot be replaced (it is read-only or immutable)"
+        else:
+            continue
+        return f"{path} {why}, but the run writes {what} there: move it out of the way"
+    return None

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_lns.base.disk import DiskFullError, write_text_atomically
+from megatron_lns.base.disk import WriteError, write_text_atomically
 from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.runtime.job import JobEnvironment
 from megatron_lns.training.rewind import (
@@ -45,29 +45,37 @@ def claim_run_directory(
     say: Callable[[str], None],
 ) -> RunDirLock | None:
     """Rank 0 locks ``run_dir`` for ``job`` (None elsewhere); every rank raises the same
-    error if it cannot."""
+    error if it cannot. Whatever fails here releases the lock: one left behind would
+    refuse every later run."""
     lock, error = None, None
     if dist.get_rank() == 0:
         try:
             lock = claim_run_dir(run_dir, resume_if_exists, job)
-            write_text_atomically(run_dir / RUN_CONFIG, config_yaml)
-        except (RunDirError, DiskFullError) as err:  # on every rank, not rank 0 alone
+            error = _prepare_run_dir(run_dir, config_yaml, say)
+        except (RunDirError, WriteError) as err:  # on every rank, not rank 0 alone
+            error = str(err)
+        except BaseException:
             if lock is not None:
                 lock.release()
-                lock = None
-            error = str(err)
-    if lock is not None:
-        # Before any rank lists the checkpoints: finish a move a killed run began.
-        checkpoint_dir = run_dir / "checkpoints"
-        try:
-            for note in finish_interrupted_moves(checkpoint_dir):
-                say(note)
-        except (OSError, ValueError, KeyError) as err:
+            raise
+        if error is not None and lock is not None:
             lock.release()
             lock = None
-            error = f"cannot finish moving checkpoints aside in {checkpoint_dir}: {err}"
     _raise_on_every_rank(error, device)
     return lock
+
+
+def _prepare_run_dir(run_dir: Path, config_yaml: str, say: Callable[[str], None]) -> str | None:
+    """Store the config, and finish a move of checkpoints that a killed run began (before
+    any rank lists them); why that failed, or None."""
+    write_text_atomically(run_dir / RUN_CONFIG, config_yaml)
+    checkpoint_dir = run_dir / "checkpoints"
+    try:
+        for note in finish_interrupted_moves(checkpoint_dir):
+            say(note)
+    except (OSError, ValueError, KeyError) as err:
+        return f"cannot finish moving checkpoints aside in {checkpoint_dir}: {err}"
+    return None
 
 
 def set_abandoned_branch_aside(
@@ -94,7 +102,7 @@ def set_abandoned_branch_aside(
             if requested and record is None:  # continuing the branch of an earlier start
                 say(continuing_note(checkpoint_dir, resumed_path))
             note = set_aside_newer_checkpoints(checkpoint_dir, resumed_path.name, iteration, record)
-        except (RewindRecordError, DiskFullError) as err:
+        except (RewindRecordError, WriteError) as err:
             error = str(err)
         except OSError as err:
             error = f"cannot move the checkpoints newer than {resumed_path} aside: {err}"

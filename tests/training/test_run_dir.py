@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import tiny_config
+from helpers import immutable, tiny_config
 
 from megatron_lns.cluster.slurm.environment import SlurmEnvironment
 from megatron_lns.cluster.slurm.job import GONE, SlurmQueryError
@@ -194,6 +194,39 @@ def test_a_run_directory_that_cannot_be_created_is_named(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(RunDirError, match=r"cannot create the run directory .*file/run"):
         claim_run_dir(tmp_path / "file" / "run", resume_if_exists=True)
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "run_status"])
+def test_a_directory_where_the_run_writes_a_file_is_refused_before_it_starts(tmp_path, name):
+    """run_status is written last: found only then, the run would have trained in vain."""
+    (tmp_path / "run" / name).mkdir(parents=True)
+    with pytest.raises(RunDirError, match=f"^{tmp_path / 'run' / name} is a directory, but"):
+        claim_run_dir(tmp_path / "run", resume_if_exists=True)
+    assert not (tmp_path / "run" / LOCK_NAME).exists()
+
+
+def test_an_immutable_run_status_is_refused_before_the_run_starts(tmp_path):
+    status = tmp_path / "run" / "run_status"
+    status.parent.mkdir()
+    status.write_text("finished 6\n")
+    with immutable(status), pytest.raises(RunDirError, match=f"^{status} cannot be replaced"):
+        claim_run_dir(tmp_path / "run", resume_if_exists=True)
+    assert not (tmp_path / "run" / LOCK_NAME).exists()
+
+
+def test_a_config_that_cannot_be_stored_releases_the_lock(tmp_path, megatron_world1):
+    """Past the check before the start, the write itself fails (a directory at its
+    temporary name): one line naming the config, and no lock left to refuse the next run."""
+    import torch
+
+    from megatron_lns.training.run_start import claim_run_directory
+
+    (tmp_path / "run" / f"config.yaml.tmp-{os.getpid()}").mkdir(parents=True)
+    with pytest.raises(RunDirError, match=f"^cannot write {tmp_path / 'run' / 'config.yaml'}: is"):
+        claim_run_directory(
+            tmp_path / "run", True, "a: 1\n", LocalJob(), torch.device("cpu"), print
+        )
+    assert not (tmp_path / "run" / LOCK_NAME).exists()
 
 
 def test_a_resumed_run_drops_the_metrics_logged_after_its_checkpoint(tmp_path, megatron_world1):
