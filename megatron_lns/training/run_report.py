@@ -10,6 +10,7 @@ run trains.
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,9 +21,14 @@ import yaml
 
 from megatron_lns.base.errors import UserError
 from megatron_lns.base.timestamps import local_time
-from megatron_lns.config.sources import RUN_CONFIG
+from megatron_lns.config.sources import RUN_CONFIG, runs_inside_hint
 from megatron_lns.runtime.progress_file import RUN_PROGRESS_FILE, ProgressEvent, read_progress
-from megatron_lns.training.checkpoint_dirs import checkpoint_step, latest_complete_checkpoint
+from megatron_lns.training.checkpoint_dirs import (
+    CHECKPOINT_DIR_RE,
+    COMPLETE_MARKER,
+    checkpoint_step,
+    latest_complete_checkpoint,
+)
 from megatron_lns.training.goodput import Goodput, account, duration, goodput_table
 from megatron_lns.training.run_dir import LOCK_NAME, pid_alive, read_lock
 from megatron_lns.training.run_status import RUN_STATUS_FILE, read_run_status
@@ -191,6 +197,34 @@ def _read(path: Path, reader: Callable[[], Any]) -> Any:
         raise RunFileError(f"cannot read {path}: {err}".splitlines()[0]) from None
 
 
+def _is_run_dir(path: Path) -> bool:
+    """What ``train`` leaves in every run directory it starts: ``checkpoints/`` (made
+    first) and the config, or the records of its attempts; a checkpoint is none."""
+    started = (path / "checkpoints").is_dir() and (path / RUN_CONFIG).is_file()
+    return (started or (path / RUN_PROGRESS_FILE).is_file()) and not _is_checkpoint(path)
+
+
+def _is_checkpoint(path: Path) -> bool:
+    """A checkpoint, complete or not (``iter_NNNNNNN``, ``iter_NNNNNNN.partial``, or a
+    directory with the commit marker under another name)."""
+    name = path.name.removesuffix(".partial")
+    return CHECKPOINT_DIR_RE.match(name) is not None or (path / COMPLETE_MARKER).is_file()
+
+
+# How far above a checkpoint its run directory may be: checkpoints/abandoned-*/iter_*.
+_LEVELS_TO_THE_RUN = 3
+
+
+def _run_around(path: Path) -> Path | None:
+    """The run directory that ``path`` lies inside (a checkpoint, ``checkpoints/``,
+    ``tensorboard/``), if any, as the path was given (relative stays relative)."""
+    absolute = Path(os.path.abspath(path))
+    for parent in absolute.parents[:_LEVELS_TO_THE_RUN]:
+        if _is_run_dir(parent):
+            return parent if path.is_absolute() else Path(os.path.relpath(parent))
+    return None
+
+
 def _config(run_dir: Path) -> dict[str, Any]:
     path = run_dir / RUN_CONFIG
     if not path.is_file():
@@ -236,12 +270,23 @@ def run_report(run_dir: str | Path) -> RunReport:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise NotARunDirectory(f"{run_dir}: no such directory")
+    if _is_checkpoint(run_dir):  # it holds a config.yaml too
+        run = _run_around(run_dir)
+        give = f"its run directory {run}" if run else "the run directory that holds it"
+        raise NotARunDirectory(f"{run_dir} is a checkpoint, not a run directory: give {give}")
     if not any((run_dir / name).exists() for name in (RUN_CONFIG, RUN_PROGRESS_FILE)):
+        run = _run_around(run_dir)
+        hint = f"; it lies inside the run directory {run}: give that one" if run else ""
         raise NotARunDirectory(
             f"{run_dir} is not a run directory (no {RUN_CONFIG} or {RUN_PROGRESS_FILE}): give "
-            "<exp_manager.exp_dir>/<exp_manager.name>"
+            f"<exp_manager.exp_dir>/<exp_manager.name>{hint or runs_inside_hint(run_dir)}"
         )
-    config = _config(run_dir)
+    config = _config(run_dir)  # one that cannot be read is named first
+    if not _is_run_dir(run_dir):
+        raise NotARunDirectory(
+            f"{run_dir} is not a run directory (a {RUN_CONFIG}, but no checkpoints/ or "
+            f"{RUN_PROGRESS_FILE}): give <exp_manager.exp_dir>/<exp_manager.name>"
+        )
     newest = latest_complete_checkpoint(run_dir / "checkpoints")
     newest_step = checkpoint_step(newest) if newest else 0
     holder = _lock_holder(run_dir)

@@ -196,3 +196,31 @@ def test_a_lock_that_names_no_process_says_running(tmp_path, record):
     run = _run_dir(tmp_path, 40)
     (run / ".lock").write_text(record.replace("HOST", socket.gethostname()))
     assert run_report(run).state == "running"
+
+
+def test_a_checkpoint_or_a_part_of_a_run_is_refused_naming_the_run(tmp_path, capsys):
+    """A checkpoint holds a config.yaml too: it was reported as a run 'not started'."""
+    run = _run_dir(tmp_path, 40, 60)
+    (run / "checkpoints" / "iter_0000080.partial").mkdir()
+    for checkpoint in ("iter_0000060", "iter_0000080.partial"):
+        path = run / "checkpoints" / checkpoint
+        (path / "config.yaml").write_text(CONFIG)
+        assert cli_error_of(capsys, "status", str(path)) == (
+            f"error: {path} is a checkpoint, not a run directory: give its run directory {run}"
+        )
+    assert cli_error_of(capsys, "status", str(run / "checkpoints")).endswith(
+        f"; it lies inside the run directory {run}: give that one"
+    )
+    assert cli_error_of(capsys, "status", str(tmp_path)).endswith(
+        f"; {tmp_path} is no run directory but holds the run {run}: give that one"
+    )
+
+
+def test_a_directory_with_only_a_config_is_no_run(tmp_path, capsys):
+    (tmp_path / "config.yaml").write_text(CONFIG)
+    assert cli_error_of(capsys, "status", str(tmp_path)) == (
+        f"error: {tmp_path} is not a run directory (a config.yaml, but no checkpoints/ or "
+        "run_progress): give <exp_manager.exp_dir>/<exp_manager.name>"
+    )
+    (tmp_path / "checkpoints").mkdir()  # what train makes before it writes the config
+    assert run_report(tmp_path).state == "not started"
