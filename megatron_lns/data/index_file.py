@@ -4,7 +4,11 @@ The split checks (``splits.py``) and the size check of ``PREFIX.bin`` need only 
 tokens each document holds, and they run on login nodes before a job is queued, where
 importing megatron-core costs seconds. The layout is megatron's ``_IndexReader``: a
 9-byte ``MMIDIDX`` header, the version (``<Q``, 1), the token dtype code (``<B``), the
-sequence and document counts (``<Q`` each), then one ``int32`` length per sequence.
+sequence and document counts (``<Q`` each), then one ``int32`` length per sequence, one
+``int64`` pointer per sequence, one ``int64`` index per document, and (multimodal
+datasets only) one ``int8`` mode per sequence. :func:`read_index_header` checks that
+the file holds all the header says it does: megatron maps each array without asking,
+and fails on a file cut short only when the ranks build their datasets.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ _AFTER_HEADER = struct.Struct("<QBQQ")  # version, dtype code, sequence count, d
 # Bytes per token of each megatron ``DType`` code (uint8, int8, int16, int32, int64,
 # float64, float32, uint16).
 TOKEN_BYTES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}
+# Bytes per sequence (its int32 length and int64 pointer) and per document (its int64
+# index) after the header.
+_SEQUENCE_BYTES, _DOCUMENT_BYTES = 4 + 8, 8
 
 
 def sequence_lengths(prefix: str) -> np.ndarray:
@@ -47,11 +54,13 @@ def check_token_file(prefix: str) -> None:
 
 
 def read_index_header(prefix: str) -> tuple[int, int, int]:
-    """(bytes per token, sequence count, offset of the lengths) of ``PREFIX.idx``."""
+    """(bytes per token, sequence count, offset of the lengths) of ``PREFIX.idx``, a file
+    that holds every array its header announces (module doc)."""
     path = f"{prefix}.idx"
     try:
         with open(path, "rb") as f:
             header = f.read(len(INDEX_HEADER) + _AFTER_HEADER.size)
+            size = os.fstat(f.fileno()).st_size
     except OSError as err:
         raise DataError(f"cannot read {path}: {err.strerror or err}") from None
     if not header.startswith(INDEX_HEADER):
@@ -60,12 +69,29 @@ def read_index_header(prefix: str) -> tuple[int, int, int]:
         )
     if len(header) < len(INDEX_HEADER) + _AFTER_HEADER.size:
         raise DataError(f"{path} is cut short (its header is incomplete): preprocess again")
-    version, code, count, _ = _AFTER_HEADER.unpack_from(header, len(INDEX_HEADER))
+    version, code, count, documents = _AFTER_HEADER.unpack_from(header, len(INDEX_HEADER))
     if version != 1:
         raise DataError(f"{path} is a megatron index of version {version}, not 1")
     if code not in TOKEN_BYTES:
         raise DataError(f"{path} names an unknown token type (code {code})")
+    _check_index_size(path, size, len(header), count, documents)
     return TOKEN_BYTES[code], count, len(header)
+
+
+def _check_index_size(path: str, size: int, offset: int, count: int, documents: int) -> None:
+    """Refuse an index shorter than the arrays its header announces."""
+    lengths = (size - offset) // 4
+    if lengths < count:
+        raise DataError(
+            f"{path} is cut short: it lists {count} documents but holds the lengths of "
+            f"{lengths}; preprocess the data again"
+        )
+    expected = offset + count * _SEQUENCE_BYTES + documents * _DOCUMENT_BYTES
+    if size < expected:
+        raise DataError(
+            f"{path} is cut short: {size} bytes where the {count} sequences and {documents} "
+            f"document indices of its header need {expected}; preprocess the data again"
+        )
 
 
 def _read_index(prefix: str) -> tuple[int, np.ndarray]:

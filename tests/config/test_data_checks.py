@@ -176,6 +176,14 @@ def test_a_token_file_cut_short(tmp_path, monkeypatch, capsys, corpora):
     )
 
 
+def test_an_index_file_cut_short_past_its_lengths(tmp_path, monkeypatch, capsys, corpora):
+    """Its lengths whole, its document indices cut: megatron failed in every rank."""
+    (tmp_path / "big.bin").write_bytes((corpora / "big.bin").read_bytes())
+    (tmp_path / "big.idx").write_bytes((corpora / "big.idx").read_bytes()[:-8])
+    message = _refusals(tmp_path, monkeypatch, capsys, f"model.data.data_prefix=[{tmp_path}/big]")
+    assert message.startswith(f"error: model.data.data_prefix: {tmp_path}/big.idx is cut short: ")
+
+
 def test_data_that_fits_passes(tmp_path, monkeypatch, capsys, corpora):
     monkeypatch.chdir(tmp_path)
     args = [f"model.data.data_prefix=[{corpora}/big]", f"exp_manager.exp_dir={tmp_path}/runs"]

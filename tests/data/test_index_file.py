@@ -41,3 +41,21 @@ def test_a_token_file_cut_short_is_named(tmp_path, keep):
         DataError, match=rf"corpus.bin is cut short: {keep} bytes where .* of {expected} bytes"
     ):
         check_token_file(str(tmp_path / "corpus"))
+
+
+@pytest.mark.parametrize("keep", [34 + 50 * 4, 34 + 50 * 12, -1])
+def test_an_index_cut_short_past_its_lengths_is_named(tmp_path, keep):
+    """The sequence pointers and document indices megatron maps after the lengths: an
+    index cut there passed every check, then failed in each rank's dataset build."""
+    preprocess(demo_documents()[:50], tmp_path / "corpus")
+    index = tmp_path / "corpus.idx"
+    whole = index.read_bytes()
+    assert len(whole) == 34 + 50 * 4 + 50 * 8 + 51 * 8  # megatron's layout, as documented
+    index.write_bytes(whole[:keep])
+    size = len(whole[:keep])
+    with pytest.raises(
+        DataError,
+        match=rf"corpus.idx is cut short: {size} bytes where the 50 sequences and 51 document "
+        rf"indices of its header need {len(whole)}; preprocess the data again",
+    ):
+        check_token_file(str(tmp_path / "corpus"))
