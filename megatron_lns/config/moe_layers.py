@@ -52,6 +52,19 @@ def moe_layer_pattern(moe_layer_freq: MoELayerFreq, num_layers: int) -> list[int
     return freq
 
 
+def moe_layer_count(
+    moe_layer_freq: MoELayerFreq, num_layers: int, start: int = 0, stop: int | None = None
+) -> int:
+    """How many of layers ``start`` to ``stop - 1`` (default: all) are mixture-of-experts
+    layers: :func:`moe_layer_pattern`'s sum over them, but an int frequency's layers are
+    counted, not listed (a check or a plan of a billion layers takes no memory)."""
+    stop = num_layers if stop is None else stop
+    freq = parse_moe_layer_freq(moe_layer_freq)
+    if isinstance(freq, int):  # the multiples of freq in [start, stop)
+        return max(0, -(-stop // freq) - -(-start // freq))
+    return sum(moe_layer_pattern(freq, num_layers)[start:stop])
+
+
 _OPERATORS = {ast.Add: operator.add, ast.Mult: operator.mul}
 
 

@@ -12,7 +12,7 @@ from omegaconf import ListConfig
 from megatron_lns.config import model_derived
 from megatron_lns.config.layout import ParallelLayout
 from megatron_lns.config.loader import ConfigError
-from megatron_lns.config.moe_layers import MoELayerFreqError, moe_layer_pattern
+from megatron_lns.config.moe_layers import MoELayerFreqError, moe_layer_count
 from megatron_lns.config.settings import declared_settings
 
 
@@ -52,10 +52,10 @@ def check_moe(m, world: int) -> None:
             )
         return
     try:
-        pattern = moe_layer_pattern(m.moe_layer_freq, m.num_layers)
+        moe_layers = moe_layer_count(m.moe_layer_freq, m.num_layers)
     except MoELayerFreqError as err:
         raise ConfigError(f"model.{err}") from None
-    if not any(pattern):  # (a hybrid pattern keeps moe_layer_freq 1: check_hybrid)
+    if not moe_layers:  # (a hybrid pattern keeps moe_layer_freq 1: check_hybrid)
         freq = (
             list(m.moe_layer_freq) if isinstance(m.moe_layer_freq, ListConfig) else m.moe_layer_freq
         )

@@ -204,9 +204,11 @@ def _tp_seconds(cfg: ExperimentConfig, shape, plan, tp: int) -> float:
     """Seconds per step of unoverlapped tensor-parallel collectives on one GPU."""
     if tp == 1:
         return 0.0
+    from megatron_lns.planning.shape import total
+
     m = cfg.model
     pp = m.pipeline_model_parallel_size
-    sublayers = sum(u.attention + u.dense_mlps + u.moe_mlps for u in shape.units) / pp
+    sublayers = total(shape.unit_counts, lambda u: u.attention + u.dense_mlps + u.moe_mlps) / pp
     world = layout.world_size(cfg.trainer.num_nodes, cfg.trainer.devices)
     dp = world // (tp * pp * m.context_parallel_size)
     micro = m.global_batch_size // (m.micro_batch_size * dp)

@@ -58,7 +58,14 @@ from dataclasses import dataclass
 from megatron_lns.config import layout
 from megatron_lns.config.schema import PRECISIONS, ExperimentConfig, cpu_offloading_num_layers
 from megatron_lns.config.sections.optim import reduced_gradient_bytes
-from megatron_lns.planning.shape import ModelShape, parameter_counts, world_and_data_parallel
+from megatron_lns.planning.shape import (
+    ModelShape,
+    Unit,
+    UnitCounts,
+    parameter_counts,
+    total,
+    world_and_data_parallel,
+)
 
 GB = 1e9
 
@@ -110,12 +117,11 @@ def stage_estimates(cfg: ExperimentConfig, shape: ModelShape) -> list[MemoryEsti
     micro_batches = layout.micro_batches_per_step(m.global_batch_size, m.micro_batch_size, dp)
 
     estimates = []
-    for stage, indices in enumerate(shape.stages):
+    for stage, units in enumerate(shape.stages):
         params, experts = counts.per_rank[stage], counts.experts_per_rank[stage]
         replicated = optimizer_bytes * params
         sharded = optimizer_bytes * ((params - experts) / (dp * cp) + experts / expert_shards)
-        units = [shape.units[i] for i in indices]
-        gemm_weights = sum(u.sharded // tp for u in units) + experts
+        gemm_weights = total(units, lambda u: u.sharded // tp) + experts
         elements, layer_microbatches = _activation_elements(cfg, shape, stage, units, micro_batches)
         estimates.append(
             MemoryEstimate(
@@ -140,7 +146,7 @@ def heaviest(estimates: list[MemoryEstimate]) -> MemoryEstimate:
     return max(estimates, key=lambda e: (e.total_gb, -e.stage))
 
 
-def _activation_elements(cfg, shape: ModelShape, stage: int, units, micro_batches: int):
+def _activation_elements(cfg, shape: ModelShape, stage: int, units: UnitCounts, micro_batches: int):
     """Activation-dtype elements kept for backward at the peak, and the units x
     micro-batches in flight."""
     m = cfg.model
@@ -164,15 +170,16 @@ def _activation_elements(cfg, shape: ModelShape, stage: int, units, micro_batche
     softmax = 0
     if local and m.activations_checkpoint_granularity != "selective":
         softmax = b * (shape.heads // tp) * s * s * m.context_parallel_size
-    per_unit = []
-    for u in units:
+
+    def kept(u: Unit) -> int:
         e = u.attention * (s * b * (norm // sp + attention // tp) + softmax)
         e += u.dense_mlps * s * b * (norm // sp + mlp // tp)
         if u.moe_mlps:
             e += u.moe_mlps * (s * b * norm // sp + _moe_elements(shape, s, b, sp))
-        per_unit.append(e)
-    units_here = len(units)
-    mean = sum(per_unit) / units_here if units_here else 0
+        return e
+
+    units_here = total(units, lambda u: 1)
+    mean = total(units, kept) / units_here if units_here else 0
     per_chunk = units_here // vp
     if vp > 1:
         chunks = min(2 * (pp - stage - 1) + (vp - 1) * pp + 1, micro_batches * vp)

@@ -17,13 +17,21 @@ and dense MLPs (``bias: true``), learned position embeddings, the embedding and 
 output layer, and what a setting declares it adds to each layer (``params=``,
 :func:`declared_layer_parameters`). Not counted: the paper variants' per-layer gains (a
 few ``hidden_size`` each, ``layer_variant``) and expert biases. Nothing here imports torch.
+
+A stage's units are kept counted, each distinct unit once with how many the stage holds
+(:data:`UnitCounts`): a GPT model's layers are alike but for MoE, so ``plan`` costs the
+same for 12 layers as for a billion, and its numbers are the sums they were.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from megatron_lns.config import hybrid_pattern, layout, model_derived
+from megatron_lns.config.moe_layers import moe_layer_count
 from megatron_lns.config.schema import ExperimentConfig, ModelConfig
 from megatron_lns.config.settings import declared_settings
 
@@ -53,6 +61,27 @@ class Unit:
     active_experts: int  # those one token meets (``topk`` experts)
 
 
+# Units, each distinct one once, with how many of it there are.
+UnitCounts = tuple[tuple[Unit, int], ...]
+
+
+def total(units: UnitCounts, value: Callable[[Unit], int]) -> int:
+    """The sum of ``value`` over every unit that ``units`` counts."""
+    return sum(value(unit) * count for unit, count in units)
+
+
+def _counted(counter: Counter[Unit]) -> UnitCounts:
+    return tuple((unit, count) for unit, count in counter.items() if count)
+
+
+def _tally(pairs: Iterable[tuple[Unit, int]]) -> Counter[Unit]:
+    """``(unit, count)`` pairs added up by unit (two kinds may build alike units)."""
+    counter: Counter[Unit] = Counter()
+    for unit, count in pairs:
+        counter[unit] += count
+    return counter
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes ``plan`` needs, read once from the config."""
@@ -64,8 +93,7 @@ class ModelShape:
     ffn: int
     glu: int  # 2 with SwiGLU (fc1 holds gate and value), else 1
     vocab: int  # padded
-    units: tuple[Unit, ...]
-    stages: tuple[tuple[int, ...], ...]  # each pipeline stage's unit indices (all chunks)
+    stages: tuple[UnitCounts, ...]  # each pipeline stage's units (all its chunks)
     chunks: int  # virtual-pipeline chunks per stage
     units_are_layers: bool  # GPT: a unit is a layer; hybrid: a sublayer
     embedding: int  # word (+ position) embedding, on the first stage
@@ -80,8 +108,20 @@ class ModelShape:
     etp: int = 1
 
     @property
+    def unit_counts(self) -> UnitCounts:
+        """The units of every stage together."""
+        return _counted(_tally(pair for stage in self.stages for pair in stage))
+
+    @property
+    def units(self) -> Iterator[Unit]:
+        """Every unit one at a time, as many as the model has (for a small model: the
+        planner sums over :attr:`unit_counts`)."""
+        for unit, count in self.unit_counts:
+            yield from itertools.repeat(unit, count)
+
+    @property
     def attention_units(self) -> int:
-        return sum(u.attention for u in self.units)
+        return total(self.unit_counts, lambda u: u.attention)
 
 
 def model_shape(cfg: ExperimentConfig, vocab_size: int) -> ModelShape:
@@ -134,22 +174,17 @@ def model_shape(cfg: ExperimentConfig, vocab_size: int) -> ModelShape:
     if moe is not None:
         symbol_unit[hybrid_pattern.MOE] = moe
     units_are_layers = not (m.architecture == "hybrid" and m.hybrid_layer_pattern)
-    segments = _pipeline_segments(cfg, pp, vp)
-    units: list[Unit] = []
-    segment_units: list[list[int]] = []
-    for segment in segments:
-        indices = []
-        symbols = list(segment)
-        if units_are_layers:  # pairs: attention, then MLP or MoE
-            symbols = [segment[i : i + 2] for i in range(0, len(segment), 2)]
-        for symbol in symbols:
-            parts = [symbol_unit[s] for s in symbol]
-            indices.append(len(units))
-            units.append(_sum_units(parts))
-        segment_units.append(indices)
+    if units_are_layers:  # a layer: attention, then an MLP or MoE
+        layer = {kind: _sum_units([attention, symbol_unit[kind]]) for kind in symbol_unit}
+        segments = _gpt_segments(m, pp * vp, layer)
+    else:
+        segments = [
+            _tally((symbol_unit[symbol], count) for symbol, count in Counter(segment).items())
+            for segment in _hybrid_segments(m, pp * vp)
+        ]
     # megatron's segment order: vp_stage * pp + pp_rank.
     stages = tuple(
-        tuple(i for chunk in range(vp) for i in segment_units[chunk * pp + rank])
+        _counted(sum((segments[chunk * pp + rank] for chunk in range(vp)), Counter()))
         for rank in range(pp)
     )
 
@@ -159,7 +194,7 @@ def model_shape(cfg: ExperimentConfig, vocab_size: int) -> ModelShape:
     untied = not m.share_embeddings_and_output_weights
     return ModelShape(
         hidden=h, heads=heads, query=q, key_value=kv, ffn=ffn, glu=glu, vocab=vocab,
-        units=tuple(units), stages=stages, chunks=vp, units_are_layers=units_are_layers,
+        stages=stages, chunks=vp, units_are_layers=units_are_layers,
         embedding=embedding,
         # With PP > 1 the last stage holds the output weights even when tied (megatron
         # keeps a copy there and all-reduces their gradients with the first stage's).
@@ -177,15 +212,31 @@ def declared_layer_parameters(m: ModelConfig) -> int:
     return sum(d.setting.params(m) for d in declared_settings(type(m)) if d.setting.params)
 
 
-def _pipeline_segments(cfg: ExperimentConfig, pp: int, vp: int) -> list[str]:
+def _hybrid_segments(m: ModelConfig, segments: int) -> list[str]:
     """Each pipeline segment's sublayer symbols, in megatron's segment order."""
-    m = cfg.model
-    if m.architecture == "hybrid" and m.hybrid_layer_pattern:
-        if pp * vp == 1:
-            return [hybrid_pattern.sublayers(m.hybrid_layer_pattern)]
-        return m.hybrid_layer_pattern.split(hybrid_pattern.PIPE)
-    pattern = hybrid_pattern.gpt_equivalent_pattern(model_derived.moe_layers(m), pp * vp)
-    return pattern.split(hybrid_pattern.PIPE)
+    if segments == 1:
+        return [hybrid_pattern.sublayers(m.hybrid_layer_pattern)]
+    return m.hybrid_layer_pattern.split(hybrid_pattern.PIPE)
+
+
+def _gpt_segments(m: ModelConfig, segments: int, layer: dict[str, Unit]) -> list[Counter[Unit]]:
+    """Each pipeline segment's layers, in megatron's segment order: the GPT model's even
+    split of ``num_layers`` (``hybrid_pattern.gpt_equivalent_pattern``), whose MoE layers
+    are counted, not listed (``layer``: the unit of a layer by its MLP's symbol)."""
+    layers = m.num_layers
+    if segments < 1 or layers % segments:
+        raise hybrid_pattern.HybridPatternError(
+            f"{layers} layers do not split evenly into {segments} pipeline segments"
+        )
+    per_segment = layers // segments
+    counts = []
+    for start in range(0, layers, per_segment):
+        moe = 0
+        if model_derived.has_experts(m):
+            moe = moe_layer_count(m.moe_layer_freq, layers, start, start + per_segment)
+        kinds = [(layer[hybrid_pattern.MLP], per_segment - moe)]
+        counts.append(_tally([*kinds, (layer[hybrid_pattern.MOE], moe)] if moe else kinds))
+    return counts
 
 
 def _sum_units(parts: list[Unit]) -> Unit:
@@ -206,11 +257,10 @@ class ParameterCounts:
 def parameter_counts(shape: ModelShape, tp: int) -> ParameterCounts:
     per_stage, per_rank, experts_per_rank = [], [], []
     last = len(shape.stages) - 1
-    for rank, indices in enumerate(shape.stages):
-        units = [shape.units[i] for i in indices]
-        whole = sum(u.sharded + u.replicated + u.experts for u in units)
-        here_experts = sum(u.experts for u in units) // (shape.ep * shape.etp)
-        here = sum(u.sharded // tp + u.replicated for u in units) + here_experts
+    for rank, units in enumerate(shape.stages):
+        whole = total(units, lambda u: u.sharded + u.replicated + u.experts)
+        here_experts = total(units, lambda u: u.experts) // (shape.ep * shape.etp)
+        here = total(units, lambda u: u.sharded // tp + u.replicated) + here_experts
         ends = 0
         ends_here = 0
         if rank == 0:
@@ -224,11 +274,11 @@ def parameter_counts(shape: ModelShape, tp: int) -> ParameterCounts:
         per_rank.append(here + ends_here)
         experts_per_rank.append(here_experts)
     tied_copy = shape.output_layer if shape.tied else 0  # the same weights twice
-    total = sum(per_stage) - tied_copy
-    idle = sum(u.experts - u.active_experts for u in shape.units)
+    total_parameters = sum(per_stage) - tied_copy
+    idle = total(shape.unit_counts, lambda u: u.experts - u.active_experts)
     return ParameterCounts(
-        total=total,
-        active=total - idle,
+        total=total_parameters,
+        active=total_parameters - idle,
         per_stage=tuple(per_stage),
         per_rank=tuple(per_rank),
         experts_per_rank=tuple(experts_per_rank),

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from megatron_lns.config.schema import ExperimentConfig
 from megatron_lns.planning.gpus import GPU
-from megatron_lns.planning.shape import ModelShape
+from megatron_lns.planning.shape import ModelShape, total
 
 DEFAULT_MFU = 0.41
 MFU_SOURCE = (
@@ -56,8 +56,8 @@ def flops_per_token(shape: ModelShape, seq_length: int) -> float:
     """Model FLOPs (forward + backward) per token of a full-length sequence."""
     h, q, kv = shape.hidden, shape.query, shape.key_value
     attention = shape.attention_units
-    dense = sum(u.dense_mlps for u in shape.units)
-    moe = sum(u.moe_mlps for u in shape.units)
+    dense = total(shape.unit_counts, lambda u: u.dense_mlps)
+    moe = total(shape.unit_counts, lambda u: u.moe_mlps)
     gemm = attention * (h * (q + 2 * kv) + q * h)
     gemm += dense * (shape.glu + 1) * h * shape.ffn
     gemm += moe * (shape.glu + 1) * h * (shape.moe_topk * shape.expert_ffn + shape.shared_ffn)

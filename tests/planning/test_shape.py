@@ -115,3 +115,27 @@ def test_each_rank_holds_the_parameters_planned_for_its_stage(tmp_path):
             assert built == list(counts.per_rank), name
         else:  # two TP ranks of the one stage
             assert built == [counts.per_rank[0]] * 2, name
+
+
+def test_alike_layers_are_counted_not_listed(capsys):
+    """``plan`` of a billion layers was killed for memory (a unit per layer, planned again
+    for each fix it tried): a stage keeps each kind of layer once, with its count."""
+    from megatron_lns.cli import main
+
+    def counts(layers, *overrides):
+        shape = model_shape(_cfg(f"model.num_layers={layers}", *overrides), VOCAB)
+        return shape, parameter_counts(shape, 1).total
+
+    shape, _ = counts(1200)
+    assert [len(stage) for stage in shape.stages] == [1]  # one kind of layer, 1200 of it
+    billion = 10**9
+    (_, twelve), (_, thirteen), (_, many) = counts(12), counts(13), counts(billion)
+    assert many == twelve + (billion - 12) * (thirteen - twelve)
+    # MoE every third layer (0, 3, ...), two pipeline stages of half a billion layers.
+    moe = ["model.moe_layer_freq=3", "trainer.devices=2", "model.pipeline_model_parallel_size=2"]
+    shape, _ = counts(billion, *TINY_MOE[:2], *TINY_MOE[3:], *moe)
+    half, moe_layers = billion // 2, -(-billion // 2 // 3)  # ceil(5e8 / 3) in each stage
+    by_kind = [{unit.moe_mlps: count for unit, count in stage} for stage in shape.stages]
+    assert by_kind == [{1: moe_layers, 0: half - moe_layers}] * 2
+    assert main(["plan", str(DEMO_CONFIG), f"model.num_layers={billion}", "--json"]) == 0
+    assert '"fits": false' in capsys.readouterr().out
