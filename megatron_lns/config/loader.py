@@ -391,10 +391,30 @@ def _check_sections(raw: DictConfig) -> None:
             _check_kinds(raw._get_node(key), fields[key], str(key))
 
 
+def _fill_unset(raw: DictConfig, placeholders: dict[str, Any]) -> None:
+    """Set each key of ``placeholders`` that the config leaves unset (``???``) to its
+    value there; a key the config sets, or whose section is not a mapping, is left as
+    it is (the section's own check reports the latter)."""
+    for key, value in placeholders.items():
+        parent_path, _, leaf = key.rpartition(".")
+        try:
+            parent = OmegaConf.select(raw, parent_path, default=None) if parent_path else raw
+        except OmegaConfBaseException:
+            continue
+        if isinstance(parent, DictConfig) and OmegaConf.is_missing(parent, leaf):
+            parent[leaf] = value
+
+
 def load_config(
-    source: str | Path | DictConfig | dict, overrides: list[str] | None = None
+    source: str | Path | DictConfig | dict,
+    overrides: list[str] | None = None,
+    placeholders: dict[str, Any] | None = None,
 ) -> ExperimentConfig:
-    """The typed, resolved experiment config (not yet checked for consistency)."""
+    """The typed, resolved experiment config (not yet checked for consistency).
+
+    ``placeholders`` give values to keys the config leaves unset (``???``), before the
+    overrides: ``plan`` plans a config whose inputs do not exist yet, and reads it
+    otherwise exactly as ``train`` does."""
     register_nemo_resolvers()
     overrides = overrides or []
     if isinstance(source, (str, Path)):
@@ -408,6 +428,7 @@ def load_config(
             raise ConfigError(
                 "the config must be a mapping with trainer/exp_manager/model sections"
             )
+    _fill_unset(raw, placeholders or {})
     apply_overrides(raw, overrides)
     try:
         normalize_nemo_spellings(raw)

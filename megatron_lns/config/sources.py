@@ -3,8 +3,8 @@
 A source is a YAML file, a bundled config's name (``llama_130m``), a directory that
 holds a run's ``config.yaml`` (a run directory, one of its ``iter_NNNNNNN``
 checkpoints, or an ``import-hf`` output), or an already-read mapping. ``train``,
-``compare``, ``submit``, ``analyze``, ``import-hf`` and ``export-hf`` all load through
-:func:`load_run_config`, so they accept the same sources and report the same errors;
+``plan``, ``compare``, ``submit``, ``analyze``, ``import-hf`` and ``export-hf`` all load
+through :func:`load_run_config`, so they accept the same sources and report the same errors;
 each then validates as its job needs (``validate``, ``check_environment``). The base
 configs of ``import-hf --config`` and ``analyze --config``, read as raw YAML to merge
 with what an imported model sets, are found through :func:`config_file` too.
@@ -12,8 +12,9 @@ with what an imported model sets, are found through :func:`config_file` too.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -92,20 +93,24 @@ def config_file(source: str | Path) -> Path:
 
 
 def load_run_config(
-    source: str | Path | DictConfig | dict, overrides: Sequence[str] = ()
+    source: str | Path | DictConfig | dict,
+    overrides: Sequence[str] = (),
+    placeholders: Mapping[str, Any] | None = None,
 ) -> ExperimentConfig:
     """The typed config of ``source`` with ``overrides`` (``key=value``, ``+key=value``,
-    ``~key``) applied; consistency is left to ``validate``.
+    ``~key``) applied; consistency is left to ``validate``. ``placeholders``: values for
+    the keys it leaves unset (``???``), as ``load_config`` takes them.
 
     A directory's ``config.yaml`` was written by a run, not by the user, so its errors
     name the file."""
+    filled = dict(placeholders or {})
     if isinstance(source, (DictConfig, dict)):
-        return load_config(source, list(overrides))
+        return load_config(source, list(overrides), filled)
     path = config_file(source)
     if path != Path(source) / RUN_CONFIG:
-        return load_config(path, list(overrides))
+        return load_config(path, list(overrides), filled)
     try:
-        return load_config(path, list(overrides))
+        return load_config(path, list(overrides), filled)
     except ConfigError as err:
         if str(path) in str(err):  # a YAML error names the file already
             raise

@@ -23,7 +23,7 @@ class UnreadableTokenizerError(UserError):
 # The run's inputs cost no GPU memory: where a config leaves them unset (``???``), plan
 # fills them with these placeholders so that it can be planned before the data exists.
 PLACEHOLDERS = {
-    "model.data.data_prefix": "[unused]",
+    "model.data.data_prefix": ["unused"],
     "model.tokenizer.type": "unused",
     "model.tokenizer.model": "unused",
 }
@@ -32,24 +32,13 @@ PLACEHOLDERS = {
 def load_for_plan(
     source: str | Path, overrides: list[str] | None = None, nodes: int | None = None
 ) -> ExperimentConfig:
-    """The config as ``train`` loads it, with ``--nodes`` and the placeholders for the
-    inputs it leaves unset (the user's overrides win over both)."""
-    from omegaconf import OmegaConf
+    """The config as ``train`` loads it (through the same loader, so that it refuses the
+    same inputs the same way), with ``--nodes`` and the placeholders for the inputs it
+    leaves unset (the user's overrides win over both)."""
+    from megatron_lns.config.sources import load_run_config
 
-    from megatron_lns.config.sources import config_file, load_run_config
-
-    raw = OmegaConf.load(config_file(source))
-    filled = [f"{key}={value}" for key, value in PLACEHOLDERS.items() if _missing(raw, key)]
     nodes_override = [f"trainer.num_nodes={nodes}"] if nodes is not None else []
-    return load_run_config(source, [*filled, *nodes_override, *(overrides or [])])
-
-
-def _missing(raw, key: str) -> bool:
-    from omegaconf import OmegaConf
-
-    parent_key, _, name = key.rpartition(".")
-    parent = OmegaConf.select(raw, parent_key, default=None)
-    return parent is not None and OmegaConf.is_missing(parent, name)
+    return load_run_config(source, [*nodes_override, *(overrides or [])], PLACEHOLDERS)
 
 
 def vocab_size_of(cfg: ExperimentConfig, given: int | None = None) -> tuple[int, str]:

@@ -8,7 +8,7 @@ import sys
 from dataclasses import asdict
 
 import pytest
-from helpers import ROOT, fresh_launch_env, hugging_face_tokenizer_dir
+from helpers import ROOT, cli_error_of, fresh_launch_env, hugging_face_tokenizer_dir
 
 from megatron_lns.cli import main
 from megatron_lns.config import validate
@@ -118,6 +118,26 @@ def test_an_unreadable_tokenizer_json_is_one_line(content, tmp_path, capsys):
     assert err.startswith(f"error: {tmp_path / 'tokenizer.json'}: not a Hugging Face")
     assert "--vocab-size" in err and "\n" not in err
     assert main(["plan", "tiny_cpu_demo", *tokenizer, "--vocab-size", "300"]) == 0
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        b"trainer:\n  devices: 1\ntrainer:\n  devices: 2\n",
+        b"- 1\n",
+        b"trainer:\n  name: \xff\n",
+        b"a: &a [*a]\n",
+        b"model: {data: 3}\n",
+        b"model: [1]\n",
+    ],
+    ids=["duplicate key", "list", "not UTF-8", "recursive alias", "model.data=3", "model=[1]"],
+)
+def test_plan_refuses_a_malformed_config_as_train_does(text, tmp_path, capsys):
+    """plan reads the file through train's loader, not with a second reader of its own."""
+    config = tmp_path / "bad.yaml"
+    config.write_bytes(text)
+    refused = cli_error_of(capsys, "plan", str(config))
+    assert refused == cli_error_of(capsys, "train", str(config), "--dry-run")
 
 
 HEAVY = ("torch", "megatron.core", "transformers")
