@@ -40,6 +40,13 @@ def run(args: argparse.Namespace) -> int:
         raise PlanArgumentError(f"--mfu {args.mfu}: a fraction of the peak, in (0, 1]")
     if args.nodes is not None and args.nodes < 1:
         raise PlanArgumentError(f"--nodes {args.nodes}: at least 1")
+    if args.nodes is not None:
+        for override in args.overrides:
+            if override.lstrip("+~").split("=", 1)[0].strip() == "trainer.num_nodes":
+                raise PlanArgumentError(
+                    f"--nodes {args.nodes} and the override '{override}' both set "
+                    "trainer.num_nodes: give one of them"
+                )
     if args.vocab_size is not None and args.vocab_size < 1:
         raise PlanArgumentError(f"--vocab-size {args.vocab_size}: at least 1")
     gpu = gpu_named(args.gpu)

@@ -33,12 +33,14 @@ def load_for_plan(
     source: str | Path, overrides: list[str] | None = None, nodes: int | None = None
 ) -> ExperimentConfig:
     """The config as ``train`` loads it (through the same loader, so that it refuses the
-    same inputs the same way), with ``--nodes`` and the placeholders for the inputs it
-    leaves unset (the user's overrides win over both)."""
+    same inputs the same way), with the placeholders for the inputs it leaves unset (the
+    user's overrides win over them) and ``--nodes``, set last so that it also holds
+    over a whole ``trainer={...}`` override (``plan`` refuses an override of
+    ``trainer.num_nodes`` itself given with it)."""
     from megatron_lns.config.sources import load_run_config
 
     nodes_override = [f"trainer.num_nodes={nodes}"] if nodes is not None else []
-    return load_run_config(source, [*nodes_override, *(overrides or [])], PLACEHOLDERS)
+    return load_run_config(source, [*(overrides or []), *nodes_override], PLACEHOLDERS)
 
 
 def vocab_size_of(cfg: ExperimentConfig, given: int | None = None) -> tuple[int, str]:

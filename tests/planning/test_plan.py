@@ -109,6 +109,20 @@ def test_a_bad_argument_is_one_line(args, message, capsys):
     assert err.startswith(message) and "\n" not in err
 
 
+@pytest.mark.parametrize("override", ["trainer.num_nodes=1", "~trainer.num_nodes"])
+def test_nodes_and_an_override_of_the_node_count_are_refused_together(override, capsys):
+    error = cli_error_of(capsys, "plan", "tiny_cpu_demo", "--nodes", "2", override)
+    assert error == (
+        f"error: --nodes 2 and the override '{override}' both set trainer.num_nodes: "
+        "give one of them"
+    )
+
+
+def test_nodes_holds_over_a_whole_trainer_override(capsys):
+    plan = _plan_json(capsys, "tiny_cpu_demo", "--nodes", "2", "trainer={devices: 1}")
+    assert plan["gpus"] == 2  # 2 nodes of 1 device
+
+
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"model": 3}'])
 def test_an_unreadable_tokenizer_json_is_one_line(content, tmp_path, capsys):
     (tmp_path / "tokenizer.json").write_text(content)
