@@ -11,11 +11,17 @@ other key of NeMo's GPT config has one entry in :data:`NEMO_KEYS`:
 * ``When``: as ``Fixed``, but what is accepted depends on other settings.
 * ``Translated``: honoured by setting a schema key.
 
+OmegaConf types none of these keys, so each rule says which types its value may have
+(``kinds``; a ``Fixed`` rule's are those of the values it accepts) and a value of
+another type is refused, naming the key, before any rule reads it: ``'false'`` is no
+boolean, ``abc`` no epoch count.
+
 Keys in neither the schema nor this table are errors.
 """
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from megatron_lns.config.output_inits import REGISTRY as OUTPUT_INIT_REGISTRY
 from megatron_lns.config.schema import ExperimentConfig
 from megatron_lns.config.settings import declared_settings, section
+from megatron_lns.config.value_kinds import kind_problem, kinds_of_hint
 
 
 class NemoSettingError(ValueError):
@@ -46,6 +53,10 @@ class Fixed:
     accepted: tuple[Any, ...]
     why: str
 
+    @property
+    def kinds(self) -> tuple[type, ...]:
+        return tuple(dict.fromkeys(type(value) for value in self.accepted if value is not None))
+
     def apply(self, key: str, value: Any, cfg: ExperimentConfig) -> None:
         if value not in self.accepted:
             raise _refusal(key, value, self.why)
@@ -55,6 +66,7 @@ class Fixed:
 class When:
     accepts: Callable[[Any, ExperimentConfig], bool]
     why: str
+    kinds: tuple[type, ...]
 
     def apply(self, key: str, value: Any, cfg: ExperimentConfig) -> None:
         if not self.accepts(value, cfg):
@@ -64,6 +76,7 @@ class When:
 @dataclass(frozen=True)
 class Translated:
     onto: Callable[[Any, ExperimentConfig], None]
+    kinds: tuple[type, ...]
 
     def apply(self, key: str, value: Any, cfg: ExperimentConfig) -> None:
         self.onto(value, cfg)
@@ -103,7 +116,16 @@ def _alias_of(key: str, alias: str) -> Translated:
                 "keep one of them"
             )
 
-    return Translated(onto)
+    return Translated(onto, kinds_of_hint(_schema_hint(key)))
+
+
+def _schema_hint(key: str) -> Any:
+    """The type of the schema key ``key`` (``model.optim.lr`` -> float)."""
+    *sections, name = key.split(".")
+    holder: Any = ExperimentConfig
+    for part in sections:
+        holder = typing.get_type_hints(holder)[part]
+    return typing.get_type_hints(holder)[name]
 
 
 def _aliases() -> dict[str, Translated]:
@@ -124,7 +146,7 @@ def _hydra_defaults_without_groups(value: Any, cfg: ExperimentConfig) -> bool:
         if item == "_self_":
             return True
         return isinstance(item, dict) and all(
-            k.startswith("optional ") and v is None for k, v in item.items()
+            isinstance(k, str) and k.startswith("optional ") and v is None for k, v in item.items()
         )
 
     return isinstance(value, list) and all(composes_nothing(item) for item in value)
@@ -157,6 +179,7 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
     "defaults": When(
         _hydra_defaults_without_groups,
         "Hydra config groups are not composed here; merge the group's YAML into the file",
+        (list,),
     ),
     "restore_from_path": Fixed((None,), "starting from a .nemo file"),
     # trainer
@@ -174,6 +197,7 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
     "trainer.max_epochs": When(
         lambda v, cfg: v is None or v == -1 or v >= 1,
         "an epoch of NeMo's megatron sampler is the whole run; its length is trainer.max_steps",
+        (int,),
     ),
     "trainer.max_time": Fixed(
         (None,), "no wall-clock limit: use trainer.exit_interval or the job's time limit"
@@ -281,7 +305,7 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
     "model.ffn_dropout": Fixed((0.0,), "no dropout inside the MLP; use model.hidden_dropout"),
     "model.pre_process": Fixed((True,), "every model has its embedding"),
     "model.post_process": Fixed((True,), "every model has its output layer"),
-    "model.use_scaled_init_method": Translated(_scaled_init_onto_output_layer_init),
+    "model.use_scaled_init_method": Translated(_scaled_init_onto_output_layer_init, (bool,)),
     "model.resume_from_checkpoint": Fixed(
         (None,),
         "NeMo's Lightning .ckpt; choose a megatron-lns checkpoint directory with "
@@ -296,7 +320,7 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
         "bf16/fp16 always train megatron's way: half-precision model, fp32 main weights "
         "in the optimizer (NeMo's O2)"
     ),
-    "model.fp8_e4m3": Translated(_fp8_e4m3_onto_fp8_format),
+    "model.fp8_e4m3": Translated(_fp8_e4m3_onto_fp8_format, (bool,)),
     # Accepted either way: true is the default format, false defers to fp8_e4m3 (as NeMo).
     "model.fp8_hybrid": Fixed((True, False), "model.fp8_format picks the FP8 format"),
     "model.fp16_lm_cross_entropy": Fixed(
@@ -378,6 +402,7 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
     "model.optim.sched.max_steps": When(
         lambda v, cfg: v is None or v == cfg.trainer.max_steps,
         "the schedule spans trainer.max_steps",
+        (int,),
     ),
 }
 
@@ -453,10 +478,13 @@ def has_nemo_keys_below(dotted: str) -> bool:
 
 
 def apply_nemo_settings(cfg: ExperimentConfig, values: dict[str, Any]) -> None:
-    """Honour or refuse each non-inert NeMo key, in the order given."""
+    """Honour or refuse each non-inert NeMo key, in the order given; a value of a type
+    its rule does not take is refused before the rule reads it."""
     for key, value in values.items():
         rule = nemo_rule(key)
         assert rule is not None and not isinstance(rule, Inert), key
+        if problem := kind_problem(value, rule.kinds):
+            raise NemoSettingError(f"{key} {problem}, got {value!r}")
         rule.apply(key, value, cfg)
 
 
