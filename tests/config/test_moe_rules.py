@@ -8,6 +8,7 @@ from helpers import DEMO_CONFIG, TINY_MODEL_OVERRIDES, config_error, validated_d
 
 from megatron_lns.config import ConfigError, load_config, validate
 from megatron_lns.config.fast_paths import MachineFacts
+from megatron_lns.config.moe_layers import MoELayerFreqError, parse_moe_layer_freq
 from megatron_lns.config.performance import resolved_fast_paths
 from megatron_lns.training.build import model_config, parallel_layout
 
@@ -152,6 +153,23 @@ def test_grouped_gemm_and_permute_fusion_follow_the_machine():
 )
 def test_bad_moe_settings_are_one_line_errors(overrides, devices, message):
     assert re.search(message, config_error(*MOE, f"trainer.devices={devices}", *overrides))
+
+
+@pytest.mark.parametrize(
+    ("expression", "why"),
+    [
+        ("[1]*10000000000000000000000", "lists more than 100000 layers"),  # was OverflowError
+        ("[1]*100000000000", "lists more than 100000 layers"),  # was MemoryError
+        ("[1]*50000+[1]*50001", "lists more than 100000 layers"),
+        ("[[1]*1000]*1000", "is not a list expression"),  # its message listed 10**6 entries
+        ("+".join(["[1]"] * 3000), "too large or too deeply nested"),  # was RecursionError
+    ],
+)
+def test_a_moe_layer_list_expression_too_large_to_build_is_refused(expression, why):
+    with pytest.raises(MoELayerFreqError, match=why):
+        parse_moe_layer_freq(expression)
+    message = config_error(*MOE, f"model.moe_layer_freq='{expression}'")
+    assert message.startswith("model.moe_layer_freq must be an int N >= 1")
 
 
 @pytest.mark.parametrize(
