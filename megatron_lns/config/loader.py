@@ -171,6 +171,8 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
             parsed = OmegaConf.to_container(OmegaConf.from_dotlist([text]), resolve=False)
         except (OmegaConfBaseException, yaml.YAMLError) as err:
             raise ConfigError(f"override '{override}': {_one_line(err, position=False)}") from None
+        except ValueError as err:  # an integer of more digits than Python converts
+            raise ConfigError(f"override of '{key}': {_too_long_to_read(err)}") from None
         value = parsed
         try:
             for part in key.split("."):
@@ -223,16 +225,21 @@ def _one_line(err: Exception, position: bool = True) -> str:
     return str(text).strip().splitlines()[0]
 
 
+def _too_long_to_read(err: ValueError) -> str:
+    """Python's refusal to convert a number of more than ``sys.get_int_max_str_digits()``
+    digits, without its advice to the programmer (``use sys.set_int_max_str_digits()``)."""
+    return str(err).split(";")[0]
+
+
 def _read_yaml(path: Path) -> DictConfig:
     try:
         with path.open(encoding="utf-8") as f:
             # OmegaConf.load would parse a file holding one string (e.g. not YAML at all)
-            # as a mapping with the whole text as its one key.
-            if not isinstance(yaml.load(f, Loader=yaml.SafeLoader), dict):
-                raise ConfigError(
-                    f"config file {path} must be a mapping with trainer/exp_manager/model sections"
-                )
-        raw = OmegaConf.load(path)
+            # as a mapping with the whole text as its one key. Composed, not constructed:
+            # PyYAML's own loader reads values OmegaConf's does not (2024-13-45 is a date to
+            # it, and an invalid one, but a string to OmegaConf).
+            root = yaml.compose(f, Loader=yaml.SafeLoader)
+        raw = OmegaConf.load(path) if isinstance(root, yaml.MappingNode) else None
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {path}: {_one_line(err)}") from None
     except UnicodeDecodeError:
@@ -241,6 +248,8 @@ def _read_yaml(path: Path) -> DictConfig:
         raise ConfigError(f"config file {path}: {err.strerror or err}") from None
     except OmegaConfBaseException as err:
         raise ConfigError(f"config file {path}: {_one_line(err)}") from None
+    except ValueError as err:  # an integer of more digits than Python converts
+        raise ConfigError(f"config file {path}: {_too_long_to_read(err)}") from None
     if not isinstance(raw, DictConfig):
         raise ConfigError(
             f"config file {path} must be a mapping with trainer/exp_manager/model sections"

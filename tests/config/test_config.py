@@ -518,6 +518,22 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path):
         load_config(text)
 
 
+def test_yaml_values_python_cannot_read_are_one_line(tmp_path):
+    """An integer of more digits than Python converts is refused, not a traceback; a
+    value PyYAML alone reads as an (invalid) date is OmegaConf's string, checked as one."""
+    digits = "9" * 5000
+    big = tmp_path / "big.yaml"
+    big.write_text(f"model:\n  hidden_size: {digits}\n")
+    with pytest.raises(ConfigError, match=r"big.yaml: Exceeds the limit \(4300 digits\)"):
+        load_config(big)
+    with pytest.raises(ConfigError, match=r"^override of 'model.hidden_size': Exceeds the limit"):
+        _load(f"model.hidden_size={digits}")
+    date = tmp_path / "date.yaml"
+    date.write_text("trainer:\n  max_steps: 2024-13-45\n")
+    with pytest.raises(ConfigError, match=r"^'trainer.max_steps': Value '2024-13-45'"):
+        load_config(date)
+
+
 def test_interpolations_on_the_command_line():
     cfg = _load(
         "model.encoder_seq_length=64", "model.max_position_embeddings=${model.encoder_seq_length}"
