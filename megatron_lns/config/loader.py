@@ -26,6 +26,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from megatron_lns.base.errors import UserError
 from megatron_lns.base.path_kind import not_a_file
+from megatron_lns.config import value_kinds
 from megatron_lns.config.nemo_compat import (
     NEMO_KEYS,
     Inert,
@@ -368,7 +369,9 @@ def _kind_of_node(node: Any) -> str:
 
 def _check_kinds(node: Any, hint: Any, path: str) -> None:
     """Refuse, naming the key, a list or a single value where the schema has a mapping,
-    or any other such mix (OmegaConf's merge ends in a TypeError, or names no key)."""
+    or any other such mix (OmegaConf's merge ends in a TypeError, or names no key), and
+    an integer too large for the int64 or float that holds it (where the merge would
+    raise OverflowError converting it to a float; ``_typed`` checks what it converts)."""
     if node is None or node._is_none() or node._is_interpolation() or node._is_missing():
         return
     want, element = _kind_of_hint(hint)
@@ -380,7 +383,11 @@ def _check_kinds(node: Any, hint: Any, path: str) -> None:
             raise ConfigError(_UNSUPPORTED_FORMS[path, got])
         shown = OmegaConf.to_container(node) if got != _VALUE else node._value()
         raise ConfigError(f"'{path}' must be {want}, not {_GOT[got]} ({shown})")
-    if want == _SECTION:
+    if want == _VALUE:
+        value = node._value()
+        if problem := value_kinds.range_problem(value, value_kinds.kinds_of_hint(hint)):
+            raise ConfigError(f"'{path}' {problem}, got {value_kinds.shown(value)}")
+    elif want == _SECTION:
         fields = typing.get_type_hints(element)
         for key in node:
             if key in fields:
@@ -468,11 +475,15 @@ def _typed(raw: DictConfig, interpolated: dict[str, str]) -> ExperimentConfig:
         except OmegaConfBaseException as err:
             raise ConfigError(f"override '{override}': {_one_line(err)}") from None
     try:
-        return OmegaConf.to_object(merged)
+        typed = OmegaConf.to_object(merged)
     except MissingMandatoryValue as err:
         raise ConfigError(f"'{err.full_key}' is required but not set (???)") from None
     except OmegaConfBaseException as err:
         raise ConfigError(f"'{getattr(err, 'full_key', None) or '?'}': {_one_line(err)}") from None
+    if found := value_kinds.out_of_range(typed):
+        key, problem, value = found
+        raise ConfigError(f"'{key}' {problem}, got {value_kinds.shown(value)}")
+    return typed
 
 
 def to_yaml(cfg: ExperimentConfig) -> str:

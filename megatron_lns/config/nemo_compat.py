@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from megatron_lns.config.output_inits import REGISTRY as OUTPUT_INIT_REGISTRY
 from megatron_lns.config.schema import ExperimentConfig
 from megatron_lns.config.settings import declared_settings, section
-from megatron_lns.config.value_kinds import kind_problem, kinds_of_hint
+from megatron_lns.config.value_kinds import kind_problem, kinds_of_hint, shown
 
 
 class NemoSettingError(ValueError):
@@ -484,7 +484,7 @@ def apply_nemo_settings(cfg: ExperimentConfig, values: dict[str, Any]) -> None:
         rule = nemo_rule(key)
         assert rule is not None and not isinstance(rule, Inert), key
         if problem := kind_problem(value, rule.kinds):
-            raise NemoSettingError(f"{key} {problem}, got {value!r}")
+            raise NemoSettingError(f"{key} {problem}, got {shown(value)}")
         rule.apply(key, value, cfg)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_lns.config.moe_layers import MoELayerFreqError, parse_moe_layer_freq
+from megatron_lns.config.value_kinds import shown
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Check:
     def error(self, key: str, value: Any) -> str | None:
         if value is None or self.holds(value):
             return None
-        return f"{key} must be {self.expected}, got {value!r}"
+        return f"{key} must be {self.expected}, got {shown(value)}"
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,14 @@ def one_of(choices: Iterable) -> OneOf:
 
 
 def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A number, not a bool, and finite; an int too large for a float is not (the loader
+    refuses it for keys typed int or float; others, ``Any``, reach here with it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 positive = Check("positive", lambda v: _finite(v) and v > 0)
