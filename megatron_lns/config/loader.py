@@ -369,9 +369,10 @@ def _kind_of_node(node: Any) -> str:
 
 def _check_kinds(node: Any, hint: Any, path: str) -> None:
     """Refuse, naming the key, a list or a single value where the schema has a mapping,
-    or any other such mix (OmegaConf's merge ends in a TypeError, or names no key), and
-    an integer too large for the int64 or float that holds it (where the merge would
-    raise OverflowError converting it to a float; ``_typed`` checks what it converts)."""
+    or any other such mix (OmegaConf's merge ends in a TypeError, or names no key); a
+    number for a bool; an integer too large for the int64 or float that holds it (where
+    the merge would raise OverflowError converting it to a float; ``_typed`` checks what
+    it converts)."""
     if node is None or node._is_none() or node._is_interpolation() or node._is_missing():
         return
     want, element = _kind_of_hint(hint)
@@ -384,8 +385,14 @@ def _check_kinds(node: Any, hint: Any, path: str) -> None:
         shown = OmegaConf.to_container(node) if got != _VALUE else node._value()
         raise ConfigError(f"'{path}' must be {want}, not {_GOT[got]} ({shown})")
     if want == _VALUE:
-        value = node._value()
-        if problem := value_kinds.range_problem(value, value_kinds.kinds_of_hint(hint)):
+        value, kinds = node._value(), value_kinds.kinds_of_hint(hint)
+        # OmegaConf reads any number as a bool (2 is true); its strings ('false', 'no')
+        # it reads as what they say, or refuses.
+        if kinds == (bool,) and not isinstance(value, str):
+            problem = value_kinds.kind_problem(value, kinds)
+        else:
+            problem = value_kinds.range_problem(value, kinds)
+        if problem:
             raise ConfigError(f"'{path}' {problem}, got {value_kinds.shown(value)}")
     elif want == _SECTION:
         fields = typing.get_type_hints(element)

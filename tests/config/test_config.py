@@ -472,6 +472,14 @@ def test_values_of_the_wrong_type_name_the_key(override, expected):
     assert expected in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("number", ["2", "0", "1.5"])
+def test_a_number_for_a_boolean_key_is_refused_not_read_as_true_or_false(number):
+    """OmegaConf read model.bias=2 as true; its string forms say what they mean."""
+    with pytest.raises(ConfigError, match=rf"^'model.bias' must be true or false, got {number}$"):
+        _load(f"model.bias={number}")
+    assert _load("model.bias='false'").model.bias is False
+
+
 def _fields(cls, prefix=""):
     for f in dataclasses.fields(cls):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
