@@ -1,12 +1,13 @@
 """Load a NeMo-style YAML, apply ``key=value`` overrides, and type-check it.
 
 Order: overrides are applied to the raw YAML (Hydra syntax: ``key=value`` for keys
-that exist, ``+key=value`` to add one, ``~key`` to delete one; a value may be a
-``${...}`` interpolation); every key is then classified as honoured (in the schema),
-a NeMo key (``nemo_compat.NEMO_KEYS``: inert, fixed, conditional or translated) or
-unknown (an error with a did-you-mean); OmegaConf merges the schema keys onto the
-typed schema, checking types and resolving interpolations; finally the NeMo keys are
-honoured or refused against the typed config, and the inert ones named in one warning.
+that exist, ``+key=value`` to add one, ``~key`` to delete one, ``~key=value`` to delete
+it only at that value; a value may be a ``${...}`` interpolation); every key is then
+classified as honoured (in the schema), a NeMo key (``nemo_compat.NEMO_KEYS``: inert,
+fixed, conditional or translated) or unknown (an error with a did-you-mean); OmegaConf
+merges the schema keys onto the typed schema, checking types and resolving
+interpolations; finally the NeMo keys are honoured or refused against the typed config,
+and the inert ones named in one warning.
 """
 
 from __future__ import annotations
@@ -117,6 +118,22 @@ def _delete(cfg: DictConfig, path: str) -> None:
     del parent[leaf]
 
 
+def _refuse_another_value(cfg: DictConfig, key: str, wanted: Any, override: str) -> None:
+    """Hydra's ``~key=value`` deletes the key only when that is its value (as written,
+    unresolved) and refuses otherwise; a key not there is left to ``_delete`` to name."""
+    parent_path, _, leaf = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_path, default=None) if parent_path else cfg
+    if not isinstance(parent, DictConfig) or leaf not in parent:
+        return
+    node = parent._get_node(leaf)
+    value = node._value() if _kind_of_node(node) == _VALUE else OmegaConf.to_container(node)
+    if value != wanted:
+        raise ConfigError(
+            f"override '{override}': {key} is {value!r}, not {wanted!r} (~{key}=VALUE deletes "
+            f"the key only at that value, as Hydra does; ~{key} deletes it whatever it is)"
+        )
+
+
 def _named_inside_a_list(cfg: DictConfig, defaults: DictConfig, key: str) -> str | None:
     """Why a dotted ``key`` cannot be set when a part of it names, not numbers, an element
     of a list (``model.data.data_prefix.train``); None when none does. OmegaConf raised
@@ -146,7 +163,11 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
     defaults = OmegaConf.structured(ExperimentConfig)
     for override in overrides:
         if override.startswith("~"):
-            _delete(cfg, override[1:].split("=", 1)[0])
+            text = override[1:]
+            key = text.split("=", 1)[0].strip()
+            if "=" in text:
+                _refuse_another_value(cfg, key, _value_of(override, text, key), override)
+            _delete(cfg, key)
             continue
         add = override.startswith("+")
         text = override[1:] if add else override
@@ -162,33 +183,38 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
             raise ConfigError(
                 f"override '{override}': no key '{key}'{_did_you_mean(key)}; use +{key}=... to add"
             )
-        raw_value = text.split("=", 1)[1]
-        if raw_value.startswith("*"):
-            # YAML reads a leading '*' as an alias, which one override cannot define: such a
-            # value is text (a hybrid layer pattern, ``model.hybrid_layer_pattern=*-*E``).
-            OmegaConf.update(cfg, key, raw_value, merge=False, force_add=True)
-            continue
-        try:
-            parsed = OmegaConf.to_container(OmegaConf.from_dotlist([text]), resolve=False)
-        except (OmegaConfBaseException, yaml.YAMLError) as err:
-            raise ConfigError(f"override '{override}': {_one_line(err, position=False)}") from None
-        except ValueError as err:  # an integer of more digits than Python converts
-            raise ConfigError(f"override of '{key}': {_too_long_to_read(err)}") from None
-        value = parsed
-        try:
-            for part in key.split("."):
-                value = value[part]
-        except (KeyError, TypeError):
-            raise ConfigError(f"override '{override}' is not key=value") from None
-        if _comment_dropped(raw_value, value):
-            raise ConfigError(
-                f"override '{override}': YAML reads ' #' as the start of a comment, which "
-                f"cuts the value to {value!r}; to keep the '#', quote the value for YAML "
-                f"(\"{key}='{raw_value}'\")"
-            )
         # An interpolation stays one (``${model.encoder_seq_length}``) and is resolved
         # with the whole config, after every override.
-        OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+        OmegaConf.update(cfg, key, _value_of(override, text, key), merge=False, force_add=True)
+
+
+def _value_of(override: str, text: str, key: str) -> Any:
+    """The value ``text`` (``key=value``, from ``override``) gives ``key``, as YAML reads
+    it; an interpolation is kept as its text."""
+    raw_value = text.split("=", 1)[1]
+    if raw_value.startswith("*"):
+        # YAML reads a leading '*' as an alias, which one override cannot define: such a
+        # value is text (a hybrid layer pattern, ``model.hybrid_layer_pattern=*-*E``).
+        return raw_value
+    try:
+        parsed = OmegaConf.to_container(OmegaConf.from_dotlist([text]), resolve=False)
+    except (OmegaConfBaseException, yaml.YAMLError) as err:
+        raise ConfigError(f"override '{override}': {_one_line(err, position=False)}") from None
+    except ValueError as err:  # an integer of more digits than Python converts
+        raise ConfigError(f"override of '{key}': {_too_long_to_read(err)}") from None
+    value = parsed
+    try:
+        for part in key.split("."):
+            value = value[part]
+    except (KeyError, TypeError):
+        raise ConfigError(f"override '{override}' is not key=value") from None
+    if _comment_dropped(raw_value, value):
+        raise ConfigError(
+            f"override '{override}': YAML reads ' #' as the start of a comment, which "
+            f"cuts the value to {value!r}; to keep the '#', quote the value for YAML "
+            f"(\"{key}='{raw_value}'\")"
+        )
+    return value
 
 
 _YAML_COMMENT = re.compile(r"(?:^|\s)#")

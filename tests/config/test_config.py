@@ -84,6 +84,16 @@ def test_overrides_set_add_and_delete():
     assert _load("~model.ffn_hidden_size").model.ffn_hidden_size is None
 
 
+def test_delete_with_a_value_deletes_only_a_key_of_that_value():
+    """Hydra's ~key=value: the key goes only when the value is its own, else it refuses."""
+    assert _load("~model.hidden_size=128").model.hidden_size == 768  # the schema default
+    with pytest.raises(ConfigError) as info:
+        _load("~model.hidden_size=999")
+    assert str(info.value).startswith(
+        "override '~model.hidden_size=999': model.hidden_size is 128, not 999"
+    )
+
+
 def test_override_of_unknown_key_says_how_to_add():
     with pytest.raises(
         ConfigError,
