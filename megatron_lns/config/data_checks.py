@@ -34,12 +34,10 @@ def dataset_num_samples(cfg: ExperimentConfig) -> tuple[int, int, int]:
 def check_tokenizer(cfg: ExperimentConfig) -> int | None:
     """Refuse tokenizer files that do not load; the vocabulary size where it is known
     without loading a Hugging Face tokenizer whole (None for those)."""
-    from megatron_lns.data.tokenizer import checked_vocab_size
+    from megatron_lns.data.tokenizer import TOKENIZER_FILE_FIELD, checked_vocab_size
 
     tok = cfg.model.tokenizer
-    key = {"huggingface": "model.tokenizer.type", "sentencepiece": "model.tokenizer.model"}.get(
-        tok.library, "model.tokenizer.library"
-    )
+    key = f"model.tokenizer.{TOKENIZER_FILE_FIELD.get(tok.library, 'library')}"
     try:
         return checked_vocab_size(tok.library, tok.type, tok.model)
     except DataError as err:

@@ -27,7 +27,7 @@ from megatron_lns.config.performance import (
 from megatron_lns.config.schema import PRECISIONS, SCHEDULES, ExperimentConfig
 from megatron_lns.config.settings import value_errors
 from megatron_lns.data.blend import DataBlend, DataBlendError
-from megatron_lns.data.tokenizer import HUGGING_FACE_DIRECTORY_HINT
+from megatron_lns.data.tokenizer import HUGGING_FACE_DIRECTORY_HINT, TOKENIZER_FILE_FIELD
 
 
 def _divisible(key: str, value: int, by_key: str, by: int, shown: str | None = None) -> None:
@@ -197,6 +197,7 @@ def validate(
         )
 
     tok = m.tokenizer
+    _check_tokenizer_fields(tok)
     if tok.library == "huggingface" and not tok.type:
         raise ConfigError(
             "model.tokenizer.type must be the local directory of a Hugging Face tokenizer"
@@ -217,6 +218,18 @@ def validate(
         check_datasets(cfg, blend, vocab_size)
         check_writable_paths(cfg, blend)
     validate_cluster(cfg)
+
+
+def _check_tokenizer_fields(tok) -> None:
+    """Refuse a tokenizer file the library does not read (``model.tokenizer.model`` with
+    ``byte``, the default): the run would tokenize otherwise than the user thinks."""
+    for reader, field in TOKENIZER_FILE_FIELD.items():
+        value = getattr(tok, field)
+        if value and tok.library != reader:
+            raise ConfigError(
+                f"model.tokenizer.{field}={value!r} is read only by model.tokenizer.library="
+                f"{reader}, not {tok.library}: drop it, or set the library"
+            )
 
 
 def _check_head_size(m) -> None:

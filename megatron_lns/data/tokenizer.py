@@ -19,6 +19,9 @@ from megatron_lns.data.errors import DataError
 
 TokenizerLibrary = Literal["byte", "huggingface", "sentencepiece"]
 TOKENIZER_LIBRARIES: tuple[str, ...] = get_args(TokenizerLibrary)
+# The field of a config's model.tokenizer each library reads its files from; byte reads
+# none. A library never reads the other field.
+TOKENIZER_FILE_FIELD = {"huggingface": "type", "sentencepiece": "model"}
 
 
 class TokenizerError(DataError):

@@ -40,7 +40,23 @@ def load_for_plan(
     from megatron_lns.config.sources import load_run_config
 
     nodes_override = [f"trainer.num_nodes={nodes}"] if nodes is not None else []
-    return load_run_config(source, [*(overrides or []), *nodes_override], PLACEHOLDERS)
+    cfg = load_run_config(source, [*(overrides or []), *nodes_override], PLACEHOLDERS)
+    _drop_unread_tokenizer_placeholder(cfg)
+    return cfg
+
+
+def _drop_unread_tokenizer_placeholder(cfg: ExperimentConfig) -> None:
+    """A placeholder in the tokenizer file of another library than the one the run uses
+    (llama_130m's ``model: ???`` planned with ``model.tokenizer.library=huggingface``)
+    stands in for no input: it is dropped, as validate refuses a file the library does
+    not read."""
+    from megatron_lns.data.tokenizer import TOKENIZER_FILE_FIELD
+
+    tokenizer = cfg.model.tokenizer
+    for library, field in TOKENIZER_FILE_FIELD.items():
+        placeholder = PLACEHOLDERS[f"model.tokenizer.{field}"]
+        if tokenizer.library != library and getattr(tokenizer, field) == placeholder:
+            setattr(tokenizer, field, None)
 
 
 def vocab_size_of(cfg: ExperimentConfig, given: int | None = None) -> tuple[int, str]:

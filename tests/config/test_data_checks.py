@@ -6,7 +6,7 @@ fail only once the ranks built their datasets."""
 import json
 
 import pytest
-from helpers import DEMO_CONFIG, hugging_face_tokenizer_dir
+from helpers import DEMO_CONFIG, config_error, hugging_face_tokenizer_dir
 
 from megatron_lns.cli import main
 from megatron_lns.config.data_checks import dataset_num_samples
@@ -212,3 +212,25 @@ def test_the_sample_counts_the_checks_use():
 
     cfg = load_config(DEMO_CONFIG, [])
     assert dataset_num_samples(cfg) == (300 * 8, 8 * 8 * 4, 0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["model.tokenizer.model=/nonexistent/tok.model"],
+            "model.tokenizer.model='/nonexistent/tok.model' is read only by "
+            "model.tokenizer.library=sentencepiece, not byte",
+        ),
+        (["model.tokenizer.type=foo"], "model.tokenizer.type='foo' is read only by"),
+        (
+            ["model.tokenizer.library=sentencepiece", "model.tokenizer.model=t.model",
+             "model.tokenizer.type=foo"],
+            "model.tokenizer.type='foo' is read only by model.tokenizer.library=huggingface, "
+            "not sentencepiece",
+        ),
+    ],
+)  # fmt: skip
+def test_a_tokenizer_file_the_library_does_not_read_is_refused(overrides, expected):
+    """The byte tokenizer (the default) reads no file: a .model given with it was ignored."""
+    assert config_error(*overrides).startswith(expected)

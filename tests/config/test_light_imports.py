@@ -48,7 +48,15 @@ OLMO_INPUTS = ["model.data.data_prefix=[/data/x]", "model.tokenizer.type=/models
     "config, overrides",
     [
         (OLMO, OLMO_INPUTS),
-        (NEMO, ["model.data.data_prefix=[/data/x]", "model.tokenizer.library=byte"]),
+        (
+            NEMO,
+            # NeMo's type (GPT2BPETokenizer) is no file the byte tokenizer reads: null it.
+            [
+                "model.data.data_prefix=[/data/x]",
+                "model.tokenizer.library=byte",
+                "model.tokenizer.type=null",
+            ],
+        ),
     ],
     ids=["olmo_7b", "nemo"],
 )

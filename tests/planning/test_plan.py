@@ -123,6 +123,13 @@ def test_nodes_holds_over_a_whole_trainer_override(capsys):
     assert plan["gpus"] == 2  # 2 nodes of 1 device
 
 
+def test_a_placeholder_for_a_file_the_library_does_not_read_is_dropped(capsys):
+    """llama_130m's SentencePiece model is unset (???): planned with a Hugging Face
+    tokenizer, plan's stand-in for it is no file the user named, so it is not refused."""
+    hugging_face = ["model.tokenizer.library=huggingface", "model.tokenizer.type=/t"]
+    assert _plan_json(capsys, "llama_130m", *hugging_face)["vocab_size"] == 50280
+
+
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"model": 3}'])
 def test_an_unreadable_tokenizer_json_is_one_line(content, tmp_path, capsys):
     (tmp_path / "tokenizer.json").write_text(content)

@@ -50,7 +50,7 @@ class TokenizerConfig:
     """`byte` (UTF-8 bytes + EOD, vocab 257), `huggingface`, `sentencepiece`"""
 
     type: str | None = setting(None, shapes=True, hf=HF_CONVERTER)
-    """Hugging Face: a local tokenizer directory (never downloaded)"""
+    """`huggingface` only: a local tokenizer directory (never downloaded)"""
 
     model: str | None = setting(None, shapes=True, hf=HF_CONVERTER)
-    """SentencePiece: the `.model` file"""
+    """`sentencepiece` only: the `.model` file"""
