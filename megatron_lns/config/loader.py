@@ -113,7 +113,7 @@ def _did_you_mean(path: str) -> str:
 def _delete(cfg: DictConfig, path: str) -> None:
     parent_path, _, leaf = path.rpartition(".")
     parent = OmegaConf.select(cfg, parent_path) if parent_path else cfg
-    if not isinstance(parent, DictConfig) or leaf not in parent:
+    if not isinstance(parent, DictConfig) or leaf not in parent.keys():  # noqa: SIM118 - `in` skips ???
         raise ConfigError(f"override '~{path}': no such key to delete")
     del parent[leaf]
 
@@ -123,7 +123,7 @@ def _refuse_another_value(cfg: DictConfig, key: str, wanted: Any, override: str)
     unresolved) and refuses otherwise; a key not there is left to ``_delete`` to name."""
     parent_path, _, leaf = key.rpartition(".")
     parent = OmegaConf.select(cfg, parent_path, default=None) if parent_path else cfg
-    if not isinstance(parent, DictConfig) or leaf not in parent:
+    if not isinstance(parent, DictConfig) or leaf not in parent.keys():  # noqa: SIM118 - `in` skips ???
         return
     node = parent._get_node(leaf)
     value = node._value() if _kind_of_node(node) == _VALUE else OmegaConf.to_container(node)

@@ -94,6 +94,13 @@ def test_delete_with_a_value_deletes_only_a_key_of_that_value():
     )
 
 
+def test_a_required_key_left_unset_can_be_deleted():
+    """OmegaConf's `in` does not see a ??? value: '~' said there was no such key."""
+    raw = OmegaConf.load(DEMO)
+    raw.model.tokenizer.model = "???"
+    assert load_config(raw, ["~model.tokenizer.model"]).model.tokenizer.model is None
+
+
 def test_override_of_unknown_key_says_how_to_add():
     with pytest.raises(
         ConfigError,
