@@ -30,13 +30,25 @@ def run(args: argparse.Namespace) -> int:
     from megatron_lns.cluster import executor_for
     from megatron_lns.config import validate
     from megatron_lns.config.sources import load_run_config
+    from megatron_lns.planning import DEFAULT_GPU, gpu_named
+    from megatron_lns.planning.plan import PlanArgumentError
 
+    gpu = gpu_named(args.gpu or DEFAULT_GPU)  # a bad name first, whatever the config, as plan
     # Checked as `train` checks it, except what the compute node must offer (CUDA, TE):
     # the login node may have no GPU; each task checks that when it starts.
     cfg = load_run_config(args.config, args.overrides)
     validate(cfg)
-    if cfg.trainer.accelerator == "gpu":
-        _check_plan(cfg, args)
+    accelerator = cfg.trainer.accelerator
+    if accelerator == "gpu":
+        _check_plan(cfg, gpu, args.skip_plan_check)
+    elif args.gpu is not None:
+        # --gpu names the GPU of that check and nothing else: with no check it would be
+        # ignored, most likely by a user who meant the job to run on GPUs.
+        raise PlanArgumentError(
+            f"--gpu {args.gpu}: submit checks a job against a GPU only with "
+            f"trainer.accelerator=gpu, and this one has trainer.accelerator={accelerator}; "
+            "drop --gpu, or set trainer.accelerator=gpu"
+        )
     executor = executor_for(cfg)
     job = executor.prepare(cfg, Path.cwd(), sys.executable)
     if args.dry_run:
@@ -47,18 +59,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_plan(cfg, args: argparse.Namespace) -> None:
+def _check_plan(cfg, gpu, skip_plan_check: bool) -> None:
     """``plan``'s one line on stderr (stdout is the script or the job), and a refusal when
     the job would not fit the GPU's memory, unless ``--skip-plan-check``."""
-    from megatron_lns.planning import DEFAULT_GPU, gpu_named, make_plan, summary_line
+    from megatron_lns.planning import make_plan, summary_line
     from megatron_lns.planning.plan import PlanDoesNotFitError
     from megatron_lns.planning.vocab import vocab_size_of
 
     vocab, source = vocab_size_of(cfg)
-    gpu = gpu_named(args.gpu or DEFAULT_GPU)
     plan = make_plan(cfg, vocab, gpu, vocab_source=source, with_fixes=False)
     print(summary_line(plan), file=sys.stderr)
-    if not plan.fits and not args.skip_plan_check:
+    if not plan.fits and not skip_plan_check:
         raise PlanDoesNotFitError(
             f"the job needs {plan.heaviest.total_gb:.1f} GB per GPU, more than the "
             f"{plan.gpu.name}'s {plan.gpu.memory_gb:g} GB: `megatron-lns plan` with the same "

@@ -222,3 +222,15 @@ def test_submit_prints_the_plan_and_refuses_a_job_that_does_not_fit(tmp_path, ca
     assert err.splitlines()[1].startswith("error: the job needs 146.8 GB per GPU")
     assert main(["submit", str(OLMO), *crowded, "--dry-run", "--skip-plan-check"]) == 0
     assert main(["submit", str(OLMO), *crowded, "--dry-run", "--gpu", "B200"]) == 0
+
+
+def test_submit_refuses_a_gpu_it_does_not_know_or_does_not_check(capsys):
+    """--gpu names the GPU submit checks a GPU job against: a CPU job ignored it, even an
+    unknown name."""
+    unknown = cli_error_of(capsys, "submit", "tiny_cpu_demo", "--dry-run", "--gpu", "nonsense")
+    assert unknown.startswith("error: --gpu nonsense: not in the GPU table")
+    unused = cli_error_of(capsys, "submit", "tiny_cpu_demo", "--dry-run", "--gpu", "H100")
+    assert unused.startswith(
+        "error: --gpu H100: submit checks a job against a GPU only with trainer.accelerator=gpu, "
+        "and this one has trainer.accelerator=cpu"
+    )
