@@ -147,39 +147,41 @@ class Trainer:
         self.cfg = cfg
         self.log_label = log_label or cfg.exp_manager.name
         self.run_lock = None
-        self.run_dir = run_directory(cfg)
-        self.checkpoint_dir = self.run_dir / "checkpoints"
-        self.layout = parallel_layout(cfg)
-        self.device = init_distributed(
-            self.layout,
-            device=device_setting(cfg),
-            seed=cfg.model.seed,
-            rendezvous_timeout_s=cfg.trainer.rendezvous_timeout_s,
-            collective_timeout_minutes=cfg.trainer.distributed_timeout_minutes,
-        )
-        self.is_rank0 = dist.get_rank() == 0
-        self.config_yaml = to_yaml(cfg)
-        self.run_lock = claim_run_directory(
-            self.run_dir,
-            cfg.exp_manager.resume_if_exists,
-            self.config_yaml,
-            self.job,
-            self.device,
-            self._print,
-        )
-        self.progress = self._progress_recorder() if self.is_rank0 else None
-        # This attempt's wall time, for goodput (rank 0 writes it to run_progress).
-        self.attempt = AttemptRecorder(self.run_dir, self.job, self._print, self.is_rank0)
-        self.checkpoints = CheckpointWriter(
-            self.checkpoint_dir,
-            asynchronous=cfg.exp_manager.checkpoint_callback_params.async_save,
-            parallel=cfg.model.dist_ckpt_parallel_save,
-            on_commit=self._checkpoint_committed,
-        )
-        # Phases and their timeouts from here to close() (hang_watchdog.py).
-        self.hangs = HangWatch(cfg.exp_manager, dist.get_rank(), dist.get_world_size(),
-                               self._print, self.attempt.timeouts, self.attempt.hung)  # fmt: skip
+        # A failure from here on releases what was taken (the run's lock, signal handlers).
         try:
+            self.run_dir = run_directory(cfg)
+            self.checkpoint_dir = self.run_dir / "checkpoints"
+            self.layout = parallel_layout(cfg)
+            self.device = init_distributed(
+                self.layout,
+                device=device_setting(cfg),
+                seed=cfg.model.seed,
+                rendezvous_timeout_s=cfg.trainer.rendezvous_timeout_s,
+                collective_timeout_minutes=cfg.trainer.distributed_timeout_minutes,
+            )
+            self.is_rank0 = dist.get_rank() == 0
+            self.config_yaml = to_yaml(cfg)
+            self.run_lock = claim_run_directory(
+                self.run_dir,
+                cfg.exp_manager.resume_if_exists,
+                self.config_yaml,
+                self.job,
+                self.device,
+                self._print,
+            )
+            self.progress = self._progress_recorder() if self.is_rank0 else None
+            # This attempt's wall time, for goodput (rank 0 writes it to run_progress).
+            self.attempt = AttemptRecorder(self.run_dir, self.job, self._print, self.is_rank0)
+            self.checkpoints = CheckpointWriter(
+                self.checkpoint_dir,
+                asynchronous=cfg.exp_manager.checkpoint_callback_params.async_save,
+                parallel=cfg.model.dist_ckpt_parallel_save,
+                on_commit=self._checkpoint_committed,
+            )
+            # Phases and their timeouts from here to close() (hang_watchdog.py).
+            self.hangs = HangWatch(
+                cfg.exp_manager, dist.get_rank(), dist.get_world_size(), self._print,
+                self.attempt.timeouts, self.attempt.hung)  # fmt: skip
             self._build()
         except BaseException:
             self.close()

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import immutable, tiny_config
+from helpers import immutable, run_distributed, tiny_config, tiny_run_config
 
 from megatron_lns.cluster.slurm.environment import SlurmEnvironment
 from megatron_lns.cluster.slurm.job import GONE, SlurmQueryError
@@ -260,3 +260,23 @@ def test_a_lock_the_full_disk_cannot_hold_is_one_line_and_not_left_behind(tmp_pa
         assert not (disk / "run" / LOCK_NAME).exists()
         (disk / "filler").unlink()
         claim_run_dir(disk / "run", resume_if_exists=True).release()  # once there is space
+
+
+def _fail_after_claiming_the_run(cfg) -> bool:
+    """Build a trainer whose checkpoint writer cannot be made; whether the lock is left."""
+    from megatron_lns.config.paths import run_directory
+    from megatron_lns.training import trainer
+
+    def cannot_be_made(*args, **kwargs):
+        raise RuntimeError("injected: the checkpoint writer cannot be made")
+
+    trainer.CheckpointWriter = cannot_be_made
+    with pytest.raises(RuntimeError, match="injected"):
+        trainer.Trainer(cfg)
+    return (run_directory(cfg) / LOCK_NAME).exists()
+
+
+@pytest.mark.slow
+def test_a_failure_between_claiming_the_run_and_building_the_model_releases_the_lock(tmp_path):
+    cfg = tiny_run_config(tmp_path / "exp")
+    assert run_distributed(_fail_after_claiming_the_run, 1, tmp_path / "results", cfg) == [False]
