@@ -26,6 +26,8 @@ from pathlib import Path
 
 from megatron_lns.base.disk import disk_full_reported
 from megatron_lns.data.corpus_inputs import PreprocessError, expand_inputs
+from megatron_lns.data.errors import DataError
+from megatron_lns.data.index_file import check_token_file
 from megatron_lns.data.metadata import DatasetMetadata
 from megatron_lns.data.output_files import (
     StopSignals,
@@ -192,13 +194,16 @@ class _Runner:
         run, prefix = self.run, self.prefix
         self._remove_stale_merges()
         digest = plan_digest(settings, units)
-        if self._published_digest() == digest:
+        damage = self._damage_to_published()
+        if self._published_digest() == digest and damage is None:
             metadata = DatasetMetadata.load(prefix)
             self.lines.append(f"{prefix}.bin/.idx are up to date: nothing to do")
             return Outcome(self.lines, metadata)
         start_over = self._compare_with_earlier_plan(settings, units)
         published = [s for s in (".bin", ".idx") if Path(f"{prefix}{s}").exists()]
         if published and not run.overwrite:
+            if damage is not None:
+                raise PreprocessError(f"{damage} (--overwrite writes {prefix}.bin/.idx again)")
             raise PreprocessError(
                 f"{prefix}.bin/.idx exist and are not this run's output: --overwrite replaces "
                 "them (a training run reading them keeps its open files, and its resume then "
@@ -233,6 +238,18 @@ class _Runner:
         for stale in sorted(self.prefix.parent.glob(pattern)):
             stale.unlink(missing_ok=True)
             self.lines.append(f"removed {stale}: left by a run that stopped before publishing")
+
+    def _damage_to_published(self) -> str | None:
+        """What is wrong with the published ``PREFIX.bin/.idx`` (cut short by an
+        interrupted copy, say), which the digest of their plan cannot tell; None when both
+        are whole or there are none."""
+        if not all(Path(f"{self.prefix}{s}").is_file() for s in (".bin", ".idx")):
+            return None
+        try:
+            check_token_file(str(self.prefix))
+        except DataError as err:
+            return str(err)
+        return None
 
     def _published_digest(self) -> str | None:
         import json

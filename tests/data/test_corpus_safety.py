@@ -246,3 +246,19 @@ def test_a_compression_that_is_not_read_is_refused_by_name(tmp_path, suffix):
         with pytest.raises(PreprocessError, match=message):
             preprocess_corpus(CorpusRun([str(given)], tmp_path / "out"))
     assert not (tmp_path / "out.parts").exists()
+
+
+def test_a_published_dataset_cut_short_is_not_up_to_date(tmp_path, capsys):
+    """The digest of its plan said up to date for a PREFIX.bin truncated after it was
+    published (an interrupted copy): training would then fail on it, every rank."""
+    corpus = _corpus_file(tmp_path / "in" / "a.jsonl", "one document", "another document")
+    prefix = tmp_path / "out" / "x"
+    arguments = ["preprocess", "--input", corpus, "--output-prefix", str(prefix), "--quiet"]
+    assert main(arguments) == 0
+    whole = Path(f"{prefix}.bin").read_bytes()
+    Path(f"{prefix}.bin").write_bytes(whole[:10])
+    error = cli_error_of(capsys, *arguments)
+    assert error.startswith(f"error: {prefix}.bin is cut short: 10 bytes where {prefix}.idx")
+    assert error.endswith(f"(--overwrite writes {prefix}.bin/.idx again)")
+    assert main([*arguments, "--overwrite"]) == 0
+    assert Path(f"{prefix}.bin").read_bytes() == whole
