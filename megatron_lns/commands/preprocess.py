@@ -18,6 +18,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     prep.set_defaults(func=run, overrides=[])
 
 
+def preprocess_options() -> list[argparse.Action]:
+    """The options of ``megatron-lns preprocess``, as its parser declares them."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    return list(parser._actions)
+
+
 def add_arguments(prep: argparse.ArgumentParser) -> None:
     """preprocess's options; ``--submit`` reads them too, to pass each one to the job."""
     prep.add_argument(
@@ -160,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     if args.submit is not None:
         from megatron_lns.commands.preprocess_submit import submit_preprocess
 
-        return submit_preprocess(args)
+        return submit_preprocess(args, preprocess_options())
     if args.overrides:
         raise PreprocessError(
             f"unrecognized arguments: {' '.join(args.overrides)} (KEY=VALUE overrides of "

@@ -26,7 +26,8 @@ IGNORED_KEYS = {
 }
 
 
-def submit_preprocess(args: argparse.Namespace) -> int:
+def submit_preprocess(args: argparse.Namespace, options: list[argparse.Action]) -> int:
+    """Submit ``args`` (preprocess's, whose parser declares ``options``) as a SLURM job."""
     from megatron_lns.cluster.slurm.preprocess_job import (
         PreprocessJob,
         render_preprocess_sbatch,
@@ -54,7 +55,7 @@ def submit_preprocess(args: argparse.Namespace) -> int:
     expand_inputs(inputs, prefix)  # a missing input is refused now, not after the queue
     if not args.dry_run:  # (which creates the output's directory)
         check_output_place(prefix)
-    arguments, tokenizer_files = _arguments(args, inputs, prefix)
+    arguments, tokenizer_files = _arguments(args, options, inputs, prefix)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     job = PreprocessJob(
         cluster=cluster,
@@ -131,7 +132,9 @@ THIS_SUBMISSIONS = ("submit", "nodes", "dry_run")
 SET_BY_EACH_STEP = ("task", "plan_only")
 
 
-def _arguments(args: argparse.Namespace, inputs: list[str], prefix: Path):
+def _arguments(
+    args: argparse.Namespace, options: list[argparse.Action], inputs: list[str], prefix: Path
+):
     """preprocess's arguments for the job's steps (paths absolute: the steps may start
     elsewhere, in a container), and the tokenizer files they read. Every option of the
     parser is passed on, but those named above: a new one cannot be dropped silently."""
@@ -147,22 +150,13 @@ def _arguments(args: argparse.Namespace, inputs: list[str], prefix: Path):
                 files.append((flag, _directory(Path(value))))
             words += [flag, value]
     not_as_given = {*PASSED_AS_PATHS, *THIS_SUBMISSIONS, *SET_BY_EACH_STEP, "help"}
-    for action in preprocess_options():
+    for action in options:
         value = getattr(args, action.dest)
         if action.dest in not_as_given or value is None or value is False:
             continue  # (unset: a task's --workers are then its own CPUs)
         flag = max(action.option_strings, key=len)
         words += [flag] if value is True else [flag, str(value)]
     return words, files
-
-
-def preprocess_options() -> list[argparse.Action]:
-    """The options of ``megatron-lns preprocess``, as its parser declares them."""
-    from megatron_lns.commands.preprocess import add_arguments
-
-    parser = argparse.ArgumentParser(add_help=False)
-    add_arguments(parser)
-    return list(parser._actions)
 
 
 def _input_places(inputs: list[str]) -> list[Path]:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_lns.base.path_kind import not_a_file
-from megatron_lns.data.errors import DataError
+from megatron_lns.data.errors import PreprocessError
+from megatron_lns.data.output_files import output_file_of
 
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}
@@ -35,10 +36,6 @@ UNREAD_COMPRESSIONS = {
 }
 # What a directory contributes: data files only, not its README or a tool's markers.
 DATA_SUFFIXES = (*JSON_SUFFIXES, ".parquet", ".txt")
-
-
-class PreprocessError(DataError):
-    """Input that cannot be tokenized (bad JSON, wrong key or type, corrupt, empty)."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +85,6 @@ def expand_inputs(inputs: list[str], output_prefix: Path | None = None) -> list[
     leaves them out (``--input data --output-prefix data/corpus`` reruns with the inputs
     of its first run, not its own ``corpus.json``), and one named as an input is refused
     (the run would overwrite it)."""
-    from megatron_lns.data.output_files import output_file_of
 
     def is_output(path: Path) -> str | None:
         return None if output_prefix is None else output_file_of(path, output_prefix)

@@ -12,3 +12,7 @@ from megatron_lns.base.errors import UserError
 
 class DataError(UserError, ValueError):
     """Data (files, blend, split, tokenizer) that cannot be used as given."""
+
+
+class PreprocessError(DataError):
+    """Input that cannot be tokenized (bad JSON, wrong key or type, corrupt, empty)."""

@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from megatron_lns.data.corpus_inputs import PreprocessError
+from megatron_lns.data.errors import PreprocessError
 
 OUTPUT_SUFFIXES = (".bin", ".idx", ".json", ".manifest.json")
 

@@ -16,7 +16,7 @@ import pytest
 from helpers import hugging_face_tokenizer_dir
 
 from megatron_lns.cli import main
-from megatron_lns.commands.preprocess_submit import preprocess_options
+from megatron_lns.commands.preprocess import preprocess_options
 
 HOSTILE = "dir 'x' $(touch PWNED) `touch PWNED`"
 
