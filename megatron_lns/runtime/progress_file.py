@@ -98,9 +98,9 @@ def read_events(run_dir: Path) -> list[ProgressEvent]:
     return read_progress(run_dir).events
 
 
-def _count(word: str) -> int | None:
-    """A restart or step as the writers write it: ASCII digits (``str.isdigit`` also
-    takes ``²``, which ``int`` refuses)."""
+def count(word: str) -> int | None:
+    """A count (a restart, a step) as run files record it, ASCII digits; None for any
+    other word (``str.isdigit`` also takes ``²``, which ``int`` refuses)."""
     return int(word) if word.isascii() and word.isdigit() else None
 
 
@@ -110,17 +110,11 @@ def _parse(words: list[str]) -> ProgressEvent | None:
     time (every writer writes ``time.time()`` there)."""
     if len(words) < 4:
         return None
-    job_id, restart, event, step = words[0], _count(words[1]), words[2], _count(words[3])
+    job_id, restart, name, step = words[0], count(words[1]), words[2], count(words[3])
     if restart is None or (step is None and words[3] != "-"):
         return None
     pairs = dict(word.split("=", 1) for word in words[4:] if "=" in word)
-    if "at" in pairs and epoch_seconds(_float_or_none(pairs["at"])) is None:
+    event = ProgressEvent(job_id, restart, name, step, pairs, " ".join(words[4:]))
+    if "at" in pairs and epoch_seconds(event.number("at", default=-1.0)) is None:
         return None
-    return ProgressEvent(job_id, restart, event, step, pairs, " ".join(words[4:]))
-
-
-def _float_or_none(text: str) -> float | None:
-    try:
-        return float(text)
-    except ValueError:
-        return None
+    return event

@@ -39,7 +39,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from megatron_lns.runtime.progress_file import LOCAL_JOB_ID, ProgressEvent
+from megatron_lns.runtime.progress_file import LOCAL_JOB_ID, ProgressEvent, count
 
 CLEAN_ENDS = ("finished", "stopped")
 
@@ -130,8 +130,7 @@ def attempts_of(events: list[ProgressEvent]) -> list[Attempt]:
 
 
 def _optional_step(event: ProgressEvent, key: str) -> int | None:
-    value = event.fields.get(key, "")
-    return int(value) if value.isdigit() else None
+    return count(event.fields.get(key, ""))
 
 
 def _in_job_restart(event: ProgressEvent) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_lns.base.disk import write_text_atomically
+from megatron_lns.runtime.progress_file import count
 
 RUN_STATUS_FILE = "run_status"
 
@@ -40,4 +41,4 @@ def read_run_status(run_dir: Path) -> tuple[str, int] | None:
     if len(words) != 2 or words[0] not in ("finished", "stopped"):
         return None
     state, step = words
-    return (state, int(step)) if step.isascii() and step.isdigit() else None
+    return (state, steps) if (steps := count(step)) is not None else None

@@ -148,6 +148,16 @@ def test_an_in_job_restart_is_an_attempt_of_its_own_and_its_time_a_restart(tmp_p
     assert goodput.wall_s == pytest.approx(75 + 9 + 46)  # the gap between is the job's
 
 
+def test_a_logged_past_no_writer_writes_counts_as_absent(tmp_path):
+    """``²`` passes ``str.isdigit`` but not ``int``: it crashed ``status``."""
+    goodput = _goodput(
+        tmp_path,
+        *FIRST,
+        "local 0 began 50 attempt=1 at=1090 startup_s=6 load_s=2 samples=200 logged_past=²",
+    )
+    assert goodput.attempts[1].logged_past is None
+
+
 def test_a_rerun_by_hand_is_not_a_restart_even_when_it_drops_rows(tmp_path):
     goodput = _goodput(
         tmp_path,
