@@ -9,7 +9,6 @@ fail on them (``time.localtime`` raises on NaN and on times past the calendar's 
 
 from __future__ import annotations
 
-import math
 import time
 
 
@@ -24,7 +23,7 @@ def epoch_seconds(value: object) -> float | None:
         time.localtime(seconds)
     except (OverflowError, OSError, ValueError):
         return None
-    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+    return seconds if seconds >= 0 else None  # localtime refused NaN and infinities
 
 
 def local_time(seconds: float) -> str:
