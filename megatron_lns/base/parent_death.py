@@ -26,8 +26,12 @@ def die_with_parent(signum: int, parent: int) -> None:
 
 
 def own_pidfd() -> int | None:
-    """A pidfd of this process (Linux >= 5.3) for :func:`end_with_process`; None elsewhere."""
-    return os.pidfd_open(os.getpid()) if hasattr(os, "pidfd_open") else None
+    """A pidfd of this process (Linux >= 5.3) for :func:`end_with_process`; None elsewhere
+    (``os.pidfd_open`` exists on older Linux kernels too, and fails there)."""
+    try:
+        return os.pidfd_open(os.getpid())
+    except (AttributeError, OSError):
+        return None
 
 
 def end_with_process(pidfd: int | None, signum: int) -> None:
