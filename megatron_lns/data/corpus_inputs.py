@@ -19,7 +19,7 @@ from pathlib import Path
 
 from megatron_lns.base.path_kind import not_a_file
 from megatron_lns.data.errors import PreprocessError
-from megatron_lns.data.output_files import output_file_of
+from megatron_lns.data.output_files import output_file_finder
 
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}
@@ -85,18 +85,16 @@ def expand_inputs(inputs: list[str], output_prefix: Path | None = None) -> list[
     leaves them out (``--input data --output-prefix data/corpus`` reruns with the inputs
     of its first run, not its own ``corpus.json``), and one named as an input is refused
     (the run would overwrite it)."""
-
-    def is_output(path: Path) -> str | None:
-        return None if output_prefix is None else output_file_of(path, output_prefix)
-
-    def data_files(found) -> list[Path]:
-        return sorted(p for p in found if p.is_file() and _is_data_file(p) and not is_output(p))
-
+    is_output = (
+        output_file_finder(output_prefix) if output_prefix is not None else lambda path: None
+    )
     files: list[Path] = []
     for item in inputs:
         path = Path(item)
         if path.is_dir():
-            found = data_files(path.rglob("*"))
+            found = sorted(
+                p for p in path.rglob("*") if p.is_file() and _is_data_file(p) and not is_output(p)
+            )
             if not found:
                 raise PreprocessError(
                     f"input directory {item} holds no data files "
@@ -104,7 +102,8 @@ def expand_inputs(inputs: list[str], output_prefix: Path | None = None) -> list[
                 )
             files += found
         elif glob.has_magic(item) and not path.exists():
-            found = data_files(Path(p) for p in glob.glob(item, recursive=True))
+            matches = map(Path, glob.glob(item, recursive=True))
+            found = sorted(p for p in matches if p.is_file() and not is_output(p))
             if not found:
                 raise PreprocessError(f"input pattern {item} matches no file")
             files += found

@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,26 +74,31 @@ def check_output_prefix(output_prefix: Path) -> None:
         )
 
 
-def output_file_of(path: Path, output_prefix: Path) -> str | None:
-    """Which of the output's files ``path`` is (``PREFIX.json``, a temporary file) or lies
-    in (``PREFIX.parts/``), in words; None when it is none of them. An input that is one
-    would be overwritten by the run, or read back by the next one as a new input.
+def output_file_finder(output_prefix: Path) -> Callable[[Path], str | None]:
+    """``which(path)``: which of the output's files ``path`` is (``PREFIX.json``, a
+    temporary file) or lies in (``PREFIX.parts/``), in words; None when it is none of
+    them. An input that is one would be overwritten by the run, or read back by the next
+    one as a new input. The prefix is located once, for the many files of a directory.
 
     Paths are compared where they are in the file system: by their directory, resolved,
     and their name (what a rename replaces), and by what they resolve to (a link)."""
     prefix = _location(output_prefix)
     parts = prefix.with_name(f"{prefix.name}.parts")
-    for place in (_location(path), path.resolve()):
-        if place == parts or parts in place.parents:
-            return f"in {output_prefix}.parts/"
-        if place.parent != prefix.parent:
-            continue
-        for suffix in OUTPUT_SUFFIXES:
-            if place.name == f"{prefix.name}{suffix}":
-                return f"{output_prefix}{suffix}"
-        if place.name.startswith(f"{prefix.name}.tmp-"):
-            return f"a temporary file of {output_prefix}"
-    return None
+
+    def which(path: Path) -> str | None:
+        for place in (_location(path), path.resolve()):
+            if place == parts or parts in place.parents:
+                return f"in {output_prefix}.parts/"
+            if place.parent != prefix.parent:
+                continue
+            for suffix in OUTPUT_SUFFIXES:
+                if place.name == f"{prefix.name}{suffix}":
+                    return f"{output_prefix}{suffix}"
+            if place.name.startswith(f"{prefix.name}.tmp-"):
+                return f"a temporary file of {output_prefix}"
+        return None
+
+    return which
 
 
 def _location(path: Path) -> Path:

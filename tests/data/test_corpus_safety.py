@@ -18,6 +18,7 @@ import pytest
 from helpers import cli_error_of
 
 from megatron_lns.cli import main
+from megatron_lns.data.corpus_inputs import expand_inputs
 from megatron_lns.data.output_files import OUTPUT_SUFFIXES
 from megatron_lns.data.preprocess import CorpusRun, PreprocessError, preprocess_corpus
 
@@ -262,3 +263,32 @@ def test_a_published_dataset_cut_short_is_not_up_to_date(tmp_path, capsys):
     assert error.endswith(f"(--overwrite writes {prefix}.bin/.idx again)")
     assert main([*arguments, "--overwrite"]) == 0
     assert Path(f"{prefix}.bin").read_bytes() == whole
+
+
+def test_a_glob_takes_every_file_it_matches_but_the_outputs(tmp_path):
+    """A glob names its files itself: extensionless shards are read as text, as before the
+    output's own files were left out of globs; only those are."""
+    for name in ("shard-0", "shard-1"):
+        (tmp_path / name).write_text("a document\n")
+    prefix = tmp_path / "shard-out"
+    assert expand_inputs([str(tmp_path / "shard-*")], prefix) == [
+        tmp_path / "shard-0",
+        tmp_path / "shard-1",
+    ]
+    assert (
+        main(
+            [
+                "preprocess",
+                "--input",
+                str(tmp_path / "shard-*"),
+                "--output-prefix",
+                str(prefix),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    assert expand_inputs([str(tmp_path / "shard-*")], prefix) == [
+        tmp_path / "shard-0",
+        tmp_path / "shard-1",
+    ]
