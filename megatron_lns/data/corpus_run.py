@@ -194,8 +194,10 @@ class _Runner:
         run, prefix = self.run, self.prefix
         self._remove_stale_merges()
         digest = plan_digest(settings, units)
-        damage = self._damage_to_published()
-        if self._published_digest() == digest and damage is None:
+        up_to_date = self._published_digest() == digest
+        # Read where it decides: whether it is up to date, or why it is refused.
+        damage = self._damage_to_published() if up_to_date or not run.overwrite else None
+        if up_to_date and damage is None:
             metadata = DatasetMetadata.load(prefix)
             self.lines.append(f"{prefix}.bin/.idx are up to date: nothing to do")
             return Outcome(self.lines, metadata)
