@@ -149,7 +149,7 @@ def _arguments(
                 value = os.path.abspath(value)
                 files.append((flag, _directory(Path(value))))
             words += [flag, value]
-    not_as_given = {*PASSED_AS_PATHS, *THIS_SUBMISSIONS, *SET_BY_EACH_STEP, "help"}
+    not_as_given = {*PASSED_AS_PATHS, *THIS_SUBMISSIONS, *SET_BY_EACH_STEP}
     for action in options:
         value = getattr(args, action.dest)
         if action.dest in not_as_given or value is None or value is False:
