@@ -258,15 +258,27 @@ def _too_long_to_read(err: ValueError) -> str:
     return str(err).split(";")[0]
 
 
+def what_yaml_holds(path: Path) -> str:
+    """What the YAML file ``path`` holds at its root: ``a mapping``, ``a list``, ``a single
+    value`` or ``nothing``. Asked before ``OmegaConf.load``, which would read a file of one
+    string (e.g. not YAML at all) as a mapping with the whole text as its one key.
+
+    Composed, not constructed: PyYAML's own loader reads values OmegaConf's does not
+    (2024-13-45 is a date to it, and an invalid one, but a string to OmegaConf). Raises
+    what reading and parsing the file raise (``OSError``, ``UnicodeDecodeError``,
+    ``yaml.YAMLError``)."""
+    with path.open(encoding="utf-8") as f:
+        root = yaml.compose(f, Loader=yaml.SafeLoader)
+    if root is None or root.tag == "tag:yaml.org,2002:null":
+        return "nothing"
+    if isinstance(root, yaml.MappingNode):
+        return "a mapping"
+    return "a list" if isinstance(root, yaml.SequenceNode) else "a single value"
+
+
 def _read_yaml(path: Path) -> DictConfig:
     try:
-        with path.open(encoding="utf-8") as f:
-            # OmegaConf.load would parse a file holding one string (e.g. not YAML at all)
-            # as a mapping with the whole text as its one key. Composed, not constructed:
-            # PyYAML's own loader reads values OmegaConf's does not (2024-13-45 is a date to
-            # it, and an invalid one, but a string to OmegaConf).
-            root = yaml.compose(f, Loader=yaml.SafeLoader)
-        raw = OmegaConf.load(path) if isinstance(root, yaml.MappingNode) else None
+        raw = OmegaConf.load(path) if what_yaml_holds(path) == "a mapping" else None
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {path}: {_one_line(err)}") from None
     except UnicodeDecodeError:

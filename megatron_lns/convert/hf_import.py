@@ -33,11 +33,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_lns.base.path_kind import not_a_directory, not_a_file
 from megatron_lns.config import ConfigError, hybrid_pattern, model_derived, to_yaml, validate
+from megatron_lns.config.loader import what_yaml_holds
 from megatron_lns.config.norm_scalings import norm_scaling_info
 from megatron_lns.config.schema import ExperimentConfig, ModelConfig
 from megatron_lns.config.sources import RUN_CONFIG, config_file, load_run_config
@@ -216,14 +216,13 @@ def read_base_config_file(path: Path) -> DictConfig:
     if problem := not_a_file(path):
         raise ConversionError(f"--config {path} {problem}")
     try:
-        kind = type(yaml.safe_load(path.read_text(encoding="utf-8")))
-        raw = OmegaConf.load(path) if kind is dict else None
+        held = what_yaml_holds(path)
+        raw = OmegaConf.load(path) if held == "a mapping" else None
     except Exception as err:  # YAML syntax errors come in several types
         raise ConversionError(f"--config {path}: {str(err).splitlines()[0]}") from err
     if not isinstance(raw, DictConfig):
-        got = {list: "a list", type(None): "nothing"}.get(kind, "a single value")
         raise ConversionError(
-            f"--config {path} is not a mapping of config sections (it holds {got})"
+            f"--config {path} is not a mapping of config sections (it holds {held})"
         )
     return raw
 

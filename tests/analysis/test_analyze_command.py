@@ -113,3 +113,13 @@ def test_a_config_that_is_not_a_mapping_is_one_line(tmp_path, text, holds):
     message = rf"^--config {config} is not a mapping of config sections \(it holds {holds}\)$"
     with pytest.raises(AnalysisError, match=message):
         _hf_base(config, tmp_path / "hf")
+
+
+def test_a_base_config_is_read_as_omegaconf_reads_it(tmp_path):
+    """PyYAML's own loader takes 2024-13-45 for a date, and refused it as invalid; the
+    training loader, and OmegaConf, read it as the string it is."""
+    from megatron_lns.convert.hf_import import read_base_config_file
+
+    config = tmp_path / "base.yaml"
+    config.write_text("note: 2024-13-45\nmodel: {}\n")
+    assert read_base_config_file(config).note == "2024-13-45"
