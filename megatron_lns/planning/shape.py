@@ -25,9 +25,8 @@ same for 12 layers as for a billion, and its numbers are the sums they were.
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from megatron_lns.config import hybrid_pattern, layout, model_derived
@@ -111,13 +110,6 @@ class ModelShape:
     def unit_counts(self) -> UnitCounts:
         """The units of every stage together."""
         return _counted(_tally(pair for stage in self.stages for pair in stage))
-
-    @property
-    def units(self) -> Iterator[Unit]:
-        """Every unit one at a time, as many as the model has (for a small model: the
-        planner sums over :attr:`unit_counts`)."""
-        for unit, count in self.unit_counts:
-            yield from itertools.repeat(unit, count)
 
     @property
     def attention_units(self) -> int:

@@ -81,6 +81,6 @@ def test_flops_are_those_the_trainer_reports_mfu_with(source, overrides):
     cfg = load_for_plan(source, overrides)
     shape = model_shape(cfg, VOCAB)
     trainers = model_config(cfg, VOCAB).flops_per_token()
-    moe_sublayers = sum(u.moe_mlps for u in shape.units)
+    moe_sublayers = sum(unit.moe_mlps * count for unit, count in shape.unit_counts)
     router = 6.0 * moe_sublayers * shape.hidden * shape.moe_experts
     assert flops_per_token(shape, cfg.model.encoder_seq_length) == trainers - router
