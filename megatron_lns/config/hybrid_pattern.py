@@ -58,17 +58,23 @@ def num_blocks(pattern: str) -> int:
     return max(block_numbers(pattern), default=0)
 
 
+def layers_per_segment(layers: int, segments: int) -> int:
+    """The layers of each of ``segments`` pipeline segments: the GPT model's even split
+    of ``layers``, refused when it does not divide."""
+    if segments < 1 or layers % segments:
+        raise HybridPatternError(
+            f"{layers} layers do not split evenly into {segments} pipeline segments"
+        )
+    return layers // segments
+
+
 def gpt_equivalent_pattern(moe_layers: Sequence[int], segments: int = 1) -> str:
     """The pattern of the GPT model whose layer ``i`` is MoE when ``moe_layers[i]``: one
     attention and one MLP (``-``) or MoE (``E``) per layer, split into ``segments``
     pipeline segments of equal numbers of layers (the GPT model's even split)."""
     layers = len(moe_layers)
-    if segments < 1 or layers % segments:
-        raise HybridPatternError(
-            f"{layers} layers do not split evenly into {segments} pipeline segments"
-        )
+    per_segment = layers_per_segment(layers, segments)
     blocks = [ATTENTION + (MOE if is_moe else MLP) for is_moe in moe_layers]
-    per_segment = layers // segments
     return PIPE.join(
         "".join(blocks[start : start + per_segment]) for start in range(0, layers, per_segment)
     )

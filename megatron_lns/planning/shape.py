@@ -216,11 +216,7 @@ def _gpt_segments(m: ModelConfig, segments: int, layer: dict[str, Unit]) -> list
     split of ``num_layers`` (``hybrid_pattern.gpt_equivalent_pattern``), whose MoE layers
     are counted, not listed (``layer``: the unit of a layer by its MLP's symbol)."""
     layers = m.num_layers
-    if segments < 1 or layers % segments:
-        raise hybrid_pattern.HybridPatternError(
-            f"{layers} layers do not split evenly into {segments} pipeline segments"
-        )
-    per_segment = layers // segments
+    per_segment = hybrid_pattern.layers_per_segment(layers, segments)
     counts = []
     for start in range(0, layers, per_segment):
         moe = 0
