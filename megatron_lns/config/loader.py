@@ -110,28 +110,26 @@ def _did_you_mean(path: str) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-def _delete(cfg: DictConfig, path: str) -> None:
+_ANY_VALUE = object()
+
+
+def _delete(cfg: DictConfig, path: str, wanted: Any = _ANY_VALUE, override: str = "") -> None:
+    """Delete ``path``; with ``wanted`` (the override ``~key=value``) only when that is its
+    value (as written, unresolved), as Hydra does, and refuse otherwise."""
     parent_path, _, leaf = path.rpartition(".")
     parent = OmegaConf.select(cfg, parent_path) if parent_path else cfg
     if not isinstance(parent, DictConfig) or leaf not in parent.keys():  # noqa: SIM118 - `in` skips ???
         raise ConfigError(f"override '~{path}': no such key to delete")
+    if wanted is not _ANY_VALUE:
+        node = parent._get_node(leaf)
+        value = node._value() if _kind_of_node(node) == _VALUE else OmegaConf.to_container(node)
+        if value != wanted:
+            raise ConfigError(
+                f"override '{override}': {path} is {value!r}, not {wanted!r} (~{path}=VALUE "
+                f"deletes the key only at that value, as Hydra does; ~{path} deletes it "
+                "whatever it is)"
+            )
     del parent[leaf]
-
-
-def _refuse_another_value(cfg: DictConfig, key: str, wanted: Any, override: str) -> None:
-    """Hydra's ``~key=value`` deletes the key only when that is its value (as written,
-    unresolved) and refuses otherwise; a key not there is left to ``_delete`` to name."""
-    parent_path, _, leaf = key.rpartition(".")
-    parent = OmegaConf.select(cfg, parent_path, default=None) if parent_path else cfg
-    if not isinstance(parent, DictConfig) or leaf not in parent.keys():  # noqa: SIM118 - `in` skips ???
-        return
-    node = parent._get_node(leaf)
-    value = node._value() if _kind_of_node(node) == _VALUE else OmegaConf.to_container(node)
-    if value != wanted:
-        raise ConfigError(
-            f"override '{override}': {key} is {value!r}, not {wanted!r} (~{key}=VALUE deletes "
-            f"the key only at that value, as Hydra does; ~{key} deletes it whatever it is)"
-        )
 
 
 def _named_inside_a_list(cfg: DictConfig, defaults: DictConfig, key: str) -> str | None:
@@ -166,8 +164,9 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
             text = override[1:]
             key = text.split("=", 1)[0].strip()
             if "=" in text:
-                _refuse_another_value(cfg, key, _value_of(override, text, key), override)
-            _delete(cfg, key)
+                _delete(cfg, key, _value_of(override, text, key), override)
+            else:
+                _delete(cfg, key)
             continue
         add = override.startswith("+")
         text = override[1:] if add else override
