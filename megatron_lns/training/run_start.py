@@ -51,31 +51,30 @@ def claim_run_directory(
     if dist.get_rank() == 0:
         try:
             lock = claim_run_dir(run_dir, resume_if_exists, job)
-            error = _prepare_run_dir(run_dir, config_yaml, say)
-        except (RunDirError, WriteError) as err:  # on every rank, not rank 0 alone
-            error = str(err)
-        except BaseException:
+            _prepare_run_dir(run_dir, config_yaml, say)
+        except BaseException as err:
             if lock is not None:
                 lock.release()
-            raise
-        if error is not None and lock is not None:
-            lock.release()
-            lock = None
+                lock = None
+            if not isinstance(err, (RunDirError, WriteError)):
+                raise
+            error = str(err)  # raised on every rank, not rank 0 alone
     _raise_on_every_rank(error, device)
     return lock
 
 
-def _prepare_run_dir(run_dir: Path, config_yaml: str, say: Callable[[str], None]) -> str | None:
+def _prepare_run_dir(run_dir: Path, config_yaml: str, say: Callable[[str], None]) -> None:
     """Store the config, and finish a move of checkpoints that a killed run began (before
-    any rank lists them); why that failed, or None."""
+    any rank lists them)."""
     write_text_atomically(run_dir / RUN_CONFIG, config_yaml)
     checkpoint_dir = run_dir / "checkpoints"
     try:
         for note in finish_interrupted_moves(checkpoint_dir):
             say(note)
     except (OSError, ValueError, KeyError) as err:
-        return f"cannot finish moving checkpoints aside in {checkpoint_dir}: {err}"
-    return None
+        raise RunDirError(
+            f"cannot finish moving checkpoints aside in {checkpoint_dir}: {err}"
+        ) from None
 
 
 def set_abandoned_branch_aside(
