@@ -87,6 +87,13 @@ def checkpoint_step(path: Path) -> int:
     return int(CHECKPOINT_DIR_RE.match(path.name).group(1))
 
 
+def is_checkpoint_dir(path: Path) -> bool:
+    """A checkpoint, complete or not (``iter_NNNNNNN``, ``iter_NNNNNNN.partial``, or a
+    directory with the commit marker under another name)."""
+    name = path.name.removesuffix(".partial")
+    return CHECKPOINT_DIR_RE.match(name) is not None or (path / COMPLETE_MARKER).is_file()
+
+
 def complete_checkpoints(root: str | Path) -> list[Path]:
     """The committed checkpoints under ``root`` (with ``complete.json``), newest first;
     partial ones never appear.

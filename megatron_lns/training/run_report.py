@@ -24,9 +24,8 @@ from megatron_lns.base.timestamps import local_time
 from megatron_lns.config.sources import RUN_CONFIG, runs_inside_hint
 from megatron_lns.runtime.progress_file import RUN_PROGRESS_FILE, ProgressEvent, read_progress
 from megatron_lns.training.checkpoint_dirs import (
-    CHECKPOINT_DIR_RE,
-    COMPLETE_MARKER,
     checkpoint_step,
+    is_checkpoint_dir,
     latest_complete_checkpoint,
 )
 from megatron_lns.training.goodput import Goodput, account, duration, goodput_table
@@ -201,14 +200,7 @@ def _is_run_dir(path: Path) -> bool:
     """What ``train`` leaves in every run directory it starts: ``checkpoints/`` (made
     first) and the config, or the records of its attempts; a checkpoint is none."""
     started = (path / "checkpoints").is_dir() and (path / RUN_CONFIG).is_file()
-    return (started or (path / RUN_PROGRESS_FILE).is_file()) and not _is_checkpoint(path)
-
-
-def _is_checkpoint(path: Path) -> bool:
-    """A checkpoint, complete or not (``iter_NNNNNNN``, ``iter_NNNNNNN.partial``, or a
-    directory with the commit marker under another name)."""
-    name = path.name.removesuffix(".partial")
-    return CHECKPOINT_DIR_RE.match(name) is not None or (path / COMPLETE_MARKER).is_file()
+    return (started or (path / RUN_PROGRESS_FILE).is_file()) and not is_checkpoint_dir(path)
 
 
 # How far above a checkpoint its run directory may be: checkpoints/abandoned-*/iter_*.
@@ -270,7 +262,7 @@ def run_report(run_dir: str | Path) -> RunReport:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise NotARunDirectory(f"{run_dir}: no such directory")
-    if _is_checkpoint(run_dir):  # it holds a config.yaml too
+    if is_checkpoint_dir(run_dir):  # it holds a config.yaml too
         run = _run_around(run_dir)
         give = f"its run directory {run}" if run else "the run directory that holds it"
         raise NotARunDirectory(f"{run_dir} is a checkpoint, not a run directory: give {give}")
