@@ -46,6 +46,7 @@ from megatron_lns.base.errors import UserError
 from megatron_lns.config import ConfigError, ExperimentConfig, to_yaml, validate
 from megatron_lns.config.layer_variants import REGISTRY as LAYER_VARIANT_REGISTRY
 from megatron_lns.config.layer_variants import lns_combines_with
+from megatron_lns.config.loader import override_key
 from megatron_lns.config.norm_scalings import REGISTRY as NORM_SCALING_REGISTRY
 from megatron_lns.config.output_inits import REGISTRY as OUTPUT_INIT_REGISTRY
 from megatron_lns.config.rules import rng_seed
@@ -157,7 +158,7 @@ def check_overrides(overrides: Sequence[str], variants: Sequence[Variant], comma
     """Refuse command-line overrides of keys each arm sets itself: the user's value would
     be dropped without a word (a YAML's value is the base the arms replace, as meant)."""
     variant_keys = {f"model.{key}" for v in variants for key in v.model_settings}
-    given = [o.lstrip("+~").split("=", 1)[0].strip() for o in overrides]
+    given = [override_key(o) for o in overrides]
     ours = list(dict.fromkeys(k for k in given if k in variant_keys or k in ARM_KEYS))
     if ours:
         why = ["the layers by the variant"] if any(k in variant_keys for k in ours) else []

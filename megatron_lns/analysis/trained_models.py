@@ -39,6 +39,7 @@ from megatron_lns.analysis.plots import plot_depth_reports
 from megatron_lns.base.errors import UserError
 from megatron_lns.config import ConfigError, ExperimentConfig, hybrid_pattern, validate
 from megatron_lns.config.layout import micro_batches_per_step
+from megatron_lns.config.loader import override_key
 from megatron_lns.config.sources import RUN_CONFIG, config_file, load_run_config
 from megatron_lns.convert.errors import ConversionError
 from megatron_lns.convert.hf_export import resolve_checkpoint
@@ -92,7 +93,7 @@ def is_override(arg: str) -> bool:
 
 def check_overrides(overrides: Sequence[str]) -> None:
     for override in overrides:
-        key = override.lstrip("+~").split("=", 1)[0]
+        key = override_key(override)
         if not key.startswith(OVERRIDABLE):
             raise AnalysisError(
                 f"{key}: analyze does not change the trained model; it accepts settings of "
@@ -160,7 +161,7 @@ def resolve_inputs(paths: Sequence[str | Path], labels: Sequence[str] | None) ->
 
 
 def _is_layout(override: str) -> bool:
-    return override.lstrip("+~").split("=", 1)[0] in LAYOUT
+    return override_key(override) in LAYOUT
 
 
 def _hf_base(config: str | Path | None, hf_dir: Path):
@@ -194,7 +195,7 @@ def _import_hf(item: Input, work: Path, overrides: list[str], config: str | Path
     """
     base = _hf_base(config, item.source)
     has_data = OmegaConf.select(base, "model.data.data_prefix", default=None) or any(
-        o.lstrip("+").startswith("model.data.data_prefix=") for o in overrides
+        override_key(o) == "model.data.data_prefix" and not o.startswith("~") for o in overrides
     )
     if not has_data:
         raise AnalysisError(

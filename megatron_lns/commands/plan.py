@@ -27,6 +27,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_lns.config import validate
+    from megatron_lns.config.loader import override_key
     from megatron_lns.planning import (
         gpu_named,
         load_for_plan,
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         raise PlanArgumentError(f"--nodes {args.nodes}: at least 1")
     if args.nodes is not None:
         for override in args.overrides:
-            if override.lstrip("+~").split("=", 1)[0].strip() == "trainer.num_nodes":
+            if override_key(override) == "trainer.num_nodes":
                 raise PlanArgumentError(
                     f"--nodes {args.nodes} and the override '{override}' both set "
                     "trainer.num_nodes: give one of them"

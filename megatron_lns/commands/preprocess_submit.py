@@ -93,10 +93,11 @@ def cluster_section(config: str, overrides: list[str]):
     import yaml
 
     from megatron_lns.config import ConfigError, load_config
+    from megatron_lns.config.loader import override_key
     from megatron_lns.config.sources import config_file
 
     for override in overrides:
-        key = override.lstrip("+~").split("=", 1)[0]
+        key = override_key(override)
         if key != "cluster" and not key.startswith("cluster."):
             raise ConfigError(
                 f"{override}: preprocessing reads only the cluster: section (the config's "
@@ -112,7 +113,7 @@ def cluster_section(config: str, overrides: list[str]):
     section = raw.get("cluster") or {}
     cfg = load_config({"cluster": section}, overrides)
     given = {f"cluster.{key}" for key in section}
-    given |= {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    given |= {override_key(o) for o in overrides}
     trainer = raw.get("trainer") if isinstance(raw.get("trainer"), dict) else {}
     ignored = []
     for key, why in IGNORED_KEYS.items():

@@ -1,8 +1,9 @@
 """Load a NeMo-style YAML, apply ``key=value`` overrides, and type-check it.
 
 Order: overrides are applied to the raw YAML (Hydra syntax: ``key=value`` for keys
-that exist, ``+key=value`` to add one, ``~key`` to delete one, ``~key=value`` to delete
-it only at that value; a value may be a ``${...}`` interpolation); every key is then
+that exist, ``+key=value`` to add one, ``++key=value`` to set one whether it exists or
+not, ``~key`` to delete one, ``~key=value`` to delete it only at that value; a value may be
+a ``${...}`` interpolation); every key is then
 classified as honoured (in the schema), a NeMo key (``nemo_compat.NEMO_KEYS``: inert,
 fixed, conditional or translated) or unknown (an error with a did-you-mean); OmegaConf
 merges the schema keys onto the typed schema, checking types and resolving
@@ -156,29 +157,39 @@ def _named_inside_a_list(cfg: DictConfig, defaults: DictConfig, key: str) -> str
     return None
 
 
+def _split_prefix(override: str) -> tuple[str, str]:
+    """Hydra's prefix (``~``, ``++``, ``+`` or none) and the ``key[=value]`` after it."""
+    for prefix in ("~", "++", "+"):
+        if override.startswith(prefix):
+            return prefix, override[len(prefix) :]
+    return "", override
+
+
+def override_key(override: str) -> str:
+    """The key a Hydra-style override names (``+model.x=1`` -> ``model.x``)."""
+    return _split_prefix(override)[1].split("=", 1)[0].strip()
+
+
 def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
     """Hydra-style overrides, in order, onto a raw (unvalidated) config."""
     defaults = OmegaConf.structured(ExperimentConfig)
     for override in overrides:
-        if override.startswith("~"):
-            text = override[1:]
-            key = text.split("=", 1)[0].strip()
+        prefix, text = _split_prefix(override)
+        key = override_key(override)
+        if prefix == "~":
             if "=" in text:
                 _delete(cfg, key, _value_of(override, text, key), override)
             else:
                 _delete(cfg, key)
             continue
-        add = override.startswith("+")
-        text = override[1:] if add else override
         if "=" not in text:
             raise ConfigError(f"override '{override}' is not key=value")
-        key = text.split("=", 1)[0].strip()
         if problem := _named_inside_a_list(cfg, defaults, key):
             raise ConfigError(f"override '{override}': {problem}")
         exists = OmegaConf.select(cfg, key, default="__missing__") != "__missing__" or (
             OmegaConf.select(defaults, key, default="__missing__") != "__missing__"
         )
-        if not add and not exists:
+        if not prefix and not exists:
             raise ConfigError(
                 f"override '{override}': no key '{key}'{_did_you_mean(key)}; use +{key}=... to add"
             )
@@ -229,9 +240,9 @@ def _interpolation_overrides(overrides: list[str]) -> dict[str, str]:
     """key -> override, for overrides whose value contains ``${...}``."""
     found = {}
     for override in overrides:
-        text = override.lstrip("+")
-        if "=" in text and "${" in text.split("=", 1)[1]:
-            found[text.split("=", 1)[0].strip()] = override
+        prefix, text = _split_prefix(override)
+        if prefix != "~" and "=" in text and "${" in text.split("=", 1)[1]:
+            found[override_key(override)] = override
     return found
 
 

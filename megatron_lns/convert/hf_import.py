@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from megatron_lns.base.path_kind import not_a_directory, not_a_file
 from megatron_lns.config import ConfigError, hybrid_pattern, model_derived, to_yaml, validate
-from megatron_lns.config.loader import what_yaml_holds
+from megatron_lns.config.loader import override_key, what_yaml_holds
 from megatron_lns.config.norm_scalings import norm_scaling_info
 from megatron_lns.config.schema import ExperimentConfig, ModelConfig
 from megatron_lns.config.sources import RUN_CONFIG, config_file, load_run_config
@@ -228,7 +228,7 @@ def read_base_config_file(path: Path) -> DictConfig:
 
 
 def _user_sets(base: DictConfig, overrides: list[str], section: str) -> bool:
-    if any(o.lstrip("+~").startswith(section) for o in overrides):
+    if any(override_key(o).startswith(section) for o in overrides):
         return True
     return OmegaConf.select(base, section, default=None) is not None
 

@@ -10,7 +10,7 @@ from helpers import FIXTURES, ROOT, bundled_config_inputs, fresh_launch_env, rea
 from omegaconf import OmegaConf
 
 from megatron_lns.config import ConfigError, load_config, to_yaml, validate
-from megatron_lns.config.loader import SCHEMA_PATHS, NemoKeysIgnoredWarning
+from megatron_lns.config.loader import SCHEMA_PATHS, NemoKeysIgnoredWarning, override_key
 from megatron_lns.config.nemo_compat import NEMO_KEYS, Inert, nemo_rule
 from megatron_lns.config.schema import ExperimentConfig
 from megatron_lns.config.settings import declaration
@@ -92,6 +92,21 @@ def test_delete_with_a_value_deletes_only_a_key_of_that_value():
     assert str(info.value).startswith(
         "override '~model.hidden_size=999': model.hidden_size is 128, not 999"
     )
+
+
+def test_double_plus_sets_a_key_whether_or_not_the_yaml_has_it():
+    """Hydra's ++key=value, which NeMo's examples use: it read as a key named '+trainer'."""
+    cfg = _load("++trainer.max_steps=50", "++model.rotary_base=500000")
+    assert (cfg.trainer.max_steps, cfg.model.rotary_base) == (50, 500000)
+    with pytest.raises(ConfigError, match=r"unknown config key 'model\.foo'"):
+        _load("++model.foo=1")
+    with pytest.raises(ConfigError, match=r"^override '\+\+model.num_layers' is not key=value"):
+        _load("++model.num_layers")
+
+
+def test_override_key_is_the_key_whatever_the_prefix():
+    keys = ["a.b=1", "+a.b=1", "++a.b=1", "~a.b", "~a.b=1", " a.b =1"]
+    assert {override_key(o) for o in keys} == {"a.b"}
 
 
 def test_a_required_key_left_unset_can_be_deleted():
