@@ -1,8 +1,10 @@
 """Write a directory all at once: into a hidden sibling, renamed into place at the end.
 
 A conversion that fails, is interrupted or terminated (SIGTERM) half-way leaves OUT_DIR
-as it was (absent or untouched); only a hidden ``.NAME.partial-PID`` sibling can remain
-after a SIGKILL.
+as it was (absent or untouched); only a hidden ``.NAME.partial-HOST-PID`` sibling can remain
+after a SIGKILL, and the next conversion into OUT_DIR on that host removes it once its
+process is gone. The host is in the name because on a shared file system a pid says
+nothing of another machine's processes.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 from megatron_lns.base.disk import DiskFullError, disk_full_error, give_plain_modes, is_disk_full
+from megatron_lns.base.processes import pid_alive
 from megatron_lns.convert.errors import ConversionError
 
 
@@ -58,11 +62,12 @@ def staged_output_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[
     check_output_dir(out_dir, overwrite)
     then = f"; {out_dir} left as it was" if out_dir.exists() else f"; no {out_dir} written"
     place = Path(os.path.abspath(out_dir))  # 'x/..' has no name of its own: its place has
-    staging = place.with_name(f".{place.name}.partial-{os.getpid()}")
+    staging = _staging_name(place, "partial", os.getpid())
     try:
         with _terminate_as_exit():
             with _unwritable(out_dir, then):
                 place.parent.mkdir(parents=True, exist_ok=True)
+                _remove_dead_stagings(place)
                 shutil.rmtree(staging, ignore_errors=True)
                 staging.mkdir()
             yield staging
@@ -76,7 +81,7 @@ def staged_output_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[
             needed = getattr(err, "needed", None)
             raise disk_full_error(out_dir, reason, needed, then) from err
         raise
-    previous = place.with_name(f".{place.name}.replaced-{os.getpid()}")
+    previous = _staging_name(place, "replaced", os.getpid())
     try:
         with _unwritable(out_dir, then, cleanup=staging):
             give_plain_modes(staging)  # the umask's, not a writer's 0600 (safetensors)
@@ -88,12 +93,32 @@ def staged_output_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
+PID_MAX_LIMIT = 2**22  # Linux's ceiling on /proc/sys/kernel/pid_max
+
+
+def _staging_name(place: Path, kind: str, pid: int) -> Path:
+    return place.with_name(f".{place.name}.{kind}-{socket.gethostname()}-{pid}")
+
+
+def _remove_dead_stagings(place: Path) -> None:
+    """Remove the staging directories that SIGKILLed conversions into ``place`` left on
+    this host (their process is gone, so nothing writes them any more)."""
+    if not place.parent.is_dir():
+        return
+    prefix = _staging_name(place, "partial", 0).name.removesuffix("0")
+    for sibling in place.parent.iterdir():
+        pid = sibling.name.removeprefix(prefix)
+        ours = sibling.name.startswith(prefix) and pid.isascii() and pid.isdigit()
+        if ours and 0 < int(pid) <= PID_MAX_LIMIT and not pid_alive(int(pid)):
+            shutil.rmtree(sibling, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def _terminate_as_exit() -> Iterator[None]:
     """SIGTERM (kill, timeout, scancel) raised as ``SystemExit(143)`` in the block, so that
     the staging directory is removed as on Ctrl-C: by the default action the process died
-    at once, and its ``.OUT_DIR.partial-PID`` stayed for good. Only where SIGTERM has the
-    default action, in the main thread (where Python runs handlers)."""
+    at once and left its staging directory behind. Only where SIGTERM has the default
+    action, in the main thread (where Python runs handlers)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from megatron_lns.base.disk import disk_full_reported
 from megatron_lns.base.errors import UserError
+from megatron_lns.base.processes import pid_alive
 from megatron_lns.base.timestamps import epoch_seconds, local_time
 from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.runtime.job import JobEnvironment, LocalJob
@@ -48,17 +49,6 @@ def holds_a_run(run_dir: Path) -> bool:
         p.name.startswith("iter_") for p in checkpoints.iterdir()
     )
     return has_checkpoints or (run_dir / "metrics.jsonl").is_file()
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` (a :attr:`LockHolder.pid`: positive, within pid_t) runs."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from megatron_lns.base.errors import UserError
+from megatron_lns.base.processes import pid_alive
 from megatron_lns.base.timestamps import local_time
 from megatron_lns.config.sources import RUN_CONFIG, runs_inside_hint
 from megatron_lns.runtime.progress_file import RUN_PROGRESS_FILE, ProgressEvent, read_progress
@@ -29,7 +30,7 @@ from megatron_lns.training.checkpoint_dirs import (
     latest_complete_checkpoint,
 )
 from megatron_lns.training.goodput import Goodput, account, duration, goodput_table
-from megatron_lns.training.run_dir import LOCK_NAME, pid_alive, read_lock
+from megatron_lns.training.run_dir import LOCK_NAME, read_lock
 from megatron_lns.training.run_status import RUN_STATUS_FILE, read_run_status
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -70,3 +73,36 @@ def test_sigterm_midway_removes_the_staging_directory(tmp_path):
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sigkilled_conversions_staging_directory_is_removed_by_the_next(tmp_path):
+    """SIGKILL cannot be caught: the killed export left .OUT.partial-PID for good. The
+    next conversion into OUT on that host now removes it, and leaves alone what a live
+    process or another host's process may still be writing."""
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from megatron_lns.convert.output import staged_output_dir\n"
+            "with staged_output_dir(sys.argv[1]) as stage:\n"
+            "    (stage / 'half.safetensors').write_bytes(b'x')\n"
+            "    print(stage.name, flush=True)\n"
+            "    time.sleep(600)\n",
+            str(tmp_path / "out"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    killed = child.stdout.readline().strip()
+    child.kill()
+    child.wait()
+    host = socket.gethostname()
+    assert killed == f".out.partial-{host}-{child.pid}"
+    live = f".out.partial-{host}-{os.getppid()}"  # this test's parent: running
+    other_host = f".out.partial-elsewhere-{child.pid}"
+    for name in (live, other_host):
+        (tmp_path / name).mkdir()
+    with staged_output_dir(tmp_path / "out") as stage:
+        (stage / "model.safetensors").write_bytes(b"y")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", live, other_host])
