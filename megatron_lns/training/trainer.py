@@ -330,14 +330,16 @@ class Trainer:
         if self.run_lock is not None:
             self.run_lock.release()
 
-    def _write_run_status(self, summary: RunSummary) -> None:
-        """``run_status`` tells a launcher (a scheduler's batch script) whether to requeue."""
+    def _attempt_ended(self, summary: RunSummary, how: str) -> None:
+        """Write ``run_status`` (which tells a launcher, a scheduler's batch script, whether
+        to requeue), record how this attempt ended, and print where the run is and its
+        goodput so far (rank 0; what ``megatron-lns status`` prints)."""
         if self.is_rank0:
-            write_run_status(self.run_dir, summary.stopped_early, self.state.iteration)
-
-    def _attempt_ended(self, how: str) -> None:
-        """Record how this attempt ended, and print where the run is and its goodput so
-        far (rank 0; what ``megatron-lns status`` prints)."""
+            try:
+                write_run_status(self.run_dir, summary.stopped_early, self.state.iteration)
+            except BaseException:
+                self.attempt.ended("failed")  # else `status` calls the attempt killed
+                raise
         self.attempt.ended(how)
         self.stragglers.summary()
         if self.is_rank0:
@@ -510,8 +512,7 @@ class Trainer:
             )
             self.close()
             summary.steps = self.state.iteration
-            self._write_run_status(summary)
-            self._attempt_ended("finished")
+            self._attempt_ended(summary, "finished")
             return summary
         stop = self.stop_request
         every = cfg.exp_manager.checkpoint_callback_params.every_n_train_steps
@@ -580,8 +581,7 @@ class Trainer:
             raise
         finally:
             self.close()
-        self._write_run_status(summary)
-        self._attempt_ended("stopped" if summary.stopped_early else "finished")
+        self._attempt_ended(summary, "stopped" if summary.stopped_early else "finished")
         summary.steps = self.state.iteration
         throughput.close_window()
         summary.tokens_per_second = throughput.overall

@@ -280,3 +280,27 @@ def _fail_after_claiming_the_run(cfg) -> bool:
 def test_a_failure_between_claiming_the_run_and_building_the_model_releases_the_lock(tmp_path):
     cfg = tiny_run_config(tmp_path / "exp")
     assert run_distributed(_fail_after_claiming_the_run, 1, tmp_path / "results", cfg) == [False]
+
+
+def _train_without_writing_run_status(cfg) -> str:
+    """Train with a run_status that cannot be written at the end; the state `status` reads."""
+    from megatron_lns.base.disk import WriteError
+    from megatron_lns.config.paths import run_directory
+    from megatron_lns.training import trainer
+    from megatron_lns.training.run_report import run_report
+
+    def cannot_write(run_dir, *args):
+        raise WriteError(f"cannot write {run_dir}/run_status: injected")
+
+    trainer.write_run_status = cannot_write
+    with pytest.raises(WriteError, match="injected"):
+        trainer.Trainer(cfg).fit()
+    return run_report(run_directory(cfg)).state
+
+
+@pytest.mark.slow
+def test_a_run_status_that_cannot_be_written_ends_the_attempt_as_failed(tmp_path):
+    """run_status was written before the attempt's end was recorded: a failure to write it
+    left no end, and `status` called the attempt killed or crashed."""
+    cfg = tiny_run_config(tmp_path / "exp", "trainer.max_steps=3")
+    assert run_distributed(_train_without_writing_run_status, 1, tmp_path / "r", cfg) == ["failed"]
