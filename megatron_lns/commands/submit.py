@@ -39,15 +39,18 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_run_config(args.config, args.overrides)
     validate(cfg)
     accelerator = cfg.trainer.accelerator
-    if accelerator == "gpu":
+    # `auto` takes the GPUs the job asks SLURM for (cluster.gpus_per_node, which must then
+    # be trainer.devices).
+    if accelerator == "gpu" or (accelerator == "auto" and cfg.cluster.gpus_per_node):
         _check_plan(cfg, gpu, args.skip_plan_check)
     elif args.gpu is not None:
         # --gpu names the GPU of that check and nothing else: with no check it would be
         # ignored, most likely by a user who meant the job to run on GPUs.
+        without = " and no cluster.gpus_per_node" if accelerator == "auto" else ""
         raise PlanArgumentError(
             f"--gpu {args.gpu}: submit checks a job against a GPU only with "
-            f"trainer.accelerator=gpu, and this one has trainer.accelerator={accelerator}; "
-            "drop --gpu, or set trainer.accelerator=gpu"
+            f"trainer.accelerator=gpu, and this one has trainer.accelerator={accelerator}"
+            f"{without}; drop --gpu, or set trainer.accelerator=gpu"
         )
     executor = executor_for(cfg)
     job = executor.prepare(cfg, Path.cwd(), sys.executable)

@@ -224,6 +224,24 @@ def test_submit_prints_the_plan_and_refuses_a_job_that_does_not_fit(tmp_path, ca
     assert main(["submit", str(OLMO), *crowded, "--dry-run", "--gpu", "B200"]) == 0
 
 
+def test_submit_checks_an_auto_job_that_asks_for_gpus(tmp_path, capsys):
+    """trainer.accelerator=auto runs on the GPUs cluster.gpus_per_node asks SLURM for:
+    submit sent such a job without the check a gpu job gets."""
+    auto = [*_submit_inputs(tmp_path), *CROWDED, "trainer.accelerator=auto"]
+    gpus = "cluster.gpus_per_node=8"  # trainer.devices, as auto requires
+    assert main(["submit", str(OLMO), *auto, gpus, "--dry-run"]) == 2
+    assert "error: the job needs 146.8 GB per GPU" in capsys.readouterr().err
+    assert main(["submit", str(OLMO), *auto, "cluster.gpus_per_node=0", "--dry-run"]) == 0
+    assert "plan:" not in capsys.readouterr().err  # a CPU job: nothing to check
+    no_gpus = cli_error_of(
+        capsys, "submit", "tiny_cpu_demo", "trainer.accelerator=auto", "--dry-run", "--gpu", "H100"
+    )
+    assert no_gpus.startswith(
+        "error: --gpu H100: submit checks a job against a GPU only with trainer.accelerator=gpu, "
+        "and this one has trainer.accelerator=auto and no cluster.gpus_per_node; drop --gpu"
+    )
+
+
 def test_submit_refuses_a_gpu_it_does_not_know_or_does_not_check(capsys):
     """--gpu names the GPU submit checks a GPU job against: a CPU job ignored it, even an
     unknown name."""
