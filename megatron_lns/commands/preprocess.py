@@ -94,13 +94,6 @@ def add_arguments(prep: argparse.ArgumentParser) -> None:
     )
 
 
-# The flag each tokenizer library needs, and what it names.
-TOKENIZER_FLAGS = {
-    "huggingface": ("tokenizer_type", "--tokenizer-type (a local tokenizer directory)"),
-    "sentencepiece": ("tokenizer_model", "--tokenizer-model (a .model file)"),
-}
-
-
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse, naming the flag, what would fail later or mean something else: a tokenizer
     without its file, another library's tokenizer file (which the run would ignore: with
@@ -108,16 +101,20 @@ def check_arguments(args: argparse.Namespace) -> None:
     (``data/new/``: ``Path`` drops the '/', so it wrote ``data/new.bin``; ``.``, ``..``,
     ``data/.``: no file name to add ``.bin`` to), a worker count below one."""
     from megatron_lns.data.preprocess import PreprocessError
+    from megatron_lns.data.tokenizer import TOKENIZER_FILE_FIELD, TOKENIZER_FILE_KIND
 
     library = args.tokenizer_library
-    needed = TOKENIZER_FLAGS.get(library)
-    if needed and not getattr(args, needed[0]):
-        raise PreprocessError(f"--tokenizer-library {library} needs {needed[1]}")
-    for user, (dest, _) in TOKENIZER_FLAGS.items():
-        if user != library and getattr(args, dest) is not None:
-            flag = f"--{dest.replace('_', '-')}"
+    needed = TOKENIZER_FILE_FIELD.get(library)
+    if needed and not getattr(args, f"tokenizer_{needed}"):
+        raise PreprocessError(
+            f"--tokenizer-library {library} needs --tokenizer-{needed} "
+            f"({TOKENIZER_FILE_KIND[library]})"
+        )
+    for user, field in TOKENIZER_FILE_FIELD.items():
+        given = getattr(args, f"tokenizer_{field}")
+        if user != library and given is not None:
             raise PreprocessError(
-                f"{flag} {getattr(args, dest)}: --tokenizer-library {library} does not read "
+                f"--tokenizer-{field} {given}: --tokenizer-library {library} does not read "
                 f"it (--tokenizer-library {user} does)"
             )
     prefix = args.output_prefix

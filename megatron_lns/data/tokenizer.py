@@ -19,9 +19,14 @@ from megatron_lns.data.errors import DataError
 
 TokenizerLibrary = Literal["byte", "huggingface", "sentencepiece"]
 TOKENIZER_LIBRARIES: tuple[str, ...] = get_args(TokenizerLibrary)
-# The field of a config's model.tokenizer each library reads its files from; byte reads
-# none. A library never reads the other field.
+# The field of a config's model.tokenizer each library reads its files from (preprocess's
+# flag --tokenizer-FIELD), and what it names; byte reads none. A library never reads the
+# other field.
 TOKENIZER_FILE_FIELD = {"huggingface": "type", "sentencepiece": "model"}
+TOKENIZER_FILE_KIND = {
+    "huggingface": "a local tokenizer directory",
+    "sentencepiece": "a .model file",
+}
 
 
 class TokenizerError(DataError):
@@ -231,17 +236,15 @@ def build_tokenizer(library: str, type: str | None = None, model: str | None = N
     """``library`` and paths as in the YAML's ``model.tokenizer`` section."""
     if library == "byte":
         return ByteTokenizer()
+    file = {"huggingface": type, "sentencepiece": model}.get(library)
+    if library in TOKENIZER_FILE_FIELD and not file:
+        raise TokenizerError(
+            f"model.tokenizer.library={library} needs model.tokenizer."
+            f"{TOKENIZER_FILE_FIELD[library]} ({TOKENIZER_FILE_KIND[library]})"
+        )
     if library == "huggingface":
-        if not type:
-            raise TokenizerError(
-                "a Hugging Face tokenizer needs model.tokenizer.type (a local directory)"
-            )
         return HuggingFaceTokenizer(type)
     if library == "sentencepiece":
-        if not model:
-            raise TokenizerError(
-                "a SentencePiece tokenizer needs model.tokenizer.model (a .model file)"
-            )
         return SentencePieceTokenizer(model)
     raise TokenizerError(
         f"unknown tokenizer library {library!r}; choose from {', '.join(TOKENIZER_LIBRARIES)}"
