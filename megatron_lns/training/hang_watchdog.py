@@ -24,6 +24,11 @@ its child processes (background checkpoint writers, data loader workers) killed 
 The store is reached through a client of the watchdog's own whose every call is bounded:
 a rank 0 that stopped answering (its process hosts the store) is itself a verdict
 ("the store does not answer"), never a watchdog stuck behind it.
+
+A pause is not a hang: the ages judged are the phase clock's, which leaves out the time
+the whole process was stopped (``PauseMeter``: Ctrl-Z, ``kill -STOP`` of the run,
+``scontrol suspend``). A rank stopped on its own is still found by the others, whose
+watchdogs kept running while it was stopped.
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ from megatron_lns.training.phase_timeouts import (
     timeouts_line,
 )
 
+# Seconds between two ticks of the meter of the time a rank was stopped as a whole.
+PAUSE_TICK_S = 0.5
 # Seconds a py-spy dump of a stalled rank may take.
 PY_SPY_TIMEOUT_S = 20.0
 # A main thread whose innermost frame is in here waits for other ranks.
@@ -466,6 +473,8 @@ class HangWatch:
             # Long enough for a busy store, short against the timeouts it serves.
             store_timeout_s = max(2.0, 2 * ft.workload_check_interval)
             store = None if address is None else WatchdogStore(*address, store_timeout_s)
+            # A pause is not a hang: the time the whole process was stopped is no age.
+            self.phases.pauses.start(min(PAUSE_TICK_S, ft.workload_check_interval))
             self.watchdog = HangWatchdog(
                 self.phases, rank, world_size, ft.workload_check_interval, store, self._hung
             ).start()
@@ -491,6 +500,7 @@ class HangWatch:
         """Stop and join the watchdog; say and record the timeouts learnt (idempotent)."""
         if self.watchdog is not None:
             self.watchdog.stop()
+            self.phases.pauses.stop()
             self.watchdog = None
             if learnt := self.phases.learnt():
                 self.say(f"hang watchdog: timeouts learnt in this attempt: {timeouts_line(learnt)}")

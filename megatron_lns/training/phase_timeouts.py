@@ -20,7 +20,11 @@ Start-up and load happen once per attempt, so they always keep the configured ti
 so does ``commit``, whose waits range from nothing (a write finished long ago) to a whole
 write (the last one), so that none of them bounds the next;
 nothing learnt carries into the next attempt (a restart's first steps are slow again).
-Torch-free: a thread reads it while the main thread is blocked in C++.
+
+A pause is not a hang: time during which the whole process was stopped (Ctrl-Z, ``kill
+-STOP`` of the run's process group, ``scontrol suspend``) counts in no phase's age and in
+no measured phase (:class:`PauseMeter`). Torch-free: a thread reads it while the main
+thread is blocked in C++.
 """
 
 from __future__ import annotations
@@ -86,11 +90,67 @@ class Timeout:
         return f"{self.seconds:g} s ({self.why})"
 
 
+class PauseMeter:
+    """The seconds during which this whole process was stopped, as far as it can tell.
+
+    The clock counts the time a process spends stopped (SIGSTOP, Ctrl-Z, ``scontrol
+    suspend``), and nothing inside a stopped process runs to notice. So, once started, a
+    thread of its own ticks every ``tick_s`` seconds: a gap between two ticks (or between
+    a tick and a reading) of more than ``grace_s`` means no thread of the process ran for
+    that long, which only a stop explains (a thread late by a second on a busy host is not
+    one), and the gap, less the tick it would have waited anyway, counts as paused. A
+    rank stopped on its own (a host stalled in the kernel) is paused by this measure too:
+    the other ranks, which were not, find it hung. Every reading ticks first, so a
+    reading right after a stop counts it, whichever thread runs first. Not started (a
+    test's clock): nothing counts as paused.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.tick_s = self.grace_s = 0.0
+        self._lock = threading.Lock()
+        self._paused_s = 0.0
+        self._last: float | None = None  # None: not started, no gap is judged
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, tick_s: float) -> PauseMeter:
+        self.tick_s, self.grace_s = tick_s, max(2.0, 4 * tick_s)
+        self._last = self.clock()
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._run, name="pause-meter", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop and join the ticking thread; no gap counts as paused any more (idempotent)."""
+        self._stopping.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        with self._lock:
+            self._thread = self._last = None
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self.tick_s):
+            self.paused_s()
+
+    def paused_s(self) -> float:
+        """Tick, and return the seconds paused since the start."""
+        with self._lock:
+            if self._last is not None:
+                now = self.clock()
+                if now - self._last > self.grace_s:
+                    self._paused_s += now - self._last - self.tick_s
+                self._last = now
+            return self._paused_s
+
+
 class PhaseClock:
     """The phase of this rank's main thread and the slowest time seen of each phase.
 
     Written by the main thread, read by the watchdog's; a lock keeps each read whole.
-    ``clock`` is the time source (``time.monotonic``; tests pass their own).
+    ``clock`` is the time source (``time.monotonic``; tests pass their own); the time
+    ``pauses`` counts is left out of every phase's time (module doc).
     """
 
     def __init__(
@@ -98,8 +158,10 @@ class PhaseClock:
     ) -> None:
         self.settings = settings
         self.clock = clock
+        self.pauses = PauseMeter(clock)
         self._lock = threading.Lock()
         self._phase, self._step, self._since = "startup", 0, clock()
+        self._paused_before = 0.0  # the pauses' seconds when the phase began
         self.slowest: dict[str, float] = {}
         self._announced: dict[str, float] = {}
 
@@ -109,10 +171,9 @@ class PhaseClock:
         if phase not in PHASES:
             raise ValueError(f"unknown phase {phase!r}; one of {PHASES}")
         with self._lock:
-            now = self.clock()
-            lasted = now - self._since
+            lasted, paused = self._age()
             self.slowest[self._phase] = max(self.slowest.get(self._phase, 0.0), lasted)
-            self._phase, self._since = phase, now
+            self._phase, self._since, self._paused_before = phase, self.clock(), paused
             if step is not None:
                 self._step = step
 
@@ -126,9 +187,15 @@ class PhaseClock:
         finally:
             self.begin(previous)
 
+    def _age(self) -> tuple[float, float]:
+        """The current phase's age less its paused time, and the pauses' seconds."""
+        paused = self.pauses.paused_s()
+        age = self.clock() - self._since - (paused - self._paused_before)
+        return max(0.0, age), paused
+
     def now(self) -> PhaseNow:
         with self._lock:
-            return PhaseNow(self._phase, self._step, self.clock() - self._since)
+            return PhaseNow(self._phase, self._step, self._age()[0])
 
     def timeout(self, phase: str) -> Timeout:
         """How long ``phase`` may last now (module doc)."""

@@ -143,13 +143,14 @@ class _Run:
     """``megatron-lns train`` with a fault injected; its output lines with their times, and
     every process it started."""
 
-    def __init__(self, fault, *overrides):
+    def __init__(self, fault, *overrides, session=False):
         env = fresh_launch_env(MEGATRON_LNS_CACHE=os.environ["MEGATRON_LNS_CACHE"])
         if fault:
             env["MEGATRON_LNS_INJECT_FAULT"] = fault
         self.process = subprocess.Popen(
             [sys.executable, "-m", "megatron_lns.cli", "train", str(DEMO), *overrides],
             cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=session,  # True: a process group of its own, as in a terminal
         )  # fmt: skip
         self.lines: list[tuple[float, str]] = []
         self.seen: set[psutil.Process] = set()
@@ -180,6 +181,23 @@ class _Run:
 
     def left_behind(self):
         return still_running(list(self.seen))
+
+    def await_line(self, pattern, timeout=300):
+        """The first line matching ``pattern``, waited for."""
+        deadline = time.monotonic() + timeout
+        while not any(re.search(pattern, line) for _, line in self.lines):
+            assert self.process.poll() is None and time.monotonic() < deadline, self.text
+            time.sleep(0.05)
+        return self.at(pattern)[1]
+
+    def signal_every_process_group(self, signum):
+        """``kill -SIGNUM -- -PGID`` for the launcher's process group and each rank's."""
+        launcher = psutil.Process(self.process.pid)
+        processes = [launcher, *launcher.children(recursive=True)]
+        self.seen.update(processes[1:])
+        for group in dict.fromkeys(os.getpgid(p.pid) for p in processes):
+            assert group != os.getpgid(0)  # never the test's own
+            os.killpg(group, signum)
 
 
 def _detected_in_time(run):
@@ -291,6 +309,41 @@ def test_slow_first_steps_and_a_slow_first_save_do_not_stop_a_healthy_run(tmp_pa
     learnt = timeouts.number("step_timeout_s"), timeouts.number("save_timeout_s")
     assert 4.5 <= learnt[0] < 180 and 4.5 <= learnt[1] < 420, timeouts
     assert "hang watchdog: timeouts learnt in this attempt: step " in run.text
+
+
+@pytest.mark.long
+@pytest.mark.usefixtures("private_corpus_cache")
+def test_a_paused_run_is_not_a_hung_one(tmp_path):
+    """The whole run stopped (kill -STOP of its process groups, as Ctrl-Z or scontrol
+    suspend stop it) for longer than the timeouts it learnt, then continued, finishes as
+    if never paused: no hang found, no attempt lost, the pause in no learnt timeout."""
+    run = _Run(
+        None,
+        *_overrides(tmp_path, "trainer.max_steps=12",
+                    "exp_manager.fault_tolerance.rank_heartbeat_timeout=60",
+                    "exp_manager.fault_tolerance.safety_factor=2",
+                    "exp_manager.fault_tolerance.min_timeout=3"),
+        session=True,
+    )  # fmt: skip
+    try:
+        run.await_line(r"\] step +4 ")  # steps and an evaluation measured: learnt timeouts
+        run.signal_every_process_group(signal.SIGSTOP)
+        time.sleep(15)  # the pause itself
+        lines_before = len(run.lines)
+        run.signal_every_process_group(signal.SIGCONT)
+        assert run.wait() == 0, run.text
+    finally:
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            run.signal_every_process_group(signal.SIGCONT)  # never leave a stopped run
+        if run.process.poll() is None:
+            run.process.kill()
+            run.wait()
+    assert "hang:" not in run.text and "hang watchdog: rank" not in run.text, run.text
+    assert re.search(r"\] step +12 ", "\n".join(x for _, x in run.lines[lines_before:]))
+    assert [a.how for a in run_report(tmp_path / "lns").goodput.attempts] == ["finished"]
+    (timeouts,) = [e for e in read_events(tmp_path / "lns") if e.event == "timeouts"]
+    assert timeouts.number("step_timeout_s") < 15, timeouts  # the pause is no step's time
+    assert not run.left_behind()
 
 
 @pytest.mark.parametrize("on", [True, False])

@@ -126,3 +126,28 @@ def test_a_slow_fault_can_end_at_a_step():
     assert [slow.hits(0, step, "step", 0) for step in (1, 2, 3)] == [True, True, False]
     (forever,) = parse_faults("kind=slow,rank=0,step=2,seconds=1")
     assert [forever.hits(0, step, "step", 0) for step in (1, 2, 50)] == [False, True, True]
+
+
+def test_a_pause_of_the_whole_process_is_in_no_phase_but_a_stall_is():
+    """A gap no tick of the pause meter saw (every thread stopped: Ctrl-Z, kill -STOP of
+    the run, scontrol suspend) counts in no phase's age and in no measured phase; time in
+    which the meter ticked (the main thread blocked, the watchdog running) all counts."""
+    phases, clock = _clock()
+    phases.pauses.start(0.5)  # its thread ticks in real time on the test's clock
+    try:
+        phases.begin("step", 4)
+        clock.t = 1.5  # a thread late by less than the grace: not a pause
+        assert phases.now().age_s == 1.5
+        clock.t = 61.5  # 60 s that no thread saw pass: stopped, less the tick it waits
+        assert phases.now().age_s == pytest.approx(2.0)
+        phases.begin("save")
+        assert phases.slowest["step"] == pytest.approx(2.0)  # learnt from the step, not the pause
+        for _ in range(500):  # stuck in the save, the meter ticking every second
+            clock.t += 1.0
+            phases.pauses.paused_s()
+        assert phases.now().age_s == pytest.approx(500.0)
+        assert phases.now().age_s > phases.timeout("save").seconds
+    finally:
+        phases.pauses.stop()
+    clock.t += 100.0  # stopped: no gap is judged any more
+    assert phases.now().age_s == pytest.approx(600.0)
