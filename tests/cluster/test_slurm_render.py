@@ -303,6 +303,11 @@ case $FAKE_MODE in
 esac
 """
 FAKE_SCONTROL = """#!/bin/bash
+# The one-line query of the job's suspension is answered, not recorded with the actions.
+if [[ $1 == -o && $2 == show ]]; then
+    echo "JobId=$SLURM_JOB_ID JobState=RUNNING SuspendTime=${FAKE_SUSPEND_TIME:-None} x=y"
+    exit 0
+fi
 echo "$*" >> "$FAKE_OUT/scontrol"
 """
 
@@ -772,6 +777,27 @@ def test_a_hang_is_restarted_and_blamed_on_the_stalled_ranks_host(tmp_path):
         "hung on n2); restarting in-job"
     ) in result.stdout
     assert "--exclude=n2" in given[2][1].split()
+
+
+def test_a_failure_after_slurm_suspended_the_job_blames_no_node(tmp_path):
+    """scontrol suspend stops every rank; what fails after the resume (a collective's
+    timeout that counted the pause) is no evidence against the node, however often."""
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path))
+    result, requeues, out, _ = _run_batch_script(
+        tmp_path, cfg, "attempts", attempts="hang@n2 crash@n2 finish", step=2,
+        suspend_time="2999-01-01T00:00:00",  # resumed after the attempt started
+    )  # fmt: skip
+    given = [line.split(" ", 1) for line in (out / "attempts").read_text().splitlines()]
+    assert result.returncode == 0 and requeues == "" and len(given) == 3, result.stdout
+    assert not any(word.startswith("--exclude") for _, argv in given for word in argv.split())
+    assert (
+        "attempt 0 failed: task 0 on n1: Exited with exit code 75 (its watchdog found the run "
+        "hung on n2) after SLURM suspended the job (not blamed on n2); restarting in-job"
+    ) in result.stdout
+    assert "task 3 on n2: Killed after SLURM suspended the job (not blamed on n2)" in (
+        result.stdout
+    )
+    assert "failed twice" not in result.stdout
 
 
 def test_restarts_without_a_newer_checkpoint_end_the_job_with_that_cause(tmp_path):
