@@ -268,6 +268,29 @@ def _iteration(checkpoint: Path) -> int | None:
         return None
 
 
+def _check_out_apart(out_dir: Path, item: Input, config: str | Path | None) -> None:
+    """Refuse an OUT_DIR that is or holds what ``item`` reads (the directory given, its
+    checkpoint, the --config file), or lies inside the checkpoint, a ``checkpoints``
+    directory or a Hugging Face model: --overwrite replaced it, the inputs with it."""
+    read = item.checkpoint or item.source
+    check_apart(out_dir, item.source, within=read)
+    check_apart(out_dir, read)
+    if read.absolute().parent.name == "checkpoints":
+        check_apart(out_dir, read, within=read.absolute().parent)
+    if config is not None and Path(config).exists():
+        check_apart(out_dir, Path(config))
+
+
+def _files_read(cfg) -> list[Path]:
+    """The held-out data files and the local tokenizer files a config reads."""
+    from megatron_lns.data.blend import DataBlend
+
+    m, tok = cfg.model, cfg.model.tokenizer
+    blend = DataBlend.parse(m.data.data_prefix).resolved(tok.library, tok.type, tok.model)
+    files = [Path(f"{prefix}{ext}") for prefix in blend.prefixes for ext in (".bin", ".idx")]
+    return files + [Path(p) for p in (tok.type, tok.model) if p and Path(p).exists()]
+
+
 def analyze(
     inputs: Sequence[str | Path],
     out_dir: str | Path,
@@ -293,7 +316,7 @@ def analyze(
     check_output_dir(out_dir, overwrite)
     items = resolve_inputs(inputs, labels)
     for item in items:
-        check_apart(out_dir, item.source)
+        _check_out_apart(out_dir, item, config)
     if config is not None and not any(item.kind == "huggingface" for item in items):
         raise AnalysisError(
             f"--config {config} is for Hugging Face inputs; a run or checkpoint is analysed "
@@ -314,6 +337,8 @@ def analyze(
                     )
                 _import_hf(item, work, overrides, config)
             item.cfg = input_config(item, overrides, work, world)
+            for path in _files_read(item.cfg):
+                check_apart(out_dir, path)
             if batches is None and item.cfg.trainer.limit_val_batches < 1:
                 raise AnalysisError(
                     f"{item.label}: its trainer.limit_val_batches is 0; say how many held-out "
