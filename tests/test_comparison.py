@@ -388,3 +388,26 @@ def test_overrides_of_the_keys_each_arm_sets_are_refused_by_name(command, capsys
         f"{command} sets these for each arm (the layers by the variant, the run's name by its "
         "seed); choose the arms with `compare --variants` instead"
     )
+
+
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ('{"variant": "lns", "seed"', "JSONDecodeError"),
+        ('{"variant": "lns", "layer_stats": []}', "TypeError"),
+    ],
+)
+def test_an_unreadable_result_redoes_its_arm_with_a_warning_naming_it(
+    tmp_path, capsys, text, error
+):
+    """A result half-written by a killed comparison (or missing a key) crashed the resume
+    with a traceback; its arm is now trained (resumed) and measured again."""
+    from megatron_lns.analysis.comparison import RESULT_FILE, _finished
+
+    run_dir = _finished_arm(tmp_path / "cmp")
+    cfg = load_config(DEMO_CONFIG, TINY_RUN_OVERRIDES)
+    assert _finished(cfg, run_dir).held_out_loss == 4.5
+    (run_dir / RESULT_FILE).write_text(text)
+    assert _finished(cfg, run_dir) is None
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"warning: {run_dir / RESULT_FILE} cannot be read ({error}")

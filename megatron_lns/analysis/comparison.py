@@ -9,7 +9,8 @@ default case: LNS and Pre-LN, one seed, on ``tiny_cpu_demo``.
 Runs live in ``<out>/<variant>/seed<seed>/``, ordinary run directories: a comparison that
 is interrupted resumes every run from its last checkpoint when started again with the
 same ``--out``, and a finished run is not trained again (its ``compare_result.json`` holds
-what the table needs). Runs started with other ``model`` or ``trainer`` settings than the
+what the table needs; one that cannot be read is said, and its arm resumed and measured
+again). Runs started with other ``model`` or ``trainer`` settings than the
 arm's are refused by name (:func:`check_existing_runs`), and so are command-line
 overrides of the keys each arm sets itself (:func:`check_overrides`): either would put
 arms trained otherwise into one table.
@@ -42,6 +43,7 @@ import torch.distributed as dist
 
 from megatron_lns.analysis.depth import LayerStats, layer_statistics, variance_growth
 from megatron_lns.analysis.plots import plot_depth_profiles, plot_seed_bands, read_metrics
+from megatron_lns.base.disk import write_text_atomically
 from megatron_lns.base.errors import UserError
 from megatron_lns.config import ConfigError, ExperimentConfig, to_yaml, validate
 from megatron_lns.config.layer_variants import REGISTRY as LAYER_VARIANT_REGISTRY
@@ -52,6 +54,7 @@ from megatron_lns.config.output_inits import REGISTRY as OUTPUT_INIT_REGISTRY
 from megatron_lns.config.rules import rng_seed
 from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.runtime.job import JobEnvironment
+from megatron_lns.training.metrics import warn
 from megatron_lns.training.provenance import changed_config_keys
 from megatron_lns.training.run_dir import holds_a_run
 from megatron_lns.training.trainer import Trainer, TrainingStopped
@@ -332,7 +335,8 @@ def train_and_measure(
         result.held_out_loss = math.nan if result.diverged else held_out
         result.train_loss, result.tokens_per_second = train_loss, speed
         result.router_losses = {} if result.diverged else router_losses
-        (run_dir / RESULT_FILE).write_text(json.dumps(result.to_json(), indent=1))
+        # Whole or not at all: a comparison killed here resumes from a readable result.
+        write_text_atomically(run_dir / RESULT_FILE, json.dumps(result.to_json(), indent=1))
     return result
 
 
@@ -348,8 +352,19 @@ def _finished(cfg: ExperimentConfig, run_dir: Path) -> RunResult | None:
     path = run_dir / RESULT_FILE
     if not path.is_file():
         return None
-    result = RunResult.from_json(json.loads(path.read_text()))
-    return result if result.diverged or result.steps >= cfg.trainer.max_steps else None
+    try:
+        result = RunResult.from_json(json.loads(path.read_text()))
+        done = bool(result.diverged) or result.steps >= cfg.trainer.max_steps
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+        # Half-written (an older version wrote it in place) or edited: the arm is redone,
+        # resuming from its checkpoints, which is all the result was made from.
+        if _is_rank0():
+            warn(
+                f"{path} cannot be read ({type(err).__name__}: {err}); training and "
+                "measuring that arm again from its last checkpoint"
+            )
+        return None
+    return result if done else None
 
 
 @dataclass
