@@ -411,3 +411,33 @@ def test_an_unreadable_result_redoes_its_arm_with_a_warning_naming_it(
     assert _finished(cfg, run_dir) is None
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"warning: {run_dir / RESULT_FILE} cannot be read ({error}")
+
+
+def test_a_diverged_runs_numbers_are_strict_json_read_back_on_resume(tmp_path):
+    """compare_result.json and comparison.json of a diverged run held bare ``NaN``, which
+    strict JSON parsers reject; the resume reads the strings written now."""
+    from megatron_lns.analysis.comparison import RESULT_FILE, _finished, _write_outputs
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    run_dir = _finished_arm(tmp_path / "cmp")
+    stats = [LayerStats(1, math.inf, math.nan, math.nan), LayerStats(2, 1.0, 0.5, 0.5)]
+    diverged = RunResult("lns", 1234, 4, train_loss=math.nan, layer_stats=stats,
+                         diverged="step 5: loss nan", router_losses={"moe/z_loss": math.nan})  # fmt: skip
+    text = json.dumps(diverged.to_json(), allow_nan=False)
+    assert json.loads(text, parse_constant=refuse)["held_out_loss"] == "NaN"
+    (run_dir / RESULT_FILE).write_text(text)
+    cfg = load_config(DEMO_CONFIG, TINY_RUN_OVERRIDES)
+    again = _finished(cfg, run_dir)
+    assert (
+        again.diverged
+        and math.isnan(again.train_loss)
+        and again.layer_stats[0].output_variance == math.inf
+    )
+    assert math.isnan(again.router_losses["moe/z_loss"])
+    comparison = Comparison(parse_variants(["lns"]), [1234], {"lns": [again]})
+    _write_outputs(comparison, tmp_path / "cmp", title="t")
+    report = json.loads((tmp_path / "cmp" / "comparison.json").read_text(), parse_constant=refuse)
+    assert report["variants"]["lns"]["runs"][0]["train_loss"] == "NaN"
+    assert "| LNS | 1 | 1 |" in format_table(comparison)

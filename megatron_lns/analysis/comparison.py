@@ -43,8 +43,10 @@ import torch.distributed as dist
 
 from megatron_lns.analysis.depth import LayerStats, layer_statistics, variance_growth
 from megatron_lns.analysis.plots import plot_depth_profiles, plot_seed_bands, read_metrics
+from megatron_lns.base import json_numbers
 from megatron_lns.base.disk import write_text_atomically
 from megatron_lns.base.errors import UserError
+from megatron_lns.base.json_numbers import json_safe, number
 from megatron_lns.config import ConfigError, ExperimentConfig, to_yaml, validate
 from megatron_lns.config.layer_variants import REGISTRY as LAYER_VARIANT_REGISTRY
 from megatron_lns.config.layer_variants import lns_combines_with
@@ -268,13 +270,21 @@ class RunResult:
         return statistics.fmean(s.angular_distance for s in deep)
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        """Strict JSON: a non-finite number (a diverged run's) is a string of
+        ``json_numbers.NON_FINITE``, which :meth:`from_json` reads back."""
+        return json_safe(dataclasses.asdict(self))
 
     @classmethod
     def from_json(cls, data: dict) -> RunResult:
-        data = dict(data)
-        data["layer_stats"] = [LayerStats(**s) for s in data["layer_stats"]]
+        data = {k: number(v) if k in _NUMBERS else v for k, v in data.items()}
+        data["layer_stats"] = [
+            LayerStats(**{k: number(v) for k, v in s.items()}) for s in data["layer_stats"]
+        ]
+        data["router_losses"] = {k: number(v) for k, v in data.get("router_losses", {}).items()}
         return cls(**data)
+
+
+_NUMBERS = ("held_out_loss", "train_loss", "tokens_per_second")
 
 
 def _metrics_summary(run_dir: Path) -> tuple[float, float, float, dict[str, float]]:
@@ -336,7 +346,8 @@ def train_and_measure(
         result.train_loss, result.tokens_per_second = train_loss, speed
         result.router_losses = {} if result.diverged else router_losses
         # Whole or not at all: a comparison killed here resumes from a readable result.
-        write_text_atomically(run_dir / RESULT_FILE, json.dumps(result.to_json(), indent=1))
+        text = json_numbers.dumps(result.to_json(), indent=1)
+        write_text_atomically(run_dir / RESULT_FILE, text)
     return result
 
 
@@ -438,7 +449,7 @@ def _write_outputs(comparison: Comparison, out: Path, title: str) -> list[Path]:
             for v in comparison.variants
         },
     }
-    (out / "comparison.json").write_text(json.dumps(report, indent=1))
+    (out / "comparison.json").write_text(json_numbers.dumps(report, indent=1))
     (out / "comparison.md").write_text(format_table(comparison) + "\n")
     curves = {
         v.label: [
