@@ -441,3 +441,29 @@ def test_a_diverged_runs_numbers_are_strict_json_read_back_on_resume(tmp_path):
     report = json.loads((tmp_path / "cmp" / "comparison.json").read_text(), parse_constant=refuse)
     assert report["variants"]["lns"]["runs"][0]["train_loss"] == "NaN"
     assert "| LNS | 1 | 1 |" in format_table(comparison)
+
+
+@pytest.mark.slow
+def test_an_arm_in_use_by_another_comparison_is_refused_with_advice_compare_takes(tmp_path):
+    """The refusal said "choose another exp_manager.name", which compare refuses as an
+    override: it now says --out (or to wait for the other comparison)."""
+    import socket
+
+    from megatron_lns.training.run_dir import LOCK_NAME
+
+    run_dir = tmp_path / "cmp" / "lns" / "seed1234"
+    run_dir.mkdir(parents=True)  # process 1 always runs: the lock is a live one
+    (run_dir / LOCK_NAME).write_text(json.dumps({"pid": 1, "host": socket.gethostname()}))
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_lns.cli", "compare", str(DEMO_CONFIG),
+         *TINY_RUN_OVERRIDES, "--variants", "lns", "--out", str(tmp_path / "cmp")],
+        cwd=ROOT, env=fresh_launch_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert f"{run_dir} is in use by process 1 on" in line and "exp_manager.name" not in line
+    assert (
+        f"wait for the comparison writing {tmp_path / 'cmp'} to end, or choose another --out"
+        in line
+    )
+    assert "Traceback" not in done.stderr

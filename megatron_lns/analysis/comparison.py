@@ -325,7 +325,9 @@ def train_and_measure(
 
     On rank 0 the result also holds what ``metrics.jsonl`` says (losses, tokens/s) and is
     written to the run directory."""
-    trainer = Trainer(cfg, log_label=f"{variant} seed{seed}", job=job)
+    out = Path(cfg.exp_manager.exp_dir).parent  # run_config: <out>/<variant>/seed<seed>
+    elsewhere = f"wait for the comparison writing {out} to end, or choose another --out"
+    trainer = Trainer(cfg, log_label=f"{variant} seed{seed}", job=job, elsewhere=elsewhere)
     run_dir = trainer.run_dir
     try:
         summary = trainer.fit()
