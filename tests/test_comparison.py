@@ -388,3 +388,82 @@ def test_overrides_of_the_keys_each_arm_sets_are_refused_by_name(command, capsys
         f"{command} sets these for each arm (the layers by the variant, the run's name by its "
         "seed); choose the arms with `compare --variants` instead"
     )
+
+
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ('{"variant": "lns", "seed"', "JSONDecodeError"),
+        ('{"variant": "lns", "layer_stats": []}', "TypeError"),
+    ],
+)
+def test_an_unreadable_result_redoes_its_arm_with_a_warning_naming_it(
+    tmp_path, capsys, text, error
+):
+    """A result half-written by a killed comparison (or missing a key) crashed the resume
+    with a traceback; its arm is now trained (resumed) and measured again."""
+    from megatron_lns.analysis.comparison import RESULT_FILE, _finished
+
+    run_dir = _finished_arm(tmp_path / "cmp")
+    cfg = load_config(DEMO_CONFIG, TINY_RUN_OVERRIDES)
+    assert _finished(cfg, run_dir).held_out_loss == 4.5
+    (run_dir / RESULT_FILE).write_text(text)
+    assert _finished(cfg, run_dir) is None
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"warning: {run_dir / RESULT_FILE} cannot be read ({error}")
+
+
+def test_a_diverged_runs_numbers_are_strict_json_read_back_on_resume(tmp_path):
+    """compare_result.json and comparison.json of a diverged run held bare ``NaN``, which
+    strict JSON parsers reject; the resume reads the strings written now."""
+    from megatron_lns.analysis.comparison import RESULT_FILE, _finished, _write_outputs
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    run_dir = _finished_arm(tmp_path / "cmp")
+    stats = [LayerStats(1, math.inf, math.nan, math.nan), LayerStats(2, 1.0, 0.5, 0.5)]
+    diverged = RunResult("lns", 1234, 4, train_loss=math.nan, layer_stats=stats,
+                         diverged="step 5: loss nan", router_losses={"moe/z_loss": math.nan})  # fmt: skip
+    text = json.dumps(diverged.to_json(), allow_nan=False)
+    assert json.loads(text, parse_constant=refuse)["held_out_loss"] == "NaN"
+    (run_dir / RESULT_FILE).write_text(text)
+    cfg = load_config(DEMO_CONFIG, TINY_RUN_OVERRIDES)
+    again = _finished(cfg, run_dir)
+    assert (
+        again.diverged
+        and math.isnan(again.train_loss)
+        and again.layer_stats[0].output_variance == math.inf
+    )
+    assert math.isnan(again.router_losses["moe/z_loss"])
+    comparison = Comparison(parse_variants(["lns"]), [1234], {"lns": [again]})
+    _write_outputs(comparison, tmp_path / "cmp", title="t")
+    report = json.loads((tmp_path / "cmp" / "comparison.json").read_text(), parse_constant=refuse)
+    assert report["variants"]["lns"]["runs"][0]["train_loss"] == "NaN"
+    assert "| LNS | 1 | 1 |" in format_table(comparison)
+
+
+@pytest.mark.slow
+def test_an_arm_in_use_by_another_comparison_is_refused_with_advice_compare_takes(tmp_path):
+    """The refusal said "choose another exp_manager.name", which compare refuses as an
+    override: it now says --out (or to wait for the other comparison)."""
+    import socket
+
+    from megatron_lns.training.run_dir import LOCK_NAME
+
+    run_dir = tmp_path / "cmp" / "lns" / "seed1234"
+    run_dir.mkdir(parents=True)  # process 1 always runs: the lock is a live one
+    (run_dir / LOCK_NAME).write_text(json.dumps({"pid": 1, "host": socket.gethostname()}))
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_lns.cli", "compare", str(DEMO_CONFIG),
+         *TINY_RUN_OVERRIDES, "--variants", "lns", "--out", str(tmp_path / "cmp")],
+        cwd=ROOT, env=fresh_launch_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert f"{run_dir} is in use by process 1 on" in line and "exp_manager.name" not in line
+    assert (
+        f"wait for the comparison writing {tmp_path / 'cmp'} to end, or choose another --out"
+        in line
+    )
+    assert "Traceback" not in done.stderr

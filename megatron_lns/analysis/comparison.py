@@ -9,7 +9,8 @@ default case: LNS and Pre-LN, one seed, on ``tiny_cpu_demo``.
 Runs live in ``<out>/<variant>/seed<seed>/``, ordinary run directories: a comparison that
 is interrupted resumes every run from its last checkpoint when started again with the
 same ``--out``, and a finished run is not trained again (its ``compare_result.json`` holds
-what the table needs). Runs started with other ``model`` or ``trainer`` settings than the
+what the table needs; one that cannot be read is said, and its arm resumed and measured
+again). Runs started with other ``model`` or ``trainer`` settings than the
 arm's are refused by name (:func:`check_existing_runs`), and so are command-line
 overrides of the keys each arm sets itself (:func:`check_overrides`): either would put
 arms trained otherwise into one table.
@@ -42,7 +43,10 @@ import torch.distributed as dist
 
 from megatron_lns.analysis.depth import LayerStats, layer_statistics, variance_growth
 from megatron_lns.analysis.plots import plot_depth_profiles, plot_seed_bands, read_metrics
+from megatron_lns.base import json_numbers
+from megatron_lns.base.disk import write_text_atomically
 from megatron_lns.base.errors import UserError
+from megatron_lns.base.json_numbers import json_safe, number
 from megatron_lns.config import ConfigError, ExperimentConfig, to_yaml, validate
 from megatron_lns.config.layer_variants import REGISTRY as LAYER_VARIANT_REGISTRY
 from megatron_lns.config.layer_variants import lns_combines_with
@@ -52,6 +56,7 @@ from megatron_lns.config.output_inits import REGISTRY as OUTPUT_INIT_REGISTRY
 from megatron_lns.config.rules import rng_seed
 from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.runtime.job import JobEnvironment
+from megatron_lns.training.metrics import warn
 from megatron_lns.training.provenance import changed_config_keys
 from megatron_lns.training.run_dir import holds_a_run
 from megatron_lns.training.trainer import Trainer, TrainingStopped
@@ -265,13 +270,21 @@ class RunResult:
         return statistics.fmean(s.angular_distance for s in deep)
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        """Strict JSON: a non-finite number (a diverged run's) is a string of
+        ``json_numbers.NON_FINITE``, which :meth:`from_json` reads back."""
+        return json_safe(dataclasses.asdict(self))
 
     @classmethod
     def from_json(cls, data: dict) -> RunResult:
-        data = dict(data)
-        data["layer_stats"] = [LayerStats(**s) for s in data["layer_stats"]]
+        data = {k: number(v) if k in _NUMBERS else v for k, v in data.items()}
+        data["layer_stats"] = [
+            LayerStats(**{k: number(v) for k, v in s.items()}) for s in data["layer_stats"]
+        ]
+        data["router_losses"] = {k: number(v) for k, v in data.get("router_losses", {}).items()}
         return cls(**data)
+
+
+_NUMBERS = ("held_out_loss", "train_loss", "tokens_per_second")
 
 
 def _metrics_summary(run_dir: Path) -> tuple[float, float, float, dict[str, float]]:
@@ -312,7 +325,9 @@ def train_and_measure(
 
     On rank 0 the result also holds what ``metrics.jsonl`` says (losses, tokens/s) and is
     written to the run directory."""
-    trainer = Trainer(cfg, log_label=f"{variant} seed{seed}", job=job)
+    out = Path(cfg.exp_manager.exp_dir).parent  # run_config: <out>/<variant>/seed<seed>
+    elsewhere = f"wait for the comparison writing {out} to end, or choose another --out"
+    trainer = Trainer(cfg, log_label=f"{variant} seed{seed}", job=job, elsewhere=elsewhere)
     run_dir = trainer.run_dir
     try:
         summary = trainer.fit()
@@ -332,7 +347,9 @@ def train_and_measure(
         result.held_out_loss = math.nan if result.diverged else held_out
         result.train_loss, result.tokens_per_second = train_loss, speed
         result.router_losses = {} if result.diverged else router_losses
-        (run_dir / RESULT_FILE).write_text(json.dumps(result.to_json(), indent=1))
+        # Whole or not at all: a comparison killed here resumes from a readable result.
+        text = json_numbers.dumps(result.to_json(), indent=1)
+        write_text_atomically(run_dir / RESULT_FILE, text)
     return result
 
 
@@ -348,8 +365,19 @@ def _finished(cfg: ExperimentConfig, run_dir: Path) -> RunResult | None:
     path = run_dir / RESULT_FILE
     if not path.is_file():
         return None
-    result = RunResult.from_json(json.loads(path.read_text()))
-    return result if result.diverged or result.steps >= cfg.trainer.max_steps else None
+    try:
+        result = RunResult.from_json(json.loads(path.read_text()))
+        done = bool(result.diverged) or result.steps >= cfg.trainer.max_steps
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+        # Half-written (an older version wrote it in place) or edited: the arm is redone,
+        # resuming from its checkpoints, which is all the result was made from.
+        if _is_rank0():
+            warn(
+                f"{path} cannot be read ({type(err).__name__}: {err}); training and "
+                "measuring that arm again from its last checkpoint"
+            )
+        return None
+    return result if done else None
 
 
 @dataclass
@@ -423,7 +451,7 @@ def _write_outputs(comparison: Comparison, out: Path, title: str) -> list[Path]:
             for v in comparison.variants
         },
     }
-    (out / "comparison.json").write_text(json.dumps(report, indent=1))
+    (out / "comparison.json").write_text(json_numbers.dumps(report, indent=1))
     (out / "comparison.md").write_text(format_table(comparison) + "\n")
     curves = {
         v.label: [

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_lns.base.json_numbers import json_safe
 from megatron_lns.config import hybrid_pattern
 from megatron_lns.model.language_model import unwrap
 from megatron_lns.training.step import Batch, forward_backward
@@ -69,6 +70,7 @@ class DepthReport:
     loss: float
     num_tokens: int
     layers: list[LayerDiagnostics]
+    pruned: bool = False  # whether each layer's removal was measured (pruning fields)
 
     @property
     def perplexity(self) -> float:
@@ -79,21 +81,22 @@ class DepthReport:
         return variance_growth(self.layers)
 
     def to_dict(self) -> dict:
-        """Plain JSON types; an unmeasured value (NaN) becomes None."""
-        return {
-            "loss": self.loss,
-            "perplexity": self.perplexity,
-            "num_tokens": self.num_tokens,
-            "variance_growth": self.variance_growth(),
-            "layers": [
-                {key: _none_if_nan(value) for key, value in asdict(layer).items()}
-                for layer in self.layers
-            ],
-        }
-
-
-def _none_if_nan(value):
-    return None if isinstance(value, float) and math.isnan(value) else value
+        """Strict JSON types: a value not measured (the pruning fields unless ``pruned``)
+        is None, a measured one that is not finite (a diverged model's) a string of
+        ``json_numbers.NON_FINITE``."""
+        unmeasured = () if self.pruned else ("loss_without_layer", "pruning_drop")
+        return json_safe(
+            {
+                "loss": self.loss,
+                "perplexity": self.perplexity,
+                "num_tokens": self.num_tokens,
+                "variance_growth": self.variance_growth(),
+                "layers": [
+                    {k: None if k in unmeasured else v for k, v in asdict(layer).items()}
+                    for layer in self.layers
+                ],
+            }
+        )
 
 
 def angular_distance(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -318,7 +321,7 @@ def depth_diagnostics(
                 row.pruning_drop = row.loss_without_layer - loss
                 if progress is not None:
                     progress(row.layer_number)
-    return DepthReport(loss=loss, num_tokens=tokens, layers=layers)
+    return DepthReport(loss=loss, num_tokens=tokens, layers=layers, pruned=prune)
 
 
 def variance_growth(stats: Sequence[LayerStats]) -> float:

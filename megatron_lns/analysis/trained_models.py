@@ -36,6 +36,7 @@ from omegaconf import OmegaConf
 
 from megatron_lns.analysis.depth import DepthReport, LayerDiagnostics, depth_diagnostics
 from megatron_lns.analysis.plots import plot_depth_reports
+from megatron_lns.base import json_numbers
 from megatron_lns.base.errors import UserError
 from megatron_lns.config import ConfigError, ExperimentConfig, hybrid_pattern, validate
 from megatron_lns.config.layout import micro_batches_per_step
@@ -268,6 +269,29 @@ def _iteration(checkpoint: Path) -> int | None:
         return None
 
 
+def _check_out_apart(out_dir: Path, item: Input, config: str | Path | None) -> None:
+    """Refuse an OUT_DIR that is or holds what ``item`` reads (the directory given, its
+    checkpoint, the --config file), or lies inside the checkpoint, a ``checkpoints``
+    directory or a Hugging Face model: --overwrite replaced it, the inputs with it."""
+    read = item.checkpoint or item.source
+    check_apart(out_dir, item.source, within=read)
+    check_apart(out_dir, read)
+    if read.absolute().parent.name == "checkpoints":
+        check_apart(out_dir, read, within=read.absolute().parent)
+    if config is not None and Path(config).exists():
+        check_apart(out_dir, Path(config))
+
+
+def _files_read(cfg) -> list[Path]:
+    """The held-out data files and the local tokenizer files a config reads."""
+    from megatron_lns.data.blend import DataBlend
+
+    m, tok = cfg.model, cfg.model.tokenizer
+    blend = DataBlend.parse(m.data.data_prefix).resolved(tok.library, tok.type, tok.model)
+    files = [Path(f"{prefix}{ext}") for prefix in blend.prefixes for ext in (".bin", ".idx")]
+    return files + [Path(p) for p in (tok.type, tok.model) if p and Path(p).exists()]
+
+
 def analyze(
     inputs: Sequence[str | Path],
     out_dir: str | Path,
@@ -293,7 +317,7 @@ def analyze(
     check_output_dir(out_dir, overwrite)
     items = resolve_inputs(inputs, labels)
     for item in items:
-        check_apart(out_dir, item.source)
+        _check_out_apart(out_dir, item, config)
     if config is not None and not any(item.kind == "huggingface" for item in items):
         raise AnalysisError(
             f"--config {config} is for Hugging Face inputs; a run or checkpoint is analysed "
@@ -314,6 +338,8 @@ def analyze(
                     )
                 _import_hf(item, work, overrides, config)
             item.cfg = input_config(item, overrides, work, world)
+            for path in _files_read(item.cfg):
+                check_apart(out_dir, path)
             if batches is None and item.cfg.trainer.limit_val_batches < 1:
                 raise AnalysisError(
                     f"{item.label}: its trainer.limit_val_batches is 0; say how many held-out "
@@ -340,7 +366,7 @@ def analyze(
             report = {
                 "inputs": [_input_entry(item, n, result) for item, n, result in results],
             }
-            (stage / REPORT_NAME).write_text(json.dumps(report, indent=1) + "\n")
+            (stage / REPORT_NAME).write_text(json_numbers.dumps(report, indent=1) + "\n")
             plots = plot_depth_reports(reports, stage)
     for item, _, result in results:
         _say(summary_line(item.label, reports[item.label], result))
@@ -348,16 +374,21 @@ def analyze(
     return out_dir / REPORT_NAME
 
 
-def _number(value: float | None, form: str = ".4f") -> str:
-    """``value`` formatted, or "not computed" for a value not measured (None, NaN)."""
-    if value is None or math.isnan(value):
+def _number(value: float | str | None, form: str = ".4f", measured: bool = True) -> str:
+    """``value`` formatted; "not computed" for a value not measured (None, or not
+    ``measured``); "NaN (non-finite)" for a measured NaN (a diverged model's), and so on."""
+    if not measured or value is None:
         return "not computed"
+    value = json_numbers.number(value)
+    if not math.isfinite(value):
+        return f"{json_numbers.json_safe(value)} (non-finite)"
     return format(value, form)
 
 
 def summary_line(label: str, report: DepthReport, result: dict) -> str:
     """The line ``analyze`` prints per input: both held-out losses and the last layer."""
     deepest = report.layers[-1]
+    measured = report.num_tokens > 0
     documents = _number(result.get("document_loss"))
     if result.get("document_loss") is not None:
         documents += (
@@ -365,11 +396,13 @@ def summary_line(label: str, report: DepthReport, result: dict) -> str:
             f"context {result['context_length']})"
         )
     return (
-        f"analyze: {label}: held-out loss {_number(report.loss)} (validation-style: packed "
-        f"samples, ppl {_number(report.perplexity, '.3f')}, {report.num_tokens} tokens); "
+        f"analyze: {label}: held-out loss {_number(report.loss, measured=measured)} "
+        f"(validation-style: packed samples, ppl "
+        f"{_number(report.perplexity, '.3f', measured)}, {report.num_tokens} tokens); "
         f"once per document {documents}; variance growth L/1 "
         f"{_number(report.variance_growth(), '.3g')}; last layer: angular distance "
-        f"{_number(deepest.angular_distance)}, pruning drop {_number(deepest.pruning_drop)}"
+        f"{_number(deepest.angular_distance)}, pruning drop "
+        f"{_number(deepest.pruning_drop, measured=report.pruned)}"
     )
 
 
@@ -427,12 +460,13 @@ def _input_entry(item: Input, num_batches: int, result: dict) -> dict:
 
 def _report_from_dict(result: dict) -> DepthReport:
     return DepthReport(
-        loss=result["loss"],
+        loss=json_numbers.number(result["loss"]),
         num_tokens=result["num_tokens"],
         layers=[
-            LayerDiagnostics(**{k: float("nan") if v is None else v for k, v in row.items()})
+            LayerDiagnostics(**{k: json_numbers.number(v) for k, v in row.items()})
             for row in result["layers"]
         ],
+        pruned=any(row.get("pruning_drop") is not None for row in result["layers"]),
     )
 
 
@@ -546,4 +580,4 @@ def analysis_job(
             "documents": scored.documents,
             "context_length": m.data.seq_length,
         }
-        Path(result_path).write_text(json.dumps(result))
+        Path(result_path).write_text(json_numbers.dumps(result))

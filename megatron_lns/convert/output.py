@@ -43,11 +43,17 @@ def check_output_dir(out_dir: Path, overwrite: bool) -> None:
         )
 
 
-def check_apart(out_dir: Path, source: Path) -> None:
-    """Refuse an OUT_DIR that is the input or holds it (--overwrite would delete it)."""
+def check_apart(out_dir: Path, source: Path, within: Path | None = None) -> None:
+    """Refuse an OUT_DIR that is the input or holds it (--overwrite would delete it), or
+    that lies inside ``within`` (a directory being read: a checkpoint, a model), which
+    writing OUT_DIR would change."""
     out, src = out_dir.resolve(), source.resolve()
     if out == src or out in src.parents:
         raise ConversionError(f"output directory {out_dir} contains the input {source}")
+    if within is not None and within.resolve() in out.parents:
+        raise ConversionError(
+            f"output directory {out_dir} is inside the input {within}: name a directory outside it"
+        )
 
 
 @contextlib.contextmanager

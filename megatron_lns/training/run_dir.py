@@ -103,12 +103,18 @@ def read_lock(path: Path) -> LockHolder | None:
     )
 
 
+# What ``train`` accepts to write a run to another directory; commands that choose the
+# run directory themselves (compare's --out) say theirs.
+ELSEWHERE = "choose another exp_manager.name"
+
+
 class RunDirLock:
     """The lock on a run directory, held by this process of ``job`` until :meth:`release`."""
 
-    def __init__(self, run_dir: Path, job: JobEnvironment) -> None:
+    def __init__(self, run_dir: Path, job: JobEnvironment, elsewhere: str = ELSEWHERE) -> None:
         self.path = run_dir / LOCK_NAME
         self.job = job
+        self.elsewhere = elsewhere  # how the command writes a run to another directory
         self.owner: dict[str, object] = {
             "pid": os.getpid(),
             "host": job.host,
@@ -156,7 +162,7 @@ class RunDirLock:
         where = holder.describe(held_by)
         raise RunDirError(
             f"{run_dir} is in use by {where}: two runs must not share a run directory "
-            f"(choose another exp_manager.name; if no run is active, delete {self.path})"
+            f"({self.elsewhere}; if no run is active, delete {self.path})"
         )
 
     def release(self) -> None:
@@ -166,7 +172,10 @@ class RunDirLock:
 
 
 def claim_run_dir(
-    run_dir: Path, resume_if_exists: bool, job: JobEnvironment | None = None
+    run_dir: Path,
+    resume_if_exists: bool,
+    job: JobEnvironment | None = None,
+    elsewhere: str = ELSEWHERE,
 ) -> RunDirLock:
     """Create and lock ``run_dir`` for a new or resumed run of ``job`` (default: a
     :class:`~megatron_lns.runtime.job.LocalJob`; see module doc)."""
@@ -176,7 +185,7 @@ def claim_run_dir(
         raise RunDirError(f"cannot create the run directory {run_dir}: {err.strerror}") from None
     if not os.access(run_dir, os.W_OK) or not os.access(run_dir / "checkpoints", os.W_OK):
         raise RunDirError(f"the run directory {run_dir} (or its checkpoints/) is not writable")
-    lock = RunDirLock(run_dir, job or LocalJob())
+    lock = RunDirLock(run_dir, job or LocalJob(), elsewhere)
     lock.acquire()
     if not resume_if_exists and holds_a_run(run_dir):
         lock.release()

@@ -26,7 +26,7 @@ from megatron_lns.training.rewind import (
     finish_interrupted_moves,
     set_aside_newer_checkpoints,
 )
-from megatron_lns.training.run_dir import RunDirError, RunDirLock, claim_run_dir
+from megatron_lns.training.run_dir import ELSEWHERE, RunDirError, RunDirLock, claim_run_dir
 
 
 def _raise_on_every_rank(error: str | None, device: torch.device) -> None:
@@ -43,6 +43,7 @@ def claim_run_directory(
     job: JobEnvironment,
     device: torch.device,
     say: Callable[[str], None],
+    elsewhere: str = ELSEWHERE,
 ) -> RunDirLock | None:
     """Rank 0 locks ``run_dir`` for ``job`` (None elsewhere); every rank raises the same
     error if it cannot. Whatever fails here releases the lock: one left behind would
@@ -50,7 +51,7 @@ def claim_run_directory(
     lock, error = None, None
     if dist.get_rank() == 0:
         try:
-            lock = claim_run_dir(run_dir, resume_if_exists, job)
+            lock = claim_run_dir(run_dir, resume_if_exists, job, elsewhere)
             _prepare_run_dir(run_dir, config_yaml, say)
         except BaseException as err:
             if lock is not None:

@@ -57,6 +57,7 @@ from megatron_lns.training.resume import (
     interrupted_save_note,
     resume,
 )
+from megatron_lns.training.run_dir import ELSEWHERE
 from megatron_lns.training.run_report import run_report
 from megatron_lns.training.run_start import claim_run_directory, set_abandoned_branch_aside
 from megatron_lns.training.run_status import write_run_status
@@ -136,11 +137,13 @@ class Trainer:
         cfg: ExperimentConfig,
         log_label: str | None = None,
         job: JobEnvironment | None = None,
+        elsewhere: str = ELSEWHERE,
     ) -> None:
         """``log_label`` prefixes the run's console lines (default: ``exp_manager.name``);
         a comparison's runs share their names (``seed1234``) and say their variant too.
         ``job`` is the job the run belongs to, which its launcher knows (default: a
-        :class:`~megatron_lns.runtime.job.LocalJob`, which no scheduler watches)."""
+        :class:`~megatron_lns.runtime.job.LocalJob`, which no scheduler watches).
+        ``elsewhere``: how the command writes to another run directory, for a refusal."""
         self.job = job or LocalJob()
         # First, so that a stop signal arriving while the checkpoint loads is kept.
         self.stop_request = StopRequest(self.job.stop_signals())
@@ -168,6 +171,7 @@ class Trainer:
                 self.job,
                 self.device,
                 self._print,
+                elsewhere,
             )
             self.progress = self._progress_recorder() if self.is_rank0 else None
             # This attempt's wall time, for goodput (rank 0 writes it to run_progress).

@@ -3,6 +3,7 @@ configs it accepts, and the windows of its once-per-document loss (issue 32)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -123,3 +124,34 @@ def test_a_base_config_is_read_as_omegaconf_reads_it(tmp_path):
     config = tmp_path / "base.yaml"
     config.write_text("note: 2024-13-45\nmodel: {}\n")
     assert read_base_config_file(config).note == "2024-13-45"
+
+
+def _strict_json(text: str):
+    """``text`` parsed as strict JSON: Python's bare NaN / Infinity are refused."""
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_non_finite_loss_is_said_and_written_as_strict_json(tmp_path):
+    """A model that computes NaN was reported as "held-out loss not computed", and
+    analysis.json held bare ``NaN``, which strict JSON parsers reject."""
+    from megatron_lns.analysis.trained_models import _report_from_dict, summary_line
+    from megatron_lns.base import json_numbers
+
+    rows = [LayerDiagnostics(n, math.nan, math.nan, math.nan, math.nan, math.nan) for n in (1, 2)]
+    for pruned in (False, True):
+        report = DepthReport(loss=math.nan, num_tokens=64, layers=rows, pruned=pruned)
+        documents = {"document_loss": math.inf, "documents": 3, "document_tokens": 60,
+                     "context_length": 32}  # fmt: skip
+        result = _strict_json(json_numbers.dumps(report.to_dict() | documents))
+        assert result["loss"] == "NaN" and result["document_loss"] == "Infinity"
+        drop = result["layers"][0]["pruning_drop"]
+        assert drop == ("NaN" if pruned else None)  # null: not measured (--no-prune)
+        line = summary_line("lns", _report_from_dict(result), result)
+        assert "held-out loss NaN (non-finite)" in line and "ppl NaN (non-finite)" in line
+        assert "once per document Infinity (non-finite)" in line
+        assert "variance growth L/1 NaN (non-finite)" in line
+        assert f"pruning drop {'NaN (non-finite)' if pruned else 'not computed'}" in line

@@ -315,3 +315,39 @@ def test_a_pipeline_split_inside_a_hybrid_block_is_found(pattern, split):
 
     model = SimpleNamespace(architecture="hybrid", hybrid_layer_pattern=pattern)
     assert block_split_by_pipeline(model) == split
+
+
+def test_an_out_that_is_or_holds_an_input_is_refused(run, factory, tmp_path, capsys):
+    """``analyze RUN --out RUN/checkpoints --overwrite`` replaced the checkpoints it had
+    analysed with its report: only the run directory given was kept apart from OUT."""
+    import shutil
+
+    run_copy = tmp_path / "run"  # a copy: the old code replaced what --out named
+    shutil.copytree(run[0], run_copy)
+    checkpoints = run_copy / "checkpoints"
+    (last,) = [p for p in checkpoints.iterdir() if p.name == "iter_0000006"]
+    for out, says in [
+        (checkpoints, f"contains the input {last}"),
+        (run_copy, f"contains the input {run_copy}"),
+        (last, f"contains the input {run_copy}"),
+        (last / "analysis", f"is inside the input {last}"),
+        (checkpoints / "iter_0000003", f"is inside the input {checkpoints}"),
+    ]:
+        error = _error_line(capsys, str(run_copy), "--out", str(out), "--overwrite")
+        assert error.startswith("error: ") and says in error, error
+    error = _error_line(capsys, str(last), "--out", str(checkpoints), "--overwrite")
+    assert f"contains the input {last}" in error
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("iter_")) == [
+        "iter_0000003",
+        "iter_0000006",
+    ]
+
+    data = tmp_path / "data"  # the held-out data a run is pointed at
+    data.mkdir()
+    prefix = factory.dataset(50)
+    for ext in (".bin", ".idx"):
+        shutil.copy(f"{prefix}{ext}", data / f"corpus{ext}")
+    setting = f"model.data.data_prefix=[{data / 'corpus'}]"
+    error = _error_line(capsys, str(run_copy), setting, "--out", str(data), "--overwrite")
+    assert f"contains the input {data / 'corpus.bin'}" in error
+    assert (data / "corpus.bin").is_file()
