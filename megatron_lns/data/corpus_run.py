@@ -50,6 +50,10 @@ from megatron_lns.data.preprocess_plan import (
 )
 from megatron_lns.data.token_files import merge_token_files, token_dtype
 from megatron_lns.data.unit_worker import (
+    DONE_ELSEWHERE,
+    HELD,
+    TOKENIZED,
+    UNIT_OUTCOMES,
     BadRecordLimit,
     TokenizerSpec,
     UnitTokenizer,
@@ -224,7 +228,7 @@ class _Runner:
                 f"{self.parts.root} ({done_before} done)"
             )
             return Outcome(self.lines)
-        held = self._tokenize(todo, f"tokenizing -> {prefix.name}")
+        held = self._tokenize(todo, f"tokenizing -> {prefix.name}")[HELD]
         if held:
             raise PreprocessError(
                 f"{len(held)} units of {prefix} are being tokenized by another process "
@@ -378,26 +382,29 @@ class _Runner:
             )
         share = task_share(units, task, tasks)
         todo = [u for u in share if self.parts.receipt(u) is None]
-        held = self._tokenize(todo, f"task {task}/{tasks}")
+        outcomes = self._tokenize(todo, f"task {task}/{tasks}")
+        elsewhere, held = outcomes[DONE_ELSEWHERE], outcomes[HELD]
         self.lines.append(
-            f"task {task}/{tasks}: {len(share)} units, {len(todo) - len(held)} tokenized now, "
-            f"{len(share) - len(todo)} done before"
+            f"task {task}/{tasks}: {len(share)} units, {len(outcomes[TOKENIZED])} tokenized "
+            f"now, {len(share) - len(todo)} done before"
+            + (f", {len(elsewhere)} done by another process" if elsewhere else "")
             + (f", {len(held)} held by another process" if held else "")
         )
         return Outcome(self.lines)
 
     # -- tokenizing units ---------------------------------------------------------------
 
-    def _tokenize(self, todo: list[Unit], label: str) -> list[Unit]:
-        """Tokenize ``todo``; the units another process holds (not done here)."""
+    def _tokenize(self, todo: list[Unit], label: str) -> dict[str, list[Unit]]:
+        """Tokenize ``todo``: its units by what became of each (``UNIT_OUTCOMES``)."""
+        outcomes: dict[str, list[Unit]] = {outcome: [] for outcome in UNIT_OUTCOMES}
         if not todo:
-            return []
+            return outcomes
         progress = _Progress(sum(u.bytes for u in todo), label, self.run.progress)
         try:
             if self.run.workers <= 1:
-                held = self._tokenize_here(todo, progress)
+                self._tokenize_here(todo, progress, outcomes)
             else:
-                held = self._tokenize_in_workers(todo, progress)
+                self._tokenize_in_workers(todo, progress, outcomes)
         except (KeyboardInterrupt, SystemExit):
             progress.close()
             kept = sum(self.parts.receipt(u) is not None for u in todo)
@@ -409,8 +416,12 @@ class _Runner:
             raise
         finally:
             progress.close()
-        self.lines.append(f"tokenized {len(todo) - len(held)} units: {progress.summary()}")
-        return held
+        elsewhere = outcomes[DONE_ELSEWHERE]
+        finished = f" ({len(elsewhere)} more finished by another process)" if elsewhere else ""
+        self.lines.append(
+            f"tokenized {len(outcomes[TOKENIZED])} units{finished}: {progress.summary()}"
+        )
+        return outcomes
 
     def _event(self, progress: _Progress, kind: str, payload: object) -> None:
         if kind == "progress":
@@ -420,8 +431,9 @@ class _Runner:
         elif kind == "removed":
             progress.write(f"removed {payload}: left by a run that stopped before finishing it")
 
-    def _tokenize_here(self, todo: list[Unit], progress: _Progress) -> list[Unit]:
-        held = []
+    def _tokenize_here(
+        self, todo: list[Unit], progress: _Progress, outcomes: dict[str, list[Unit]]
+    ) -> None:
         run = self.run
         units = UnitTokenizer(self.parts, self.tokenizer, run.json_key, run.bad_records)
         with StopSignals() as stop:
@@ -431,12 +443,11 @@ class _Runner:
                 self._event(progress, kind, payload)
 
             for unit in todo:
-                receipt = units.tokenize(unit, report)
-                if receipt is None:
-                    held.append(unit)
-        return held
+                outcomes[units.tokenize(unit, report)].append(unit)
 
-    def _tokenize_in_workers(self, todo: list[Unit], progress: _Progress) -> list[Unit]:
+    def _tokenize_in_workers(
+        self, todo: list[Unit], progress: _Progress, outcomes: dict[str, list[Unit]]
+    ) -> None:
         run = self.run
         processes = min(run.workers, len(todo))
         threads = max(1, run.workers // processes)
@@ -454,7 +465,6 @@ class _Runner:
         ]
         by_index = {u.index: u for u in todo}
         in_flight: set[int] = set()
-        held: list[Unit] = []
         remaining = len(todo)
         finished = False
         with StopSignals() as stop:
@@ -471,11 +481,10 @@ class _Runner:
                         continue
                     if kind == "start":
                         in_flight.add(index)
-                    elif kind in ("done", "held"):
+                    elif kind in UNIT_OUTCOMES:
                         in_flight.discard(index)
                         remaining -= 1
-                        if kind == "held":
-                            held.append(by_index[index])
+                        outcomes[kind].append(by_index[index])
                     elif kind == "error":
                         user, text = payload
                         if user:
@@ -497,7 +506,6 @@ class _Runner:
                 if not finished:  # what the killed workers were writing
                     for unit in todo:
                         self.parts.remove_abandoned(unit)
-        return held
 
     @staticmethod
     def _check_workers(workers, in_flight: set[int], by_index: dict[int, Unit]) -> None:

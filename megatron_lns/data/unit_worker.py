@@ -108,6 +108,12 @@ class BadRecordLimit:
         return None
 
 
+# What became of a unit given to a process: tokenized there, finished by another process
+# between the plan's look and taking its lock, or held (being tokenized) by another.
+TOKENIZED, DONE_ELSEWHERE, HELD = "tokenized", "done elsewhere", "held"
+UNIT_OUTCOMES = (TOKENIZED, DONE_ELSEWHERE, HELD)
+
+
 @dataclass(frozen=True)
 class UnitTokenizer:
     """What every unit of a run is tokenized with; :meth:`tokenize` does one unit."""
@@ -118,23 +124,24 @@ class UnitTokenizer:
     limit: BadRecordLimit
     threads: int = 1
 
-    def tokenize(self, unit: Unit, report: Report) -> dict | None:
-        """Tokenize ``unit`` and publish it with its receipt (returned); None when another
-        process holds the unit."""
+    def tokenize(self, unit: Unit, report: Report) -> str:
+        """Tokenize ``unit`` and publish it with its receipt, unless another process holds
+        it or has finished it meanwhile: which of :data:`UNIT_OUTCOMES` it was."""
         parts = self.parts
         lock = parts.lock(unit)
         if not lock.acquire():
-            return None
+            return HELD
         try:
-            if receipt := parts.receipt(unit):  # finished by another process meanwhile
-                return receipt
+            if parts.receipt(unit):
+                return DONE_ELSEWHERE
             for stale in parts.temporaries(unit):
                 stale.unlink(missing_ok=True)
                 report("removed", str(stale))
             parts.forget(unit)  # an earlier input's files
             kept = f"; the finished units are kept in {parts.root}"
             with disk_full_reported(f"{parts.output_prefix}.bin", then=kept):
-                return self._write(unit, report)
+                self._write(unit, report)
+            return TOKENIZED
         finally:
             lock.release()
 
@@ -217,11 +224,11 @@ def worker_main(
             results.put((kind, index, payload))
 
         try:
-            receipt = units_of_this_run.tokenize(unit, report)
+            outcome = units_of_this_run.tokenize(unit, report)
         except Exception as err:
             results.put(("error", unit.index, _describe(err)))
             return
-        results.put(("done" if receipt is not None else "held", unit.index, receipt))
+        results.put((outcome, unit.index, None))
 
 
 def _describe(err: BaseException) -> tuple[bool, str]:

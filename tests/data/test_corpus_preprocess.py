@@ -35,9 +35,9 @@ from megatron_lns.cli import main
 from megatron_lns.data.demo_corpus import demo_documents
 from megatron_lns.data.metadata import DatasetMetadata
 from megatron_lns.data.preprocess import CorpusRun, PreprocessError, preprocess, preprocess_corpus
-from megatron_lns.data.preprocess_plan import FileLock
+from megatron_lns.data.preprocess_plan import FileLock, Unit
 from megatron_lns.data.token_files import token_files_sha256
-from megatron_lns.data.unit_worker import BadRecordLimit, TokenizerSpec
+from megatron_lns.data.unit_worker import BadRecordLimit, TokenizerSpec, UnitTokenizer
 
 DOCS = demo_documents()[:600]
 
@@ -117,6 +117,34 @@ def test_the_bytes_are_the_same_however_the_work_is_split(tmp_path, shards, fact
         == f"resumed: {len(plan['units'])} of {len(plan['units'])} units were done before"
     )
     assert _files(tmp_path / "tasks") == expected
+
+
+def test_a_unit_another_process_finished_meanwhile_is_not_counted_as_tokenized(
+    tmp_path, shards, monkeypatch
+):
+    """Two jobs on one plan: a unit the other finished between this task's look at the
+    receipts and its lock on the unit was counted as tokenized by both (19 of 16)."""
+    inputs, _ = shards
+    split = _corpus(inputs, tmp_path / "data", unit_bytes=4096)
+    preprocess_corpus(dataclasses.replace(split, plan_only=True))
+    plan = json.loads((tmp_path / "data.parts" / "plan.json").read_text())
+    tokenize = UnitTokenizer.tokenize
+    taken: list[int] = []
+
+    def another_process_first(self, unit, report):
+        if not taken:  # before this task's first unit, "another process" does its last
+            last = Unit(**plan["units"][-1])
+            taken.append(last.index)
+            assert tokenize(self, last, lambda *_: None) == "tokenized"
+        return tokenize(self, unit, report)
+
+    monkeypatch.setattr(UnitTokenizer, "tokenize", another_process_first)
+    lines = preprocess_corpus(dataclasses.replace(split, task=(0, 1))).lines
+    n = len(plan["units"])
+    assert lines[-1] == (
+        f"task 0/1: {n} units, {n - 1} tokenized now, 0 done before, 1 done by another process"
+    )
+    assert f"tokenized {n - 1} units (1 more finished by another process): " in lines[-2]
 
 
 def test_training_reads_the_output_as_it_is(tmp_path, shards):
