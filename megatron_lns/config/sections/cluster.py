@@ -72,7 +72,8 @@ class ClusterConfig:
 
     sbatch_args: list[str] = setting(default_factory=list)
     """extra `#SBATCH` options, one per item (`--constraint=h100`, `--hold`, ...); an option the
-    script sets is refused, also abbreviated as sbatch allows (`--no-req` is `--no-requeue`)"""
+    script sets is refused, also abbreviated as sbatch allows (`--no-req` is `--no-requeue`) or
+    in a group of short options (`-QN2`); `--array` is refused (its tasks would share one run)"""
 
     dependency: str | None = setting(None)
     """`#SBATCH --dependency` (`singleton`, `afterok:123`)"""
