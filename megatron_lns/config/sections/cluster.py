@@ -64,7 +64,10 @@ class ClusterConfig:
     mounted at its own path"""
 
     env_vars: dict[str, str] = setting(default_factory=dict)
-    """exported before `srun` (NCCL, network); not the rank variables, which come from SLURM"""
+    """exported before `srun` (NCCL, network) as written: `true`, `1` as YAML spells them, no
+    `$` expansion (a value with `$` is refused: set one built from another variable, such as
+    `LD_LIBRARY_PATH`, in the shell you submit from; sbatch passes it on); an unquoted float
+    (`1.50` reads as 1.5) or null is refused; not the rank variables, which come from SLURM"""
 
     srun_args: list[str] = setting(default_factory=list)
     """extra `srun` options, one per item; an option the script sets (`--kill-on-bad-exit`, the
