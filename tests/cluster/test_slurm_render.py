@@ -426,7 +426,8 @@ def test_a_restart_says_whether_the_job_or_slurm_requeued_it(tmp_path):
 
 @pytest.mark.parametrize("mode, code", [("fail", 3), ("exit_interval", 0)])
 def test_batch_script_does_not_requeue_a_failure_or_a_stop_without_warning(tmp_path, mode, code):
-    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path))
+    # The stand-in stops at step 3: a step of trainer.exit_interval.
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path), "trainer.exit_interval=3")
     result, requeues, _, _ = _run_batch_script(tmp_path, cfg, mode)
     assert result.returncode == code and requeues == ""
 

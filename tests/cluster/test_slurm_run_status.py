@@ -1,6 +1,6 @@
 """The batch script trusts only the run_status line its own attempt wrote: a second job
 of the same run directory (which fails on the run's lock) neither takes the first job's
-line for its own nor removes it."""
+line for its own nor removes it; a stop it was not warned of is named by its cause."""
 
 from __future__ import annotations
 
@@ -42,3 +42,21 @@ def test_the_trainer_writes_its_line_to_the_launchers_file_too(tmp_path, monkeyp
     write_run_status(tmp_path, stopped_early=True, step=4)
     assert (tmp_path / "run_status").read_text() == "stopped 4\n"
     assert (tmp_path / "mine").read_text() == "stopped 4\n"
+
+
+def test_a_stop_signalled_to_the_job_steps_only_is_requeued_as_a_preemption(tmp_path):
+    """`scancel --signal=USR1 JOB` (no --full) reaches the ranks, not the batch shell:
+    the stop at step 3 is no step of trainer.exit_interval (null here)."""
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path))
+    result, requeues, _, _ = _run_batch_script(tmp_path, cfg, "exit_interval")
+    assert result.returncode == 0 and requeues == "requeue 42\n", result.stdout
+    assert "trainer.exit_interval (checkpoint saved)" not in result.stdout
+    assert "stopped at step 3 on a stop request sent to the job steps" in result.stdout
+    assert "stopped at step 3; requeueing (1 of at most" in result.stdout
+
+
+def test_a_stop_at_a_step_of_exit_interval_is_named_so_and_not_requeued(tmp_path):
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path), "trainer.exit_interval=3")
+    result, requeues, _, _ = _run_batch_script(tmp_path, cfg, "exit_interval")
+    assert result.returncode == 0 and requeues == "", result.stdout
+    assert "stopped at step 3 by trainer.exit_interval (checkpoint saved)" in result.stdout

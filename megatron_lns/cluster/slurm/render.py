@@ -425,6 +425,7 @@ def render_sbatch(cfg: ExperimentConfig, paths: JobPaths, python: str) -> str:
         "max_requeues": str(c.max_requeues),
         **rank_restart_values(cfg),
         "lead_s": str(c.preemption_signal_lead_s),
+        "exit_interval": str(cfg.trainer.exit_interval or 0),
         "env_exports": env_exports(c),
         "srun_command": srun_command(cfg, paths, python),
     }
