@@ -24,7 +24,13 @@ RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_POR
 
 
 def time_limit_seconds(value: str) -> int | None:
-    """Seconds in a SLURM time string; None for UNLIMITED / INFINITE."""
+    """Seconds in a SLURM time string; None for no limit: UNLIMITED / INFINITE, or zero
+    (``0``, ``0:00``, ...), which SLURM reads as no limit."""
+    seconds = _time_seconds(value)
+    return seconds or None
+
+
+def _time_seconds(value: str) -> int | None:
     if value.upper() in ("UNLIMITED", "INFINITE"):
         return None
     match = _TIME.match(value)

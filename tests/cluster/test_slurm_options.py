@@ -71,3 +71,11 @@ def test_a_job_array_is_refused_saying_why(arg):
     message = _refusal(f"cluster.sbatch_args=[{arg}]")
     assert message.startswith(f"cluster.sbatch_args: '{arg}'"), message
     assert "is refused: the tasks of a job array would share one run directory" in message
+
+
+@pytest.mark.parametrize("limit", ["0", "0:00", "UNLIMITED"])
+def test_a_time_limit_of_zero_is_no_limit_as_slurm_reads_it(limit):
+    from megatron_lns.config.cluster import time_limit_seconds
+
+    assert time_limit_seconds(limit) is None
+    assert f"#SBATCH --time={limit}\n" in _script(f"cluster.time_limit='{limit}'")

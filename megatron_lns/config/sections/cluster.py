@@ -35,8 +35,9 @@ class ClusterConfig:
     # Typed Any so that YAML's base-60 reading of an unquoted 4:00:00 (= 14400) reaches
     # config/cluster.py, which refuses it, instead of being sent to SLURM as a number.
     time_limit: Any = setting(None)
-    """`#SBATCH --time`, a quoted SLURM time (`"04:00:00"`, `"1-12:00:00"`, `"90"` minutes);
-    unquoted `4:00:00` is refused (YAML reads it as 14400)"""
+    """`#SBATCH --time`, a quoted SLURM time (`"04:00:00"`, `"1-12:00:00"`, `"90"` minutes;
+    `"0"` or `"UNLIMITED"`: no limit, as SLURM reads them); unquoted `4:00:00` is refused (YAML
+    reads it as 14400)"""
 
     exclusive: bool = setting(False)
     """`#SBATCH --exclusive`"""
