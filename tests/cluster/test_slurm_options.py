@@ -42,16 +42,18 @@ def test_a_group_of_short_options_is_read_as_getopt_reads_it(arg, names):
     assert option_names(arg, SBATCH_SHORT_OPTIONS) == names
 
 
-@pytest.mark.parametrize(
-    "arg, option, source",
-    [
-        ("-QN2", "-N", "trainer.num_nodes"),
-        ("-vN2", "-N", "trainer.num_nodes"),
-        ("-Qt5", "-t", "cluster.time_limit"),
-        ("-Hpgpu", "-p", "cluster.partition"),
-    ],
-)
-def test_an_option_the_script_sets_in_a_group_of_short_options_is_refused(arg, option, source):
+# A group of short options, the one the script sets in it, and what sets that one.
+GROUPS_WITH_A_SET_OPTION = {
+    "-QN2": ("-N", "trainer.num_nodes"),
+    "-vN2": ("-N", "trainer.num_nodes"),
+    "-Qt5": ("-t", "cluster.time_limit"),
+    "-Hpgpu": ("-p", "cluster.partition"),
+}
+
+
+@pytest.mark.parametrize("arg", list(GROUPS_WITH_A_SET_OPTION))
+def test_an_option_the_script_sets_in_a_group_of_short_options_is_refused(arg):
+    option, source = GROUPS_WITH_A_SET_OPTION[arg]
     message = _refusal(f"cluster.sbatch_args=[{arg}]")
     assert f"'{arg}' ({option} in a group of short options) conflicts with {option}" in message
     assert f"set from {source}" in message
