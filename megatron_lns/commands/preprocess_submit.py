@@ -16,14 +16,32 @@ import sys
 import time
 from pathlib import Path
 
-# cluster: keys (and the training keys people look for) that preprocessing does not use,
-# and why.
-IGNORED_KEYS = {
+# The cluster: keys the preprocessing job reads (cluster/slurm/preprocess_job.py). Every
+# other key of ClusterConfig is named as not used, so a new key cannot be dropped silently.
+PREPROCESS_CLUSTER_KEYS = frozenset({
+    "partition", "account", "qos", "time_limit", "exclusive", "cpus_per_task", "mem",
+    "dependency", "max_requeues", "job_name_prefix", "container_image", "container_mounts",
+    "env_vars", "srun_args", "sbatch_args",
+})  # fmt: skip
+# Why preprocessing does not use a key (the training keys people look for too).
+_WHY_NOT_USED = {
     "trainer.num_nodes": "the nodes are --nodes",
     "trainer.devices": "one task per node",
     "cluster.gpus_per_node": "no GPU is used; cluster.sbatch_args can still ask for them",
     "cluster.preemption_signal_lead_s": "no warning is asked for: a TERM keeps finished units",
+    "cluster.spare_nodes": "the job asks for --nodes nodes; a failed step runs again on them",
 }
+
+
+def ignored_keys() -> dict[str, str]:
+    """The keys preprocessing does not use, and why: the training keys above and every
+    cluster: key but :data:`PREPROCESS_CLUSTER_KEYS`."""
+    from megatron_lns.config.sections.cluster import ClusterConfig
+
+    names = [f.name for f in dataclasses.fields(ClusterConfig)]
+    keys = ["trainer.num_nodes", "trainer.devices"]
+    keys += [f"cluster.{name}" for name in names if name not in PREPROCESS_CLUSTER_KEYS]
+    return {key: _WHY_NOT_USED.get(key, "not used by the preprocessing job") for key in keys}
 
 
 def submit_preprocess(args: argparse.Namespace, options: list[argparse.Action]) -> int:
@@ -110,19 +128,36 @@ def cluster_section(config: str, overrides: list[str]):
         raise ConfigError(f"config file {path}: {' '.join(str(err).split())}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path} must be a mapping with a cluster: section")
-    section = raw.get("cluster") or {}
+    section = _resolved_cluster(path, raw)
     cfg = load_config({"cluster": section}, overrides)
     given = {f"cluster.{key}" for key in section}
     given |= {override_key(o) for o in overrides}
     trainer = raw.get("trainer") if isinstance(raw.get("trainer"), dict) else {}
     ignored = []
-    for key, why in IGNORED_KEYS.items():
+    for key, why in ignored_keys().items():
         section_name, name = key.split(".")
         if section_name == "trainer" and name in trainer:
             ignored.append(f"{key}={trainer[name]} ({why})")
         elif key in given:
             ignored.append(f"{key}={getattr(cfg.cluster, name)} ({why})")
     return cfg.cluster, ignored
+
+
+def _resolved_cluster(path: Path, raw: dict) -> dict:
+    """The file's cluster: section with its ``${...}`` resolved against the whole file,
+    as ``submit`` resolves them (``${name}``, ``${trainer.devices}``)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from megatron_lns.config import ConfigError
+
+    if not raw.get("cluster"):
+        return {}
+    try:
+        section = OmegaConf.to_container(OmegaConf.create(raw).cluster, resolve=True)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"config file {path}: cluster: {' '.join(str(err).split())}") from None
+    return section if isinstance(section, dict) else raw["cluster"]
 
 
 # preprocess's options that the job's steps are not given as they came: the paths (made

@@ -18,9 +18,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import json
+    from pathlib import Path
 
+    from megatron_lns.cluster.slurm.queued import not_started_line
     from megatron_lns.training.run_report import run_report
 
+    if line := not_started_line(Path(args.run_dir)):
+        print(json.dumps({"run_dir": args.run_dir, "state": "not started"}) if args.json else line)
+        return 0
     report = run_report(args.run_dir)
     if args.json:
         print(json.dumps(report.to_json(), indent=2))

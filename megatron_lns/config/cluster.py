@@ -24,7 +24,13 @@ RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_POR
 
 
 def time_limit_seconds(value: str) -> int | None:
-    """Seconds in a SLURM time string; None for UNLIMITED / INFINITE."""
+    """Seconds in a SLURM time string; None for no limit: UNLIMITED / INFINITE, or zero
+    (``0``, ``0:00``, ...), which SLURM reads as no limit."""
+    seconds = _time_seconds(value)
+    return seconds or None
+
+
+def _time_seconds(value: str) -> int | None:
     if value.upper() in ("UNLIMITED", "INFINITE"):
         return None
     match = _TIME.match(value)
@@ -102,9 +108,15 @@ def validate_cluster_settings(c: ClusterConfig) -> int | None:
         raise ConfigError(f"cluster.mem={c.mem!r} is not a SLURM size such as 0, 500G or 64000M")
     if c.container_mounts and not c.container_image:
         raise ConfigError("cluster.container_mounts needs cluster.container_image")
-    for name in c.env_vars:
+    for name, value in c.env_vars.items():
         if not _ENV_NAME.match(name):
             raise ConfigError(f"cluster.env_vars: {name!r} is not an environment variable name")
+        if "$" in str(value):
+            raise ConfigError(
+                f"cluster.env_vars.{name}={value!r}: '$' would not expand (values are exported "
+                "as written); set a value built from another variable in the shell you submit "
+                "from (sbatch passes its environment on) or in the container image"
+            )
         if name in RANK_VARIABLES:
             raise ConfigError(
                 f"cluster.env_vars.{name}: set per task from SLURM's environment "

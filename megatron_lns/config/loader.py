@@ -29,6 +29,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from megatron_lns.base.errors import UserError
 from megatron_lns.base.path_kind import not_a_file
 from megatron_lns.config import value_kinds
+from megatron_lns.config.env_values import spell_env_values
 from megatron_lns.config.nemo_compat import (
     NEMO_KEYS,
     Inert,
@@ -501,6 +502,10 @@ def load_config(
             )
     _fill_unset(raw, placeholders or {})
     apply_overrides(raw, overrides)
+    try:
+        spell_env_values(raw)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     try:
         normalize_nemo_spellings(raw)
         _check_sections(raw)

@@ -27,7 +27,7 @@ RUN_CONFIG = "config.yaml"
 
 
 # What runs_inside looks through: a run directory's own parts, never runs themselves.
-_NOT_RUNS = ("checkpoints", "tensorboard")
+_NOT_RUNS = ("checkpoints", "tensorboard", "slurm", "logs")
 _RUNS_NAMED = 3
 
 
@@ -41,7 +41,8 @@ def _is_run_dir(path: Path) -> bool:
 def runs_inside(directory: str | Path, depth: int = 2) -> list[Path]:
     """The run directories under ``directory`` (an experiment directory: ``exp_dir``
     holding ``<name>/``, or ``<name>/<time>/`` ones), up to ``depth`` levels down, sorted;
-    nothing below a run is looked at."""
+    nothing below a run is looked at. A run submitted to SLURM that has not started
+    (only its ``slurm/<time>/job.sbatch``) is one."""
     found: list[Path] = []
     level = [Path(directory)]
     for _ in range(depth):
@@ -54,7 +55,8 @@ def runs_inside(directory: str | Path, depth: int = 2) -> list[Path]:
             for child in children:
                 if child.name.startswith(".") or child.name in _NOT_RUNS:
                     continue
-                (found if _is_run_dir(child) else below).append(child)
+                run = _is_run_dir(child) or any((child / "slurm").glob("*/job.sbatch"))
+                (found if run else below).append(child)
         level = below
     return sorted(found)
 

@@ -197,6 +197,9 @@ def claim_run_dir(
     if problem := unreplaceable_run_file(run_dir):
         lock.release()
         raise RunDirError(problem)
+    # How the last run ended is no longer news; removed only by the lock's holder, so
+    # that a second job of this run directory cannot remove the line of the first.
+    (run_dir / RUN_STATUS_FILE).unlink(missing_ok=True)
     return lock
 
 

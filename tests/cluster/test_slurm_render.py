@@ -237,20 +237,28 @@ run_dir=${FAKE_STATUS%/*}
 if [[ -n ${FAKE_RECORD:-} ]]; then
     echo "$SLURM_JOB_ID ${SLURM_RESTART_COUNT:-0} $FAKE_RECORD" >> "$run_dir/run_progress"
 fi
+# The trainer's line: in run_status, and in the file the batch script reads for its attempt.
+status() { echo "$1" > "$FAKE_STATUS"; echo "$1" > "$MEGATRON_LNS_RUN_STATUS_COPY"; }
 save() {  # a committed checkpoint of step $FAKE_STEP
     local dir
     printf -v dir '%s/checkpoints/iter_%07d' "$run_dir" "$FAKE_STEP"
     mkdir -p "$dir" && touch "$dir/complete.json"
-    echo "stopped $FAKE_STEP" > "$FAKE_STATUS"
+    status "stopped $FAKE_STEP"
 }
 case $FAKE_MODE in
-    finish) echo "finished 6" > "$FAKE_STATUS"; exit 0 ;;
+    finish) status "finished 6"; exit 0 ;;
     fail) exit 3 ;;
-    exit_interval) echo "stopped 3" > "$FAKE_STATUS"; exit 0 ;;
+    lost_lock)
+        # Another job of the same run directory holds its lock and finishes meanwhile;
+        # this job's ranks fail on the lock (input error).
+        echo "finished 6" > "$FAKE_STATUS"
+        echo "srun: error: n1: tasks 0-1: Exited with exit code 2" >&2
+        exit 2 ;;
+    exit_interval) status "stopped 3"; exit 0 ;;
     preempt)
         # Save and stop when the batch shell forwards the warning; SLURM warns the
         # batch shell (--signal=B:USR1), here we do it for SLURM.
-        trap 'echo "stopped 4" > "$FAKE_STATUS"; exit 0' USR1
+        trap 'status "stopped 4"; exit 0' USR1
         kill -USR1 "$PPID"
         for _ in $(seq 100); do sleep 0.1; done
         exit 9 ;;
@@ -258,7 +266,7 @@ case $FAKE_MODE in
         # scancel or `scontrol requeue`: SLURM sends TERM; the ranks save and stop.
         kill -TERM "$PPID"
         sleep 0.5
-        echo "stopped 4" > "$FAKE_STATUS"; exit 0 ;;
+        status "stopped 4"; exit 0 ;;
     preempt_saving)
         trap 'save; exit 0' USR1
         kill -USR1 "$PPID"
@@ -290,13 +298,13 @@ case $FAKE_MODE in
                 exit 75 ;;
             save_crash@*)
                 FAKE_STEP=$((FAKE_STEP + MEGATRON_LNS_ATTEMPT)) save
-                rm "$FAKE_STATUS"
+                rm "$FAKE_STATUS" "$MEGATRON_LNS_RUN_STATUS_COPY"
                 echo "srun: error: $node: task 3: Killed" >&2
                 exit 137 ;;
             input_error) echo "srun: error: n1: tasks 0-3: Exited with exit code 2" >&2; exit 2 ;;
-            finish) echo "finished 6" > "$FAKE_STATUS"; exit 0 ;;
+            finish) status "finished 6"; exit 0 ;;
             finish_then_abort)
-                echo "finished 6" > "$FAKE_STATUS"
+                status "finished 6"
                 echo "srun: error: n2: task 3: Exited with exit code 134" >&2
                 exit 143 ;;
         esac ;;
@@ -423,7 +431,8 @@ def test_a_restart_says_whether_the_job_or_slurm_requeued_it(tmp_path):
 
 @pytest.mark.parametrize("mode, code", [("fail", 3), ("exit_interval", 0)])
 def test_batch_script_does_not_requeue_a_failure_or_a_stop_without_warning(tmp_path, mode, code):
-    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path))
+    # The stand-in stops at step 3: a step of trainer.exit_interval.
+    cfg = _cfg(DEMO, *TINY_TP2, _exp(tmp_path), "trainer.exit_interval=3")
     result, requeues, _, _ = _run_batch_script(tmp_path, cfg, mode)
     assert result.returncode == code and requeues == ""
 

@@ -10,8 +10,7 @@ from megatron_lns.cluster.slurm.submit import (
     SubmittedJob,
     prepare_job,
     require_sbatch,
-    sbatch,
-    write_job,
+    submit_job,
 )
 from megatron_lns.config import ExperimentConfig
 
@@ -25,5 +24,4 @@ class SlurmExecutor(Executor[PreparedJob]):
 
     def submit(self, job: PreparedJob) -> SubmittedJob:
         require_sbatch()
-        write_job(job)
-        return sbatch(job)
+        return submit_job(job)

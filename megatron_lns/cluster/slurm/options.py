@@ -76,12 +76,29 @@ SRUN_LONG_OPTIONS = PYXIS_LONG_OPTIONS | _names(
 )
 
 
-def option_name(arg: str) -> str:
-    """The option an argument gives, as written: ``--sig`` of ``--sig=B:USR1@60``,
-    ``-p`` of ``-pgpu`` (short options take their value attached)."""
+# The short options, as getopt's option string spells them ("x:" takes an argument,
+# "x::" an optional one, attached), read off the same binaries (``sbatch -x`` for each
+# letter: "invalid option", "requires an argument", or a flag).
+SBATCH_SHORT_OPTIONS = "A:B:C:D:F:G:HJ:L:M:N:OQS:VWa:b:c:d:e:hi:k::m:n:o:p:q:st:vw:x:"
+SRUN_SHORT_OPTIONS = "A:B:C:D:EF:G:HI::J:K::L:M:N:OQS:T:VW:XZb:c:d:e:hi:k::lm:n:o:p:q:r:st:uvw:x:"
+
+
+def option_names(arg: str, short_options: str) -> list[str]:
+    """The options an argument gives, as written: ``--sig`` of ``--sig=B:USR1@60``;
+    ``-p`` of ``-pgpu``; ``-Q``, ``-v`` and ``-N`` of ``-QvN2``: getopt reads a group of
+    short options up to the first that takes an argument, which takes the rest. A
+    letter ``short_options`` does not know is read as a flag (SLURM refuses it)."""
     if arg.startswith("--"):
-        return arg.split("=", 1)[0]
-    return arg[:2]
+        return [arg.split("=", 1)[0]]
+    if not arg.startswith("-"):
+        return []
+    names = []
+    for letter in arg[1:]:
+        names.append(f"-{letter}")
+        at = short_options.find(letter) if letter != ":" else -1
+        if at >= 0 and short_options[at + 1 : at + 2] == ":":
+            break
+    return names
 
 
 def long_option_meanings(name: str, known: frozenset[str]) -> list[str]:

@@ -22,9 +22,11 @@ from pathlib import Path
 from megatron_lns.base.errors import HUNG_EXIT_CODE, USER_ERROR_EXIT_CODE
 from megatron_lns.cluster.slurm.options import (
     SBATCH_LONG_OPTIONS,
+    SBATCH_SHORT_OPTIONS,
     SRUN_LONG_OPTIONS,
+    SRUN_SHORT_OPTIONS,
     long_option_meanings,
-    option_name,
+    option_names,
 )
 from megatron_lns.cluster.slurm.progress import RUN_PROGRESS_FILE
 from megatron_lns.config import ConfigError, ExperimentConfig
@@ -176,24 +178,50 @@ def directive(key: str, option: str, value: object) -> str:
     return f"#SBATCH {option}={directive_text(key, value)}"
 
 
-def check_not_own(key: str, args: list[str], own: dict[str, str], known: frozenset[str]) -> None:
+# sbatch options no job of this package can take, with why.
+REFUSED_SBATCH_OPTIONS = {
+    "--array": "the tasks of a job array would share one run directory (and its lock, "
+    "run_status and checkpoints); submit one job per run",
+    "-a": "the tasks of a job array would share one run directory (and its lock, "
+    "run_status and checkpoints); submit one job per run",
+}
+
+
+def check_not_own(
+    key: str,
+    args: list[str],
+    own: dict[str, str],
+    known: frozenset[str],
+    short: str,
+    refused: dict[str, str] | None = None,
+) -> None:
     """Refuse an option the script sets itself, in full or abbreviated: SLURM reads
-    ``--no-req`` as ``--no-requeue``. An ambiguous prefix that could mean one of them is
-    refused too (it means that option under a SLURM without the other candidates)."""
+    ``--no-req`` as ``--no-requeue``, ``-QN2`` as ``-Q -N 2``. An ambiguous prefix that
+    could mean one of them is refused too (it means that option under a SLURM without
+    the other candidates). Options in ``refused`` are refused with their reason."""
+    refused = refused or {}
     for arg in args:
-        name = option_name(arg)
-        meanings = long_option_meanings(name, known) if name.startswith("--") else [name]
-        managed = [meaning for meaning in meanings if meaning in own]
-        if not managed:
-            continue
-        if len(meanings) > 1:
-            raise ConfigError(
-                f"{key}: {arg!r} is ambiguous ({', '.join(meanings)}) and may mean "
-                f"{managed[0]}, set from {own[managed[0]]}: write the option in full"
-            )
-        full = managed[0]
-        spelt = f"{arg!r}" if full == name else f"{arg!r} (an abbreviation of {full})"
-        raise ConfigError(f"{key}: {spelt} conflicts with {full}, set from {own[full]}")
+        for place, name in enumerate(option_names(arg, short)):
+            meanings = long_option_meanings(name, known) if name.startswith("--") else [name]
+            managed = [meaning for meaning in meanings if meaning in own or meaning in refused]
+            if not managed:
+                continue
+            full = managed[0]
+            why = f"set from {own[full]}" if full in own else refused[full]
+            if len(meanings) > 1:
+                raise ConfigError(
+                    f"{key}: {arg!r} is ambiguous ({', '.join(meanings)}) and may mean "
+                    f"{full}, {why}: write the option in full"
+                )
+            if full != name:
+                spelt = f"{arg!r} (an abbreviation of {full})"
+            elif place:
+                spelt = f"{arg!r} ({name} in a group of short options)"
+            else:
+                spelt = f"{arg!r}"
+            if full in refused:
+                raise ConfigError(f"{key}: {spelt} is refused: {why}")
+            raise ConfigError(f"{key}: {spelt} conflicts with {full}, {why}")
 
 
 def same_path_mount(mounts: list[str], path: Path) -> bool:
@@ -275,7 +303,14 @@ def cluster_directives(c: ClusterConfig, gpus_per_node: int | None = None) -> li
 
 def extra_directives(c: ClusterConfig, own: dict[str, str]) -> list[str]:
     """cluster.sbatch_args as ``#SBATCH`` lines, none of them an option in ``own``."""
-    check_not_own("cluster.sbatch_args", c.sbatch_args, own, SBATCH_LONG_OPTIONS)
+    check_not_own(
+        "cluster.sbatch_args",
+        c.sbatch_args,
+        own,
+        SBATCH_LONG_OPTIONS,
+        SBATCH_SHORT_OPTIONS,
+        REFUSED_SBATCH_OPTIONS,
+    )
     return [f"#SBATCH {directive_text('cluster.sbatch_args', arg)}" for arg in c.sbatch_args]
 
 
@@ -305,7 +340,7 @@ def container_words(c: ClusterConfig, workdir: Path) -> list[str]:
 
 def extra_srun_words(c: ClusterConfig, own: dict[str, str]) -> list[str]:
     """cluster.srun_args, quoted, none of them an option in ``own``."""
-    check_not_own("cluster.srun_args", c.srun_args, own, SRUN_LONG_OPTIONS)
+    check_not_own("cluster.srun_args", c.srun_args, own, SRUN_LONG_OPTIONS, SRUN_SHORT_OPTIONS)
     return [quote("cluster.srun_args", arg) for arg in c.srun_args]
 
 
@@ -390,6 +425,7 @@ def render_sbatch(cfg: ExperimentConfig, paths: JobPaths, python: str) -> str:
         "max_requeues": str(c.max_requeues),
         **rank_restart_values(cfg),
         "lead_s": str(c.preemption_signal_lead_s),
+        "exit_interval": str(cfg.trainer.exit_interval or 0),
         "env_exports": env_exports(c),
         "srun_command": srun_command(cfg, paths, python),
     }

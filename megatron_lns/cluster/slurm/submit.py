@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import shutil
 import subprocess
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_lns.base.errors import UserError
+from megatron_lns.cluster.slurm.queued import JOB_ID_FILE
 from megatron_lns.cluster.slurm.render import JobPaths, render_sbatch, unmounted_workdir_warning
 from megatron_lns.config import ExperimentConfig, to_yaml
 from megatron_lns.config.cluster import job_name
@@ -80,6 +82,27 @@ def write_job(job: PreparedJob) -> None:
     job.paths.config.write_text(to_yaml(job.cfg))
     job.script_path.write_text(job.script)
     job.script_path.chmod(0o755)
+
+
+def submit_job(job: PreparedJob) -> SubmittedJob:
+    """Write ``job`` and sbatch it. A refused submission leaves the run directory as it
+    was: its slurm/<time>/ folder, and each directory writing it created, are removed."""
+    made = [job.paths.log_dir] if not job.paths.log_dir.exists() else []
+    parent = job.paths.config.parent.parent
+    while not parent.exists():
+        made.append(parent)
+        parent = parent.parent
+    write_job(job)
+    try:
+        submitted = sbatch(job)
+    except BaseException:
+        shutil.rmtree(job.paths.config.parent, ignore_errors=True)
+        for directory in made:  # the log folder, then the deepest first
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
+    (job.paths.config.parent / JOB_ID_FILE).write_text(f"{submitted.job_id}\n")
+    return submitted
 
 
 def require_sbatch() -> None:

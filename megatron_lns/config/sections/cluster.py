@@ -35,8 +35,9 @@ class ClusterConfig:
     # Typed Any so that YAML's base-60 reading of an unquoted 4:00:00 (= 14400) reaches
     # config/cluster.py, which refuses it, instead of being sent to SLURM as a number.
     time_limit: Any = setting(None)
-    """`#SBATCH --time`, a quoted SLURM time (`"04:00:00"`, `"1-12:00:00"`, `"90"` minutes);
-    unquoted `4:00:00` is refused (YAML reads it as 14400)"""
+    """`#SBATCH --time`, a quoted SLURM time (`"04:00:00"`, `"1-12:00:00"`, `"90"` minutes;
+    `"0"` or `"UNLIMITED"`: no limit, as SLURM reads them); unquoted `4:00:00` is refused (YAML
+    reads it as 14400)"""
 
     exclusive: bool = setting(False)
     """`#SBATCH --exclusive`"""
@@ -64,7 +65,10 @@ class ClusterConfig:
     mounted at its own path"""
 
     env_vars: dict[str, str] = setting(default_factory=dict)
-    """exported before `srun` (NCCL, network); not the rank variables, which come from SLURM"""
+    """exported before `srun` (NCCL, network) as written: `true`, `1` as YAML spells them, no
+    `$` expansion (a value with `$` is refused: set one built from another variable, such as
+    `LD_LIBRARY_PATH`, in the shell you submit from; sbatch passes it on); an unquoted float
+    (`1.50` reads as 1.5) or null is refused; not the rank variables, which come from SLURM"""
 
     srun_args: list[str] = setting(default_factory=list)
     """extra `srun` options, one per item; an option the script sets (`--kill-on-bad-exit`, the
@@ -72,7 +76,8 @@ class ClusterConfig:
 
     sbatch_args: list[str] = setting(default_factory=list)
     """extra `#SBATCH` options, one per item (`--constraint=h100`, `--hold`, ...); an option the
-    script sets is refused, also abbreviated as sbatch allows (`--no-req` is `--no-requeue`)"""
+    script sets is refused, also abbreviated as sbatch allows (`--no-req` is `--no-requeue`) or
+    in a group of short options (`-QN2`); `--array` is refused (its tasks would share one run)"""
 
     dependency: str | None = setting(None)
     """`#SBATCH --dependency` (`singleton`, `afterok:123`)"""

@@ -1,0 +1,28 @@
+"""A run submitted to SLURM that has not started: its run directory holds only what
+``submit`` wrote (``slurm/<time>/job.sbatch``, its ``job_id``), no ``config.yaml`` or
+``run_progress`` yet. Torch-free: ``megatron-lns status`` reads it on a login node."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# The job id sbatch gave a submission, in its slurm/<time>/ folder.
+JOB_ID_FILE = "job_id"
+
+
+def not_started_line(run_dir: Path) -> str | None:
+    """What ``status`` says of a run submitted but not started; None for any other."""
+    if any((run_dir / name).exists() for name in ("config.yaml", "run_progress")):
+        return None
+    scripts = sorted((run_dir / "slurm").glob("*/job.sbatch"))
+    if not scripts:
+        return None
+    newest = scripts[-1].parent
+    try:
+        job = f"SLURM job {(newest / JOB_ID_FILE).read_text().split()[0]}"
+    except (OSError, IndexError):
+        job = "a SLURM job whose id was not recorded"
+    return (
+        f"{run_dir}: submitted as {job} ({newest / 'job.sbatch'}), not started yet "
+        "(queued or held: squeue says which)"
+    )

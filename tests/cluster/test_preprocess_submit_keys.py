@@ -1,0 +1,50 @@
+"""``preprocess --submit CONFIG``: the cluster: section read as ``submit`` reads it, its
+``${...}`` resolved against the whole file, and every key preprocessing does not use
+named (the list derived from ClusterConfig, so no key is dropped silently)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from helpers import DEMO_CONFIG
+from test_preprocess_sbatch import _render, plain_corpus  # noqa: F401 (a fixture)
+
+from megatron_lns.commands.preprocess_submit import PREPROCESS_CLUSTER_KEYS, ignored_keys
+from megatron_lns.config.sections.cluster import ClusterConfig
+
+
+def _demo_with_cluster(tmp_path, section: str):
+    config = tmp_path / "demo.yaml"
+    # Two devices where the defaults have one, so that the file's value shows.
+    config.write_text(DEMO_CONFIG.read_text().replace("devices: 1", "devices: 2") + section)
+    return config
+
+
+def test_interpolations_in_the_cluster_section_resolve_against_the_whole_file(
+    tmp_path,
+    capsys,
+    plain_corpus,  # noqa: F811
+):
+    section = (
+        'cluster:\n  job_name_prefix: "${name}-"\n  env_vars:\n    NPROC: ${trainer.devices}\n'
+    )
+    code, script, err = _render(capsys, plain_corpus, _demo_with_cluster(tmp_path, section))
+    assert code == 0, err
+    assert "#SBATCH --job-name=tiny_cpu_demo-preprocess-corpus-" in script
+    assert [line for line in script.splitlines() if "NPROC" in line] == ["export NPROC=2"]
+
+
+def test_spare_nodes_is_named_as_not_used(tmp_path, capsys, plain_corpus):  # noqa: F811
+    config = tmp_path / "c.yaml"
+    config.write_text("cluster:\n  partition: cpu\n")
+    code, _, err = _render(capsys, plain_corpus, config, "cluster.spare_nodes=2")
+    assert code == 0, err
+    assert err.startswith("note: not used by preprocessing: cluster.spare_nodes=2 ("), err
+
+
+def test_every_cluster_key_is_either_used_by_preprocessing_or_named():
+    names = {field.name for field in dataclasses.fields(ClusterConfig)}
+    assert names >= PREPROCESS_CLUSTER_KEYS
+    named = {key.split(".")[1] for key in ignored_keys() if key.startswith("cluster.")}
+    assert named | PREPROCESS_CLUSTER_KEYS == names
+    assert {"spare_nodes", "gpus_per_node", "preemption_signal_lead_s"} <= named

@@ -1,0 +1,63 @@
+"""What a submission leaves in the run directory: nothing when sbatch refuses it, and a
+run submitted but not started is reported as such by ``status`` (with its job id)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import DEMO_CONFIG
+
+from megatron_lns.cli import main
+
+TINY = ["trainer.max_steps=4", "model.num_layers=2", "model.optim.sched.warmup_steps=1"]
+
+
+@pytest.fixture
+def fake_sbatch(tmp_path, monkeypatch):
+    """An sbatch on PATH that answers as $FAKE_SBATCH says: a job id, or a refusal."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    sbatch = bin_dir / "sbatch"
+    sbatch.write_text(
+        "#!/bin/bash\nif [[ $FAKE_SBATCH == refuse ]]; then\n"
+        '    echo "sbatch: error: invalid partition specified: nope" >&2; exit 1\nfi\n'
+        "echo 4242\n"
+    )
+    sbatch.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    return work
+
+
+def test_a_refused_submission_leaves_the_run_directory_as_it_was(fake_sbatch, capsys, monkeypatch):
+    monkeypatch.setenv("FAKE_SBATCH", "refuse")
+    assert main(["submit", str(DEMO_CONFIG), *TINY, "exp_manager.exp_dir=runs"]) == 2
+    assert "invalid partition specified" in capsys.readouterr().err
+    assert list(fake_sbatch.iterdir()) == []
+    # A run directory that was there keeps what it held, and only that.
+    run_dir = fake_sbatch / "runs" / "lns"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "logs" / "old.log").write_text("x")
+    assert main(["submit", str(DEMO_CONFIG), *TINY, "exp_manager.exp_dir=runs"]) == 2
+    assert sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*")) == [
+        "logs",
+        "logs/old.log",
+    ]
+
+
+def test_status_of_a_run_submitted_but_not_started_says_so_with_its_job_id(
+    fake_sbatch, capsys, monkeypatch
+):
+    monkeypatch.setenv("FAKE_SBATCH", "accept")
+    assert main(["submit", str(DEMO_CONFIG), *TINY, "exp_manager.exp_dir=runs"]) == 0
+    capsys.readouterr()
+    run_dir = fake_sbatch / "runs" / "lns"
+    assert main(["status", str(run_dir)]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"{run_dir}: submitted as SLURM job 4242 ("), line
+    assert "not started yet" in line
+    # The experiment directory names the run, not its slurm/<time>/ folder.
+    assert main(["status", str(run_dir.parent)]) == 2
+    error = capsys.readouterr().err
+    assert f"holds the run {run_dir}: give that one" in error, error
