@@ -217,6 +217,58 @@ def test_a_committed_checkpoint_that_lost_a_file_is_named_not_passed_over(
     assert (damaged / "complete.json").is_file() and "resumed from" not in out
 
 
+_PAST_UNREADABLE = (
+    "; set exp_manager.resume_past_unreadable=true to resume from the newest one before it "
+    "(this one is then moved aside, kept)"
+)
+
+
+@pytest.mark.parametrize(
+    "damaged_file, train_says, analyze_says",
+    [
+        (
+            ".metadata",
+            "could not load checkpoint {}: its .metadata (the index of its shards) cannot be "
+            "read: pickle data was truncated",
+            None,  # as train says
+        ),
+        (
+            "__0_0.distcp",
+            r"could not load checkpoint {}: its shard __0_0.distcp is truncated \(1000 bytes "
+            r"of at least \d+\)",
+            None,
+        ),
+    ],
+    ids=["index", "shard"],
+)
+def test_a_checkpoint_with_a_damaged_file_is_refused_by_train_and_analyze_in_one_line(
+    tmp_path, straight_tiny_run, damaged_file, train_says, analyze_says
+):
+    """torch logged two tracebacks of a truncated .metadata before the error; analyze's
+    error carried torch's page of traceback; a truncated shard was ``EOFError: Ran out of
+    input``, naming no file, without the way past it."""
+    shutil.copytree(straight_tiny_run["run_dir"], tmp_path / "lns")
+    damaged = tmp_path / "lns" / "checkpoints" / "iter_0000006"
+    os.truncate(damaged / damaged_file, 100 if damaged_file == ".metadata" else 1000)
+    train = ["train", str(DEMO), *TINY_RUN_OVERRIDES, f"exp_manager.exp_dir={tmp_path}"]
+    _, err = _cli(*train, "trainer.max_steps=9").communicate(timeout=600)
+    train_says = train_says.format(damaged)
+    if damaged_file == "__0_0.distcp":
+        [line] = err.splitlines()
+        assert re.fullmatch("error: " + train_says + re.escape(_PAST_UNREADABLE), line), err
+    else:
+        assert err.splitlines() == ["error: " + train_says + _PAST_UNREADABLE], err
+    out_dir = tmp_path / "analysis"
+    analysis = _cli("analyze", str(tmp_path / "lns"), "--out", str(out_dir), "--no-prune")
+    _, err = analysis.communicate(timeout=600)
+    [line] = err.splitlines()
+    if damaged_file == "__0_0.distcp":
+        assert re.fullmatch("error: " + train_says, line), err
+    else:
+        assert line == "error: " + (analyze_says or train_says).format(damaged), err
+    assert not out_dir.exists()
+
+
 @pytest.mark.long
 def test_sigterm_stops_both_ranks_of_a_local_run_which_then_resumes_bitwise(tmp_path):
     two_ranks = ["trainer.devices=2", "model.tensor_model_parallel_size=2", "trainer.max_steps=40",
