@@ -15,6 +15,7 @@ killed save is never resumed from. Torch-free: listing checkpoints needs no mode
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,7 +66,9 @@ DIST_CHECKPOINT_FILES = ("metadata.json", ".metadata")
 
 
 def checkpoint_problem(path: Path) -> str | None:
-    """Why ``path`` is not a checkpoint that can be loaded, in a few words; None if it is."""
+    """Why ``path`` is not a checkpoint that can be loaded, in a few words; None if it is.
+    Every command that loads a checkpoint (resume, ``analyze``, ``export-hf``) asks this
+    first, so what one refuses no other uses."""
     if not path.is_dir():
         return "does not exist" if not path.exists() else "is a file, not a directory"
     if not (path / COMPLETE_MARKER).is_file():
@@ -75,7 +78,21 @@ def checkpoint_problem(path: Path) -> str | None:
     missing = [name for name in DIST_CHECKPOINT_FILES if not (path / name).is_file()]
     if missing:
         return f"is damaged: {' and '.join(missing)} missing"
+    if marker_problem := _marker_problem(path / COMPLETE_MARKER):
+        return f"is damaged: {COMPLETE_MARKER} {marker_problem}"
     return None
+
+
+def _marker_problem(marker: Path) -> str | None:
+    """Why a commit marker cannot be read as the JSON object it is; None if it can (an
+    empty one counts as ``{}``)."""
+    try:
+        record = json.loads(marker.read_text() or "{}")
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+    except ValueError as err:  # UnicodeDecodeError too
+        return f"is not valid JSON ({str(err).splitlines()[0]})"
+    return None if isinstance(record, dict) else "is not a JSON object"
 
 
 def is_complete(path: Path) -> bool:

@@ -238,18 +238,29 @@ _PAST_UNREADABLE = (
             r"of at least \d+\)",
             None,
         ),
+        (
+            "complete.json",
+            "checkpoint {} is damaged: complete.json is not valid JSON (Expecting value: line 1 "
+            "column 1 (char 0))",
+            "{} is not a complete checkpoint: it is damaged: complete.json is not valid JSON "
+            "(Expecting value: line 1 column 1 (char 0))",
+        ),
     ],
-    ids=["index", "shard"],
+    ids=["index", "shard", "marker"],
 )
 def test_a_checkpoint_with_a_damaged_file_is_refused_by_train_and_analyze_in_one_line(
     tmp_path, straight_tiny_run, damaged_file, train_says, analyze_says
 ):
     """torch logged two tracebacks of a truncated .metadata before the error; analyze's
     error carried torch's page of traceback; a truncated shard was ``EOFError: Ran out of
-    input``, naming no file, without the way past it."""
+    input``, naming no file, without the way past it; and analyze used the checkpoint
+    whose complete.json train refused."""
     shutil.copytree(straight_tiny_run["run_dir"], tmp_path / "lns")
     damaged = tmp_path / "lns" / "checkpoints" / "iter_0000006"
-    os.truncate(damaged / damaged_file, 100 if damaged_file == ".metadata" else 1000)
+    if damaged_file == "complete.json":
+        (damaged / damaged_file).write_text("garbage{")
+    else:
+        os.truncate(damaged / damaged_file, 100 if damaged_file == ".metadata" else 1000)
     train = ["train", str(DEMO), *TINY_RUN_OVERRIDES, f"exp_manager.exp_dir={tmp_path}"]
     _, err = _cli(*train, "trainer.max_steps=9").communicate(timeout=600)
     train_says = train_says.format(damaged)
