@@ -62,6 +62,7 @@ from megatron_lns.training.checkpoint import (
     load_strategy,
 )
 from megatron_lns.training.checkpoint_damage import read_failure, read_index
+from megatron_lns.training.checkpoint_dirs import is_checkpoint_dir
 from megatron_lns.training.data_change import (
     DataChangedError,
     DataInUse,
@@ -123,6 +124,10 @@ def checkpoints_to_try(cfg: ExperimentConfig, checkpoint_dir: Path) -> list[Path
     if em.resume_from_checkpoint:
         path = Path(em.resume_from_checkpoint)
         if problem := checkpoint_problem(path):
+            if path.is_dir() and not is_checkpoint_dir(path):  # a run directory, say
+                raise CheckpointError(
+                    f"exp_manager.resume_from_checkpoint: {path} {problem}{_run_hint(path)}"
+                )
             raise CheckpointError(
                 f"exp_manager.resume_from_checkpoint: {path} is not a complete checkpoint "
                 f"(an iter_NNNNNNN directory with complete.json): it {problem}"
@@ -142,6 +147,18 @@ _PAST_UNREADABLE_HINT = (
     "; set exp_manager.resume_past_unreadable=true to resume from the newest one before it "
     "(this one is then moved aside, kept)"
 )
+
+
+def _run_hint(holder: Path) -> str:
+    """How to resume the run whose directory, or ``checkpoints/``, ``holder`` is."""
+    run = holder.parent if holder.name == "checkpoints" else holder
+    if not (run / "checkpoints").is_dir():
+        return ""
+    return (
+        "; or, to resume that run from its newest checkpoint, leave "
+        f"exp_manager.resume_from_checkpoint unset and give exp_manager.exp_dir={run.parent} "
+        f"exp_manager.name={run.name}"
+    )
 
 
 def _saved_schedule(path: Path) -> dict | None:

@@ -134,6 +134,33 @@ def test_resume_from_a_chosen_checkpoint(tmp_path, straight_tiny_run):
     )
 
 
+def test_a_run_directory_given_for_the_checkpoint_says_what_to_give(tmp_path, straight_tiny_run):
+    """It said "has no complete.json: its save never finished" of a run directory and of
+    its checkpoints/: neither is a checkpoint, none of their saves was cut short."""
+    from megatron_lns.training.checkpoint_dirs import CheckpointError
+    from megatron_lns.training.resume import checkpoints_to_try
+
+    run = straight_tiny_run["run_dir"]
+    newest = run / "checkpoints" / "iter_0000006"
+    resume_the_run = (
+        "; or, to resume that run from its newest checkpoint, leave "
+        f"exp_manager.resume_from_checkpoint unset and give exp_manager.exp_dir={run.parent} "
+        f"exp_manager.name={run.name}"
+    )
+    for given, what in [
+        (run, "a run directory"),
+        (run / "checkpoints", "a directory of checkpoints"),
+    ]:
+        cfg = tiny_run_config(tmp_path, f"exp_manager.resume_from_checkpoint={given}")
+        with pytest.raises(CheckpointError) as refused:
+            checkpoints_to_try(cfg, tmp_path / "lns" / "checkpoints")
+        assert str(refused.value) == (
+            f"exp_manager.resume_from_checkpoint: {given} is {what}, not a checkpoint: give one "
+            f"of the iter_NNNNNNN directories in {run / 'checkpoints'} (the newest complete one "
+            f"is {newest})" + resume_the_run
+        )
+
+
 def test_a_changed_schedule_is_refused_on_resume_unless_overridden(tmp_path):
     _run(tmp_path, tiny_run_config(tmp_path, "trainer.exit_interval=3"))
     refused = _run(
