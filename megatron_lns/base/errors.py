@@ -30,6 +30,14 @@ class UserError(Exception):
     """An input problem; the message is one line that names the key, file or path."""
 
 
+def last_line(err: BaseException) -> str:
+    """The last line of ``err``'s message (its type's name when it has none): what a
+    library's error that carries a traceback in its text (torch's
+    ``CheckpointException``) says of the cause, for a one-line message."""
+    text = str(err).strip()
+    return text.splitlines()[-1] if text else type(err).__name__
+
+
 def restartable_exit(exit_code: int) -> bool:
     """Whether a rank that ended with ``exit_code`` (negative: killed by that signal, as
     Python's subprocess reports it; 128 + N: as a shell or srun does) ends an attempt that

@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron_lns.convert.errors import ConversionError
+from megatron_lns.training.checkpoint_damage import read_failure, read_index
+from megatron_lns.training.checkpoint_dirs import CheckpointError
 
 
 class _RegionLoadPlanner(DefaultLoadPlanner):
@@ -67,11 +69,9 @@ class CheckpointReader:
                 "(megatron-lns writes torch_dist)"
             )
         try:
-            metadata = FileSystemReader(str(self.directory)).read_metadata()
-        except Exception as err:  # a missing or corrupt .metadata file
-            raise ConversionError(
-                f"{self.directory}: cannot read the checkpoint's .metadata ({err})"
-            ) from err
+            metadata = read_index(self.directory)
+        except CheckpointError as err:  # a missing or corrupt .metadata file
+            raise ConversionError(str(err)) from None
         self._tensors = {
             key: md
             for key, md in metadata.state_dict_metadata.items()
@@ -124,8 +124,7 @@ class CheckpointReader:
         except BaseException as err:  # DCP wraps reader failures in CheckpointException
             if isinstance(err, KeyboardInterrupt):
                 raise
-            lines = str(err).strip().splitlines()
-            cause = lines[-1] if lines else type(err).__name__
+            cause = read_failure(self.directory, err)
             raise ConversionError(
                 f"could not read {', '.join(requests)} from checkpoint {self.directory}: {cause}"
             ) from err

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_lns.runtime.fault_injection import inject_fault
 from megatron_lns.training import architecture_checkpoint as architecture
 from megatron_lns.training import provenance
+from megatron_lns.training.checkpoint_damage import read_failure, read_index
 from megatron_lns.training.checkpoint_dirs import (
     COMPLETE_MARKER,
     WEIGHTS_ONLY,
@@ -238,10 +239,13 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, strategy=None
     if isinstance(marker, dict) and marker.get(WEIGHTS_ONLY):
         load_model_weights(model, path)
         return TrainingState(marker.get("iteration", 0), marker.get("consumed_samples", 0))
+    read_index(path)  # before torch logs its own tracebacks of an unreadable one
     try:
         common = dist_checkpointing.load_common_state_dict(str(path))
     except (Exception, CheckpointException) as err:
-        raise CheckpointError(f"could not load checkpoint {path}: {err}") from err
+        raise CheckpointError(
+            f"could not load checkpoint {path}: {read_failure(path, err)}"
+        ) from err
     same_layout = common.get("parallel_layout") == layout_record()
     check_optimizer_parts(path, common.get("optimizer"), optimizer)
     allocate_distributed_optimizer_state(optimizer)

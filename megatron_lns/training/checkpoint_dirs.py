@@ -15,6 +15,7 @@ killed save is never resumed from. Torch-free: listing checkpoints needs no mode
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,17 +66,58 @@ DIST_CHECKPOINT_FILES = ("metadata.json", ".metadata")
 
 
 def checkpoint_problem(path: Path) -> str | None:
-    """Why ``path`` is not a checkpoint that can be loaded, in a few words; None if it is."""
+    """Why ``path`` is not a checkpoint that can be loaded, in a few words; None if it is.
+    Every command that loads a checkpoint (resume, ``analyze``, ``export-hf``) asks this
+    first, so what one refuses no other uses."""
     if not path.is_dir():
         return "does not exist" if not path.exists() else "is a file, not a directory"
     if not (path / COMPLETE_MARKER).is_file():
-        return f"has no {COMPLETE_MARKER}: its save never finished"
+        if is_checkpoint_dir(path):
+            return f"has no {COMPLETE_MARKER}: its save never finished"
+        return holds_checkpoints(path) or (
+            f"is not a checkpoint (an iter_NNNNNNN directory with {COMPLETE_MARKER})"
+        )
     if CHECKPOINT_DIR_RE.match(path.name) is None:
         return "is not an iter_NNNNNNN directory"
     missing = [name for name in DIST_CHECKPOINT_FILES if not (path / name).is_file()]
     if missing:
         return f"is damaged: {' and '.join(missing)} missing"
+    if marker_problem := _marker_problem(path / COMPLETE_MARKER):
+        return f"is damaged: {COMPLETE_MARKER} {marker_problem}"
     return None
+
+
+def _marker_problem(marker: Path) -> str | None:
+    """Why a commit marker cannot be read as the JSON object it is; None if it can (an
+    empty one counts as ``{}``)."""
+    try:
+        record = json.loads(marker.read_text() or "{}")
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+    except ValueError as err:  # UnicodeDecodeError too
+        return f"is not valid JSON ({str(err).splitlines()[0]})"
+    return None if isinstance(record, dict) else "is not a JSON object"
+
+
+def holds_checkpoints(path: Path) -> str | None:
+    """What ``path``, a directory given for one checkpoint, is instead: a run directory or
+    its ``checkpoints/``, and which of its checkpoints to give; None for anything else."""
+    try:
+        entries = [p.name.removesuffix(".partial") for p in path.iterdir()]
+    except OSError:
+        return None
+    if (path / "checkpoints").is_dir():
+        what, checkpoints = "a run directory", path / "checkpoints"
+    elif any(CHECKPOINT_DIR_RE.match(name) for name in entries):
+        what, checkpoints = "a directory of checkpoints", path
+    else:
+        return None
+    newest = latest_complete_checkpoint(checkpoints)
+    which = f"the newest complete one is {newest}" if newest else "none is complete"
+    return (
+        f"is {what}, not a checkpoint: give one of the iter_NNNNNNN directories in "
+        f"{checkpoints} ({which})"
+    )
 
 
 def is_complete(path: Path) -> bool:

@@ -55,10 +55,11 @@ from megatron_lns.base.disk import (
     free_bytes,
     is_disk_full,
 )
-from megatron_lns.base.errors import UserError
+from megatron_lns.base.errors import UserError, last_line
 from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.model.language_model import unwrap
 from megatron_lns.training import provenance
+from megatron_lns.training.checkpoint_damage import read_failure
 from megatron_lns.training.checkpoint_dirs import (
     COMPLETE_MARKER,
     DATA,
@@ -213,10 +214,9 @@ def write_failure(
         err, oserror = oserror, None  # the writer's own reason, for the message
     free, needed = free_bytes(partial), saved_bytes(final.parent)
     if oserror is None and (free is None or free >= max(needed or 0, NEARLY_FULL_BYTES)):
-        cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         return CheckpointError(
             f"could not save checkpoint {final} (left as {partial.name}, which resume "
-            f"ignores): {cause}"
+            f"ignores): {last_line(err)}"
         )
     if oserror is None:
         oserror = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -356,7 +356,7 @@ def load_sharded(
         raise
     except (Exception, CheckpointException) as err:
         # torch's CheckpointException derives from BaseException.
-        cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        cause = read_failure(directory, err)
         raise CheckpointError(f"could not load checkpoint {directory}: {cause}") from err
     _refuse_mismatch(directory, unread, absent, may_differ)
     return loaded

@@ -21,6 +21,7 @@ from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.model.language_model import unwrap
 from megatron_lns.training import architecture_checkpoint as architecture
 from megatron_lns.training import provenance
+from megatron_lns.training.checkpoint_damage import read_failure, read_index
 from megatron_lns.training.checkpoint_dirs import (
     COMPLETE_MARKER,
     WEIGHTS_ONLY,
@@ -80,10 +81,12 @@ def load_model_weights(model: Sequence[torch.nn.Module], directory: str | Path) 
     (``architecture_checkpoint.py``), into this rank's chunks (strict)."""
     if not dist_checkpointing.check_is_distributed_checkpoint(str(directory)):
         raise CheckpointError(f"{directory} is not a megatron distributed checkpoint")
+    read_index(directory)  # before torch logs its own tracebacks of an unreadable one
     try:
         common = dist_checkpointing.load_common_state_dict(str(directory))
     except (Exception, CheckpointException) as err:
-        raise CheckpointError(f"could not load checkpoint {directory}: {err}") from err
+        cause = read_failure(directory, err)
+        raise CheckpointError(f"could not load checkpoint {directory}: {cause}") from err
     template = model_sharded_state_dict(model)
     translate_architecture(template, model, directory, common)
     extra_state = extra_state_may_differ(common, model)

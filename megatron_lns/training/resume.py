@@ -61,6 +61,8 @@ from megatron_lns.training.checkpoint import (
     load_checkpoint,
     load_strategy,
 )
+from megatron_lns.training.checkpoint_damage import read_failure, read_index
+from megatron_lns.training.checkpoint_dirs import is_checkpoint_dir
 from megatron_lns.training.data_change import (
     DataChangedError,
     DataInUse,
@@ -122,6 +124,10 @@ def checkpoints_to_try(cfg: ExperimentConfig, checkpoint_dir: Path) -> list[Path
     if em.resume_from_checkpoint:
         path = Path(em.resume_from_checkpoint)
         if problem := checkpoint_problem(path):
+            if path.is_dir() and not is_checkpoint_dir(path):  # a run directory, say
+                raise CheckpointError(
+                    f"exp_manager.resume_from_checkpoint: {path} {problem}{_run_hint(path)}"
+                )
             raise CheckpointError(
                 f"exp_manager.resume_from_checkpoint: {path} is not a complete checkpoint "
                 f"(an iter_NNNNNNN directory with complete.json): it {problem}"
@@ -136,18 +142,36 @@ def checkpoints_to_try(cfg: ExperimentConfig, checkpoint_dir: Path) -> list[Path
     return found if em.resume_past_unreadable else found[:1]
 
 
+# What a run refused an unreadable checkpoint says (unless it was asked to pass over them).
+_PAST_UNREADABLE_HINT = (
+    "; set exp_manager.resume_past_unreadable=true to resume from the newest one before it "
+    "(this one is then moved aside, kept)"
+)
+
+
+def _run_hint(holder: Path) -> str:
+    """How to resume the run whose directory, or ``checkpoints/``, ``holder`` is."""
+    run = holder.parent if holder.name == "checkpoints" else holder
+    if not (run / "checkpoints").is_dir():
+        return ""
+    return (
+        "; or, to resume that run from its newest checkpoint, leave "
+        f"exp_manager.resume_from_checkpoint unset and give exp_manager.exp_dir={run.parent} "
+        f"exp_manager.name={run.name}"
+    )
+
+
 def _saved_schedule(path: Path) -> dict | None:
     """The checkpoint's scheduler state; None for a weights-only checkpoint (import-hf)."""
-    if problem := checkpoint_problem(path):  # before torch logs its own tracebacks
-        raise CheckpointError(
-            f"checkpoint {path} {problem}; set exp_manager.resume_past_unreadable=true to "
-            "resume from the newest one before it (this one is then moved aside, kept)"
-        )
+    if problem := checkpoint_problem(path):
+        raise CheckpointError(f"checkpoint {path} {problem}")
+    read_index(path)  # before torch logs its own tracebacks of an unreadable one
     try:
         return dist_checkpointing.load_common_state_dict(str(path)).get("scheduler")
     except (Exception, CheckpointException) as err:
-        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"could not load checkpoint {path}: {reason}") from None
+        raise CheckpointError(
+            f"could not load checkpoint {path}: {read_failure(path, err)}"
+        ) from None
 
 
 def schedule_changes(saved: dict | None, scheduler: OptimizerParamScheduler) -> list[str]:
@@ -205,10 +229,12 @@ def resume(
             except CheckpointError as err:
                 raise named_by_config_keys(err, path, cfg) from err
         except CheckpointError as err:
-            if index + 1 == len(candidates) or isinstance(
-                err, (ScheduleChangedError, CheckpointMismatchError, DataChangedError)
-            ):
+            if isinstance(err, (ScheduleChangedError, CheckpointMismatchError, DataChangedError)):
                 raise
+            if index + 1 == len(candidates):
+                if cfg.exp_manager.resume_past_unreadable:
+                    raise
+                raise CheckpointError(f"{err}{_PAST_UNREADABLE_HINT}") from err
             print(f"warning: skipping unreadable checkpoint: {err}", flush=True)
             continue
         _set_param_group_lr_bounds(optimizer, scheduler.max_lr, scheduler.min_lr)

@@ -119,6 +119,37 @@ def _write_journal(abandoned: Path, names: list[str]) -> None:
     write_text_atomically(abandoned / JOURNAL, json.dumps({"move": names}) + "\n", _NOTHING_MOVED)
 
 
+class MoveJournalError(UserError, ValueError):
+    """A ``moving.json`` that does not say what to move."""
+
+
+def _read_journal(journal: Path) -> list[str]:
+    """The checkpoint names ``journal`` lists (``{"move": ["iter_NNNNNNN", ...]}``); a
+    :class:`MoveJournalError` naming it and what is wrong with it otherwise."""
+    try:
+        names = json.loads(journal.read_text())["move"]
+        problem = None
+        if not isinstance(names, list):
+            problem = 'has a "move" that is not a list of checkpoint names'
+        elif bad := [n for n in names if not isinstance(n, str) or not _CHECKPOINT_ENTRY.match(n)]:
+            problem = f"lists {bad[0]!r} to move, which is no checkpoint name (iter_NNNNNNN)"
+    except OSError as err:
+        problem = f"cannot be read ({err.strerror or err})"
+    except ValueError as err:  # UnicodeDecodeError too
+        problem = f"is not valid JSON ({str(err).splitlines()[0]})"
+    except (KeyError, TypeError):
+        problem = 'has no "move" list'
+    if problem is None:
+        return names
+    resumed = re.search(r"-from-(iter_\d{7})", journal.parent.name)
+    step = resumed.group(1) if resumed else "the checkpoint resumed from"
+    raise MoveJournalError(
+        f"the journal {journal} of an interrupted move of checkpoints {problem}: move the "
+        f"checkpoints newer than {step} from {journal.parent.parent} into {journal.parent} "
+        "yourself, then remove the journal"
+    )
+
+
 def _move(checkpoint_dir: Path, abandoned: Path, names: list[str]) -> None:
     """Move what the journal lists (what is still there), then end the journal."""
     for name in names:
@@ -280,7 +311,7 @@ def finish_interrupted_moves(checkpoint_dir: Path) -> list[str]:
         journal = abandoned / JOURNAL
         if not journal.is_file():
             continue
-        names = json.loads(journal.read_text())["move"]
+        names = _read_journal(journal)
         _move(checkpoint_dir, abandoned, names)
         notes.append(
             f"note: finished moving {', '.join(names)} aside to {abandoned} (the run that "

@@ -134,6 +134,33 @@ def test_resume_from_a_chosen_checkpoint(tmp_path, straight_tiny_run):
     )
 
 
+def test_a_run_directory_given_for_the_checkpoint_says_what_to_give(tmp_path, straight_tiny_run):
+    """It said "has no complete.json: its save never finished" of a run directory and of
+    its checkpoints/: neither is a checkpoint, none of their saves was cut short."""
+    from megatron_lns.training.checkpoint_dirs import CheckpointError
+    from megatron_lns.training.resume import checkpoints_to_try
+
+    run = straight_tiny_run["run_dir"]
+    newest = run / "checkpoints" / "iter_0000006"
+    resume_the_run = (
+        "; or, to resume that run from its newest checkpoint, leave "
+        f"exp_manager.resume_from_checkpoint unset and give exp_manager.exp_dir={run.parent} "
+        f"exp_manager.name={run.name}"
+    )
+    for given, what in [
+        (run, "a run directory"),
+        (run / "checkpoints", "a directory of checkpoints"),
+    ]:
+        cfg = tiny_run_config(tmp_path, f"exp_manager.resume_from_checkpoint={given}")
+        with pytest.raises(CheckpointError) as refused:
+            checkpoints_to_try(cfg, tmp_path / "lns" / "checkpoints")
+        assert str(refused.value) == (
+            f"exp_manager.resume_from_checkpoint: {given} is {what}, not a checkpoint: give one "
+            f"of the iter_NNNNNNN directories in {run / 'checkpoints'} (the newest complete one "
+            f"is {newest})" + resume_the_run
+        )
+
+
 def test_a_changed_schedule_is_refused_on_resume_unless_overridden(tmp_path):
     _run(tmp_path, tiny_run_config(tmp_path, "trainer.exit_interval=3"))
     refused = _run(
@@ -215,6 +242,69 @@ def test_a_committed_checkpoint_that_lost_a_file_is_named_not_passed_over(
         "(this one is then moved aside, kept)"
     ], err
     assert (damaged / "complete.json").is_file() and "resumed from" not in out
+
+
+_PAST_UNREADABLE = (
+    "; set exp_manager.resume_past_unreadable=true to resume from the newest one before it "
+    "(this one is then moved aside, kept)"
+)
+
+
+@pytest.mark.parametrize(
+    "damaged_file, train_says, analyze_says",
+    [
+        (
+            ".metadata",
+            "could not load checkpoint {}: its .metadata (the index of its shards) cannot be "
+            "read: pickle data was truncated",
+            None,  # as train says
+        ),
+        (
+            "__0_0.distcp",
+            r"could not load checkpoint {}: its shard __0_0.distcp is truncated \(1000 bytes "
+            r"of at least \d+\)",
+            None,
+        ),
+        (
+            "complete.json",
+            "checkpoint {} is damaged: complete.json is not valid JSON (Expecting value: line 1 "
+            "column 1 (char 0))",
+            "{} is not a complete checkpoint: it is damaged: complete.json is not valid JSON "
+            "(Expecting value: line 1 column 1 (char 0))",
+        ),
+    ],
+    ids=["index", "shard", "marker"],
+)
+def test_a_checkpoint_with_a_damaged_file_is_refused_by_train_and_analyze_in_one_line(
+    tmp_path, straight_tiny_run, damaged_file, train_says, analyze_says
+):
+    """torch logged two tracebacks of a truncated .metadata before the error; analyze's
+    error carried torch's page of traceback; a truncated shard was ``EOFError: Ran out of
+    input``, naming no file, without the way past it; and analyze used the checkpoint
+    whose complete.json train refused."""
+    shutil.copytree(straight_tiny_run["run_dir"], tmp_path / "lns")
+    damaged = tmp_path / "lns" / "checkpoints" / "iter_0000006"
+    if damaged_file == "complete.json":
+        (damaged / damaged_file).write_text("garbage{")
+    else:
+        os.truncate(damaged / damaged_file, 100 if damaged_file == ".metadata" else 1000)
+    train = ["train", str(DEMO), *TINY_RUN_OVERRIDES, f"exp_manager.exp_dir={tmp_path}"]
+    _, err = _cli(*train, "trainer.max_steps=9").communicate(timeout=600)
+    train_says = train_says.format(damaged)
+    if damaged_file == "__0_0.distcp":
+        [line] = err.splitlines()
+        assert re.fullmatch("error: " + train_says + re.escape(_PAST_UNREADABLE), line), err
+    else:
+        assert err.splitlines() == ["error: " + train_says + _PAST_UNREADABLE], err
+    out_dir = tmp_path / "analysis"
+    analysis = _cli("analyze", str(tmp_path / "lns"), "--out", str(out_dir), "--no-prune")
+    _, err = analysis.communicate(timeout=600)
+    [line] = err.splitlines()
+    if damaged_file == "__0_0.distcp":
+        assert re.fullmatch("error: " + train_says, line), err
+    else:
+        assert line == "error: " + (analyze_says or train_says).format(damaged), err
+    assert not out_dir.exists()
 
 
 @pytest.mark.long

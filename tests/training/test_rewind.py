@@ -84,6 +84,42 @@ def test_a_move_cut_short_is_finished_before_the_next_resume_looks(tmp_path, mon
     assert finish_interrupted_moves(checkpoints) == []
 
 
+@pytest.mark.parametrize(
+    "journal, problem",
+    [
+        ("{", r"is not valid JSON \(Expecting property name"),
+        ('{"mov": []}', 'has no "move" list'),
+        ("[1]", 'has no "move" list'),
+        ('{"move": "iter_0000004"}', 'has a "move" that is not a list of checkpoint names'),
+        (
+            '{"move": ["../../elsewhere"]}',
+            r"lists '../../elsewhere' to move, which is no checkpoint",
+        ),
+    ],
+)
+def test_a_corrupt_move_journal_is_named_with_what_is_wrong(tmp_path, journal, problem):
+    """It was ``cannot finish moving checkpoints aside in ...: 'move'`` (a KeyError's text),
+    a TypeError's traceback, or a rename of whatever the journal named."""
+    checkpoints = _run_dir(tmp_path, "iter_0000002", "iter_0000004")
+    aside = checkpoints / "abandoned-20260101-000000-from-iter_0000002"
+    aside.mkdir()
+    (aside / rewind.JOURNAL).write_text(journal)
+    with pytest.raises(rewind.MoveJournalError) as refused:
+        finish_interrupted_moves(checkpoints)
+    message = str(refused.value)
+    assert message.startswith(f"the journal {aside / rewind.JOURNAL} of an interrupted move ")
+    assert re.search(problem, message), message
+    assert message.endswith(
+        f"move the checkpoints newer than iter_0000002 from {checkpoints} into {aside} "
+        "yourself, then remove the journal"
+    )
+    assert "\n" not in message and _listing(checkpoints) == [
+        aside.name,
+        "iter_0000002",
+        "iter_0000004",
+    ]
+
+
 def test_a_checkpoint_of_another_run_is_never_touched(tmp_path):
     """Resuming run B from run A's iter_2 sets aside B's own newer checkpoints only."""
     a = _run_dir(tmp_path / "a", "iter_0000002", "iter_0000004")
