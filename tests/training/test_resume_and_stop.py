@@ -174,6 +174,25 @@ def test_a_resume_with_another_layer_variant_names_the_key(tmp_path):
         )
 
 
+def _resume_step_3(tmp_path, straight_tiny_run, *overrides):
+    """The straight tiny run resumed from its step-3 checkpoint with ``overrides``, in a
+    run directory of its own."""
+    chosen = straight_tiny_run["run_dir"] / "checkpoints" / "iter_0000003"
+    resume = f"exp_manager.resume_from_checkpoint={chosen}"
+    return _run(tmp_path, tiny_run_config(tmp_path / "other", resume, *overrides))
+
+
+@pytest.mark.parametrize("changed", ["model.optim.eps=0.5", "model.optim.betas=[0.5,0.9]"])
+def test_a_resume_trains_with_the_configured_betas_and_eps(tmp_path, straight_tiny_run, changed):
+    """The checkpoint's param groups held the old values and overwrote the config's, so
+    the resumed run repeated the old one's losses bit for bit."""
+    resumed = _resume_step_3(tmp_path, straight_tiny_run, changed)
+    assert resumed["resumed_from"] == 3
+    # Step 4's loss comes before its update; the updates after it are the new optimizer's.
+    assert resumed["losses"][0] == straight_tiny_run["losses"][3]
+    assert resumed["losses"][1][1] != straight_tiny_run["losses"][4][1]
+
+
 def test_a_resume_with_nothing_left_to_do_says_so_and_writes_nothing(tmp_path, capfd):
     _run(tmp_path, tiny_run_config(tmp_path))
     final = tmp_path / "lns" / "checkpoints" / "iter_0000006"
