@@ -193,6 +193,32 @@ def test_a_resume_trains_with_the_configured_betas_and_eps(tmp_path, straight_ti
     assert resumed["losses"][1][1] != straight_tiny_run["losses"][4][1]
 
 
+def test_a_resume_with_another_model_or_optimizer_state_is_refused_by_name(
+    tmp_path, straight_tiny_run
+):
+    """Another head count fits the same tensors and trained another model without a word;
+    another optimizer crashed in megatron or failed naming no key, and a run allowed to pass
+    unreadable checkpoints passed these valid ones over and set them aside."""
+    shutil.copytree(straight_tiny_run["run_dir"], tmp_path / "lns")
+    checkpoints = tmp_path / "lns" / "checkpoints"
+    newest = checkpoints / "iter_0000006"
+    past = "exp_manager.resume_past_unreadable=true"
+    refusals = {
+        "model.num_attention_heads=2": "by another model (model.num_attention_heads: 4 -> 2)",
+        "model.optim.name=sgd": "with another optimizer state (model.optim.name: adamw -> sgd)",
+        "trainer.precision=bf16": "with another optimizer state (trainer.precision: 32 -> bf16)",
+    }
+    for override, named in refusals.items():
+        refused = _run(tmp_path, tiny_run_config(tmp_path, past, override))
+        assert refused["error"].startswith(f"checkpoint {newest} was written {named}: ")
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["iter_0000003", "iter_0000006"]
+    # Another name of the same megatron optimizer is no change.
+    assert (
+        _resume_step_3(tmp_path, straight_tiny_run, "model.optim.name=adam")["losses"]
+        == (straight_tiny_run["losses"][3:])
+    )
+
+
 def test_a_resume_with_nothing_left_to_do_says_so_and_writes_nothing(tmp_path, capfd):
     _run(tmp_path, tiny_run_config(tmp_path))
     final = tmp_path / "lns" / "checkpoints" / "iter_0000006"
