@@ -219,6 +219,26 @@ def test_a_resume_with_another_model_or_optimizer_state_is_refused_by_name(
     )
 
 
+def test_another_sequence_length_is_refused_as_changed_data_or_counted(tmp_path, straight_tiny_run):
+    """The samples after the resume are cut at the new length: refused as changed data
+    is, naming the key; with the override, ``status`` counts each stretch's tokens at the
+    length it was trained at (it counted every sample at the last length)."""
+    shutil.copytree(straight_tiny_run["run_dir"], tmp_path / "lns")
+    step3 = tmp_path / "lns" / "checkpoints" / "iter_0000003"
+    shorter = (f"exp_manager.resume_from_checkpoint={step3}", "model.encoder_seq_length=16")
+    refused = _run(tmp_path, tiny_run_config(tmp_path, *shorter))
+    assert refused["error"].startswith(
+        f"checkpoint {step3} was written with other samples (model.encoder_seq_length: 32 -> 16"
+    )
+    assert "exp_manager.resume_with_changed_data=true" in refused["error"]
+    reseeded = _run(tmp_path, tiny_run_config(tmp_path, "model.seed=7"))
+    assert "(model.seed: 1234 -> 7)" in reseeded["error"]
+
+    allowed = "exp_manager.resume_with_changed_data=true"
+    assert _run(tmp_path, tiny_run_config(tmp_path, *shorter, allowed))["resumed_from"] == 3
+    assert run_report(tmp_path / "lns").tokens == 12 * 32 + 12 * 16  # 4 samples a step
+
+
 def test_a_resume_with_nothing_left_to_do_says_so_and_writes_nothing(tmp_path, capfd):
     _run(tmp_path, tiny_run_config(tmp_path))
     final = tmp_path / "lns" / "checkpoints" / "iter_0000006"
