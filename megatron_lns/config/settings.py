@@ -48,6 +48,19 @@ A model setting also says what a checkpoint and a Hugging Face model make of it:
 * ``shapes``: the value decides which parameters the model has or their shapes, so a
   checkpoint written under another value is another model. Resume names the shaping keys
   that changed when a checkpoint does not load (:func:`shaping_keys`);
+* ``resume``: what a resume does with a value other than the one in the checkpoint's
+  ``config.yaml``, before anything is loaded (:func:`keys_on_resume`, the value compared
+  as megatron-core gets it: ``fused_adam`` and ``adam`` are one optimizer).
+  :data:`RESUME_MODEL` (what a ``shapes`` key does unless it says otherwise): refused,
+  naming the key, whether or not the tensors happen to fit (another ``num_attention_heads``
+  splits the same weights otherwise); :data:`RESUME_OPTIMIZER`: refused likewise, the
+  optimizer's state (its tensors, its param groups) is another one; :data:`RESUME_DATA`:
+  the samples after the resume are not those the run would have read, refused as changed
+  data is unless ``exp_manager.resume_with_changed_data``; :data:`RESUME_TENSORS`: a
+  ``shapes`` key whose change the checkpoint's tensors and architecture record show
+  (``num_layers``) or that is no change of the model (a tokenizer file at another path):
+  it loads where the tensors fit. Any other key loads and is reported with the other
+  config changes;
 * ``hf``: its role in Hugging Face export and import. A ``config.json`` field name: the
   field it becomes on export and is read from on import (written and read by the
   architecture where it names the field, else as it is: ``convert/hf_settings.py``);
@@ -98,6 +111,12 @@ Params = Callable[[Any], int]
 # The roles in Hugging Face export/import that are not a config.json field (module doc).
 HF_REFUSE = "refuse"
 HF_CONVERTER = "converter"
+# What a resume does with a changed value (module doc).
+RESUME_MODEL = "model"
+RESUME_OPTIMIZER = "optimizer"
+RESUME_DATA = "data"
+RESUME_TENSORS = "tensors"
+Resume = Literal["model", "optimizer", "data", "tensors"]
 
 
 @dataclass(frozen=True)
@@ -119,6 +138,8 @@ class Setting:
     doc: str | None = None
     null_means: str | None = None
     shapes: bool = False
+    # None: RESUME_MODEL for a shapes key, else reported (module doc).
+    resume: Resume | None = None
     hf: str | None = None
     # Why no Hugging Face model holds a value other than the default (hf=HF_REFUSE only).
     hf_refusal: str | None = None
@@ -155,6 +176,7 @@ def setting(
     null_means: str | None = None,
     free_form: bool = False,
     shapes: bool = False,
+    resume: Resume | None = None,
     hf: str | None = None,
     hf_refusal: str | None = None,
     params: Params | None = None,
@@ -188,6 +210,7 @@ def setting(
         null_means=null_means,
         free_form=free_form,
         shapes=shapes,
+        resume=resume,
         hf=hf,
         hf_refusal=hf_refusal,
         params=params,
@@ -327,3 +350,13 @@ def shaping_keys(cls: type) -> tuple[str, ...]:
     """The dotted keys below the schema dataclass ``cls`` whose values shape parameters:
     what resume names when a checkpoint does not load."""
     return tuple(item.key for item in declared_settings(cls) if item.setting.shapes)
+
+
+def keys_on_resume(cls: type, resume: Resume) -> tuple[Declared, ...]:
+    """The declared keys below ``cls`` that a resume treats as ``resume`` says (module
+    doc): a ``shapes`` key is :data:`RESUME_MODEL` unless it says otherwise."""
+    return tuple(
+        item
+        for item in declared_settings(cls)
+        if (item.setting.resume or (RESUME_MODEL if item.setting.shapes else None)) == resume
+    )

@@ -39,9 +39,16 @@ def allocate_distributed_optimizer_state(optimizer) -> None:
             part._init_optimizer_states_with_dummy_values()
 
 
+# What a param group takes from the checkpoint: its parameters and step count, and what
+# the LR scheduler sets at every step from the checkpoint's schedule (resume.py).
+FROM_CHECKPOINT = ("params", "step", "lr", "weight_decay")
+
+
 def load_optimizer_state(optimizer, state_dict: dict) -> None:
     """``optimizer.load_state_dict``, keeping torch Adam's step count out of the copy of
-    the parameter states, and giving each parameter its own step count.
+    the parameter states, and giving each parameter its own step count; the run's
+    hyperparameters (Adam's betas and eps, SGD's momentum) stay the config's: torch
+    copies the saved param groups' over them, and nothing sets them again.
 
     ``DistributedOptimizer.load_state_dict`` sets every parameter's ``step`` to one and
     the same tensor from the checkpoint, then copies each parameter's state tensors from
@@ -56,11 +63,17 @@ def load_optimizer_state(optimizer, state_dict: dict) -> None:
         part._set_main_param_and_optimizer_states = functools.partial(
             _set_states_but_step, part, type(part)._set_main_param_and_optimizer_states
         )
+    configured = [
+        {key: value for key, value in group.items() if key not in FROM_CHECKPOINT}
+        for group in optimizer.param_groups
+    ]
     try:
         optimizer.load_state_dict(state_dict)
     finally:
         for part in parts:
             del part._set_main_param_and_optimizer_states
+    for group, settings in zip(optimizer.param_groups, configured, strict=True):
+        group.update(settings)
 
 
 def _set_states_but_step(part, set_states, model_param, tensors: dict) -> None:

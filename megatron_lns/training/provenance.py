@@ -20,7 +20,7 @@ import functools
 import hashlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -105,13 +105,24 @@ def _flatten(value, prefix: str = "") -> dict[str, object]:
     return {prefix: value}
 
 
-def changed_values(saved_yaml: str, current_yaml: str, keys: Sequence[str]) -> list[str]:
-    """``key: saved -> current`` for each of the dotted ``keys`` whose values differ."""
-    saved, current = _flatten(_hashed_part(saved_yaml)), _flatten(_hashed_part(current_yaml))
+def flat_config(config_yaml: str) -> dict[str, object]:
+    """The values of the config's :data:`HASHED_SECTIONS` by dotted key."""
+    return _flatten(_hashed_part(config_yaml))
+
+
+def changed_values(
+    saved_yaml: str,
+    current_yaml: str,
+    keys: Sequence[str],
+    same: Callable[[str, object, object], bool] = lambda key, saved, current: saved == current,
+) -> list[str]:
+    """``key: saved -> current`` for each of the dotted ``keys`` whose values differ
+    (``same(key, saved, current)`` false)."""
+    saved, current = flat_config(saved_yaml), flat_config(current_yaml)
     return [
         f"{key}: {_shown(saved, key)} -> {_shown(current, key)}"
         for key in keys
-        if saved.get(key) != current.get(key)
+        if not same(key, saved.get(key), current.get(key))
     ]
 
 

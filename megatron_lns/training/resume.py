@@ -27,6 +27,13 @@
   hybrid twin (weights, optimizer state, schedule, data position), the way megatron-core
   moves GPT runs to ``HybridModel``; a hybrid checkpoint resumes only in the hybrid model
   with the same sublayers (``checkpoint.py``).
+* A setting whose declaration says what a resume does with another value (the ``resume``
+  fact, ``config/settings.py``) is compared with the checkpoint's ``config.yaml`` before
+  anything is loaded (``resume_settings.py``): another model (``num_attention_heads``,
+  whose tensors may fit all the same) or another optimizer state (``model.optim.name``,
+  ``trainer.precision``) is refused naming the keys, and is not skipped for an older
+  checkpoint: it is readable. Another sequence length or seed is refused as changed data
+  is, unless ``exp_manager.resume_with_changed_data``.
 * What else changed since the checkpoint was written (package versions, the config's
   model and trainer sections, the parallel layout) is reported in one line, not refused
   (:func:`changes_since_checkpoint`, ``provenance.py``). A checkpoint whose tensors do not
@@ -47,7 +54,15 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lns.config import ExperimentConfig, to_yaml
-from megatron_lns.config.settings import shaping_keys
+from megatron_lns.config.settings import (
+    MODEL_TARGETS,
+    OPTIMIZER_TARGETS,
+    RESUME_DATA,
+    RESUME_MODEL,
+    RESUME_OPTIMIZER,
+    declared_settings,
+    shaping_keys,
+)
 from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.training import provenance
 from megatron_lns.training.checkpoint import (
@@ -64,11 +79,13 @@ from megatron_lns.training.checkpoint import (
 from megatron_lns.training.checkpoint_damage import read_failure, read_index
 from megatron_lns.training.checkpoint_dirs import is_checkpoint_dir
 from megatron_lns.training.data_change import (
+    OVERRIDE_KEY,
     DataChangedError,
     DataInUse,
     check_data,
     data_record,
 )
+from megatron_lns.training.resume_settings import changed_settings
 from megatron_lns.training.rewind import branch_to_continue
 
 # megatron scheduler state -> the config keys that set it.
@@ -204,6 +221,7 @@ def resume(
         try:
             saved = _saved_schedule(path)
             data_note = check_data(path, data, cfg.exp_manager.resume_with_changed_data)
+            data_note = _check_settings(path, cfg, saved is None) or data_note
             changes = schedule_changes(saved, scheduler)
             if changes and not override:
                 raise ScheduleChangedError(
@@ -246,25 +264,73 @@ def resume(
     return TrainingState(data=data_record(data)), None
 
 
-def named_by_config_keys(
-    err: CheckpointError, path: Path, cfg: ExperimentConfig
-) -> CheckpointError:
-    """A checkpoint that did not load, named by the keys that shape parameters and changed
-    since it was written, when any did: megatron's error names its tensors (a kilobyte of
-    them for a changed layer_variant), not the key. ``err`` as it is otherwise, and when it
-    names the setting to change already (another architecture)."""
-    stored = path / RUN_CONFIG
-    if isinstance(err, ArchitectureMismatchError) or not stored.is_file():
-        return err
-    keys = shaping_keys(type(cfg))
-    changes = provenance.changed_values(stored.read_text(), to_yaml(cfg), keys)
-    if not changes:
-        return err
+def _another_model(path: Path, changes: list[str]) -> CheckpointMismatchError:
     return CheckpointMismatchError(
         f"checkpoint {path} was written by another model ({'; '.join(changes)}): a run "
         "resumes with the model it trained; restore those values, or start a new run "
         "(another exp_manager.name)"
     )
+
+
+def _check_settings(path: Path, cfg: ExperimentConfig, weights_only: bool) -> str | None:
+    """Refuse a resume from ``path`` with another model, optimizer state, or (without the
+    override) sequence length or seed (``resume_settings.py``); the line that says the
+    samples changed where the override allows it. A weights-only checkpoint (import-hf)
+    holds no optimizer state and no data position: only its model counts."""
+    if changes := changed_settings(path, cfg, RESUME_MODEL):
+        raise _another_model(path, changes)
+    if weights_only:
+        return None
+    if changes := changed_settings(path, cfg, RESUME_OPTIMIZER):
+        raise CheckpointMismatchError(
+            f"checkpoint {path} was written with another optimizer state ({'; '.join(changes)})"
+            ": its Adam moments, fp32 main weights and param groups load only into the "
+            "optimizer that wrote them; restore those values, or start a new run (another "
+            "exp_manager.name)"
+        )
+    changes = changed_settings(path, cfg, RESUME_DATA)
+    if not changes:
+        return None
+    changed = "; ".join(changes)
+    if cfg.exp_manager.resume_with_changed_data:
+        return (
+            f"the samples changed since checkpoint {path.name} ({changed}); training "
+            f"continues on the samples they give ({OVERRIDE_KEY}=true)"
+        )
+    raise DataChangedError(
+        f"checkpoint {path} was written with other samples ({changed}): the sequence length "
+        "cuts the samples and the seed orders them, so the run would not read what it would "
+        f"have read after this step; restore those values, or set {OVERRIDE_KEY}=true to "
+        "continue training on the samples they give"
+    )
+
+
+def named_by_config_keys(
+    err: CheckpointError, path: Path, cfg: ExperimentConfig
+) -> CheckpointError:
+    """A checkpoint that did not load, named by the keys that shape parameters and changed
+    since it was written, when any did: megatron's error names its tensors (a kilobyte of
+    them for a changed layer_variant), not the key. Failing that, by the config keys that
+    changed, if any did, and so not skipped as unreadable. ``err`` as it is otherwise, and
+    when it names the setting to change already (another architecture)."""
+    stored = path / RUN_CONFIG
+    if isinstance(err, ArchitectureMismatchError) or not stored.is_file():
+        return err
+    saved_yaml, config_yaml = stored.read_text(), to_yaml(cfg)
+    if changes := provenance.changed_values(saved_yaml, config_yaml, shaping_keys(type(cfg))):
+        return _another_model(path, changes)
+    built = [
+        item.key
+        for item in declared_settings(type(cfg))
+        if item.setting.target_class in MODEL_TARGETS + OPTIMIZER_TARGETS
+    ]
+    if changes := provenance.changed_values(saved_yaml, config_yaml, built):
+        # Not skipped as unreadable: it may load under the settings it was written with.
+        return CheckpointMismatchError(
+            f"{err}; it was written with other settings of the model or optimizer "
+            f"({'; '.join(changes)}): restore those values to resume from it"
+        )
+    return err
 
 
 def _set_param_group_lr_bounds(optimizer: MegatronOptimizer, max_lr: float, min_lr: float) -> None:

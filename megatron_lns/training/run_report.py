@@ -10,6 +10,7 @@ run trains.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from collections.abc import Callable
@@ -25,7 +26,9 @@ from megatron_lns.base.timestamps import local_time
 from megatron_lns.config.sources import RUN_CONFIG, runs_inside_hint
 from megatron_lns.runtime.progress_file import RUN_PROGRESS_FILE, ProgressEvent, read_progress
 from megatron_lns.training.checkpoint_dirs import (
+    COMPLETE_MARKER,
     checkpoint_step,
+    complete_checkpoints,
     is_checkpoint_dir,
     latest_complete_checkpoint,
 )
@@ -63,11 +66,17 @@ class RunReport:
     hang_timeouts: dict[str, float] = field(default_factory=dict)
     # The lines of run_progress that hold no record (torn or edited), left out.
     unreadable_progress_lines: list[int] = field(default_factory=list)
+    # (samples, tokens) through the newest checkpoint the run is past, each stretch between
+    # checkpoints at the sequence length it was trained at (:func:`_checkpointed_tokens`).
+    checkpointed: tuple[int, int] = (0, 0)
 
     @property
     def tokens(self) -> int | None:
-        known = self.samples is not None and self.seq_length is not None
-        return self.samples * self.seq_length if known else None
+        """Tokens trained: those through the newest checkpoint, the rest at ``seq_length``."""
+        if self.samples is None or self.seq_length is None:
+            return None
+        samples, tokens = self.checkpointed
+        return tokens + (self.samples - samples) * self.seq_length
 
     @property
     def step_s(self) -> float | None:
@@ -226,6 +235,32 @@ def _config(run_dir: Path) -> dict[str, Any]:
     return config if isinstance(config, dict) else {}
 
 
+def _seq_length(config: dict[str, Any]) -> int | None:
+    return _setting(config, "model", "encoder_seq_length") or _setting(
+        config, "model", "data", "seq_length"
+    )
+
+
+def _checkpointed_tokens(checkpoints: Path, samples: int | None) -> tuple[int, int]:
+    """(samples, tokens) through the newest complete checkpoint at or before ``samples``:
+    the stretch before each checkpoint at the sequence length of its ``config.yaml`` (the
+    run that wrote it trained every step since the one before: a resume with another
+    sequence length, ``exp_manager.resume_with_changed_data``, cuts other samples). A
+    checkpoint whose records cannot be read adds nothing (its stretch counts with the
+    next)."""
+    counted = (0, 0)
+    for checkpoint in reversed(complete_checkpoints(checkpoints)):  # oldest first
+        try:
+            at = json.loads((checkpoint / COMPLETE_MARKER).read_text())["consumed_samples"]
+            length = _seq_length(yaml.safe_load((checkpoint / RUN_CONFIG).read_text()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, yaml.YAMLError):
+            continue
+        if not isinstance(at, int) or length is None or samples is None or at > samples:
+            break
+        counted = (at, counted[1] + (at - counted[0]) * length)
+    return counted
+
+
 def _setting(config: dict[str, Any], *keys: str) -> int | None:
     for key in keys:
         config = config.get(key) if isinstance(config, dict) else None
@@ -288,21 +323,20 @@ def run_report(run_dir: str | Path) -> RunReport:
     goodput = account(events, None if holder is not None else newest_step)
     attempts = goodput.attempts
     last = attempts[-1] if attempts else None
-    seq_length = _setting(config, "model", "encoder_seq_length") or _setting(
-        config, "model", "data", "seq_length"
-    )
+    samples = last.samples if last else None
     return RunReport(
         run_dir=run_dir,
         max_steps=_setting(config, "trainer", "max_steps"),
-        seq_length=seq_length,
+        seq_length=_seq_length(config),
         step=max(last.last_step if last else 0, newest_step),
-        samples=last.samples if last else None,
+        samples=samples,
         newest_checkpoint=newest,
         state=_state(run_dir, goodput, holder),
         goodput=goodput,
         last_record_at=max((a.last_at for a in attempts), default=None),
         hang_timeouts=_hang_timeouts(events),
         unreadable_progress_lines=progress.unreadable,
+        checkpointed=_checkpointed_tokens(run_dir / "checkpoints", samples),
     )
 
 

@@ -201,6 +201,71 @@ def test_a_resume_with_another_layer_variant_names_the_key(tmp_path):
         )
 
 
+def _resume_step_3(tmp_path, straight_tiny_run, *overrides):
+    """The straight tiny run resumed from its step-3 checkpoint with ``overrides``, in a
+    run directory of its own."""
+    chosen = straight_tiny_run["run_dir"] / "checkpoints" / "iter_0000003"
+    resume = f"exp_manager.resume_from_checkpoint={chosen}"
+    return _run(tmp_path, tiny_run_config(tmp_path / "other", resume, *overrides))
+
+
+@pytest.mark.parametrize("changed", ["model.optim.eps=0.5", "model.optim.betas=[0.5,0.9]"])
+def test_a_resume_trains_with_the_configured_betas_and_eps(tmp_path, straight_tiny_run, changed):
+    """The checkpoint's param groups held the old values and overwrote the config's, so
+    the resumed run repeated the old one's losses bit for bit."""
+    resumed = _resume_step_3(tmp_path, straight_tiny_run, changed)
+    assert resumed["resumed_from"] == 3
+    # Step 4's loss comes before its update; the updates after it are the new optimizer's.
+    assert resumed["losses"][0] == straight_tiny_run["losses"][3]
+    assert resumed["losses"][1][1] != straight_tiny_run["losses"][4][1]
+
+
+def test_a_resume_with_another_model_or_optimizer_state_is_refused_by_name(
+    tmp_path, straight_tiny_run
+):
+    """Another head count fits the same tensors and trained another model without a word;
+    another optimizer crashed in megatron or failed naming no key, and a run allowed to pass
+    unreadable checkpoints passed these valid ones over and set them aside."""
+    shutil.copytree(straight_tiny_run["run_dir"], tmp_path / "lns")
+    checkpoints = tmp_path / "lns" / "checkpoints"
+    newest = checkpoints / "iter_0000006"
+    past = "exp_manager.resume_past_unreadable=true"
+    refusals = {
+        "model.num_attention_heads=2": "by another model (model.num_attention_heads: 4 -> 2)",
+        "model.optim.name=sgd": "with another optimizer state (model.optim.name: adamw -> sgd)",
+        "trainer.precision=bf16": "with another optimizer state (trainer.precision: 32 -> bf16)",
+    }
+    for override, named in refusals.items():
+        refused = _run(tmp_path, tiny_run_config(tmp_path, past, override))
+        assert refused["error"].startswith(f"checkpoint {newest} was written {named}: ")
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["iter_0000003", "iter_0000006"]
+    # Another name of the same megatron optimizer is no change.
+    assert (
+        _resume_step_3(tmp_path, straight_tiny_run, "model.optim.name=adam")["losses"]
+        == (straight_tiny_run["losses"][3:])
+    )
+
+
+def test_another_sequence_length_is_refused_as_changed_data_or_counted(tmp_path, straight_tiny_run):
+    """The samples after the resume are cut at the new length: refused as changed data
+    is, naming the key; with the override, ``status`` counts each stretch's tokens at the
+    length it was trained at (it counted every sample at the last length)."""
+    shutil.copytree(straight_tiny_run["run_dir"], tmp_path / "lns")
+    step3 = tmp_path / "lns" / "checkpoints" / "iter_0000003"
+    shorter = (f"exp_manager.resume_from_checkpoint={step3}", "model.encoder_seq_length=16")
+    refused = _run(tmp_path, tiny_run_config(tmp_path, *shorter))
+    assert refused["error"].startswith(
+        f"checkpoint {step3} was written with other samples (model.encoder_seq_length: 32 -> 16"
+    )
+    assert "exp_manager.resume_with_changed_data=true" in refused["error"]
+    reseeded = _run(tmp_path, tiny_run_config(tmp_path, "model.seed=7"))
+    assert "(model.seed: 1234 -> 7)" in reseeded["error"]
+
+    allowed = "exp_manager.resume_with_changed_data=true"
+    assert _run(tmp_path, tiny_run_config(tmp_path, *shorter, allowed))["resumed_from"] == 3
+    assert run_report(tmp_path / "lns").tokens == 12 * 32 + 12 * 16  # 4 samples a step
+
+
 def test_a_resume_with_nothing_left_to_do_says_so_and_writes_nothing(tmp_path, capfd):
     _run(tmp_path, tiny_run_config(tmp_path))
     final = tmp_path / "lns" / "checkpoints" / "iter_0000006"

@@ -40,6 +40,7 @@ class ArchitectureSettings:
         target="GPTModel.max_sequence_length",
         translate=to("seq_length"),
         shapes=True,
+        resume="data",
         hf=HF_CONVERTER,
     )
     """training sequence length (`GPTModel` / `GPTDataset` sequence length)"""
@@ -51,12 +52,18 @@ class ArchitectureSettings:
         translate=to("max_position_embeddings"),
         null_means="= seq length",
         shapes=True,
+        resume="tensors",
         hf="max_position_embeddings",
     )
     """`GPTModel.max_sequence_length`"""
 
     num_layers: int = setting(
-        12, positive, target="TransformerConfig", shapes=True, hf="num_hidden_layers"
+        12,
+        positive,
+        target="TransformerConfig",
+        shapes=True,
+        resume="tensors",
+        hf="num_hidden_layers",
     )
     """`TransformerConfig.num_layers`"""
 
@@ -73,6 +80,7 @@ class ArchitectureSettings:
         aliases=("hybrid_override_pattern",),
         null_means="the GPT twin",
         shapes=True,
+        resume="tensors",
         hf=HF_CONVERTER,
     )
     """`architecture: hybrid` only: one symbol per sublayer, `*` attention, `-` MLP, `E` MoE, `|`
@@ -206,5 +214,5 @@ class ArchitectureSettings:
     """embedding rows = tokenizer vocab rounded up to a multiple of lcm(this, TP) (Megatron-LM
     multiplies by TP instead, which ties checkpoints to one TP size)"""
 
-    seed: int = setting(1234, rng_seed)
+    seed: int = setting(1234, rng_seed, resume="data")
     """init, data order and dropout seeds (`model_parallel_cuda_manual_seed`)"""

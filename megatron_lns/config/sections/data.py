@@ -25,7 +25,9 @@ class DataConfig:
     """train/valid/test document split, three non-negative numbers, the train weight positive
     (`GPTDatasetConfig.split`)"""
 
-    seq_length: int = setting(512, positive, target="GPTDatasetConfig.sequence_length")
+    seq_length: int = setting(
+        512, positive, target="GPTDatasetConfig.sequence_length", resume="data"
+    )
     """must equal `model.encoder_seq_length` (NeMo interpolates it)"""
 
     index_mapping_dir: str | None = setting(None, target="GPTDatasetConfig.path_to_cache")
@@ -49,8 +51,8 @@ class TokenizerConfig:
     library: str = setting("byte", one_of(TOKENIZER_LIBRARIES), shapes=True, hf=HF_CONVERTER)
     """`byte` (UTF-8 bytes + EOD, vocab 257), `huggingface`, `sentencepiece`"""
 
-    type: str | None = setting(None, shapes=True, hf=HF_CONVERTER)
+    type: str | None = setting(None, shapes=True, resume="tensors", hf=HF_CONVERTER)
     """`huggingface` only: a local tokenizer directory (never downloaded)"""
 
-    model: str | None = setting(None, shapes=True, hf=HF_CONVERTER)
+    model: str | None = setting(None, shapes=True, resume="tensors", hf=HF_CONVERTER)
     """`sentencepiece` only: the `.model` file"""

@@ -107,7 +107,11 @@ class SchedConfig:
 @dataclass
 class OptimConfig:
     name: str = setting(
-        "fused_adam", one_of(OPTIMIZERS), target="OptimizerConfig.optimizer", translate=_optimizer
+        "fused_adam",
+        one_of(OPTIMIZERS),
+        target="OptimizerConfig.optimizer",
+        translate=_optimizer,
+        resume="optimizer",
     )
     """`fused_adam`, `adam`, `adamw`: megatron's `adam` (decoupled weight decay, i.e. AdamW);
     `distributed_fused_adam`: the same with the distributed optimizer (`use_distributed_optimizer`);

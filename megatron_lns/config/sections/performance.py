@@ -245,6 +245,7 @@ class PerformanceSettings:
         False,
         target="get_megatron_optimizer.config_overrides",
         translate=to("decay_norms_and_biases"),
+        resume="optimizer",
     )
     """weight decay on every parameter. false is megatron's standard `config_overrides`, which
     exempts biases and 1-D tensors (norm weights); true passes none

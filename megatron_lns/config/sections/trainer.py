@@ -67,6 +67,7 @@ class TrainerConfig:
         one_of(PRECISIONS),
         target="TransformerConfig.params_dtype",
         translate=_precision,
+        resume="optimizer",
     )
     """`bf16-mixed`/`bf16`: `TransformerConfig.bf16` + `Float16Module` + megatron's mixed-precision
     optimizer with fp32 main weights; `16-mixed`/`16`: the same in fp16 with dynamic loss scaling;
