@@ -78,7 +78,16 @@ def build_optimizer(
     overrides = {} if decay_norms_and_biases else None
     optimizer = get_megatron_optimizer(optimizer_config, list(model), config_overrides=overrides)
     get_model_config(model[0]).grad_scale_func = optimizer.scale_loss
+    if optimizer_config.optimizer == "sgd" and not optimizer_config.sgd_momentum:
+        # megatron-core gives SGD no function to make its state, which loading a checkpoint
+        # calls ('NoneType' object is not callable); SGD without momentum has no state.
+        for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+            part.init_state_fn = _no_state
     return optimizer
+
+
+def _no_state(optimizer: torch.optim.Optimizer, config: OptimizerConfig | None = None) -> None:
+    """The state of an optimizer that keeps none (SGD without momentum): nothing to make."""
 
 
 def build_optimizer_and_scheduler(

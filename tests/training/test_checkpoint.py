@@ -51,6 +51,19 @@ def test_save_commits_atomically_and_latest_skips_partial(seeded, tmp_path):
     assert (state.iteration, state.consumed_samples) == (1, 4)
 
 
+def test_an_sgd_run_resumes(seeded, tmp_path):
+    """megatron-core gives SGD no state-making function, which loading calls: every resume
+    of an sgd run ended in a TypeError traceback."""
+    cfg = tiny_config()
+    model = wrap_with_ddp(build_model(cfg))
+    sgd = OptimSettings(name="sgd", warmup_steps=1)
+    optimizer, scheduler = build_optimizer_and_scheduler(model, sgd, 10)
+    train_step(model, optimizer, fixed_microbatches(cfg.vocab_size, cfg.seq_length))
+    path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainingState(1, 4), "a: 1\n")
+    state = load_checkpoint(path, model, optimizer, scheduler)
+    assert (state.iteration, state.consumed_samples) == (1, 4)
+
+
 def test_a_resume_on_cpu_warns_nothing_of_torchs_sharded_tensor(seeded, tmp_path):
     """torch deprecates the ShardedTensor megatron's checkpoints load through; on CPU the
     warning names the CUDA-to-CPU redirect as its caller, which every process quiets."""
