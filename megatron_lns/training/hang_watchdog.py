@@ -373,7 +373,13 @@ class HangWatchdog:
             at = f"the store at {self.store.host}:{self.store.port}"
             who = f"{self._rank0.who()[:-1]}, {at})" if self._rank0 else f"rank 0 ({at})"
             stalled = [Stalled(0, who, f"does not answer ({err})", self._rank0)]
-        line = hang_line(stalled, self._heartbeat(self.phases.now()), timeout)
+        # The verdict and its line are of one observation: this rank still in the phase
+        # that outlived its timeout, after the others were read. One that got out
+        # meanwhile is not stuck (another rank's verdict, if any, still ends it).
+        again = self.phases.now()
+        if (again.phase, again.step) != (now.phase, now.step) or again.age_s < now.age_s:
+            return
+        line = hang_line(stalled, self._heartbeat(again), timeout)
         # The ranks that cannot end on their own: rank 0 waits for all others.
         reporter, silent = True, [s.rank for s in stalled if s.how in SILENT]
         if self.store is not None and self.store.lost is None:

@@ -369,3 +369,19 @@ def test_a_rank_that_found_the_hang_still_answers_the_others(capfd):
     line = next(x for x in capfd.readouterr().err.splitlines() if x.startswith("hang: "))
     assert "stopped responding" not in line, line
     assert exits == [HUNG_EXIT_CODE, HUNG_EXIT_CODE]
+
+
+def test_a_rank_that_moves_on_while_the_others_are_read_is_not_declared_hung(capfd):
+    """Rank 0's step outlived its timeout, but the step ended while the watchdog read the
+    heartbeats again: no verdict, and no line naming the next step with its age of a
+    moment (the line and the verdict are of one observation)."""
+    exits = []
+    _server, watchdogs, clock = _two_ranks_in_step_4(exits)
+    clock[0] = 11.0
+    looking = threading.Thread(target=watchdogs[0].check)
+    looking.start()
+    time.sleep(0.3)  # inside the second read, which waits at least a second
+    watchdogs[0].phases.begin("step", 5)
+    looking.join()
+    assert exits == []
+    assert "hang:" not in capfd.readouterr().err
