@@ -11,6 +11,7 @@ traceback.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -100,12 +101,52 @@ def report_user_error_once(err: UserError) -> None:
     print(f"error: {err}", file=sys.stderr, flush=True)
 
 
+def rank_ended(rank: int, exit_code: int, raised: bool = False) -> str:
+    """How a rank of a local run ended, in the words of every line that says it:
+    ``rank 1 was killed by SIGKILL``, ``rank 0 raised an error (its traceback above)``,
+    ``rank 2 exited with code 3``. ``exit_code`` is negative for a signal (Python's way)."""
+    if exit_code < 0:
+        try:
+            return f"rank {rank} was killed by {signal.Signals(-exit_code).name}"
+        except ValueError:
+            return f"rank {rank} was killed by signal {-exit_code}"
+    if raised:
+        return f"rank {rank} raised an error (its traceback above)"
+    return f"rank {rank} exited with code {exit_code}"
+
+
 class RankFailed(Exception):
     """A rank of a local multi-process run exited with an error (``runtime.local_ranks``)."""
 
     explained = False  # whether the message says all (else the rank's output says why)
+    status = 1  # the launcher's exit status
 
-    def __init__(self, rank: int, exit_code: int) -> None:
-        super().__init__(f"rank {rank} exited with code {exit_code}")
+    def __init__(self, rank: int, exit_code: int, raised: bool = False) -> None:
+        super().__init__(rank_ended(rank, exit_code, raised))
         self.rank = rank
         self.exit_code = exit_code
+        # A signal says why itself: a rank killed from outside printed nothing.
+        self.explained = self.explained or exit_code < 0 or raised
+
+
+class RanksStopped(RankFailed):
+    """The user's stop signals to the launcher (``signals``, in order) ended its ranks
+    before they could stop cleanly at a step boundary: before any had started (``rank``
+    None), or one of them ended by the signal (it was starting) or by the SIGKILL that a
+    second stop sends. The launcher exits with 128 + the first signal, as a shell does."""
+
+    explained = True
+
+    def __init__(
+        self, signals: list[int], rank: int | None = None, exit_code: int = 0, raised: bool = False
+    ) -> None:
+        super().__init__(-1 if rank is None else rank, exit_code, raised)
+        names = " then ".join(signal.Signals(s).name for s in signals)
+        if rank is None:
+            said = f"stopped by {names} before the ranks started"
+        else:
+            ended = rank_ended(rank, exit_code, raised)
+            why = " (a second stop kills the ranks)" if len(signals) > 1 else ""
+            said = f"stopped by {names}: {ended} before it could stop at a step{why}"
+        self.args = (f"{said}; rerun to resume",)
+        self.status = 128 + signals[0]

@@ -5,7 +5,8 @@ It imports no torch: ``submit`` and ``--dry-run`` end here too.
 Errors in the input (config, data, checkpoints, run directory) end the process with one
 line, ``error: ...``, and exit code 2; ``MEGATRON_LNS_DEBUG=1`` shows their traceback.
 A rank of a local multi-process run that failed ends it with status 1, or 2 when the
-rank has already reported a user error.
+rank has already reported a user error; ranks that the user's stop signal ended before
+they could stop cleanly end it with 128 + the signal, as a shell reports a signal.
 """
 
 from __future__ import annotations
@@ -49,4 +50,4 @@ def exit_status(body: Callable[[], int | None]) -> int:
             f"error: {err}{'' if err.explained else ' (its output above says why)'}",
             file=sys.stderr,
         )
-        return 1
+        return err.status

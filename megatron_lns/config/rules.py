@@ -68,6 +68,11 @@ positive = Check("positive", lambda v: _finite(v) and v > 0)
 # sbatch --signal=SIG@TIME takes at most 65535 seconds (a 16-bit field in SLURM).
 signal_lead_seconds = Check("in 1..65535", lambda v: _finite(v) and 0 < v <= 65535)
 non_negative = Check(">= 0", lambda v: _finite(v) and v >= 0)
+# A multiple of the slowest time seen below 1 would declare a healthy run hung.
+safety_multiple = Check(
+    ">= 1 (a learnt timeout below the slowest time seen ends a healthy run)",
+    lambda v: _finite(v) and v >= 1,
+)
 # Dropout probabilities: 1 would zero every activation.
 probability = Check("a probability in [0, 1)", lambda v: _finite(v) and 0 <= v < 1)
 # numpy's RandomState (megatron's dataset shuffling) takes seeds in [0, 2**32).

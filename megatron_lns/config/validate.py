@@ -184,6 +184,7 @@ def validate(
     check_moe(m, world)
     _check_profile_window(m.nsys_profile, world, t.max_steps)
     _check_timers(m, t)
+    _check_learnt_timeouts(cfg.exp_manager)
     sched = m.optim.sched
     decay_steps = t.max_steps - sched.constant_steps
     if not warmup_fits(sched.warmup_steps, decay_steps, SCHEDULES[sched.name]):
@@ -364,3 +365,19 @@ def _check_timers(m, t) -> None:
             f"model.enable_megatron_timers=true reports every {every} steps ({source}), "
             f"more than trainer.max_steps ({t.max_steps}): no report would be made"
         )
+
+
+def _check_learnt_timeouts(em) -> None:
+    """A learnt timeout is at least ``min_timeout`` and at most its phase's configured one:
+    a floor above a cap leaves nothing to learn, and says the user meant otherwise."""
+    ft = em.fault_tolerance
+    if not (em.create_fault_tolerance_callback and ft.calculate_timeouts):
+        return
+    for cap in ("rank_heartbeat_timeout", "checkpoint_save_timeout"):
+        if ft.min_timeout > getattr(ft, cap):
+            raise ConfigError(
+                f"exp_manager.fault_tolerance.min_timeout ({ft.min_timeout:g}) exceeds "
+                f"exp_manager.fault_tolerance.{cap} ({getattr(ft, cap):g}), the most a learnt "
+                "timeout may be: lower min_timeout, or set calculate_timeouts=false to keep "
+                "the configured timeouts"
+            )

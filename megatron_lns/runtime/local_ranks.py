@@ -5,7 +5,10 @@ without torchrun, and what the tests use. The launcher owns its ranks:
 
 * a stop signal (SIGTERM, SIGINT, SIGUSR1) sent to the launcher is forwarded to every
   rank once, and the ranks checkpoint and exit at the next step boundary as a single
-  process does; a second SIGTERM or SIGINT kills them;
+  process does; a second SIGTERM or SIGINT kills them. The launcher takes them from
+  before its first rank starts: a stop before any rank exists starts none, one while
+  they start reaches each of them, and a rank it ends before the rank could stop at a
+  step ends the launch with one line (:class:`RanksStopped`);
 * each rank runs in its own process group, so a terminal's Ctrl-C reaches only the
   launcher (which forwards it once), and is asked to stop (SIGTERM) if the launcher
   dies, so no rank is ever left behind;
@@ -30,6 +33,7 @@ from megatron_lns.base.errors import (
     REPORT_MARKER_ENV,
     USER_ERROR_EXIT_CODE,
     RankFailed,
+    RanksStopped,
     UserError,
     debug_enabled,
     report_user_error_once,
@@ -123,29 +127,46 @@ def _rank_entry(
 
 
 @contextlib.contextmanager
-def _forward_stop_signals(processes: list, received: list[int]) -> Iterator[None]:
-    """While running, stop signals to this process go to the ranks (see module doc);
-    ``received`` collects them."""
+def stop_signals_recorded(received: list[int]) -> Iterator[None]:
+    """While inside, a stop signal to this process is appended to ``received`` instead of
+    ending it: from before the first rank starts until the last one is reaped, so that a
+    stop at any moment of a launch (the forkserver starting, the ranks forking, between
+    two in-job attempts) ends it cleanly. :func:`spawn_local` forwards them."""
 
-    def forward(signum: int, frame: Any) -> None:
-        first_stop = not received or signum == signal.SIGUSR1
+    def record(signum: int, frame: Any) -> None:
         received.append(signum)
-        for process in processes:
-            if process.is_alive():
-                if first_stop:
-                    os.kill(process.pid, signum)
-                else:
-                    process.kill()
 
     previous = {}
     for sig in STOP_SIGNALS:
         with contextlib.suppress(ValueError):  # only the main thread may install handlers
-            previous[sig] = signal.signal(sig, forward)
+            previous[sig] = signal.signal(sig, record)
     try:
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _forward(processes: list, received: list[int], sent: int) -> int:
+    """Send the ranks the stop signals received since the first ``sent`` (module doc):
+    the first one, and SIGUSR1, as they came; a second SIGTERM or SIGINT as SIGKILL.
+    Runs in the launcher's loop, never in the signal handler, so that none is sent twice.
+    Returns how many are sent."""
+    for signum in received[sent:]:
+        first_stop = sent == 0 or signum == signal.SIGUSR1
+        sent += 1
+        for process in processes:
+            if process.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    if first_stop:
+                        os.kill(process.pid, signum)
+                    else:
+                        process.kill()
+    return sent
+
+
+# Seconds between two looks of the launcher for a stop signal to forward.
+FORWARD_EVERY_S = 0.1
 
 
 def spawn_local(
@@ -170,7 +191,13 @@ def spawn_local(
     """
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory(prefix="megatron-lns-launch-") as scratch:
+    received = [] if stop_signals is None else stop_signals
+    with (
+        stop_signals_recorded(received),
+        tempfile.TemporaryDirectory(prefix="megatron-lns-launch-") as scratch,
+    ):
+        if received:  # a stop before any rank exists: none starts
+            raise RanksStopped(received)
         environment = {
             **os.environ,
             **(environment or {}),
@@ -191,24 +218,34 @@ def spawn_local(
             if pidfd is not None:
                 os.close(pidfd)  # each rank has its own copy
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        received = [] if stop_signals is None else stop_signals
-        with _forward_stop_signals(context.processes, received):
-            try:
-                while not context.join(
-                    timeout=_seconds_until(deadline), grace_period=FAILURE_GRACE_SECONDS
-                ):
-                    if deadline is not None and time.monotonic() >= deadline:
-                        raise RanksTimedOut(
-                            f"{world_size} rank(s) still running after {timeout_s:g} s; killed"
-                        )
-            except mp.ProcessExitedException as err:
-                raise RankFailed(err.error_index, err.exit_code) from None
-            finally:
-                for process in context.processes:
-                    if process.is_alive():
-                        process.kill()  # SIGKILL ends a SIGSTOPped rank too
-                        process.join()
-                    _kill_process_group(process.pid)
+        sent = 0
+        try:
+            while True:
+                # A stop that came while the ranks started reaches them at the first look.
+                sent = _forward(context.processes, received, sent)
+                if context.join(timeout=_next_look(deadline), grace_period=FAILURE_GRACE_SECONDS):
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise RanksTimedOut(
+                        f"{world_size} rank(s) still running after {timeout_s:g} s; killed"
+                    )
+        except mp.ProcessExitedException as err:
+            if received and err.exit_code < 0:
+                raise RanksStopped(received, err.error_index, err.exit_code) from None
+            raise RankFailed(err.error_index, err.exit_code) from None
+        except mp.ProcessRaisedException as err:
+            if not received:
+                raise
+            if str(err).strip().endswith("KeyboardInterrupt"):  # a rank still starting
+                raise RanksStopped(received, err.error_index, -signal.SIGINT) from None
+            print(str(err).strip(), file=sys.stderr, flush=True)  # the rank's traceback
+            raise RanksStopped(received, err.error_index, 1, raised=True) from None
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()  # SIGKILL ends a SIGSTOPped rank too
+                    process.join()
+                _kill_process_group(process.pid)
 
 
 def _kill_process_group(pid: int) -> None:
@@ -247,8 +284,11 @@ class RanksTimedOut(RuntimeError):
     """Ranks of :func:`spawn_local` outlived its ``timeout_s``."""
 
 
-def _seconds_until(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
+def _next_look(deadline: float | None) -> float:
+    """Seconds the launcher waits for its ranks before it looks for a stop to forward."""
+    if deadline is None:
+        return FORWARD_EVERY_S
+    return min(FORWARD_EVERY_S, max(0.0, deadline - time.monotonic()))
 
 
 class NoMultiNodeLauncher(UserError, RuntimeError):

@@ -23,16 +23,15 @@ line names the second, as the batch script does (``slurm/sbatch.template``).
 
 from __future__ import annotations
 
-import signal
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_lns.base.errors import HUNG_EXIT_CODE, RankFailed, restartable_exit
+from megatron_lns.base.errors import HUNG_EXIT_CODE, RankFailed, rank_ended, restartable_exit
 from megatron_lns.runtime.fault_injection import ATTEMPT_ENV
-from megatron_lns.runtime.local_ranks import spawn_local
+from megatron_lns.runtime.local_ranks import spawn_local, stop_signals_recorded
 
 # The exit code torch's rank wrapper gives a rank whose function raised.
 _RAISED_EXIT_CODE = 1
@@ -58,17 +57,9 @@ class _Failure:
 
     def __str__(self) -> str:
         """``rank 1 was killed by SIGKILL``, ``rank 0 found the run hung (exit code 75)``."""
-        code = self.exit_code
-        if code < 0:
-            try:
-                return f"rank {self.rank} was killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"rank {self.rank} was killed by signal {-code}"
-        if code == HUNG_EXIT_CODE:
-            return f"rank {self.rank} found the run hung (exit code {code})"
-        if self.raised:
-            return f"rank {self.rank} raised an error (its traceback above)"
-        return f"rank {self.rank} exited with code {code}"
+        if self.exit_code == HUNG_EXIT_CODE:
+            return f"rank {self.rank} found the run hung (exit code {self.exit_code})"
+        return rank_ended(self.rank, self.exit_code, self.raised)
 
 
 class RestartsEnded(RankFailed):
@@ -96,11 +87,25 @@ def spawn_with_restarts(
     """Run ``fn(*args)`` on ``world_size`` local ranks as ``spawn_local`` does, restarting
     every rank in-job as ``policy`` allows (module doc); restarts call ``fn(*restart_args)``
     where given (a restart always resumes, whatever the first start was told)."""
+    # One record of the user's stops for every attempt, and between them: a stop after a
+    # failure starts no further attempt (spawn_local refuses to start ranks after one).
+    stop_signals: list[int] = []
+    with stop_signals_recorded(stop_signals):
+        _attempts(fn, world_size, args, policy, restart_args, stop_signals)
+
+
+def _attempts(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple,
+    policy: RestartPolicy,
+    restart_args: tuple | None,
+    stop_signals: list[int],
+) -> None:
     import torch.multiprocessing as mp
 
     restarts = without_progress = 0
     while True:
-        stop_signals: list[int] = []
         newest_before = policy.newest_checkpoint_step()
         environment = {ATTEMPT_ENV: str(restarts)}
         attempt_args = args if restarts == 0 or restart_args is None else restart_args

@@ -12,6 +12,7 @@ estimates the time left to ``max_steps`` for the periodic log line. Torch-free.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -46,6 +47,9 @@ class AttemptRecorder:
         self.began_at: float | None = None
         self.last_line = time.monotonic()
         self.write_failed = False
+        # How the attempt ended, once recorded: the first record wins (see ended).
+        self.how: str | None = None
+        self._ending = threading.Lock()
 
     def _append(self, event: str, **fields: object) -> None:
         if not self.active:
@@ -115,8 +119,15 @@ class AttemptRecorder:
             setattr(self, f"{what}_s", getattr(self, f"{what}_s") + seconds)
 
     def ended(self, how: str) -> None:
-        """The attempt ends: ``finished``, ``stopped`` (checkpoint committed) or ``failed``."""
-        self._append("ended", how=how, **self._totals())
+        """The attempt ends: ``finished``, ``stopped`` (checkpoint committed), ``failed`` or
+        ``hung``. An attempt ends once: the first record wins, so that the failure a hang
+        verdict causes in the main thread (the watchdog's thread recorded ``hung``) is not
+        recorded as a second end."""
+        with self._ending:
+            if self.how is not None:
+                return
+            self.how = how
+            self._append("ended", how=how, **self._totals())
 
     def timeouts(self, learnt: dict[str, float]) -> None:
         """The phase timeouts this attempt learnt (``training/phase_timeouts.py``), kept

@@ -10,7 +10,10 @@ any collective (a stalled filesystem in a save) is never noticed at all. So ever
    of rank 0's TCP store (``MASTER_ADDR:MASTER_PORT``; ``<n>`` counts the trainers of the
    process): rank, host, pid, a sequence number, the main thread's phase, step and the
    phase's age, and ``where`` the main thread is (its innermost Python frame);
-3. reads ``hang_watchdog/<attempt>/<n>/abort``, which a rank that found the run hung sets.
+3. reads ``hang_watchdog/<attempt>/<n>/abort``, which a rank that found the run hung sets;
+4. on rank 0, until every rank is past its start-up, reads the others' heartbeats: a rank
+   whose heartbeat stopped in ``startup`` or ``load`` is hung once that phase outlived its
+   timeout (``initial_rank_heartbeat_timeout``), though rank 0 waits in its first step.
 
 When the timeout expires, the rank reads every heartbeat twice, a few heartbeats apart
 (publishing its own meanwhile: the others' timeouts often expire in the same moment),
@@ -34,6 +37,7 @@ watchdogs kept running while it was stopped.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import itertools
 import json
@@ -83,6 +87,9 @@ COLLECTIVE_CODE = tuple(
 
 _WATCHDOGS = itertools.count()
 
+
+# The phases of a rank's start-up, which rank 0 watches in the others (_overdue_start).
+START_PHASES = ("startup", "load")
 
 # How a stalled rank that has no live watchdog is named.
 SILENT = ("stopped responding", "never reported")
@@ -306,6 +313,9 @@ class HangWatchdog:
         self._seq = 0
         # Rank 0's heartbeat, read once: who to name (and py-spy) if its store stops.
         self._rank0: Heartbeat | None = None
+        # Rank 0's watch on the others' start-up (None: every rank is past it): the seq
+        # of each one's heartbeat, and when that seq was first read here.
+        self._starting: dict[int, tuple[int, float]] | None = {} if rank == 0 else None
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
 
@@ -340,6 +350,9 @@ class HangWatchdog:
         if self.store is not None:
             with contextlib.suppress(StoreUnanswered):
                 self._publish(now)
+                if self._starting is not None and (overdue := self._overdue_start()):
+                    self._detected(now, *overdue)
+                    return
                 if self._rank0 is None and self.rank != 0:
                     self._rank0 = self._heartbeats(ranks=[0]).get(0)
                 if (abort := self.store.get_if_set(self._key("abort"))) is not None:
@@ -363,8 +376,32 @@ class HangWatchdog:
                 beats[rank] = Heartbeat(**json.loads(text))
         return beats
 
-    def _detected(self, now: PhaseNow, timeout: Timeout) -> None:
-        """This rank's phase outlived its timeout: name the stalled ranks, end the run."""
+    def _overdue_start(self) -> tuple[Timeout, Heartbeat] | None:
+        """A rank whose heartbeat stopped in ``startup`` or ``load`` for longer than that
+        phase's timeout (its own watchdog, stopped with it, cannot say so; the others wait
+        in their first step, whose timeout may be longer), with its phase's age as read
+        here; None while none is. Rank 0 looks until every rank is past its start-up."""
+        beats, read_at, starting = self._heartbeats(), self.phases.clock(), {}
+        for rank in range(1, self.world_size):
+            beat = beats.get(rank)
+            if beat is not None and beat.phase not in START_PHASES:
+                continue
+            seq, seen_at = (self._starting or {}).get(rank, (None, read_at))
+            if beat is None:
+                starting[rank] = (-1, read_at)  # not yet reporting: process group still forming
+                continue
+            seen_at = seen_at if seq == beat.seq else read_at
+            starting[rank] = (beat.seq, seen_at)
+            age = beat.age_s + read_at - seen_at
+            timeout = self.phases.timeout(beat.phase)
+            if age > timeout.seconds:
+                return timeout, dataclasses.replace(beat, age_s=round(age, 2))
+        self._starting = starting or None
+        return None
+
+    def _detected(self, now: PhaseNow, timeout: Timeout, overdue: Heartbeat | None = None) -> None:
+        """This rank's phase outlived its timeout, or ``overdue``'s start-up did: name the
+        stalled ranks, end the run."""
         me = self._heartbeat(now)
         try:
             if self.store is None:
@@ -380,7 +417,13 @@ class HangWatchdog:
             at = f"the store at {self.store.host}:{self.store.port}"
             who = f"{self._rank0.who()[:-1]}, {at})" if self._rank0 else f"rank 0 ({at})"
             stalled = [Stalled(0, who, f"does not answer ({err})", self._rank0)]
-        line = hang_line(stalled, self._heartbeat(self.phases.now()), timeout)
+        # The verdict and its line are of one observation: this rank still in the phase
+        # that outlived its timeout, after the others were read. One that got out
+        # meanwhile is not stuck (another rank's verdict, if any, still ends it).
+        again = self.phases.now()
+        if (again.phase, again.step) != (now.phase, now.step) or again.age_s < now.age_s:
+            return
+        line = hang_line(stalled, overdue or self._heartbeat(again), timeout)
         # The ranks that cannot end on their own: rank 0 waits for all others.
         reporter, silent = True, [s.rank for s in stalled if s.how in SILENT]
         if self.store is not None and self.store.lost is None:

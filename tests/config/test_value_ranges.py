@@ -3,7 +3,7 @@ it arrives (a literal, a quoted number OmegaConf converts, an interpolation), be
 check or plan's arithmetic converts it to a float (OverflowError)."""
 
 import pytest
-from helpers import cli_error_of, config_error
+from helpers import cli_error_of, config_error, validated_demo_config
 
 from megatron_lns.config.rules import positive
 
@@ -35,3 +35,21 @@ def test_plan_refuses_a_sequence_length_beyond_int64(capsys):
 
 def test_an_integer_too_large_for_a_float_is_not_finite():
     assert positive.error("model.x", HUGE) == "model.x must be positive, got a 1027-bit integer"
+
+
+def test_learnt_timeouts_that_cannot_mean_anything_are_refused_by_name():
+    """A safety factor below 1 would declare a step as slow as the slowest seen hung; a
+    floor above a phase's cap would be ignored in silence."""
+    ft = "exp_manager.fault_tolerance"
+    assert config_error(f"{ft}.safety_factor=0.5") == (
+        f"{ft}.safety_factor must be >= 1 (a learnt timeout below the slowest time seen ends "
+        "a healthy run), got 0.5"
+    )
+    assert config_error(f"{ft}.rank_heartbeat_timeout=10") == (
+        f"{ft}.min_timeout (30) exceeds {ft}.rank_heartbeat_timeout (10), the most a learnt "
+        "timeout may be: lower min_timeout, or set calculate_timeouts=false to keep the "
+        "configured timeouts"
+    )
+    # Where nothing is learnt, the floor applies to nothing.
+    validated_demo_config(f"{ft}.rank_heartbeat_timeout=10", f"{ft}.calculate_timeouts=false")
+    validated_demo_config(f"{ft}.rank_heartbeat_timeout=10", f"{ft}.min_timeout=10")

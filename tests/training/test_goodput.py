@@ -282,3 +282,21 @@ def test_a_local_attempt_starts_when_its_process_did():
     started, asked = (float(word) for word in done.stdout.split())
     assert before - 0.1 <= started <= before + 2.0  # forked at once, even on a busy machine
     assert asked - started >= 1.0
+
+
+def test_an_attempt_ends_once_the_first_record_winning(tmp_path):
+    """The watchdog's thread records a hang; the main thread, failing because of it (an
+    asynchronous save's writer killed), must not record the attempt a second time, as
+    failed: `status` would count two attempts."""
+    import threading
+
+    recorder = AttemptRecorder(tmp_path, LocalJob(), print, True)
+    recorder.began(40, 160)
+    watchdog = threading.Thread(target=recorder.hung, args=("hang: rank 1 ...",))
+    watchdog.start()
+    watchdog.join()
+    recorder.ended("failed")
+    ended = [e for e in read_events(tmp_path) if e.event == "ended"]
+    assert [e.fields["how"] for e in ended] == ["hung"]
+    (attempt,) = account(read_events(tmp_path), resumable_step=40).attempts
+    assert attempt.how == "hung"

@@ -365,9 +365,10 @@ def test_the_watchdog_runs_only_when_on_and_close_joins_it(on):
         assert recorded == [] and said == []
 
 
-def _two_ranks_in_step_4(exits: list[int]):
-    """The watchdogs of two ranks of one run (a 10 s step timeout, one store, the first
-    heartbeats published) and the clock of their phases, at 0 s into step 4."""
+def _two_ranks_in_step_4(exits: list[int], settings=None, starting=()):
+    """The watchdogs of two ranks of one run (a 10 s step timeout, or ``settings``; one
+    store, the first heartbeats published) and the clock of their phases, at 0 s into
+    step 4 (the ranks in ``starting``: into their start-up)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -378,8 +379,10 @@ def _two_ranks_in_step_4(exits: list[int]):
     clock = [0.0]
     watchdogs = []
     for rank in (0, 1):
-        phases = PhaseClock(TimeoutSettings(rank_heartbeat_timeout=10), lambda: clock[0])
-        phases.begin("step", 4)
+        settings = settings or TimeoutSettings(rank_heartbeat_timeout=10)
+        phases = PhaseClock(settings, lambda: clock[0])
+        if rank not in starting:
+            phases.begin("step", 4)
         store = WatchdogStore("127.0.0.1", server.port, timeout_s=2.0)
         watchdogs.append(HangWatchdog(phases, rank, 2, 0.1, store, exit_process=exits.append))
     for watchdog in watchdogs:
@@ -422,3 +425,42 @@ def test_a_rank_that_found_the_hang_still_answers_the_others(capfd):
     line = next(x for x in capfd.readouterr().err.splitlines() if x.startswith("hang: "))
     assert "stopped responding" not in line, line
     assert exits == [HUNG_EXIT_CODE, HUNG_EXIT_CODE]
+
+
+def test_a_rank_that_moves_on_while_the_others_are_read_is_not_declared_hung(capfd):
+    """Rank 0's step outlived its timeout, but the step ended while the watchdog read the
+    heartbeats again: no verdict, and no line naming the next step with its age of a
+    moment (the line and the verdict are of one observation)."""
+    exits = []
+    _server, watchdogs, clock = _two_ranks_in_step_4(exits)
+    clock[0] = 11.0
+    looking = threading.Thread(target=watchdogs[0].check)
+    looking.start()
+    time.sleep(0.3)  # inside the second read, which waits at least a second
+    watchdogs[0].phases.begin("step", 5)
+    looking.join()
+    assert exits == []
+    assert "hang:" not in capfd.readouterr().err
+
+
+def test_a_rank_stopped_in_its_start_up_is_found_by_its_start_up_timeout(capfd):
+    """Rank 1 stopped while starting (its watchdog with it); rank 0 waits in its step, whose
+    timeout is far longer: rank 0 finds rank 1 hung once its start-up outlived
+    initial_rank_heartbeat_timeout, and the line says so."""
+    exits = []
+    settings = TimeoutSettings(initial_rank_heartbeat_timeout=6, rank_heartbeat_timeout=180)
+    _server, watchdogs, clock = _two_ranks_in_step_4(exits, settings, starting=(1,))
+    watchdogs[0].check()  # rank 0 reads rank 1's heartbeat of 0 s into its start-up
+    clock[0] = 5.0
+    watchdogs[0].check()
+    assert exits == []  # 5 s: within its timeout
+    clock[0] = 7.0
+    watchdogs[0].check()  # rank 1 published nothing since: stopped
+    assert exits == [HUNG_EXIT_CODE]
+    line = next(x for x in capfd.readouterr().err.splitlines() if x.startswith("hang: "))
+    # (Rank 0 is named too: in this test its main thread waits in no collective.)
+    assert line.endswith(
+        f"; rank 1 (host {HOST}, pid {os.getpid()}) stopped responding (last heartbeat "
+        "in startup 0); rank 1 waited in startup 0 for 7.0 s, timeout 6 s "
+        "(initial_rank_heartbeat_timeout)"
+    ), line

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lns.config.rules import non_negative, positive
+from megatron_lns.config.rules import non_negative, positive, safety_multiple
 from megatron_lns.config.settings import setting
 
 
@@ -35,11 +35,12 @@ class FaultToleranceParams:
     or save seen so far, at least `min_timeout` and at most the phase's timeout above; false keeps
     the configured ones"""
 
-    safety_factor: float = setting(5.0, positive)
-    """a learnt timeout is this multiple of the slowest time seen"""
+    safety_factor: float = setting(5.0, safety_multiple)
+    """a learnt timeout is this multiple of the slowest time seen (at least 1)"""
 
     min_timeout: float = setting(30.0, positive)
-    """not in NeMo: the least a learnt timeout may be, in seconds"""
+    """not in NeMo: the least a learnt timeout may be, in seconds; with `calculate_timeouts` it may
+    not exceed `rank_heartbeat_timeout` nor `checkpoint_save_timeout` (their caps)"""
 
     workload_check_interval: float = setting(1.0, positive)
     """seconds between two heartbeats of a rank's watchdog (each one also checks the phase's
