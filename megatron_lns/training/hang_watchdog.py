@@ -381,7 +381,7 @@ class HangWatchdog:
         phase's timeout (its own watchdog, stopped with it, cannot say so; the others wait
         in their first step, whose timeout may be longer), with its phase's age as read
         here; None while none is. Rank 0 looks until every rank is past its start-up."""
-        beats, read_at, starting = self._heartbeats(), self.phases.clock(), {}
+        beats, read_at, starting = self._heartbeats(), self.phases.unpaused(), {}
         for rank in range(1, self.world_size):
             beat = beats.get(rank)
             if beat is not None and beat.phase not in START_PHASES:

@@ -197,6 +197,11 @@ class PhaseClock:
         with self._lock:
             return PhaseNow(self._phase, self._step, self._age()[0])
 
+    def unpaused(self) -> float:
+        """The clock less the time paused: a time whose differences are ages as
+        :meth:`now` measures them (another rank's heartbeat, timed here)."""
+        return self.clock() - self.pauses.paused_s()
+
     def timeout(self, phase: str) -> Timeout:
         """How long ``phase`` may last now (module doc)."""
         s = self.settings
