@@ -2,6 +2,7 @@
 real: reproducible in one process, seeds and variants distinct, interrupted comparisons
 resume to the same curves, finished runs are not trained again."""
 
+import itertools
 import json
 import math
 import re
@@ -219,8 +220,21 @@ def test_two_variants_two_seeds_reproducible_distinct_and_tabulated(tmp_path):
         assert all(math.isfinite(r["held_out_loss"]) and len(r["layer_stats"]) == 4 for r in runs)
     table = (first / "comparison.md").read_text()
     assert "| LNS | 2 | 0 |" in table and "±" in table
+    # Each arm starts after the one before it ended: a later arm's start-up counted every
+    # earlier arm's time from the process's start.
+    runs = ("lns/seed1234", "pre_ln/seed1234", "lns/seed1235", "pre_ln/seed1235")  # in order
+    arms = [_attempt_span(first / run) for run in runs]
+    assert all(start >= ended - 0.02 for (_, ended), (start, _) in itertools.pairwise(arms)), arms
     for png in ("loss_curves.png", "depth_profiles.png"):
         assert (first / png).stat().st_size > 0
+
+
+def _attempt_span(run_dir: Path) -> tuple[float, float]:
+    """When the run's one attempt started (its start-up included) and ended."""
+    text = (run_dir / "run_progress").read_text()
+    began = re.search(r" began \d+ at=([0-9.]+) startup_s=([0-9.]+)", text)
+    ended = re.search(r" ended \d+ .*?at=([0-9.]+)", text)
+    return float(began[1]) - float(began[2]), float(ended[1])
 
 
 def _interrupted_then_resumed(cfg, stopping_cfg, out):

@@ -35,6 +35,7 @@ import json
 import math
 import os
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -317,17 +318,22 @@ def _final_router_losses(records: list[dict]) -> dict[str, float]:
 
 
 def train_and_measure(
-    cfg: ExperimentConfig, variant: str, seed: int, job: JobEnvironment | None = None
+    cfg: ExperimentConfig,
+    variant: str,
+    seed: int,
+    job: JobEnvironment | None = None,
+    started_at: float | None = None,
 ) -> RunResult | None:
     """Train one run to ``trainer.max_steps`` (resuming it if it has checkpoints), then
     measure its layers on the held-out batches. A run that diverges is a result; a run
     asked to stop (signal, ``trainer.exit_interval``) returns None, checkpointed.
+    ``started_at``: the run's start, where not the job's (an arm after the first).
 
     On rank 0 the result also holds what ``metrics.jsonl`` says (losses, tokens/s) and is
     written to the run directory."""
     out = Path(cfg.exp_manager.exp_dir).parent  # run_config: <out>/<variant>/seed<seed>
     elsewhere = f"wait for the comparison writing {out} to end, or choose another --out"
-    trainer = Trainer(cfg, log_label=f"{variant} seed{seed}", job=job, elsewhere=elsewhere)
+    trainer = Trainer(cfg, f"{variant} seed{seed}", job, elsewhere=elsewhere, started_at=started_at)
     run_dir = trainer.run_dir
     try:
         summary = trainer.fit()
@@ -481,13 +487,17 @@ def run_comparison(
     ``job`` is the job the runs belong to, as for :class:`Trainer` (default: a local run)."""
     seeds = seeds_for(cfg, num_seeds)
     results: dict[str, list[RunResult]] = {v.name: [] for v in variants}
+    # The process's start is the first arm's start-up; each later arm starts when it does.
+    trained_one = False
     for seed in seeds:  # seed-major: an interrupted comparison has every variant early
         for variant in variants:
             run_cfg = run_config(cfg, variant, seed, out)
             run_dir = out / variant.name / f"seed{seed}"
-            result = _finished(run_cfg, run_dir) or train_and_measure(
-                run_cfg, variant.name, seed, job
-            )
+            result = _finished(run_cfg, run_dir)
+            if result is None:
+                started_at = time.time() if trained_one else None
+                result = train_and_measure(run_cfg, variant.name, seed, job, started_at)
+                trained_one = True
             if result is None:
                 if _is_rank0():
                     print(f"comparison stopped; rerun with --out {out} to resume", flush=True)

@@ -35,13 +35,20 @@ class AttemptRecorder:
     """The records of this attempt (``active``: this is rank 0, which writes them)."""
 
     def __init__(
-        self, run_dir: Path, job: JobEnvironment, warn: Callable[[str], None], active: bool
+        self,
+        run_dir: Path,
+        job: JobEnvironment,
+        warn: Callable[[str], None],
+        active: bool,
+        started_at: float | None = None,
     ) -> None:
+        """``started_at``: when the attempt started, where not when the job says (a
+        process's later run, such as compare's next arm, starts when it is made)."""
         self.run_dir, self.warn, self.active = Path(run_dir), warn, active
         self.job_id, self.restart = job.record_id, job.restart_count
         # An in-job restart's lines say which one it is (the first start's say nothing).
         self.attempt_field = {"attempt": job.in_job_restart} if job.in_job_restart else {}
-        self.started_at = job.attempt_started_at()
+        self.started_at = job.attempt_started_at() if started_at is None else started_at
         self.load_s = self.train_s = self.save_s = self.eval_s = 0.0
         self.steps = self.step = self.samples = 0
         self.began_at: float | None = None

@@ -138,12 +138,14 @@ class Trainer:
         log_label: str | None = None,
         job: JobEnvironment | None = None,
         elsewhere: str = ELSEWHERE,
+        started_at: float | None = None,
     ) -> None:
         """``log_label`` prefixes the run's console lines (default: ``exp_manager.name``);
         a comparison's runs share their names (``seed1234``) and say their variant too.
         ``job`` is the job the run belongs to, which its launcher knows (default: a
         :class:`~megatron_lns.runtime.job.LocalJob`, which no scheduler watches).
-        ``elsewhere``: how the command writes to another run directory, for a refusal."""
+        ``elsewhere``: how the command writes to another run directory, for a refusal;
+        ``started_at``: this run's start where it is not the job's (compare's later arms)."""
         self.job = job or LocalJob()
         # First, so that a stop signal arriving while the checkpoint loads is kept.
         self.stop_request = StopRequest(self.job.stop_signals())
@@ -175,7 +177,9 @@ class Trainer:
             )
             self.progress = self._progress_recorder() if self.is_rank0 else None
             # This attempt's wall time, for goodput (rank 0 writes it to run_progress).
-            self.attempt = AttemptRecorder(self.run_dir, self.job, self._print, self.is_rank0)
+            self.attempt = AttemptRecorder(
+                self.run_dir, self.job, self._print, self.is_rank0, started_at
+            )
             self.checkpoints = CheckpointWriter(
                 self.checkpoint_dir,
                 asynchronous=cfg.exp_manager.checkpoint_callback_params.async_save,
