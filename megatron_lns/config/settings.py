@@ -65,9 +65,9 @@ A model setting also says what a checkpoint and a Hugging Face model make of it:
   field it becomes on export and is read from on import (written and read by the
   architecture where it names the field, else as it is: ``convert/hf_settings.py``);
   :data:`HF_REFUSE`: export refuses a value other than the default (or what a null
-  default means, ``null_means``), naming the key and, where ``hf_refusal`` says it, why no
-  Hugging Face model holds another value; an imported MoE model routes with the defaults
-  of the MoE settings declared so;
+  default means, ``null_means``), naming the key; an imported MoE model routes with the
+  defaults of the MoE settings declared so. ``hf_refusal`` says why no Hugging Face model
+  holds another value, and is itself the refusal (``hf`` need not say it again);
   :data:`HF_CONVERTER`: the converters map it value by value, or refuse a value by name
   (``convert/architectures``: the norm picks the class, the MoE fields differ per class).
   A setting that shapes parameters must say one;
@@ -185,8 +185,10 @@ def setting(
     """A schema field with its declaration (module doc)."""
     if target is not None and not all(part.isidentifier() for part in target.split(".", 1)):
         raise ValueError(f"target={target!r} must be 'Class' or 'Class.field'")
-    if translate is not None and target is None:
-        raise ValueError("a translated setting names where it goes (target=...)")
+    if hf_refusal is not None:
+        if hf not in (None, HF_REFUSE):
+            raise ValueError(f"hf_refusal says why export refuses: it cannot go with hf={hf!r}")
+        hf = HF_REFUSE
     if shapes and hf is None:
         raise ValueError(
             f"a setting that shapes parameters says its Hugging Face role: hf='<config.json "
@@ -194,8 +196,6 @@ def setting(
         )
     if hf is not None and not hf.isidentifier():
         raise ValueError(f"hf={hf!r} is not a config.json field name")
-    if hf_refusal is not None and hf != HF_REFUSE:
-        raise ValueError(f"hf_refusal says why export refuses: it needs hf={HF_REFUSE!r}")
     if params is not None and not shapes:
         raise ValueError("a setting whose parameters plan counts shapes them")
     declared = Setting(
@@ -223,22 +223,30 @@ def setting(
     return dataclasses.field(**kwargs)
 
 
+def _fill_unsaid(cls: type, fact: str, value: str) -> type:
+    """Give the declarations of ``cls`` that leave ``fact`` unsaid (None) ``value``."""
+    for f in dataclasses.fields(cls):
+        declared = f.metadata.get(SETTING)  # a subsection's field has none
+        if declared is not None and getattr(declared, fact) is None:
+            declared = dataclasses.replace(declared, **{fact: value})
+            f.metadata = MappingProxyType({**f.metadata, SETTING: declared})
+    return cls
+
+
 def listed_in(group: str) -> Callable[[type], type]:
     """A class decorator (above ``@dataclass``): the keys of a schema section that name no
     group of their own are listed in the docs table ``group`` (its subsections' keys are
     theirs to place). The mixin sections of
     ``model`` (architecture, MoE, performance, ...) are flat in the YAML, so their table is
     not their section's name."""
+    return functools.partial(_fill_unsaid, fact="group", value=group)
 
-    def list_fields(cls: type) -> type:
-        for f in dataclasses.fields(cls):
-            declared = f.metadata.get(SETTING)  # a subsection's field has none
-            if declared is not None and declared.group is None:
-                declared = dataclasses.replace(declared, group=group)
-                f.metadata = MappingProxyType({**f.metadata, SETTING: declared})
-        return cls
 
-    return list_fields
+def passed_to(target: str) -> Callable[[type], type]:
+    """A class decorator (above ``@dataclass``): the keys of a section that name no target
+    of their own go to ``target``, a class whose fields are named as the keys (megatron-core
+    declares the MoE keys as ``TransformerConfig`` fields of the same names)."""
+    return functools.partial(_fill_unsaid, fact="target", value=target)
 
 
 def declaration(f: dataclasses.Field) -> Setting:
@@ -268,6 +276,8 @@ def field_docs(cls: type) -> MappingProxyType[str, str]:
 def _completed(cls: type, f: dataclasses.Field) -> Setting:
     """``f``'s declaration with its doc and the target field its name implies."""
     declared = declaration(f)
+    if declared.translate is not None and declared.target is None:
+        raise ValueError(f"{f.name}: a translated setting names where it goes (target=...)")
     if declared.target is not None and "." not in declared.target:
         declared = dataclasses.replace(declared, target=f"{declared.target}.{f.name}")
     if declared.doc is None:
