@@ -128,8 +128,8 @@ def cluster_section(config: str, overrides: list[str]):
         raise ConfigError(f"config file {path}: {' '.join(str(err).split())}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path} must be a mapping with a cluster: section")
-    section = _resolved_cluster(path, raw)
-    cfg = load_config({"cluster": section}, overrides)
+    section = _resolved_cluster(path, raw, overrides)
+    cfg = load_config({"cluster": section})
     given = {f"cluster.{key}" for key in section}
     given |= {override_key(o) for o in overrides}
     trainer = raw.get("trainer") if isinstance(raw.get("trainer"), dict) else {}
@@ -143,21 +143,33 @@ def cluster_section(config: str, overrides: list[str]):
     return cfg.cluster, ignored
 
 
-def _resolved_cluster(path: Path, raw: dict) -> dict:
-    """The file's cluster: section with its ``${...}`` resolved against the whole file,
-    as ``submit`` resolves them (``${name}``, ``${trainer.devices}``)."""
+def _resolved_cluster(path: Path, raw: dict, overrides: list[str]) -> dict:
+    """The file's cluster: section with the overrides applied as ``train`` applies them,
+    and every ``${...}``, the file's and the overrides', resolved against the whole file,
+    as ``submit`` resolves them (``${name}``, ``${trainer.devices}``). Applied to the
+    section alone, an override's ``${name}`` would read the defaults' name: the same text
+    would mean one thing in the file and another on the command line."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     from megatron_lns.config import ConfigError
+    from megatron_lns.config.loader import apply_overrides, check_override_interpolations
+    from megatron_lns.config.nemo_compat import register_nemo_resolvers
 
-    if not raw.get("cluster"):
+    section = raw.get("cluster") or {}
+    if not isinstance(section, dict):
+        return section  # refused by load_config, naming what it is (overrides would replace it)
+    if not section and not overrides:
         return {}
+    register_nemo_resolvers()  # ${multiply:...}, as train reads it
     try:
-        section = OmegaConf.to_container(OmegaConf.create(raw).cluster, resolve=True)
+        whole = OmegaConf.create({**raw, "cluster": section})
+        apply_overrides(whole, overrides)
+        check_override_interpolations(whole, overrides)
+        section = OmegaConf.to_container(whole.cluster, resolve=True)
     except OmegaConfBaseException as err:
         raise ConfigError(f"config file {path}: cluster: {' '.join(str(err).split())}") from None
-    return section if isinstance(section, dict) else raw["cluster"]
+    return section
 
 
 # preprocess's options that the job's steps are not given as they came: the paths (made

@@ -20,11 +20,15 @@ def run(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from megatron_lns.cluster.slurm.queued import not_started_line
+    from megatron_lns.cluster.slurm.queued import not_started_line, queued_submission
     from megatron_lns.training.run_report import run_report
 
-    if line := not_started_line(Path(args.run_dir)):
-        print(json.dumps({"run_dir": args.run_dir, "state": "not started"}) if args.json else line)
+    if queued := queued_submission(Path(args.run_dir)):
+        if args.json:  # job_id as in a started run's attempt_list; null where unrecorded
+            report = {"run_dir": args.run_dir, "state": "not started", "job_id": queued[1]}
+            print(json.dumps(report))
+        else:
+            print(not_started_line(Path(args.run_dir)))
         return 0
     report = run_report(args.run_dir)
     if args.json:

@@ -247,6 +247,20 @@ def _interpolation_overrides(overrides: list[str]) -> dict[str, str]:
     return found
 
 
+def check_override_interpolations(cfg: DictConfig, overrides: list[str]) -> None:
+    """Resolve, in ``cfg`` (the config the ``overrides`` were applied to), each override's
+    ``${...}``: one that does not resolve is a ConfigError naming the override as typed,
+    not the key it set, which the user may not recognise as theirs. A list or mapping is
+    resolved through (``cluster.srun_args=['--x=${nope}']``)."""
+    for key, override in _interpolation_overrides(overrides).items():
+        try:
+            value = OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+            if isinstance(value, (DictConfig, ListConfig)):
+                OmegaConf.to_container(value, resolve=True)
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"override '{override}': {_one_line(err)}") from None
+
+
 def _one_line(err: Exception, position: bool = True) -> str:
     """The first line of an OmegaConf error; for YAML syntax, the problem and where."""
     if isinstance(err, yaml.MarkedYAMLError):
@@ -510,7 +524,7 @@ def load_config(
         normalize_nemo_spellings(raw)
         _check_sections(raw)
         to_judge, inert = _take_nemo_keys(raw)
-        cfg = _typed(raw, _interpolation_overrides(overrides))
+        cfg = _typed(raw, overrides)
         apply_nemo_settings(cfg, to_judge)
     except NemoSettingError as err:
         raise ConfigError(str(err)) from None
@@ -523,17 +537,14 @@ def load_config(
     return cfg
 
 
-def _typed(raw: DictConfig, interpolated: dict[str, str]) -> ExperimentConfig:
-    """``raw`` merged onto the schema: types checked, interpolations resolved."""
+def _typed(raw: DictConfig, overrides: list[str]) -> ExperimentConfig:
+    """``raw`` (``overrides`` applied) merged onto the schema: types checked,
+    interpolations resolved."""
     try:
         merged = OmegaConf.merge(OmegaConf.structured(ExperimentConfig), raw)
     except OmegaConfBaseException as err:
         raise ConfigError(f"'{getattr(err, 'full_key', None) or '?'}': {_one_line(err)}") from None
-    for key, override in interpolated.items():
-        try:
-            OmegaConf.select(merged, key, throw_on_resolution_failure=True)
-        except OmegaConfBaseException as err:
-            raise ConfigError(f"override '{override}': {_one_line(err)}") from None
+    check_override_interpolations(merged, overrides)
     try:
         typed = OmegaConf.to_object(merged)
     except MissingMandatoryValue as err:

@@ -10,19 +10,29 @@ from pathlib import Path
 JOB_ID_FILE = "job_id"
 
 
-def not_started_line(run_dir: Path) -> str | None:
-    """What ``status`` says of a run submitted but not started; None for any other."""
+def queued_submission(run_dir: Path) -> tuple[Path, str | None] | None:
+    """The newest submission's batch script and job id (None where none was recorded) of
+    a run submitted but not started; None for any other run. One reading for both of
+    ``status``'s forms, so the JSON names the job the text names."""
     if any((run_dir / name).exists() for name in ("config.yaml", "run_progress")):
         return None
     scripts = sorted((run_dir / "slurm").glob("*/job.sbatch"))
     if not scripts:
         return None
-    newest = scripts[-1].parent
+    newest = scripts[-1]
     try:
-        job = f"SLURM job {(newest / JOB_ID_FILE).read_text().split()[0]}"
+        return newest, (newest.parent / JOB_ID_FILE).read_text().split()[0]
     except (OSError, IndexError):
-        job = "a SLURM job whose id was not recorded"
+        return newest, None
+
+
+def not_started_line(run_dir: Path) -> str | None:
+    """What ``status`` says of a run submitted but not started; None for any other."""
+    if (queued := queued_submission(run_dir)) is None:
+        return None
+    script, job_id = queued
+    job = f"SLURM job {job_id}" if job_id else "a SLURM job whose id was not recorded"
     return (
-        f"{run_dir}: submitted as {job} ({newest / 'job.sbatch'}), not started yet "
+        f"{run_dir}: submitted as {job} ({script}), not started yet "
         "(queued or held: squeue says which)"
     )
