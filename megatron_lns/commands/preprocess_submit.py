@@ -108,10 +108,10 @@ def submit_preprocess(args: argparse.Namespace, options: list[argparse.Action]) 
 def cluster_section(config: str, overrides: list[str]):
     """The config's ``cluster:`` section with the overrides (only of ``cluster.`` keys),
     and the keys given that preprocessing does not use, each with why."""
-    import yaml
+    from omegaconf import OmegaConf
 
     from megatron_lns.config import ConfigError, load_config
-    from megatron_lns.config.loader import override_key
+    from megatron_lns.config.loader import override_key, read_yaml_config
     from megatron_lns.config.sources import config_file
 
     for override in overrides:
@@ -122,12 +122,9 @@ def cluster_section(config: str, overrides: list[str]):
                 "other keys are training's)"
             )
     path = config_file(config)
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        raise ConfigError(f"config file {path}: {' '.join(str(err).split())}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config file {path} must be a mapping with a cluster: section")
+    # Read as train reads it: PyYAML's own loader would make 2026-12-04 a date, which
+    # OmegaConf then refuses; OmegaConf keeps it the string train sees.
+    raw = OmegaConf.to_container(read_yaml_config(path, "a cluster: section"))
     section = _resolved_cluster(path, raw, overrides)
     cfg = load_config({"cluster": section})
     given = {f"cluster.{key}" for key in section}

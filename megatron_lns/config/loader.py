@@ -301,7 +301,9 @@ def what_yaml_holds(path: Path) -> str:
     return "a list" if isinstance(root, yaml.SequenceNode) else "a single value"
 
 
-def _read_yaml(path: Path) -> DictConfig:
+def read_yaml_config(path: Path, holding: str = "trainer/exp_manager/model sections") -> DictConfig:
+    """The YAML file ``path`` as OmegaConf reads it (unresolved); a ConfigError naming the
+    file, and that it must be a mapping ``holding`` what the reader needs, otherwise."""
     try:
         raw = OmegaConf.load(path) if what_yaml_holds(path) == "a mapping" else None
     except yaml.YAMLError as err:
@@ -315,9 +317,7 @@ def _read_yaml(path: Path) -> DictConfig:
     except ValueError as err:  # an integer of more digits than Python converts
         raise ConfigError(f"config file {path}: {_too_long_to_read(err)}") from None
     if not isinstance(raw, DictConfig):
-        raise ConfigError(
-            f"config file {path} must be a mapping with trainer/exp_manager/model sections"
-        )
+        raise ConfigError(f"config file {path} must be a mapping with {holding}")
     return raw
 
 
@@ -507,7 +507,7 @@ def load_config(
         path = Path(source)
         if problem := not_a_file(path):
             raise ConfigError(f"config file {path} {problem}")
-        raw = _read_yaml(path)
+        raw = read_yaml_config(path)
     else:
         raw = OmegaConf.create(source) if isinstance(source, dict) else source.copy()
         if not isinstance(raw, DictConfig):

@@ -104,3 +104,18 @@ def test_a_cluster_section_that_is_no_mapping_is_refused_in_one_line(
         code, script, err = _render(capsys, plain_corpus, config, *overrides)
         assert code != 0 and script == ""
         assert err == "error: 'cluster' must be a section of keys, not a single value (5)\n"
+
+
+def test_a_file_train_reads_is_read_alike_dates_included(
+    tmp_path,
+    capsys,
+    plain_corpus,  # noqa: F811
+):
+    """PyYAML's own loader made an unquoted date a ``date``, which OmegaConf refused
+    ("not a supported primitive type"); train reads it as the string it is."""
+    section = "cluster:\n  job_name_prefix: ${started}-\n"
+    config = _demo_with_cluster(tmp_path, section)
+    config.write_text("started: 2026-12-04\n" + config.read_text())
+    code, script, err = _render(capsys, plain_corpus, config)
+    assert code == 0, err
+    assert "#SBATCH --job-name=2026-12-04-preprocess-corpus-" in script
