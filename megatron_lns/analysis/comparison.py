@@ -57,10 +57,11 @@ from megatron_lns.config.output_inits import REGISTRY as OUTPUT_INIT_REGISTRY
 from megatron_lns.config.rules import rng_seed
 from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.runtime.job import JobEnvironment
+from megatron_lns.training.divergence import TrainingStopped
 from megatron_lns.training.metrics import warn
 from megatron_lns.training.provenance import changed_config_keys
 from megatron_lns.training.run_dir import holds_a_run
-from megatron_lns.training.trainer import Trainer, TrainingStopped
+from megatron_lns.training.trainer import Trainer
 
 
 def _arms() -> dict[str, tuple[str, dict[str, str]]]:

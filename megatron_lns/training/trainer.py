@@ -47,6 +47,13 @@ from megatron_lns.training.build import (
 from megatron_lns.training.checkpoint_dirs import checkpoint_step, latest_complete_checkpoint
 from megatron_lns.training.checkpoint_writer import CheckpointWriter
 from megatron_lns.training.data_change import data_in_use
+from megatron_lns.training.divergence import (
+    MAX_CONSECUTIVE_SKIPPED_STEPS,
+    TrainingStopped,
+    diverged_message,
+    every_update_skipped,
+    non_finite_step,
+)
 from megatron_lns.training.hang_watchdog import HangWatch
 from megatron_lns.training.manual_gc import ManualGarbageCollection
 from megatron_lns.training.metrics import MetricsLogger, Throughput, say
@@ -68,18 +75,10 @@ from megatron_lns.training.step import (
     sync_parameters,
     train_step,
 )
+from megatron_lns.training.step_log import StepLog
 from megatron_lns.training.stop_request import StopRequest
 from megatron_lns.training.stragglers import StragglerReport
-from megatron_lns.training.timers import MegatronTimers, TimerReport, timer_settings
-
-# Consecutive skipped updates after which an fp16 run stops: megatron's dynamic loss
-# scale halves on every overflow (after a hysteresis of 2), so 50 skips take it from its
-# initial 2**32 past its minimum of 1. Overflows beyond that mean the run cannot learn.
-MAX_CONSECUTIVE_SKIPPED_STEPS = 50
-
-
-class TrainingStopped(UserError):
-    """The run cannot continue: a non-finite loss or gradient, or no update applies."""
+from megatron_lns.training.timers import MegatronTimers, timer_settings
 
 
 @dataclass
@@ -101,26 +100,6 @@ def _count(parameters: int) -> str:
         if parameters >= size:
             return f"{parameters / size:.2f} {unit}"
     return f"{parameters:,}"
-
-
-def _or_nan(value: float | None) -> float:
-    return float("nan") if value is None else value
-
-
-def diverged_message(what: str, newest: Path | None) -> str:
-    """The line that ends a diverged run: ``what`` (the non-finite values) and where a
-    rerun can start (``newest``: the newest complete checkpoint, None before the first)."""
-    newest_said = (
-        f"newest complete one: {newest}"
-        if newest is not None
-        else "no complete checkpoint yet: a rerun starts afresh"
-    )
-    return (
-        f"{what}: the run diverged and stops before its next checkpoint ({newest_said}); "
-        "lower the learning rate or resume from an earlier checkpoint "
-        "(exp_manager.resume_from_checkpoint; the checkpoints after it are then moved "
-        "aside to checkpoints/abandoned-*, kept)"
-    )
 
 
 class Trainer:
@@ -318,6 +297,15 @@ class Trainer:
         self.stragglers = StragglerReport.for_run(
             cfg, self.model, self.device, self.logger, self._print
         )
+        self.step_log = StepLog(
+            self.logger,
+            self.attempt,
+            self.moe_metrics,
+            self.model_config.flops_per_token(),
+            t.log_every_n_steps,
+            t.max_steps,
+            self._print,
+        )
 
     def close(self) -> None:
         """Close the logs, release the run directory, restore the signal handlers
@@ -395,20 +383,10 @@ class Trainer:
             self.consecutive_skips += 1
             if self.consecutive_skips >= MAX_CONSECUTIVE_SKIPPED_STEPS:
                 self.wait_for_checkpoints()  # every rank stops here
-                raise TrainingStopped(
-                    f"the last {self.consecutive_skips} optimizer updates after step "
-                    f"{self.state.iteration} were all skipped (fp16 gradients overflow even "
-                    "at the smallest loss scale): the run cannot learn; lower the learning "
-                    "rate or train in bf16-mixed"
-                )
+                raise every_update_skipped(self.consecutive_skips, self.state.iteration)
             return result
-        grad_norm = result.grad_norm if result.grad_norm is not None else 0.0
-        if not (math.isfinite(result.loss) and math.isfinite(grad_norm)):
-            # every rank stops here (loss and norm are global)
-            raise self._diverged(
-                f"step {self.state.iteration + 1}: loss {result.loss}, gradient norm "
-                f"{'not computed' if result.grad_norm is None else result.grad_norm}"
-            )
+        if what := non_finite_step(self.state.iteration + 1, result.loss, result.grad_norm):
+            raise self._diverged(what)  # every rank stops here (loss and norm are global)
         self.consecutive_skips = 0
         self.scheduler.step(increment=1)
         self.state.iteration += 1
@@ -469,42 +447,6 @@ class Trainer:
         with self.attempt.timing("save"), self.hangs.during("commit"):
             self.checkpoints.wait()
 
-    def _log_train_step(self, result: StepResult, lr: float, tokens_per_second: float) -> None:
-        """The step's line (every rank calls it: the MoE metrics are reduced across ranks)."""
-        metrics = {
-            "loss": result.loss,
-            "ppl": math.exp(min(result.loss, 50.0)),
-            "lr": lr,
-            "grad_norm": _or_nan(result.grad_norm),
-            "global_batch_size": result.num_samples,
-            "consumed_samples": self.state.consumed_samples,
-            "tokens_per_s": tokens_per_second,
-            "tflops_per_device": self._tflops_per_device(tokens_per_second),
-        }
-        per_layer = {}
-        if self.moe_metrics is not None:
-            moe, per_layer = self.moe_metrics.report(get_num_microbatches())
-            metrics.update(moe)
-        self.attempt.logged()
-        eta = self.attempt.time_to(self.cfg.trainer.max_steps)
-        note = f"time_to_max_steps {eta}" if eta is not None else ""
-        self.logger.log(self.state.iteration, metrics, note=note)
-        if per_layer:
-            self.logger.log(self.state.iteration, per_layer, console=False)
-
-    def _log_megatron_timers(self, step: int, report: TimerReport) -> None:
-        if report.table is not None:
-            self._print(
-                f"step {step}: megatron timers, per step of the last {report.steps}, {report.table}"
-            )
-        if report.max_seconds:
-            self.logger.log(step, report.max_seconds, console=False)
-
-    def _tflops_per_device(self, tokens_per_second: float) -> float:
-        """Model TFLOP/s per device (all ranks share the tokens)."""
-        flops = tokens_per_second * self.model_config.flops_per_token()
-        return flops / 1e12 / dist.get_world_size()
-
     def fit(self) -> RunSummary:
         """Train to ``trainer.max_steps`` (or until asked to stop), validating, logging and
         checkpointing on the configured intervals."""
@@ -551,18 +493,13 @@ class Trainer:
                 if advanced:
                     self.manual_gc.after_step(step)
                     summary.train_losses.append((step, result.loss))
-                    if step % t.log_every_n_steps == 0 or step == t.max_steps:
-                        self._log_train_step(result, lr, throughput.close_window())
-                    else:  # every step's loss, for curves; the console gets the interval
-                        self.logger.log(step, {"loss": result.loss}, console=False)
+                    self.step_log.trained(step, result, lr, self.state.consumed_samples, throughput)
                     if self.has_validation and step % t.val_check_interval == 0:
                         summary.valid_loss = self.evaluate()
                 else:
                     summary.skipped_steps += 1
-                    self.logger.log(step, {"skipped_steps": summary.skipped_steps}, console=False)
-                timer_report = self.megatron_timers.step_done(step, advanced)
-                if timer_report is not None:
-                    self._log_megatron_timers(step, timer_report)
+                    self.step_log.skipped(step, summary.skipped_steps)
+                self.step_log.timers(step, self.megatron_timers.step_done(step, advanced))
                 self.stragglers.step_done(step, advanced)
                 periodic = advanced and step % every == 0 and step < t.max_steps
                 exit_interval = advanced and bool(t.exit_interval) and step % t.exit_interval == 0
@@ -593,5 +530,5 @@ class Trainer:
         summary.steps = self.state.iteration
         throughput.close_window()
         summary.tokens_per_second = throughput.overall
-        summary.tflops_per_device = self._tflops_per_device(summary.tokens_per_second)
+        summary.tflops_per_device = self.step_log.tflops_per_device(summary.tokens_per_second)
         return summary

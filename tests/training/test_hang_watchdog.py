@@ -105,18 +105,21 @@ def test_a_stopped_store_is_a_verdict_not_a_stuck_watchdog():
     """torch's own client waits for ever on a stopped server."""
     server = subprocess.Popen(
         [sys.executable, "-c", (
-            "import sys, time, datetime, torch.distributed as d\n"
+            "import sys, datetime, torch.distributed as d\n"
             "s = d.TCPStore('127.0.0.1', 0, None, True, datetime.timedelta(seconds=30),"
             " wait_for_workers=False)\n"
-            "print(s.port, flush=True)\ntime.sleep(120)"
+            "print(s.port, flush=True)\nsys.stdin.read()"  # until killed, or the test ends
         )],
-        stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         store = WatchdogStore("127.0.0.1", int(server.stdout.readline()), timeout_s=1.0)
         store.call("set", "k", "v")
         assert store.get_if_set("k") == "v" and store.get_if_set("other") is None
         os.kill(server.pid, signal.SIGSTOP)
+        # The stop takes hold as the server's threads are next scheduled: on a busy machine
+        # its store thread may answer a call first. Wait until the kernel reports it stopped.
+        assert os.WIFSTOPPED(os.waitpid(server.pid, os.WUNTRACED)[1])
         start = time.monotonic()
         with pytest.raises(StoreUnanswered, match="no answer in 1 s"):
             store.get_if_set("k")
