@@ -26,7 +26,8 @@ derives from it:
   (:func:`target_values`), so a pass-through setting needs no code beyond its
   declaration. A value that must be translated names the small function that does it
   (``translate``), kept next to the declaration. Other targets are read by the code
-  named in the key's doc;
+  named in the key's doc. A section whose keys all go to one class says it once
+  (:func:`passed_to`; a key may still name its own);
 * ``aliases``: other names accepted for the same key (megatron-core's own), which set it
   (``nemo_compat.py`` derives their rules from here);
 * ``policy``: ``"fixed"`` (the default is the default) or ``"machine"`` (null is decided per
