@@ -128,6 +128,17 @@ def test_override_of_unknown_key_says_how_to_add():
         _load("model.num_layers")
 
 
+def test_a_nemo_key_is_suggested_as_an_override_would_take_it():
+    """A suggested NeMo key absent from the config was named bare, which a plain
+    override refuses as 'no key': it is named with the '+' that adds it."""
+    with pytest.raises(ConfigError, match=r"did you mean '\+model.megatron_amp_O2'\?"):
+        _load("model.megatron_amp_o2=true")
+    raw = OmegaConf.load(DEMO)
+    raw.model.megatron_amp_O2 = False
+    with pytest.raises(ConfigError, match=r"did you mean 'model.megatron_amp_O2'\?"):
+        load_config(raw, ["model.megatron_amp_o2=true"])
+
+
 @pytest.mark.parametrize(
     ("overrides", "world_size", "expected"),
     [
