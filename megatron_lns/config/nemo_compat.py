@@ -302,7 +302,10 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
     # model: what is built
     "model.mcore_gpt": Fixed((True,), "the model is megatron-core's GPTModel"),
     "model.transformer_block_type": Fixed(
-        ("pre_ln",), "blocks are pre-LN, whose pre-norms LNS scales"
+        ("pre_ln",),
+        "blocks are pre-LN unless model.layer_variant says otherwise: Post-LN is "
+        "model.layer_variant=post_ln, which needs model.norm_scaling=none and "
+        "model.transformer_engine=false; NormFormer is not built",
     ),
     "model.rotary_percentage": Fixed((1.0,), "RoPE rotates the whole head dimension"),
     "model.headscale": Fixed((False,), "no learned per-head output scales"),

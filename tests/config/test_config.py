@@ -884,6 +884,20 @@ def test_nemo_keys_that_change_the_model_or_run_are_refused_by_name(override, ex
     assert expected in message and "\n" not in message, message
 
 
+def test_post_ln_blocks_are_refused_pointing_at_the_settings_that_build_them():
+    """NeMo's post_ln was refused as 'blocks are pre-LN', though model.layer_variant=post_ln
+    builds them: the refusal names it, and what it names loads and validates."""
+    with pytest.raises(ConfigError) as info:
+        _load_nemo("model.transformer_block_type=post_ln")
+    named = "model.layer_variant=post_ln, which needs model.norm_scaling=none and "
+    assert f"{named}model.transformer_engine=false;" in str(info.value)
+    cfg, _ = _load_nemo(
+        "model.layer_variant=post_ln", "model.norm_scaling=none", "model.transformer_engine=false"
+    )
+    validate(cfg, check_files=False)
+    assert cfg.model.layer_variant == "post_ln"
+
+
 def test_nemo_keys_depending_on_other_settings():
     _load_nemo("+model.optim.sched.max_steps=100000")  # = trainer.max_steps
     fp8 = ["model.fp8=delayed", "model.fp8_format=hybrid", "trainer.precision=bf16-mixed"]
