@@ -148,3 +148,15 @@ def test_every_command_answers_bad_input_in_one_line(tmp_path, capsys):
         line = cli_error_of(capsys, *args)
         assert named in line, (command, line)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_every_preprocess_flag_is_in_its_docs():
+    """``preprocess --quiet`` was in no doc: each flag is named in docs/preprocessing.md
+    or docs/data.md (where the tokenizer flags are shown)."""
+    from megatron_lns.cli import build_parser
+
+    parser = build_parser()
+    [commands] = [a for a in parser._actions if a.dest == "command"]
+    docs = "".join((ROOT / "docs" / name).read_text() for name in ("preprocessing.md", "data.md"))
+    flags = [o for a in commands.choices["preprocess"]._actions for o in a.option_strings]
+    assert [f for f in flags if f.startswith("--") and f != "--help" and f not in docs] == []

@@ -404,6 +404,25 @@ def test_overrides_of_the_keys_each_arm_sets_are_refused_by_name(command, capsys
     )
 
 
+@pytest.mark.parametrize("command", ["compare", "demo"])
+def test_an_exp_dir_override_is_refused_by_name_when_out_places_the_arms(command, tmp_path, capsys):
+    """With --out, each arm's exp_dir is <out>/<variant>: a command-line exp_dir was
+    dropped without a word. The YAML's exp_dir is the base --out replaces, as meant, and
+    without --out the override is honoured (the comparison goes under it)."""
+    config = [str(DEMO_CONFIG)] if command == "compare" else ["--config", str(DEMO_CONFIG)]
+    args = [command, *config, *TINY_RUN_OVERRIDES, "--dry-run"]
+    out = tmp_path / "cmp"
+    assert main([*args, f"exp_manager.exp_dir={tmp_path}/mine", "--out", str(out)]) == 2
+    [err] = capsys.readouterr().err.strip().splitlines()
+    assert err == (
+        f"error: exp_manager.exp_dir={tmp_path}/mine: {command} sets exp_manager.exp_dir "
+        f"from --out (each arm's run directory is {out}/<variant>); choose --out instead"
+    )
+    assert main([*args, "--out", str(out)]) == 0
+    assert main([*args, f"exp_manager.exp_dir={tmp_path}/mine"]) == 0
+    assert not out.exists()
+
+
 @pytest.mark.parametrize(
     "text, error",
     [

@@ -76,6 +76,20 @@ def test_megatron_core_names_are_the_same_settings():
         load_config(DEMO, [f"{KEY}granularity=selective", "+model.recompute_granularity=full"])
 
 
+def test_megatron_core_names_are_overridden_as_the_keys_they_name():
+    """A plain override of an alias was refused, 'no key' (did you mean another alias,
+    refused alike): the defaults hold the key it names, which it sets as in YAML."""
+    names = ["model.recompute_granularity=full", "model.recompute_method=block"]
+    names.append("model.recompute_num_layers=2")
+    cfg = load_config(DEMO, names)
+    assert cfg == load_config(DEMO, [f"+{name}" for name in names])
+    assert cfg.model.activations_checkpoint_num_layers == 2
+    with pytest.raises(ConfigError, match=r"model.recompute_granularity='full' contradicts"):
+        load_config(DEMO, [f"{KEY}granularity=selective", "model.recompute_granularity=full"])
+    with pytest.raises(ConfigError, match=r"did you mean 'model.recompute_granularity'\?"):
+        load_config(DEMO, ["model.recompute_granulrity=full"])
+
+
 @pytest.mark.filterwarnings("ignore::megatron_lns.config.loader.NemoKeysIgnoredWarning")
 def test_nemo_default_recompute_keys_load_from_a_nemo_config():
     """NeMo's own megatron_gpt_config.yaml sets all three to null: recomputation off."""

@@ -161,9 +161,13 @@ def check_arms(cfg: ExperimentConfig, variants: Sequence[Variant]) -> None:
 ARM_KEYS = {"exp_manager.name": "the run's name by its seed"}
 
 
-def check_overrides(overrides: Sequence[str], variants: Sequence[Variant], command: str) -> None:
+def check_overrides(
+    overrides: Sequence[str], variants: Sequence[Variant], command: str, out: str | None = None
+) -> None:
     """Refuse command-line overrides of keys each arm sets itself: the user's value would
-    be dropped without a word (a YAML's value is the base the arms replace, as meant)."""
+    be dropped without a word (a YAML's value is the base the arms replace, as meant).
+    With ``out``, ``exp_manager.exp_dir`` is one: each arm runs in ``<out>/<variant>``
+    (without it, exp_dir is honoured: the comparison goes to ``<exp_dir>/<time>``)."""
     variant_keys = {f"model.{key}" for v in variants for key in v.model_settings}
     given = [override_key(o) for o in overrides]
     ours = list(dict.fromkeys(k for k in given if k in variant_keys or k in ARM_KEYS))
@@ -174,6 +178,13 @@ def check_overrides(overrides: Sequence[str], variants: Sequence[Variant], comma
             f"{', '.join(ours)}: {command} sets these for each arm ({', '.join(why)}); "
             "choose the arms with `compare --variants` instead"
         )
+    if out is not None:
+        for override in overrides:
+            if override_key(override) == "exp_manager.exp_dir":
+                raise CompareError(
+                    f"{override}: {command} sets exp_manager.exp_dir from --out (each arm's "
+                    f"run directory is {out}/<variant>); choose --out instead"
+                )
 
 
 # Keys a resume honours that do not change what an arm trains: where it runs (the

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         getattr(args, "config", None) or DEMO_CONFIG_NAME, args.overrides, args.dry_run
     )
     parsed = parse_variants(getattr(args, "variants", None) or DEFAULT_VARIANTS)
-    check_overrides(args.overrides, parsed, args.command)
+    check_overrides(args.overrides, parsed, args.command, args.out)
     check_arms(cfg, parsed)
     variants = [v.name for v in parsed]
     seeds = seeds_for(cfg, getattr(args, "seeds", 1))

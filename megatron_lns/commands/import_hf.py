@@ -6,12 +6,22 @@ import argparse
 
 from megatron_lns.commands.arguments import add_out_dir
 
+# The config.json classes import reads, in the order of convert/architectures'
+# ARCHITECTURES, which imports torch (that the CLI does not load to parse its arguments);
+# tests/convert/test_convert.py holds the two equal.
+HF_CLASSES = (
+    "LlamaForCausalLM",
+    "StableLmForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+)
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     imp = commands.add_parser(
         "import-hf", help="Hugging Face model -> run directory for continued pretraining"
     )
-    imp.add_argument("hf_dir", help="a local LlamaForCausalLM / StableLmForCausalLM directory")
+    imp.add_argument("hf_dir", help=f"a local {' / '.join(HF_CLASSES)} directory")
     add_out_dir(imp, "the run directory to write (config.yaml, checkpoints/)")
     imp.add_argument("overrides", nargs="*", help="key=value settings of the run config")
     imp.add_argument(

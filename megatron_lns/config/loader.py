@@ -31,6 +31,7 @@ from megatron_lns.base.path_kind import not_a_file
 from megatron_lns.config import value_kinds
 from megatron_lns.config.env_values import spell_env_values
 from megatron_lns.config.nemo_compat import (
+    ALIASES,
     NEMO_KEYS,
     Inert,
     NemoSettingError,
@@ -97,7 +98,10 @@ def _is_known(path: str) -> bool:
     return any(SCHEMA_PATHS.get(".".join(parts[:i])) for i in range(1, len(parts)))
 
 
-def _did_you_mean(path: str) -> str:
+def _did_you_mean(path: str, overridden: DictConfig | None = None) -> str:
+    """The key nearest ``path``, named as it is accepted: for a plain ``key=value``
+    override of ``overridden`` (the config it applies to), a NeMo key that is neither in
+    that config nor an alias is named with the '+' that adds it."""
     candidates = [
         c
         for c in [*SCHEMA_PATHS, *sorted(k for k in NEMO_KEYS if not k.endswith("*"))]
@@ -109,7 +113,17 @@ def _did_you_mean(path: str) -> str:
         by_leaf = {c.rsplit(".", 1)[-1]: c for c in SCHEMA_PATHS}
         near = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.75)
         close = [by_leaf[near[0]]] if near else []
-    return f" (did you mean '{close[0]}'?)" if close else ""
+    if not close:
+        return ""
+    name = close[0]
+    if (
+        overridden is not None
+        and name in NEMO_KEYS
+        and name not in ALIASES
+        and name not in _all_paths(overridden)
+    ):
+        name = f"+{name}"
+    return f" (did you mean '{name}'?)"
 
 
 _ANY_VALUE = object()
@@ -187,12 +201,16 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
             raise ConfigError(f"override '{override}' is not key=value")
         if problem := _named_inside_a_list(cfg, defaults, key):
             raise ConfigError(f"override '{override}': {problem}")
-        exists = OmegaConf.select(cfg, key, default="__missing__") != "__missing__" or (
-            OmegaConf.select(defaults, key, default="__missing__") != "__missing__"
+        # An alias is set as the key it names, which the defaults hold.
+        exists = (
+            OmegaConf.select(cfg, key, default="__missing__") != "__missing__"
+            or OmegaConf.select(defaults, key, default="__missing__") != "__missing__"
+            or key in ALIASES
         )
         if not prefix and not exists:
             raise ConfigError(
-                f"override '{override}': no key '{key}'{_did_you_mean(key)}; use +{key}=... to add"
+                f"override '{override}': no key '{key}'{_did_you_mean(key, cfg)}; use "
+                f"+{key}=... to add"
             )
         # An interpolation stays one (``${model.encoder_seq_length}``) and is resolved
         # with the whole config, after every override.

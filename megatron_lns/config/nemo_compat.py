@@ -128,15 +128,24 @@ def _schema_hint(key: str) -> Any:
     return typing.get_type_hints(holder)[name]
 
 
-def _aliases() -> dict[str, Translated]:
-    """The rule of every alias a key declares (``settings.setting(aliases=...)``)."""
-    rules = {}
+def _alias_names() -> dict[str, str]:
+    """Every alias a key declares (``settings.setting(aliases=...)``) -> that key."""
+    names = {}
     for item in declared_settings(ExperimentConfig):
         parent = item.key.rpartition(".")[0]
         for alias in item.setting.aliases:
-            dotted = f"{parent}.{alias}" if parent else alias
-            rules[dotted] = _alias_of(item.key, dotted)
-    return rules
+            names[f"{parent}.{alias}" if parent else alias] = item.key
+    return names
+
+
+# ``model.recompute_granularity`` -> ``model.activations_checkpoint_granularity``, ...: a
+# key the schema holds under another name, so a command line sets it as it sets that key.
+ALIASES = _alias_names()
+
+
+def _aliases() -> dict[str, Translated]:
+    """The rule of every alias."""
+    return {alias: _alias_of(key, alias) for alias, key in ALIASES.items()}
 
 
 def _hydra_defaults_without_groups(value: Any, cfg: ExperimentConfig) -> bool:
@@ -293,7 +302,10 @@ NEMO_KEYS: dict[str, Inert | Fixed | When | Translated] = {
     # model: what is built
     "model.mcore_gpt": Fixed((True,), "the model is megatron-core's GPTModel"),
     "model.transformer_block_type": Fixed(
-        ("pre_ln",), "blocks are pre-LN, whose pre-norms LNS scales"
+        ("pre_ln",),
+        "blocks are pre-LN unless model.layer_variant says otherwise: Post-LN is "
+        "model.layer_variant=post_ln, which needs model.norm_scaling=none and "
+        "model.transformer_engine=false; NormFormer is not built",
     ),
     "model.rotary_percentage": Fixed((1.0,), "RoPE rotates the whole head dimension"),
     "model.headscale": Fixed((False,), "no learned per-head output scales"),

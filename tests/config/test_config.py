@@ -128,6 +128,17 @@ def test_override_of_unknown_key_says_how_to_add():
         _load("model.num_layers")
 
 
+def test_a_nemo_key_is_suggested_as_an_override_would_take_it():
+    """A suggested NeMo key absent from the config was named bare, which a plain
+    override refuses as 'no key': it is named with the '+' that adds it."""
+    with pytest.raises(ConfigError, match=r"did you mean '\+model.megatron_amp_O2'\?"):
+        _load("model.megatron_amp_o2=true")
+    raw = OmegaConf.load(DEMO)
+    raw.model.megatron_amp_O2 = False
+    with pytest.raises(ConfigError, match=r"did you mean 'model.megatron_amp_O2'\?"):
+        load_config(raw, ["model.megatron_amp_o2=true"])
+
+
 @pytest.mark.parametrize(
     ("overrides", "world_size", "expected"),
     [
@@ -871,6 +882,20 @@ def test_nemo_keys_that_change_the_model_or_run_are_refused_by_name(override, ex
         _load_nemo(override)
     message = str(info.value)
     assert expected in message and "\n" not in message, message
+
+
+def test_post_ln_blocks_are_refused_pointing_at_the_settings_that_build_them():
+    """NeMo's post_ln was refused as 'blocks are pre-LN', though model.layer_variant=post_ln
+    builds them: the refusal names it, and what it names loads and validates."""
+    with pytest.raises(ConfigError) as info:
+        _load_nemo("model.transformer_block_type=post_ln")
+    named = "model.layer_variant=post_ln, which needs model.norm_scaling=none and "
+    assert f"{named}model.transformer_engine=false;" in str(info.value)
+    cfg, _ = _load_nemo(
+        "model.layer_variant=post_ln", "model.norm_scaling=none", "model.transformer_engine=false"
+    )
+    validate(cfg, check_files=False)
+    assert cfg.model.layer_variant == "post_ln"
 
 
 def test_nemo_keys_depending_on_other_settings():

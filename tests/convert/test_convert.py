@@ -511,6 +511,18 @@ def test_an_unknown_architecture_is_named_with_the_supported_ones():
     assert all(arch.hf_class in str(refused.value) for arch in ARCHITECTURES)
 
 
+def test_import_hf_help_names_every_architecture_import_reads(capsys):
+    """``import-hf --help`` named Llama and StableLM only; it names the registry's classes."""
+    from megatron_lns.cli import main
+    from megatron_lns.commands.import_hf import HF_CLASSES
+
+    assert tuple(arch.hf_class for arch in ARCHITECTURES) == HF_CLASSES
+    with pytest.raises(SystemExit):
+        main(["import-hf", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert f"a local {' / '.join(HF_CLASSES)} directory" in shown
+
+
 def test_stablelm_refuses_a_head_size_other_than_hidden_over_heads(seeded, tmp_path):
     """StableLM's attention always has hidden_size / heads channels per head."""
     stablelm = dict(normalization="layernorm", norm_affine=False)
