@@ -75,9 +75,7 @@ def add_arguments(prep: argparse.ArgumentParser) -> None:
         help="tokenize task I's share of N (slurm: SLURM_PROCID/SLURM_NTASKS), merge nothing; "
         "needs --plan-only first",
     )
-    prep.add_argument(
-        "--quiet", action="store_true", help="no progress bar (nor, in a log, progress lines)"
-    )
+    prep.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
     prep.add_argument(
         "--submit",
         nargs="+",
