@@ -11,7 +11,9 @@ without torchrun, and what the tests use. The launcher owns its ranks:
   step ends the launch with one line (:class:`RanksStopped`);
 * each rank runs in its own process group, so a terminal's Ctrl-C reaches only the
   launcher (which forwards it once), and is asked to stop (SIGTERM) if the launcher
-  dies, so no rank is ever left behind;
+  dies, so no rank is ever left behind. A rank stopped (SIGSTOP) when a stop is
+  forwarded is continued, as a shell's ``kill`` continues a stopped job, so that it can
+  act on it;
 * when a rank fails, the others are stopped within seconds and its error is raised
   here: a user error (exit code 2) has already been reported once by the rank.
 """
@@ -149,9 +151,10 @@ def stop_signals_recorded(received: list[int]) -> Iterator[None]:
 
 def _forward(processes: list, received: list[int], sent: int) -> int:
     """Send the ranks the stop signals received since the first ``sent`` (module doc):
-    the first one, and SIGUSR1, as they came; a second SIGTERM or SIGINT as SIGKILL.
-    Runs in the launcher's loop, never in the signal handler, so that none is sent twice.
-    Returns how many are sent."""
+    the first one, and SIGUSR1, as they came, then SIGCONT to each rank's group (a
+    stopped rank would take the stop only once continued, and the launch would wait for
+    it); a second SIGTERM or SIGINT as SIGKILL. Runs in the launcher's loop, never in the
+    signal handler, so that none is sent twice. Returns how many are sent."""
     for signum in received[sent:]:
         first_stop = sent == 0 or signum == signal.SIGUSR1
         sent += 1
@@ -160,9 +163,23 @@ def _forward(processes: list, received: list[int], sent: int) -> int:
                 with contextlib.suppress(ProcessLookupError):
                     if first_stop:
                         os.kill(process.pid, signum)
+                        _signal_rank(process.pid, signal.SIGCONT)
                     else:
                         process.kill()
     return sent
+
+
+def _signal_rank(pid: int, signum: int) -> None:
+    """Send ``signum`` to the process group of rank ``pid``: the rank and whatever it
+    started (dataloader workers, a save's writer). A rank that has not made its group yet
+    (it does so first thing) has started nothing, and gets it alone."""
+    try:
+        os.killpg(pid, signum)
+    except ProcessLookupError:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
+    except PermissionError:
+        pass  # not the rank's group any more: its id is another user's process's now
 
 
 # Seconds between two looks of the launcher for a stop signal to forward.
