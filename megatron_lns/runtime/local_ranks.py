@@ -11,7 +11,11 @@ without torchrun, and what the tests use. The launcher owns its ranks:
   step ends the launch with one line (:class:`RanksStopped`);
 * each rank runs in its own process group, so a terminal's Ctrl-C reaches only the
   launcher (which forwards it once), and is asked to stop (SIGTERM) if the launcher
-  dies, so no rank is ever left behind;
+  dies, so no rank is ever left behind. A rank stopped (SIGSTOP) when a stop is
+  forwarded is continued, as a shell's ``kill`` continues a stopped job, so that it can
+  act on it;
+* the launcher's Ctrl-Z stops the run as a whole and ``fg`` (any SIGCONT) continues it
+  (:func:`job_stops_shared`), which the ranks' hang watchdogs take for a pause;
 * when a rank fails, the others are stopped within seconds and its error is raised
   here: a user error (exit code 2) has already been reported once by the rank.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -149,9 +154,10 @@ def stop_signals_recorded(received: list[int]) -> Iterator[None]:
 
 def _forward(processes: list, received: list[int], sent: int) -> int:
     """Send the ranks the stop signals received since the first ``sent`` (module doc):
-    the first one, and SIGUSR1, as they came; a second SIGTERM or SIGINT as SIGKILL.
-    Runs in the launcher's loop, never in the signal handler, so that none is sent twice.
-    Returns how many are sent."""
+    the first one, and SIGUSR1, as they came, then SIGCONT to each rank's group (a
+    stopped rank would take the stop only once continued, and the launch would wait for
+    it); a second SIGTERM or SIGINT as SIGKILL. Runs in the launcher's loop, never in the
+    signal handler, so that none is sent twice. Returns how many are sent."""
     for signum in received[sent:]:
         first_stop = sent == 0 or signum == signal.SIGUSR1
         sent += 1
@@ -160,9 +166,99 @@ def _forward(processes: list, received: list[int], sent: int) -> int:
                 with contextlib.suppress(ProcessLookupError):
                     if first_stop:
                         os.kill(process.pid, signum)
+                        _signal_rank(process.pid, signal.SIGCONT)
                     else:
                         process.kill()
     return sent
+
+
+def _signal_rank(pid: int, signum: int) -> None:
+    """Send ``signum`` to the process group of rank ``pid``: the rank and whatever it
+    started (dataloader workers, a save's writer). A rank that has not made its group yet
+    (it does so first thing) has started nothing, and gets it alone."""
+    try:
+        os.killpg(pid, signum)
+    except ProcessLookupError:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
+    except PermissionError:
+        pass  # not the rank's group any more: its id is another user's process's now
+
+
+# The signals by which a terminal stops a job: Ctrl-Z (SIGTSTP) to the foreground job,
+# SIGTTIN and SIGTTOU to a background job that reads it, or writes to it under `stty tostop`.
+JOB_STOP_SIGNALS = (signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
+
+
+# Waits for the end of its stdin, which only the launcher writes, then continues the
+# process groups and processes it is given.
+_CONTINUE_ONCE_CLOSED = 'read -r _; kill -s CONT -- "$@"'
+
+
+def _continued_when_done(ranks: list[int]) -> subprocess.Popen | None:
+    """A process that continues the ranks and their groups once this process is
+    continued (it then closes the watcher's stdin) or has ended, however it ended (the
+    kernel closes it then).
+
+    In a session of its own, so that nothing sent to the launcher's job (a terminal's
+    SIGHUP, ``kill -9 %1``) ends it first. None if it cannot start (the stop goes on: only
+    a launcher that ended while stopped would then leave its ranks stopped)."""
+    targets = [target for pid in ranks for target in (f"-{pid}", str(pid))]
+    try:
+        return subprocess.Popen(
+            ["/bin/sh", "-c", _CONTINUE_ONCE_CLOSED, "sh", *targets],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def job_stops_shared(ranks: list[int]) -> Iterator[None]:
+    """While inside, a job-control stop of this process (:data:`JOB_STOP_SIGNALS`) stops
+    the ranks whose pids are in ``ranks`` with it, and they continue when it does.
+
+    Each rank has a process group of its own (module doc), so the terminal's signal,
+    which goes to the launcher's group, would stop the launcher alone and leave the ranks
+    training unattended. The handler stops every rank's group (SIGSTOP), then this
+    process, with SIGSTOP rather than the default action of the signal it got: that does
+    nothing to a process whose group is orphaned (a launcher in a session of its own:
+    ``setsid``, a test), which would leave the ranks stopped under a launcher that runs
+    on. (So a shell says the run was "Stopped (signal)".) The SIGCONT that continues
+    this process (``fg``, ``bg``, ``kill -CONT``, a shell's ``kill`` of the stopped job)
+    returns from that SIGSTOP, and the handler continues the ranks; a stop request that
+    came meanwhile is forwarded to running ranks. The ranks, all stopped together, take
+    the time for a pause, not a hang (``training/phase_timeouts.py``).
+
+    A launcher that ends while stopped (SIGKILL) cannot continue its ranks, and a stopped
+    rank never acts on its launcher's end, so a small watcher started with the stop
+    continues them once the launcher is continued or gone (:func:`_continued_when_done`).
+    """
+
+    def stop_with_the_ranks(signum: int, frame: Any) -> None:
+        stopped = list(ranks)
+        watcher = _continued_when_done(stopped) if stopped else None
+        for pid in stopped:
+            _signal_rank(pid, signal.SIGSTOP)
+        os.kill(os.getpid(), signal.SIGSTOP)  # returns once continued
+        for pid in stopped:
+            _signal_rank(pid, signal.SIGCONT)
+        if watcher is not None:
+            watcher.stdin.close()  # its cue: it continues them too, and ends
+            watcher.wait()
+
+    previous = {}
+    for sig in JOB_STOP_SIGNALS:
+        with contextlib.suppress(ValueError):  # only the main thread may install handlers
+            previous[sig] = signal.signal(sig, stop_with_the_ranks)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 # Seconds between two looks of the launcher for a stop signal to forward.
@@ -192,8 +288,10 @@ def spawn_local(
     import torch.multiprocessing as mp
 
     received = [] if stop_signals is None else stop_signals
+    ranks: list[int] = []  # their pids, once started: what a Ctrl-Z stops with the launcher
     with (
         stop_signals_recorded(received),
+        job_stops_shared(ranks),
         tempfile.TemporaryDirectory(prefix="megatron-lns-launch-") as scratch,
     ):
         if received:  # a stop before any rank exists: none starts
@@ -217,6 +315,7 @@ def spawn_local(
         finally:
             if pidfd is not None:
                 os.close(pidfd)  # each rank has its own copy
+        ranks.extend(process.pid for process in context.processes)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         sent = 0
         try:

@@ -224,3 +224,86 @@ def test_a_killed_rank_is_said_killed_by_its_signal(tmp_path, capsys):
 
     assert exit_status(launch) == 1
     assert capsys.readouterr().err == "error: rank 1 was killed by SIGKILL\n"
+
+
+def _started_ranks(launcher: subprocess.Popen, directory: Path) -> list[psutil.Process]:
+    """The ranks of ``launcher``, once each has recorded its pid in ``directory``."""
+    pid_files = [directory / f"rank{rank}" for rank in range(2)]
+    wait_while_running(
+        launcher, lambda: all(f.exists() and f.read_text() for f in pid_files), 120, "ranks"
+    )
+    return [psutil.Process(int(f.read_text())) for f in pid_files]
+
+
+def _await_stopped(launcher: subprocess.Popen, processes: list[psutil.Process]) -> None:
+    """Wait until every one of ``processes`` is stopped (state T in /proc/PID/stat)."""
+    wait_while_running(
+        launcher, lambda: all(p.status() == psutil.STATUS_STOPPED for p in processes), 60, "T"
+    )
+
+
+@contextlib.contextmanager
+def _ended_in_the_end(ranks: list[psutil.Process]):
+    """Kills ``ranks`` when the block ends: a rank left stopped (a failed test) would never
+    take the SIGTERM its launcher's end sends it."""
+    try:
+        yield
+    finally:
+        for rank in ranks:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                rank.kill()
+
+
+@pytest.mark.slow
+def test_ctrl_z_stops_the_ranks_with_the_launcher_and_a_kill_of_the_job_ends_them(tmp_path):
+    """SIGTSTP to the launcher (a terminal's Ctrl-Z) stops every rank and the launcher;
+    a shell's ``kill %1`` of the stopped job (SIGTERM, then SIGCONT) continues the ranks
+    and ends them as a stop of a running launch does, leaving no process."""
+    with killed_on_exit(_stoppable_launcher(tmp_path, "_record_pid_and_sleep")) as launcher:
+        ranks = _started_ranks(launcher, tmp_path)
+        with _ended_in_the_end(ranks):
+            launcher.send_signal(signal.SIGTSTP)
+            _await_stopped(launcher, [psutil.Process(launcher.pid), *ranks])
+            launcher.send_signal(signal.SIGTERM)
+            launcher.send_signal(signal.SIGCONT)
+            _, seen = _stopped(
+                launcher,
+                signal.SIGTERM,
+                r"error: stopped by SIGTERM: rank \d was killed by SIGTERM before it could "
+                r"stop at a step; rerun to resume",
+            )
+            assert not still_running([*ranks, *seen])
+
+
+@pytest.mark.slow
+def test_the_ranks_of_a_launcher_killed_while_stopped_stop(tmp_path):
+    """A launcher SIGKILLed while Ctrl-Z holds the run stopped cannot continue its ranks,
+    and stopped ranks take no SIGTERM from its end: they must still end."""
+    with killed_on_exit(_stoppable_launcher(tmp_path, "_record_pid_and_sleep")) as launcher:
+        ranks = _started_ranks(launcher, tmp_path)
+        with _ended_in_the_end(ranks):
+            launcher.send_signal(signal.SIGTSTP)
+            _await_stopped(launcher, ranks)
+            launcher.kill()
+            assert not still_running(ranks, within_s=30)
+
+
+@pytest.mark.slow
+def test_a_stop_reaches_ranks_stopped_from_outside(tmp_path):
+    """Ranks stopped by someone else (kill -STOP of their groups) take a stop request
+    only once continued: the launcher continues them after forwarding it, so the launch
+    ends by itself instead of waiting for them."""
+    with killed_on_exit(_stoppable_launcher(tmp_path, "_record_pid_and_sleep")) as launcher:
+        ranks = _started_ranks(launcher, tmp_path)
+        with _ended_in_the_end(ranks):
+            for rank in ranks:
+                os.killpg(rank.pid, signal.SIGSTOP)
+            _await_stopped(launcher, ranks)
+            launcher.send_signal(signal.SIGTERM)
+            _stopped(
+                launcher,
+                signal.SIGTERM,
+                r"error: stopped by SIGTERM: rank \d was killed by SIGTERM before it could "
+                r"stop at a step; rerun to resume",
+            )
+            assert not still_running(ranks)

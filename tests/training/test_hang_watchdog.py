@@ -349,6 +349,44 @@ def test_a_paused_run_is_not_a_hung_one(tmp_path):
     assert not run.left_behind()
 
 
+def _the_ranks_groups(run):
+    """Every process of the ranks' process groups (each rank leads one), and the launcher."""
+    launcher = psutil.Process(run.process.pid)
+    descendants = launcher.children(recursive=True)
+    run.seen.update(descendants)
+    groups = {os.getpgid(p.pid) for p in descendants} - {os.getpgid(launcher.pid)}
+    assert len(groups) == 2, descendants
+    return [launcher, *(p for p in descendants if os.getpgid(p.pid) in groups)]
+
+
+@pytest.mark.long
+@pytest.mark.usefixtures("private_corpus_cache")
+def test_ctrl_z_stops_the_whole_run_and_fg_continues_it(tmp_path):
+    """SIGTSTP to the launcher of a two-rank run (a terminal's Ctrl-Z) stops each rank's
+    process group and the launcher; SIGCONT to the launcher (fg) continues them all, and
+    the run finishes as if never stopped."""
+    run = _Run(None, *_overrides(tmp_path, "trainer.max_steps=12"), session=True)
+    try:
+        run.await_line(r"\] step +4 ")
+        processes = _the_ranks_groups(run)
+        os.kill(run.process.pid, signal.SIGTSTP)
+        deadline = time.monotonic() + 60
+        while not all(p.status() == psutil.STATUS_STOPPED for p in processes):  # state T
+            assert time.monotonic() < deadline, [(p, p.status()) for p in processes]
+            time.sleep(0.05)
+        os.kill(run.process.pid, signal.SIGCONT)
+        assert run.wait() == 0, run.text
+    finally:
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            run.signal_every_process_group(signal.SIGCONT)  # never leave a stopped run
+        if run.process.poll() is None:
+            run.process.kill()
+            run.wait()
+    assert "hang:" not in run.text and "hang watchdog: rank" not in run.text, run.text
+    assert [a.how for a in run_report(tmp_path / "lns").goodput.attempts] == ["finished"]
+    assert not run.left_behind()
+
+
 @pytest.mark.parametrize("on", [True, False])
 def test_the_watchdog_runs_only_when_on_and_close_joins_it(on):
     from helpers import tiny_run_config
