@@ -60,6 +60,13 @@ def compare_job(cfg: ExperimentConfig, variant_names: list[str], num_seeds: int,
 
 
 def run(args: argparse.Namespace) -> int:
+    from megatron_lns.runtime.early_stops import early_stops_recorded
+
+    with early_stops_recorded():  # before the imports of torch and megatron-core
+        return _compare(args)
+
+
+def _compare(args: argparse.Namespace) -> int:
     from megatron_lns.analysis.comparison import (
         DEFAULT_VARIANTS,
         check_arms,

@@ -17,9 +17,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_lns.cluster import job_of_this_process
-    from megatron_lns.training.entry_point import train
+    from megatron_lns.runtime.early_stops import early_stops_recorded
 
-    # A SLURM job's when started under sbatch or srun (its lock and records say so).
-    train(args.config, args.overrides, args.dry_run, job=job_of_this_process())
+    with early_stops_recorded():  # before the imports of torch and megatron-core
+        from megatron_lns.cluster import job_of_this_process
+        from megatron_lns.training.entry_point import train
+
+        # A SLURM job's when started under sbatch or srun (its lock and records say so).
+        train(args.config, args.overrides, args.dry_run, job=job_of_this_process())
     return 0

@@ -46,6 +46,7 @@ from megatron_lns.base.errors import (
 from megatron_lns.base.parent_death import end_with_process, own_pidfd
 from megatron_lns.config.layout import world_size
 from megatron_lns.runtime.distributed import destroy_distributed, free_port
+from megatron_lns.runtime.early_stops import take_early_stops
 from megatron_lns.runtime.job import STOP_SIGNALS  # what the ranks stop on is what is forwarded
 from megatron_lns.runtime.launcher_env import launcher_environment
 
@@ -145,6 +146,7 @@ def stop_signals_recorded(received: list[int]) -> Iterator[None]:
     for sig in STOP_SIGNALS:
         with contextlib.suppress(ValueError):  # only the main thread may install handlers
             previous[sig] = signal.signal(sig, record)
+    received.extend(take_early_stops())  # sent while the command started (early_stops.py)
     try:
         yield
     finally:

@@ -15,6 +15,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from megatron_lns.runtime.early_stops import take_early_stops
+
 
 class StopRequest:
     """Installs its handler for ``signals`` until :meth:`restore`."""
@@ -26,6 +28,8 @@ class StopRequest:
             # Only the main thread may install handlers (not so under some runners).
             with contextlib.suppress(ValueError):
                 self.previous[sig] = signal.signal(sig, self._handle)
+        # A stop sent while the command started counts as one sent now (early_stops.py).
+        self.requested = bool(take_early_stops())
 
     def _handle(self, signum, frame) -> None:
         if signum == signal.SIGINT and self.requested:
