@@ -21,6 +21,7 @@ import signal
 from collections.abc import Iterator
 from typing import Any
 
+from megatron_lns.base.signal_handlers import handled
 from megatron_lns.runtime.job import STOP_SIGNALS
 
 _recorded: list[int] = []
@@ -41,14 +42,9 @@ def take_early_stops() -> list[int]:
 def early_stops_recorded() -> Iterator[None]:
     """Record stop signals while inside (module doc); restore the handlers on the way out
     and raise again the first stop nothing took."""
-    previous = {}
-    for sig in STOP_SIGNALS:
-        with contextlib.suppress(ValueError):  # only the main thread may install handlers
-            previous[sig] = signal.signal(sig, _record)
     try:
-        yield
+        with handled(STOP_SIGNALS, _record):
+            yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         if untaken := take_early_stops():
             signal.raise_signal(untaken[0])

@@ -44,6 +44,7 @@ from megatron_lns.base.errors import (
     report_user_error_once,
 )
 from megatron_lns.base.parent_death import end_with_process, own_pidfd
+from megatron_lns.base.signal_handlers import handled
 from megatron_lns.config.layout import world_size
 from megatron_lns.runtime.distributed import destroy_distributed, free_port
 from megatron_lns.runtime.early_stops import take_early_stops
@@ -142,16 +143,9 @@ def stop_signals_recorded(received: list[int]) -> Iterator[None]:
     def record(signum: int, frame: Any) -> None:
         received.append(signum)
 
-    previous = {}
-    for sig in STOP_SIGNALS:
-        with contextlib.suppress(ValueError):  # only the main thread may install handlers
-            previous[sig] = signal.signal(sig, record)
-    received.extend(take_early_stops())  # sent while the command started (early_stops.py)
-    try:
+    with handled(STOP_SIGNALS, record):
+        received.extend(take_early_stops())  # sent while the command started (early_stops.py)
         yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _forward(processes: list, received: list[int], sent: int) -> int:
@@ -252,15 +246,8 @@ def job_stops_shared(ranks: list[int]) -> Iterator[None]:
             watcher.stdin.close()  # its cue: it continues them too, and ends
             watcher.wait()
 
-    previous = {}
-    for sig in JOB_STOP_SIGNALS:
-        with contextlib.suppress(ValueError):  # only the main thread may install handlers
-            previous[sig] = signal.signal(sig, stop_with_the_ranks)
-    try:
+    with handled(JOB_STOP_SIGNALS, stop_with_the_ranks):
         yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 # Seconds between two looks of the launcher for a stop signal to forward.

@@ -141,6 +141,11 @@ def _end_watching_descendants(launcher: subprocess.Popen) -> tuple[str, set]:
     return launcher.communicate(timeout=60)[1], seen
 
 
+# What a stopped launch says of a rank the stop ended before it could stop at a step.
+RANK_KILLED_BY_SIGTERM = r"rank \d was killed by SIGTERM before it could stop at a step"
+RERUN = "rerun to resume"
+
+
 def _stopped(launcher: subprocess.Popen, signum: int, error: str) -> tuple[str, set]:
     """Wait for ``launcher`` to end (``_end_watching_descendants``); assert that it ended by
     itself with 128 + ``signum`` and one ``error:`` line matching ``error`` (torch's import
@@ -174,12 +179,8 @@ def test_a_stop_while_the_ranks_start_ends_the_launch_with_one_line_and_no_proce
             launcher, lambda: server.extend(_forkservers(launcher)) or server, 120, "forkserver"
         )
         launcher.send_signal(signal.SIGTERM)
-        _, seen = _stopped(
-            launcher,
-            signal.SIGTERM,
-            r"error: stopped by SIGTERM(: rank \d was killed by SIGTERM before it could stop "
-            r"at a step| before the ranks started); rerun to resume",
-        )
+        either = rf"(: {RANK_KILLED_BY_SIGTERM}| before the ranks started)"
+        _, seen = _stopped(launcher, signal.SIGTERM, rf"error: stopped by SIGTERM{either}; {RERUN}")
     assert not still_running([*server, *seen])
 
 
@@ -274,12 +275,8 @@ def test_ctrl_z_stops_the_ranks_with_the_launcher_and_a_kill_of_the_job_ends_the
             _await_stopped(launcher, [psutil.Process(launcher.pid), *ranks])
             launcher.send_signal(signal.SIGTERM)
             launcher.send_signal(signal.SIGCONT)
-            _, seen = _stopped(
-                launcher,
-                signal.SIGTERM,
-                r"error: stopped by SIGTERM: rank \d was killed by SIGTERM before it could "
-                r"stop at a step; rerun to resume",
-            )
+            said = rf"error: stopped by SIGTERM: {RANK_KILLED_BY_SIGTERM}; {RERUN}"
+            _, seen = _stopped(launcher, signal.SIGTERM, said)
             assert not still_running([*ranks, *seen])
 
 

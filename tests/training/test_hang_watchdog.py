@@ -314,6 +314,19 @@ def test_slow_first_steps_and_a_slow_first_save_do_not_stop_a_healthy_run(tmp_pa
     assert "hang watchdog: timeouts learnt in this attempt: step " in run.text
 
 
+@contextlib.contextmanager
+def _never_left_stopped(run):
+    """Whatever the block does, the run is continued, and killed if it still runs."""
+    try:
+        yield
+    finally:
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            run.signal_every_process_group(signal.SIGCONT)
+        if run.process.poll() is None:
+            run.process.kill()
+            run.wait()
+
+
 @pytest.mark.long
 @pytest.mark.usefixtures("private_corpus_cache")
 def test_a_paused_run_is_not_a_hung_one(tmp_path):
@@ -328,19 +341,13 @@ def test_a_paused_run_is_not_a_hung_one(tmp_path):
                     "exp_manager.fault_tolerance.min_timeout=3"),
         session=True,
     )  # fmt: skip
-    try:
+    with _never_left_stopped(run):
         run.await_line(r"\] step +4 ")  # steps and an evaluation measured: learnt timeouts
         run.signal_every_process_group(signal.SIGSTOP)
         time.sleep(15)  # the pause itself
         lines_before = len(run.lines)
         run.signal_every_process_group(signal.SIGCONT)
         assert run.wait() == 0, run.text
-    finally:
-        with contextlib.suppress(psutil.Error, ProcessLookupError):
-            run.signal_every_process_group(signal.SIGCONT)  # never leave a stopped run
-        if run.process.poll() is None:
-            run.process.kill()
-            run.wait()
     assert "hang:" not in run.text and "hang watchdog: rank" not in run.text, run.text
     assert re.search(r"\] step +12 ", "\n".join(x for _, x in run.lines[lines_before:]))
     assert [a.how for a in run_report(tmp_path / "lns").goodput.attempts] == ["finished"]
@@ -366,7 +373,7 @@ def test_ctrl_z_stops_the_whole_run_and_fg_continues_it(tmp_path):
     process group and the launcher; SIGCONT to the launcher (fg) continues them all, and
     the run finishes as if never stopped."""
     run = _Run(None, *_overrides(tmp_path, "trainer.max_steps=12"), session=True)
-    try:
+    with _never_left_stopped(run):
         run.await_line(r"\] step +4 ")
         processes = _the_ranks_groups(run)
         os.kill(run.process.pid, signal.SIGTSTP)
@@ -376,12 +383,6 @@ def test_ctrl_z_stops_the_whole_run_and_fg_continues_it(tmp_path):
             time.sleep(0.05)
         os.kill(run.process.pid, signal.SIGCONT)
         assert run.wait() == 0, run.text
-    finally:
-        with contextlib.suppress(psutil.Error, ProcessLookupError):
-            run.signal_every_process_group(signal.SIGCONT)  # never leave a stopped run
-        if run.process.poll() is None:
-            run.process.kill()
-            run.wait()
     assert "hang:" not in run.text and "hang watchdog: rank" not in run.text, run.text
     assert [a.how for a in run_report(tmp_path / "lns").goodput.attempts] == ["finished"]
     assert not run.left_behind()
