@@ -142,16 +142,22 @@ def cluster_section(config: str, overrides: list[str]):
 
 def _resolved_cluster(path: Path, raw: dict, overrides: list[str]) -> dict:
     """The file's cluster: section with the overrides applied as ``train`` applies them,
-    and every ``${...}``, the file's and the overrides', resolved against the whole file,
-    as ``submit`` resolves them (``${name}``, ``${trainer.devices}``). Applied to the
+    and every ``${...}``, the file's and the overrides', resolved against the whole file
+    and the defaults under it, as ``submit`` resolves them (``${name}``,
+    ``${trainer.devices}``); only the keys the file or the overrides give. Applied to the
     section alone, an override's ``${name}`` would read the defaults' name: the same text
     would mean one thing in the file and another on the command line."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     from megatron_lns.config import ConfigError
-    from megatron_lns.config.loader import apply_overrides, check_override_interpolations
+    from megatron_lns.config.loader import (
+        apply_overrides,
+        check_override_interpolations,
+        override_key,
+    )
     from megatron_lns.config.nemo_compat import register_nemo_resolvers
+    from megatron_lns.config.schema import ExperimentConfig
 
     section = raw.get("cluster") or {}
     if not isinstance(section, dict):
@@ -160,13 +166,20 @@ def _resolved_cluster(path: Path, raw: dict, overrides: list[str]) -> dict:
         return {}
     register_nemo_resolvers()  # ${multiply:...}, as train reads it
     try:
-        whole = OmegaConf.create({**raw, "cluster": section})
+        # The file over the defaults, untyped (the other sections are training's to check):
+        # ${trainer.devices} reads the default where the file has no such key, as in submit.
+        defaults = OmegaConf.to_container(OmegaConf.structured(ExperimentConfig))
+        whole = OmegaConf.merge(defaults, {**raw, "cluster": section})
         apply_overrides(whole, overrides)
         check_override_interpolations(whole, overrides)
-        section = OmegaConf.to_container(whole.cluster, resolve=True)
+        resolved = OmegaConf.to_container(whole.cluster, resolve=True)
     except OmegaConfBaseException as err:
         raise ConfigError(f"config file {path}: cluster: {' '.join(str(err).split())}") from None
-    return section
+    keys = [override_key(o).split(".") for o in overrides]
+    given = set(section) | {k[1] for k in keys if len(k) > 1}
+    if ["cluster"] in keys:  # the whole section replaced
+        given |= set(resolved)
+    return {key: value for key, value in resolved.items() if key in given}
 
 
 # preprocess's options that the job's steps are not given as they came: the paths (made

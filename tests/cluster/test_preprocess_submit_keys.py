@@ -119,3 +119,18 @@ def test_a_file_train_reads_is_read_alike_dates_included(
     code, script, err = _render(capsys, plain_corpus, config)
     assert code == 0, err
     assert "#SBATCH --job-name=2026-12-04-preprocess-corpus-" in script
+
+
+def test_an_interpolation_reads_the_default_where_the_file_has_no_such_key(
+    tmp_path,
+    capsys,
+    plain_corpus,  # noqa: F811
+):
+    """As submit reads it: ${trainer.devices} is the default (1) in a file without it."""
+    config = tmp_path / "cluster_only.yaml"
+    config.write_text("cluster:\n  env_vars:\n    NPROC: ${trainer.devices}\n")
+    code, script, err = _render(capsys, plain_corpus, config, "cluster.account=${name}")
+    assert code == 0, err
+    assert [line for line in script.splitlines() if "NPROC" in line] == ["export NPROC=1"]
+    assert "#SBATCH --account=megatron_gpt" in script  # the default name
+    assert "partition" not in err  # only the keys given are the file's: no default named
