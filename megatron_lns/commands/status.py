@@ -25,8 +25,9 @@ def run(args: argparse.Namespace) -> int:
 
     if queued := queued_submission(Path(args.run_dir)):
         if args.json:  # job_id as in a started run's attempt_list; null where unrecorded
-            report = {"run_dir": args.run_dir, "state": "not started", "job_id": queued[1]}
-            print(json.dumps(report))
+            script, job_id = queued
+            report = {"run_dir": args.run_dir, "state": "not started", "job_id": job_id}
+            print(json.dumps(report | {"job_script": str(script)}, indent=2))
         else:
             print(not_started_line(Path(args.run_dir)))
         return 0

@@ -66,7 +66,9 @@ def test_status_of_a_run_submitted_but_not_started_says_so_with_its_job_id(
     # --json names the job too; null where the submission recorded no id.
     assert main(["status", str(run_dir), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report == {"run_dir": str(run_dir), "state": "not started", "job_id": "4242"}
+    (script,) = run_dir.glob("slurm/*/job.sbatch")
+    queued = {"run_dir": str(run_dir), "state": "not started", "job_id": "4242"}
+    assert report == queued | {"job_script": str(script)}
     for job_id in run_dir.glob("slurm/*/job_id"):
         job_id.unlink()
     assert main(["status", str(run_dir), "--json"]) == 0
