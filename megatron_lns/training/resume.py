@@ -220,8 +220,11 @@ def resume(
     for index, path in enumerate(candidates):
         try:
             saved = _saved_schedule(path)
-            data_note = check_data(path, data, cfg.exp_manager.resume_with_changed_data)
-            data_note = _check_settings(path, cfg, saved is None) or data_note
+            # Each change the override allows is said: the token files' and the settings'.
+            data_notes = [
+                check_data(path, data, cfg.exp_manager.resume_with_changed_data),
+                _check_settings(path, cfg, saved is None),
+            ]
             changes = schedule_changes(saved, scheduler)
             if changes and not override:
                 raise ScheduleChangedError(
@@ -257,8 +260,8 @@ def resume(
             continue
         _set_param_group_lr_bounds(optimizer, scheduler.max_lr, scheduler.min_lr)
         scheduler.step(increment=0)  # the LR of the resumed step under this schedule
-        if data_note is not None:
-            say(data_note)
+        for note in filter(None, data_notes):
+            say(note)
         state.data = data_record(data)
         return state, path
     return TrainingState(data=data_record(data)), None
