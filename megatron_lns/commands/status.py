@@ -24,12 +24,12 @@ def run(args: argparse.Namespace) -> int:
     from megatron_lns.training.run_report import run_report
 
     if queued := queued_submission(Path(args.run_dir)):
+        script, job_id = queued
         if args.json:  # job_id as in a started run's attempt_list; null where unrecorded
-            script, job_id = queued
             report = {"run_dir": args.run_dir, "state": "not started", "job_id": job_id}
             print(json.dumps(report | {"job_script": str(script)}, indent=2))
         else:
-            print(not_started_line(Path(args.run_dir)))
+            print(not_started_line(Path(args.run_dir), script, job_id))
         return 0
     report = run_report(args.run_dir)
     if args.json:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_lns.config.sources import RUN_CONFIG
+from megatron_lns.runtime.progress_file import RUN_PROGRESS_FILE
+
 # The job id sbatch gave a submission, in its slurm/<time>/ folder.
 JOB_ID_FILE = "job_id"
 
@@ -14,7 +17,7 @@ def queued_submission(run_dir: Path) -> tuple[Path, str | None] | None:
     """The newest submission's batch script and job id (None where none was recorded) of
     a run submitted but not started; None for any other run. One reading for both of
     ``status``'s forms, so the JSON names the job the text names."""
-    if any((run_dir / name).exists() for name in ("config.yaml", "run_progress")):
+    if any((run_dir / name).exists() for name in (RUN_CONFIG, RUN_PROGRESS_FILE)):
         return None
     scripts = sorted((run_dir / "slurm").glob("*/job.sbatch"))
     if not scripts:
@@ -26,11 +29,9 @@ def queued_submission(run_dir: Path) -> tuple[Path, str | None] | None:
         return newest, None
 
 
-def not_started_line(run_dir: Path) -> str | None:
-    """What ``status`` says of a run submitted but not started; None for any other."""
-    if (queued := queued_submission(run_dir)) is None:
-        return None
-    script, job_id = queued
+def not_started_line(run_dir: Path, script: Path, job_id: str | None) -> str:
+    """What ``status`` says of a run submitted but not started (:func:`queued_submission`
+    gives its ``script`` and ``job_id``)."""
     job = f"SLURM job {job_id}" if job_id else "a SLURM job whose id was not recorded"
     return (
         f"{run_dir}: submitted as {job} ({script}), not started yet "
