@@ -85,8 +85,9 @@ def _run(tmp_path, cfg):
     return run_distributed(_fit, 1, tmp_path / f"r{time.monotonic_ns()}", cfg)[0]
 
 
-@pytest.mark.slow
-def test_a_resume_on_other_documents_is_refused_unless_allowed(tmp_path, factory, capfd):
+def _stopped_at_3_then_its_corpus_replaced(tmp_path, factory) -> tuple[str, list, dict]:
+    """A run stopped at step 3 on a corpus, which is then replaced under the same prefix:
+    the prefix, the run's overrides and the data its checkpoint recorded."""
     prefix = _place(factory.dataset(50), tmp_path / "data" / "corpus")
     run = [f"model.data.data_prefix=[{prefix}]"]
     stopped = _run(tmp_path, tiny_run_config(tmp_path, *run, "trainer.exit_interval=3"))
@@ -94,8 +95,14 @@ def test_a_resume_on_other_documents_is_refused_unless_allowed(tmp_path, factory
     checkpoint = tmp_path / "lns" / "checkpoints" / "iter_0000003"
     recorded = json.loads((checkpoint / COMPLETE_MARKER).read_text())[DATA]
     assert recorded == {prefix: dataset_identity(prefix)}
-
     _place(factory.dataset(60), tmp_path / "data" / "corpus")  # another corpus, same prefix
+    return prefix, run, recorded
+
+
+@pytest.mark.slow
+def test_a_resume_on_other_documents_is_refused_unless_allowed(tmp_path, factory, capfd):
+    prefix, run, recorded = _stopped_at_3_then_its_corpus_replaced(tmp_path, factory)
+    checkpoint = tmp_path / "lns" / "checkpoints" / "iter_0000003"
     refused = _run(tmp_path, tiny_run_config(tmp_path, *run))
     assert refused["error"] == (
         f"dataset {prefix} changed since checkpoint {checkpoint} was written at step 3 (other "
@@ -118,3 +125,15 @@ def test_a_resume_on_other_documents_is_refused_unless_allowed(tmp_path, factory
         prefix: dataset_identity(prefix)
     }
     assert recorded[prefix] != dataset_identity(prefix)
+
+
+@pytest.mark.slow
+def test_a_resume_on_other_documents_and_another_seed_says_both(tmp_path, factory, capfd):
+    """The settings' note overwrote the token files' one."""
+    prefix, run, _ = _stopped_at_3_then_its_corpus_replaced(tmp_path, factory)
+    capfd.readouterr()
+    allowed = [*run, "model.seed=7", "exp_manager.resume_with_changed_data=true"]
+    assert _run(tmp_path, tiny_run_config(tmp_path, *allowed))["resumed_from"] == 3
+    out = capfd.readouterr().out
+    assert f"dataset {prefix} changed since checkpoint iter_0000003" in out, out
+    assert "the samples changed since checkpoint iter_0000003 (model.seed: 1234 -> 7)" in out
