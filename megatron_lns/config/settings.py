@@ -25,7 +25,8 @@ derives from it:
   the value gets there: ``build.py`` hands every declared value to the field it names
   (:func:`target_values`), so a pass-through setting needs no code beyond its
   declaration. A value that must be translated names the small function that does it
-  (``translate``), kept next to the declaration. Other targets are read by the code
+  (``translate``), kept next to the declaration, or :func:`to` where it only changes
+  its name or is looked up in a table of meanings. Other targets are read by the code
   named in the key's doc. A section whose keys all go to one class says it once
   (:func:`passed_to`; a key may still name its own);
 * ``aliases``: other names accepted for the same key (megatron-core's own), which set it
@@ -87,7 +88,7 @@ import functools
 import inspect
 import itertools
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Literal
@@ -157,10 +158,14 @@ class Setting:
         return self.target.split(".", 1)[1] if self.target and "." in self.target else None
 
 
-def to(target_field: str) -> Translate:
-    """The value unchanged, under the name its target uses (``bias`` -> ``add_bias_linear``
-    is GPTModelConfig's ``bias``, which sets both of megatron-core's bias switches)."""
-    return lambda value, cfg: {target_field: value}
+def to(target_field: str, meaning: Mapping[str, Any] | None = None) -> Translate:
+    """The value under the name its target uses (``bias`` -> ``add_bias_linear`` is
+    GPTModelConfig's ``bias``, which sets both of megatron-core's bias switches): as it is,
+    or what ``meaning`` maps it to (NeMo's ``bf16-mixed`` is megatron's ``bf16``; the key is
+    the value as text, YAML reads ``32`` as a number)."""
+    if meaning is None:
+        return lambda value, cfg: {target_field: value}
+    return lambda value, cfg: {target_field: meaning[str(value)]}
 
 
 def setting(

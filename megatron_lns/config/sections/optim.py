@@ -44,10 +44,6 @@ def _betas(value: list[float], cfg: Any) -> dict[str, Any]:
     return {"betas": (float(value[0]), float(value[1]))}
 
 
-def _decay_style(value: str, cfg: Any) -> dict[str, Any]:
-    return {"decay_style": SCHEDULES[value]}
-
-
 def _decay_steps(constant_steps: int, cfg: Any) -> dict[str, Any]:
     """The decay ends ``constant_steps`` before ``trainer.max_steps``."""
     return {"decay_steps": cfg.trainer.max_steps - constant_steps}
@@ -82,7 +78,7 @@ class SchedConfig:
         "CosineAnnealing",
         one_of(SCHEDULES),
         target="OptimizerParamScheduler.lr_decay_style",
-        translate=_decay_style,
+        translate=to("decay_style", SCHEDULES),
     )
     """`OptimizerParamScheduler` decay style: `CosineAnnealing` -> cosine, `LinearAnnealing` ->
     linear, `Constant` -> constant"""

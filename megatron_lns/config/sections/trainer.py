@@ -11,7 +11,7 @@ from megatron_lns.config.rules import (
     one_of,
     positive,
 )
-from megatron_lns.config.settings import setting
+from megatron_lns.config.settings import setting, to
 
 # The NeMo spellings a value may take, and what each means in megatron-core terms. The
 # build (build.py) translates through these maps; validation checks
@@ -27,10 +27,6 @@ PRECISIONS = {
 
 
 ACCELERATORS = {"auto": "auto", "cpu": "cpu", "gpu": "cuda"}
-
-
-def _precision(value: Any, cfg: Any) -> dict[str, Any]:
-    return {"precision": PRECISIONS[str(value)]}
 
 
 def _clip_grad(value: Any, cfg: Any) -> dict[str, Any]:
@@ -66,7 +62,7 @@ class TrainerConfig:
         "bf16-mixed",
         one_of(PRECISIONS),
         target="TransformerConfig.params_dtype",
-        translate=_precision,
+        translate=to("precision", PRECISIONS),
         resume="optimizer",
     )
     """`bf16-mixed`/`bf16`: `TransformerConfig.bf16` + `Float16Module` + megatron's mixed-precision
