@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_lns.base.errors import UserError
-from megatron_lns.cluster.slurm.queued import JOB_ID_FILE
 from megatron_lns.cluster.slurm.render import JobPaths, render_sbatch, unmounted_workdir_warning
 from megatron_lns.config import ExperimentConfig, to_yaml
 from megatron_lns.config.cluster import job_name
 from megatron_lns.config.paths import experiments_directory, run_directory
+from megatron_lns.config.submission_layout import JOB_ID_FILE, SCRIPT_FILE, new_submission_dir
 
 
 class SubmitError(UserError, RuntimeError):
@@ -31,7 +31,7 @@ class PreparedJob:
 
     @property
     def script_path(self) -> Path:
-        return self.paths.config.with_name("job.sbatch")
+        return self.paths.config.with_name(SCRIPT_FILE)
 
 
 @dataclass(frozen=True)
@@ -61,12 +61,7 @@ def prepare_job(
     workdir = workdir.resolve()
     cfg.exp_manager.exp_dir = str(workdir / experiments_directory(cfg))
     run_dir = run_directory(cfg)
-    # One folder per submission: resubmitting never overwrites an earlier script.
-    submit_dir = run_dir / "slurm" / (stamp or time.strftime("%Y%m%d-%H%M%S"))
-    suffix = 1
-    while submit_dir.exists():
-        suffix += 1
-        submit_dir = submit_dir.with_name(f"{submit_dir.name.split('.')[0]}.{suffix}")
+    submit_dir = new_submission_dir(run_dir, stamp or time.strftime("%Y%m%d-%H%M%S"))
     paths = JobPaths(workdir=workdir, run_dir=run_dir, config=submit_dir / "config.yaml")
     if cfg.cluster.container_image:
         python = "python"  # the container's interpreter, with megatron-lns installed
