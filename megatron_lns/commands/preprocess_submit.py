@@ -46,12 +46,8 @@ def ignored_keys() -> dict[str, str]:
 
 def submit_preprocess(args: argparse.Namespace, options: list[argparse.Action]) -> int:
     """Submit ``args`` (preprocess's, whose parser declares ``options``) as a SLURM job."""
-    from megatron_lns.cluster.slurm.preprocess_job import (
-        PreprocessJob,
-        render_preprocess_sbatch,
-        write_preprocess_job,
-    )
-    from megatron_lns.cluster.slurm.submit import require_sbatch, run_sbatch
+    from megatron_lns.cluster.slurm.preprocess_job import PreprocessJob, render_preprocess_sbatch
+    from megatron_lns.cluster.slurm.sbatch import submit_script
     from megatron_lns.config.cluster import validate_cluster_settings
     from megatron_lns.config.submission_layout import new_submission_dir
     from megatron_lns.data.corpus_inputs import PreprocessError, expand_inputs
@@ -94,9 +90,7 @@ def submit_preprocess(args: argparse.Namespace, options: list[argparse.Action]) 
     if args.dry_run:
         print(script, end="")
         return 0
-    require_sbatch()
-    write_preprocess_job(job, script)
-    job_id = run_sbatch(job.script_path, workdir)
+    job_id = submit_script(job.folder, script, workdir, job.log_dir)
     print(f"submitted job {job_id}: {job.script_path}")
     print(f"job log: {job.job_log(job_id)}")
     return 0

@@ -1,8 +1,10 @@
-"""What a submission leaves in the run directory: nothing when sbatch refuses it, and a
-run submitted but not started is reported as such by ``status`` (with its job id)."""
+"""What a submission leaves behind: nothing when sbatch refuses it, whether training's
+(in the run directory) or preprocessing's (in ``PREFIX.parts/``), and a run submitted
+but not started is reported as such by ``status`` (with its job id)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -45,6 +47,54 @@ def test_a_refused_submission_leaves_the_run_directory_as_it_was(fake_sbatch, ca
     assert sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*")) == [
         "logs",
         "logs/old.log",
+    ]
+
+
+def _preprocess_submission(work):
+    """``preprocess --submit`` of a one-shard corpus beside ``work`` into ``work/corpus``."""
+    data = work.parent / "data"
+    data.mkdir(exist_ok=True)
+    (data / "s0.jsonl.gz").write_bytes(gzip.compress(json.dumps({"text": "doc"}).encode()))
+    (work.parent / "cluster.yaml").write_text("cluster: {}\n")
+    command = ["preprocess", "--input", str(data / "*.jsonl.gz")]
+    command += ["--output-prefix", str(work / "corpus"), "--nodes", "2"]
+    return [*command, "--submit", str(work.parent / "cluster.yaml")]
+
+
+def test_an_accepted_preprocess_submission_keeps_its_script_and_job_id(
+    fake_sbatch, capsys, monkeypatch
+):
+    monkeypatch.setenv("FAKE_SBATCH", "accept")
+    assert main(_preprocess_submission(fake_sbatch)) == 0
+    out = capsys.readouterr().out.splitlines()
+    (script,) = (fake_sbatch / "corpus.parts" / "slurm").glob("*/job.sbatch")
+    assert out[0] == f"submitted job 4242: {script}"
+    assert (script.parent / "job_id").read_text() == "4242\n"
+    assert out[1].startswith(f"job log: {fake_sbatch}/corpus.parts/slurm/logs/"), out
+
+
+def test_a_refused_preprocess_submission_leaves_no_submission_folder(
+    fake_sbatch, capsys, monkeypatch
+):
+    """``preprocess --submit`` left its slurm/<time>/ folder (and the logs folder beside
+    it) when sbatch refused the job; it rolls back as training's ``submit`` does."""
+    monkeypatch.setenv("FAKE_SBATCH", "refuse")
+    command = _preprocess_submission(fake_sbatch)
+    assert main(command) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: sbatch refused "), error
+    assert error.endswith("invalid partition specified: nope\n"), error
+    assert len(error.splitlines()) == 1, error
+    assert list(fake_sbatch.iterdir()) == []
+    # Parts that were there keep what they held, and only that.
+    parts = fake_sbatch / "corpus.parts"
+    (parts / "slurm" / "logs").mkdir(parents=True)
+    (parts / "slurm" / "logs" / "old.log").write_text("x")
+    assert main(command) == 2
+    assert sorted(p.relative_to(parts).as_posix() for p in parts.rglob("*")) == [
+        "slurm",
+        "slurm/logs",
+        "slurm/logs/old.log",
     ]
 
 

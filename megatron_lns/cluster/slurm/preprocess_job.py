@@ -174,10 +174,3 @@ def _step(job: PreprocessJob, srun_options: list[str], step_arguments: list[str]
         *step_arguments,
     ]
     return wrap_command(options, command)
-
-
-def write_preprocess_job(job: PreprocessJob, script: str) -> None:
-    job.folder.mkdir(parents=True)
-    job.log_dir.mkdir(parents=True, exist_ok=True)
-    job.script_path.write_text(script)
-    job.script_path.chmod(0o755)
