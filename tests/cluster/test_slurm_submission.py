@@ -11,6 +11,7 @@ import pytest
 from helpers import DEMO_CONFIG
 
 from megatron_lns.cli import main
+from megatron_lns.cluster.slurm.sbatch import submit_script
 
 TINY = ["trainer.max_steps=4", "model.num_layers=2", "model.optim.sched.warmup_steps=1"]
 
@@ -96,6 +97,18 @@ def test_a_refused_preprocess_submission_leaves_no_submission_folder(
         "slurm/logs",
         "slurm/logs/old.log",
     ]
+
+
+def test_a_submission_into_a_folder_that_is_there_leaves_it_alone(fake_sbatch, monkeypatch):
+    """The rollback removes only what the submission made: an earlier one's folder stays."""
+    monkeypatch.setenv("FAKE_SBATCH", "accept")
+    folder = fake_sbatch / "slurm" / "earlier"
+    folder.mkdir(parents=True)
+    (folder / "job.sbatch").write_text("earlier")
+    with pytest.raises(FileExistsError):
+        submit_script(folder, "#!/bin/bash\n", fake_sbatch, fake_sbatch / "logs")
+    assert (folder / "job.sbatch").read_text() == "earlier"
+    assert sorted(p.name for p in fake_sbatch.rglob("*")) == ["earlier", "job.sbatch", "slurm"]
 
 
 def test_status_of_a_run_submitted_but_not_started_says_so_with_its_job_id(

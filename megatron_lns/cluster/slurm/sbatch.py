@@ -48,7 +48,8 @@ def submit_script(
         write_script(folder, script, log_dir, beside)
         job_id = _sbatch(folder / SCRIPT_FILE, workdir)
     except BaseException:
-        shutil.rmtree(folder, ignore_errors=True)
+        if folder in made:  # (one that was there is another submission's: it stays)
+            shutil.rmtree(folder, ignore_errors=True)
         for directory in made:  # the deepest first; one something else wrote to stays
             with contextlib.suppress(OSError):
                 directory.rmdir()
