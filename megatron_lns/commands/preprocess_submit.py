@@ -46,13 +46,10 @@ def ignored_keys() -> dict[str, str]:
 
 def submit_preprocess(args: argparse.Namespace, options: list[argparse.Action]) -> int:
     """Submit ``args`` (preprocess's, whose parser declares ``options``) as a SLURM job."""
-    from megatron_lns.cluster.slurm.preprocess_job import (
-        PreprocessJob,
-        render_preprocess_sbatch,
-        write_preprocess_job,
-    )
-    from megatron_lns.cluster.slurm.submit import require_sbatch, run_sbatch
+    from megatron_lns.cluster.slurm.preprocess_job import PreprocessJob, render_preprocess_sbatch
+    from megatron_lns.cluster.slurm.sbatch import submit_script
     from megatron_lns.config.cluster import validate_cluster_settings
+    from megatron_lns.config.submission_layout import new_submission_dir
     from megatron_lns.data.corpus_inputs import PreprocessError, expand_inputs
     from megatron_lns.data.output_files import check_output_place
 
@@ -74,7 +71,6 @@ def submit_preprocess(args: argparse.Namespace, options: list[argparse.Action]) 
     if not args.dry_run:  # (which creates the output's directory)
         check_output_place(prefix)
     arguments, tokenizer_files = _arguments(args, options, inputs, prefix)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
     job = PreprocessJob(
         cluster=cluster,
         nodes=nodes,
@@ -87,19 +83,14 @@ def submit_preprocess(args: argparse.Namespace, options: list[argparse.Action]) 
         ),
         workdir=workdir,
         python="python" if cluster.container_image else sys.executable,
-        stamp=stamp,
+        stamp=time.strftime("%Y%m%d-%H%M%S"),
     )
-    suffix = 1
-    while job.script_path.parent.exists():  # never overwrite an earlier submission's script
-        suffix += 1
-        job = dataclasses.replace(job, stamp=f"{stamp}.{suffix}")
+    job = dataclasses.replace(job, stamp=new_submission_dir(job.parts_dir, job.stamp).name)
     script = render_preprocess_sbatch(job)
     if args.dry_run:
         print(script, end="")
         return 0
-    require_sbatch()
-    write_preprocess_job(job, script)
-    job_id = run_sbatch(job.script_path, workdir)
+    job_id = submit_script(job.folder, script, workdir, job.log_dir)
     print(f"submitted job {job_id}: {job.script_path}")
     print(f"job log: {job.job_log(job_id)}")
     return 0

@@ -21,13 +21,14 @@ from omegaconf import DictConfig
 from megatron_lns.config.bundled import resolve_config_path
 from megatron_lns.config.loader import ConfigError, load_config
 from megatron_lns.config.schema import ExperimentConfig
+from megatron_lns.config.submission_layout import SUBMISSIONS_DIR, submission_scripts
 
 # The resolved config a run, each of its checkpoints and an import-hf output keep.
 RUN_CONFIG = "config.yaml"
 
 
 # What runs_inside looks through: a run directory's own parts, never runs themselves.
-_NOT_RUNS = ("checkpoints", "tensorboard", "slurm", "logs")
+_NOT_RUNS = ("checkpoints", "tensorboard", SUBMISSIONS_DIR, "logs")
 _RUNS_NAMED = 3
 
 
@@ -55,7 +56,7 @@ def runs_inside(directory: str | Path, depth: int = 2) -> list[Path]:
             for child in children:
                 if child.name.startswith(".") or child.name in _NOT_RUNS:
                     continue
-                run = _is_run_dir(child) or any((child / "slurm").glob("*/job.sbatch"))
+                run = _is_run_dir(child) or bool(submission_scripts(child))
                 (found if run else below).append(child)
         level = below
     return sorted(found)

@@ -1,14 +1,17 @@
-"""What a submission leaves in the run directory: nothing when sbatch refuses it, and a
-run submitted but not started is reported as such by ``status`` (with its job id)."""
+"""What a submission leaves behind: nothing when sbatch refuses it, whether training's
+(in the run directory) or preprocessing's (in ``PREFIX.parts/``), and a run submitted
+but not started is reported as such by ``status`` (with its job id)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
 from helpers import DEMO_CONFIG
 
 from megatron_lns.cli import main
+from megatron_lns.cluster.slurm.sbatch import submit_script
 
 TINY = ["trainer.max_steps=4", "model.num_layers=2", "model.optim.sched.warmup_steps=1"]
 
@@ -46,6 +49,66 @@ def test_a_refused_submission_leaves_the_run_directory_as_it_was(fake_sbatch, ca
         "logs",
         "logs/old.log",
     ]
+
+
+def _preprocess_submission(work):
+    """``preprocess --submit`` of a one-shard corpus beside ``work`` into ``work/corpus``."""
+    data = work.parent / "data"
+    data.mkdir(exist_ok=True)
+    (data / "s0.jsonl.gz").write_bytes(gzip.compress(json.dumps({"text": "doc"}).encode()))
+    (work.parent / "cluster.yaml").write_text("cluster: {}\n")
+    command = ["preprocess", "--input", str(data / "*.jsonl.gz")]
+    command += ["--output-prefix", str(work / "corpus"), "--nodes", "2"]
+    return [*command, "--submit", str(work.parent / "cluster.yaml")]
+
+
+def test_an_accepted_preprocess_submission_keeps_its_script_and_job_id(
+    fake_sbatch, capsys, monkeypatch
+):
+    monkeypatch.setenv("FAKE_SBATCH", "accept")
+    assert main(_preprocess_submission(fake_sbatch)) == 0
+    out = capsys.readouterr().out.splitlines()
+    (script,) = (fake_sbatch / "corpus.parts" / "slurm").glob("*/job.sbatch")
+    assert out[0] == f"submitted job 4242: {script}"
+    assert (script.parent / "job_id").read_text() == "4242\n"
+    assert out[1].startswith(f"job log: {fake_sbatch}/corpus.parts/slurm/logs/"), out
+
+
+def test_a_refused_preprocess_submission_leaves_no_submission_folder(
+    fake_sbatch, capsys, monkeypatch
+):
+    """``preprocess --submit`` left its slurm/<time>/ folder (and the logs folder beside
+    it) when sbatch refused the job; it rolls back as training's ``submit`` does."""
+    monkeypatch.setenv("FAKE_SBATCH", "refuse")
+    command = _preprocess_submission(fake_sbatch)
+    assert main(command) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: sbatch refused "), error
+    assert error.endswith("invalid partition specified: nope\n"), error
+    assert len(error.splitlines()) == 1, error
+    assert list(fake_sbatch.iterdir()) == []
+    # Parts that were there keep what they held, and only that.
+    parts = fake_sbatch / "corpus.parts"
+    (parts / "slurm" / "logs").mkdir(parents=True)
+    (parts / "slurm" / "logs" / "old.log").write_text("x")
+    assert main(command) == 2
+    assert sorted(p.relative_to(parts).as_posix() for p in parts.rglob("*")) == [
+        "slurm",
+        "slurm/logs",
+        "slurm/logs/old.log",
+    ]
+
+
+def test_a_submission_into_a_folder_that_is_there_leaves_it_alone(fake_sbatch, monkeypatch):
+    """The rollback removes only what the submission made: an earlier one's folder stays."""
+    monkeypatch.setenv("FAKE_SBATCH", "accept")
+    folder = fake_sbatch / "slurm" / "earlier"
+    folder.mkdir(parents=True)
+    (folder / "job.sbatch").write_text("earlier")
+    with pytest.raises(FileExistsError):
+        submit_script(folder, "#!/bin/bash\n", fake_sbatch, fake_sbatch / "logs")
+    assert (folder / "job.sbatch").read_text() == "earlier"
+    assert sorted(p.name for p in fake_sbatch.rglob("*")) == ["earlier", "job.sbatch", "slurm"]
 
 
 def test_status_of_a_run_submitted_but_not_started_says_so_with_its_job_id(

@@ -9,7 +9,6 @@ from megatron_lns.cluster.slurm.submit import (
     PreparedJob,
     SubmittedJob,
     prepare_job,
-    require_sbatch,
     submit_job,
 )
 from megatron_lns.config import ExperimentConfig
@@ -23,5 +22,4 @@ class SlurmExecutor(Executor[PreparedJob]):
         return job.script
 
     def submit(self, job: PreparedJob) -> SubmittedJob:
-        require_sbatch()
         return submit_job(job)

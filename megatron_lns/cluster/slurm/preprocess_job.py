@@ -34,6 +34,7 @@ from megatron_lns.cluster.slurm.render import (
 from megatron_lns.config import ConfigError
 from megatron_lns.config.cluster import valid_job_name
 from megatron_lns.config.sections.cluster import ClusterConfig
+from megatron_lns.config.submission_layout import SCRIPT_FILE, SUBMISSIONS_DIR
 
 PREPROCESS_TEMPLATE = TEMPLATE.with_name("preprocess.sbatch.template")
 # The public command line: written scripts outlive upgrades, and it stays the same.
@@ -73,16 +74,22 @@ class PreprocessJob:
     stamp: str
 
     @property
-    def slurm_dir(self) -> Path:
-        return self.output_prefix.with_name(f"{self.output_prefix.name}.parts") / "slurm"
+    def parts_dir(self) -> Path:
+        """``PREFIX.parts/``: the home of the job's submissions, beside the output's units."""
+        return self.output_prefix.with_name(f"{self.output_prefix.name}.parts")
+
+    @property
+    def folder(self) -> Path:
+        """This submission's own: ``PREFIX.parts/slurm/<stamp>/``."""
+        return self.parts_dir / SUBMISSIONS_DIR / self.stamp
 
     @property
     def script_path(self) -> Path:
-        return self.slurm_dir / self.stamp / "job.sbatch"
+        return self.folder / SCRIPT_FILE
 
     @property
     def log_dir(self) -> Path:
-        return self.slurm_dir / "logs"
+        return self.parts_dir / SUBMISSIONS_DIR / "logs"
 
     @property
     def name(self) -> str:
@@ -167,10 +174,3 @@ def _step(job: PreprocessJob, srun_options: list[str], step_arguments: list[str]
         *step_arguments,
     ]
     return wrap_command(options, command)
-
-
-def write_preprocess_job(job: PreprocessJob, script: str) -> None:
-    job.script_path.parent.mkdir(parents=True)
-    job.log_dir.mkdir(parents=True, exist_ok=True)
-    job.script_path.write_text(script)
-    job.script_path.chmod(0o755)

@@ -7,10 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_lns.config.sources import RUN_CONFIG
+from megatron_lns.config.submission_layout import JOB_ID_FILE, submission_scripts
 from megatron_lns.runtime.progress_file import RUN_PROGRESS_FILE
-
-# The job id sbatch gave a submission, in its slurm/<time>/ folder.
-JOB_ID_FILE = "job_id"
 
 
 def queued_submission(run_dir: Path) -> tuple[Path, str | None] | None:
@@ -19,7 +17,7 @@ def queued_submission(run_dir: Path) -> tuple[Path, str | None] | None:
     ``status``'s forms, so the JSON names the job the text names."""
     if any((run_dir / name).exists() for name in (RUN_CONFIG, RUN_PROGRESS_FILE)):
         return None
-    scripts = sorted((run_dir / "slurm").glob("*/job.sbatch"))
+    scripts = submission_scripts(run_dir)
     if not scripts:
         return None
     newest = scripts[-1]

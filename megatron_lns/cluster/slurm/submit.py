@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_lns.base.errors import UserError
-from megatron_lns.cluster.slurm.queued import JOB_ID_FILE
 from megatron_lns.cluster.slurm.render import JobPaths, render_sbatch, unmounted_workdir_warning
+from megatron_lns.cluster.slurm.sbatch import submit_script, write_script
 from megatron_lns.config import ExperimentConfig, to_yaml
 from megatron_lns.config.cluster import job_name
 from megatron_lns.config.paths import experiments_directory, run_directory
-
-
-class SubmitError(UserError, RuntimeError):
-    """sbatch is missing or refused the job; the message is one line."""
+from megatron_lns.config.submission_layout import SCRIPT_FILE, new_submission_dir
 
 
 @dataclass(frozen=True)
@@ -30,8 +23,18 @@ class PreparedJob:
     script: str
 
     @property
+    def folder(self) -> Path:
+        """This submission's own: ``<run_dir>/slurm/<time>/``."""
+        return self.paths.config.parent
+
+    @property
     def script_path(self) -> Path:
-        return self.paths.config.with_name("job.sbatch")
+        return self.folder / SCRIPT_FILE
+
+    @property
+    def beside_script(self) -> dict[str, str]:
+        """The files written next to the script, by name: the config every task loads."""
+        return {self.paths.config.name: to_yaml(self.cfg)}
 
 
 @dataclass(frozen=True)
@@ -61,12 +64,7 @@ def prepare_job(
     workdir = workdir.resolve()
     cfg.exp_manager.exp_dir = str(workdir / experiments_directory(cfg))
     run_dir = run_directory(cfg)
-    # One folder per submission: resubmitting never overwrites an earlier script.
-    submit_dir = run_dir / "slurm" / (stamp or time.strftime("%Y%m%d-%H%M%S"))
-    suffix = 1
-    while submit_dir.exists():
-        suffix += 1
-        submit_dir = submit_dir.with_name(f"{submit_dir.name.split('.')[0]}.{suffix}")
+    submit_dir = new_submission_dir(run_dir, stamp or time.strftime("%Y%m%d-%H%M%S"))
     paths = JobPaths(workdir=workdir, run_dir=run_dir, config=submit_dir / "config.yaml")
     if cfg.cluster.container_image:
         python = "python"  # the container's interpreter, with megatron-lns installed
@@ -77,45 +75,16 @@ def prepare_job(
 
 
 def write_job(job: PreparedJob) -> None:
-    job.paths.config.parent.mkdir(parents=True)
-    job.paths.log_dir.mkdir(parents=True, exist_ok=True)
-    job.paths.config.write_text(to_yaml(job.cfg))
-    job.script_path.write_text(job.script)
-    job.script_path.chmod(0o755)
+    """What :func:`submit_job` writes, without submitting it."""
+    write_script(job.folder, job.script, job.paths.log_dir, job.beside_script)
 
 
 def submit_job(job: PreparedJob) -> SubmittedJob:
     """Write ``job`` and sbatch it. A refused submission leaves the run directory as it
-    was: its slurm/<time>/ folder, and each directory writing it created, are removed."""
-    made = [job.paths.log_dir] if not job.paths.log_dir.exists() else []
-    parent = job.paths.config.parent.parent
-    while not parent.exists():
-        made.append(parent)
-        parent = parent.parent
-    write_job(job)
-    try:
-        submitted = sbatch(job)
-    except BaseException:
-        shutil.rmtree(job.paths.config.parent, ignore_errors=True)
-        for directory in made:  # the log folder, then the deepest first
-            with contextlib.suppress(OSError):
-                directory.rmdir()
-        raise
-    (job.paths.config.parent / JOB_ID_FILE).write_text(f"{submitted.job_id}\n")
-    return submitted
-
-
-def require_sbatch() -> None:
-    if shutil.which("sbatch") is None:
-        raise SubmitError(
-            "sbatch not found on PATH: submit from a SLURM login node (--dry-run prints the "
-            "script without submitting)"
-        )
-
-
-def sbatch(job: PreparedJob) -> SubmittedJob:
-    """Submit a written job; the job id as sbatch reports it."""
-    job_id = run_sbatch(job.script_path, job.paths.workdir)
+    was (:func:`~megatron_lns.cluster.slurm.sbatch.submit_script`)."""
+    job_id = submit_script(
+        job.folder, job.script, job.paths.workdir, job.paths.log_dir, job.beside_script
+    )
     name = job_name(job.cfg, job.paths.submission)
     return SubmittedJob(
         job_id=job_id,
@@ -123,18 +92,3 @@ def sbatch(job: PreparedJob) -> SubmittedJob:
         job_log=job.paths.log_dir / f"{name}-{job_id}.log",
         first_run_log=job.paths.log_dir / f"{name}-{job_id}-restart0.log",
     )
-
-
-def run_sbatch(script_path: Path, workdir: Path) -> str:
-    """``sbatch`` a written script from ``workdir``; the job id (a refusal is one line)."""
-    result = subprocess.run(
-        ["sbatch", "--parsable", str(script_path)],
-        cwd=workdir,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if result.returncode != 0:
-        message = " ".join(result.stderr.split()) or f"exit status {result.returncode}"
-        raise SubmitError(f"sbatch refused {script_path}: {message}")
-    return result.stdout.strip().split(";")[0]  # "<id>" or "<id>;<cluster>"

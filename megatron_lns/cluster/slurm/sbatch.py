@@ -1,0 +1,96 @@
+"""Handing a batch script to sbatch: the one step of every submission (training's
+``submit``, ``preprocess ... --submit``), so that what a refused one leaves behind cannot
+differ between them. It leaves nothing: the submission's folder and every directory
+written for it are removed, and the user reads one line with what sbatch said."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+
+from megatron_lns.base.errors import UserError
+from megatron_lns.config.submission_layout import JOB_ID_FILE, SCRIPT_FILE
+
+
+class SubmitError(UserError, RuntimeError):
+    """sbatch is missing or refused the job; the message is one line."""
+
+
+def require_sbatch() -> None:
+    if shutil.which("sbatch") is None:
+        raise SubmitError(
+            "sbatch not found on PATH: submit from a SLURM login node (--dry-run prints the "
+            "script without submitting)"
+        )
+
+
+def submit_script(
+    folder: Path,
+    script: str,
+    workdir: Path,
+    log_dir: Path,
+    beside: Mapping[str, str] | None = None,
+) -> str:
+    """Write ``script`` as ``folder/job.sbatch`` (with the files ``beside`` it, by name),
+    make ``log_dir`` for SLURM's output, and sbatch it from ``workdir``; the job id, which
+    is kept in ``folder/job_id``. ``folder`` is this submission's own, so must not exist
+    (:func:`~megatron_lns.config.submission_layout.new_submission_dir` names one).
+
+    If anything fails before sbatch accepts the job (above all sbatch refusing it), the
+    disk is left as it was: ``folder``, and each directory made for it or the logs, are
+    removed, and the error goes on."""
+    require_sbatch()
+    made = _missing_directories(folder, log_dir)
+    try:
+        write_script(folder, script, log_dir, beside)
+        job_id = _sbatch(folder / SCRIPT_FILE, workdir)
+    except BaseException:
+        if folder in made:  # (one that was there is another submission's: it stays)
+            shutil.rmtree(folder, ignore_errors=True)
+        for directory in made:  # the deepest first; one something else wrote to stays
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
+    (folder / JOB_ID_FILE).write_text(f"{job_id}\n")
+    return job_id
+
+
+def write_script(
+    folder: Path, script: str, log_dir: Path, beside: Mapping[str, str] | None = None
+) -> None:
+    """What :func:`submit_script` writes before it runs sbatch (the tests read it)."""
+    folder.mkdir(parents=True)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in (beside or {}).items():
+        (folder / name).write_text(text)
+    path = folder / SCRIPT_FILE
+    path.write_text(script)
+    path.chmod(0o755)
+
+
+def _missing_directories(*paths: Path) -> list[Path]:
+    """Each of ``paths`` and its parents that does not exist yet, the deepest first."""
+    missing = set()
+    for path in paths:
+        while not path.exists():
+            missing.add(path)
+            path = path.parent
+    return sorted(missing, key=lambda path: len(path.parts), reverse=True)
+
+
+def _sbatch(script_path: Path, workdir: Path) -> str:
+    """``sbatch`` a written script from ``workdir``; the job id (a refusal is one line)."""
+    result = subprocess.run(
+        ["sbatch", "--parsable", str(script_path)],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        message = " ".join(result.stderr.split()) or f"exit status {result.returncode}"
+        raise SubmitError(f"sbatch refused {script_path}: {message}")
+    return result.stdout.strip().split(";")[0]  # "<id>" or "<id>;<cluster>"
