@@ -19,6 +19,12 @@ from megatron_lns.data.errors import PreprocessError
 OUTPUT_SUFFIXES = (".bin", ".idx", ".json", ".manifest.json")
 
 
+def parts_directory(output_prefix: Path) -> Path:
+    """``PREFIX.parts/``: a run's work in progress (plan, units, receipts, lock) and its
+    SLURM submissions, beside the output it becomes."""
+    return output_prefix.with_name(f"{output_prefix.name}.parts")
+
+
 class StopSignals:
     """Ctrl-C and SIGTERM, noted when they arrive and acted on at a safe point.
 
@@ -83,12 +89,12 @@ def output_file_finder(output_prefix: Path) -> Callable[[Path], str | None]:
     Paths are compared where they are in the file system: by their directory, resolved,
     and their name (what a rename replaces), and by what they resolve to (a link)."""
     prefix = _location(output_prefix)
-    parts = prefix.with_name(f"{prefix.name}.parts")
+    parts = parts_directory(prefix)
 
     def which(path: Path) -> str | None:
         for place in (_location(path), path.resolve()):
             if place == parts or parts in place.parents:
-                return f"in {output_prefix}.parts/"
+                return f"in {parts_directory(output_prefix)}/"
             if place.parent != prefix.parent:
                 continue
             for suffix in OUTPUT_SUFFIXES:

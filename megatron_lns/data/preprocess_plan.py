@@ -34,6 +34,7 @@ from typing import IO
 
 from megatron_lns.base.disk import write_text_atomically
 from megatron_lns.data.corpus_inputs import PreprocessError, input_format
+from megatron_lns.data.output_files import parts_directory
 
 UNIT_BYTES = 32 << 20
 PLAN_FORMAT = 1
@@ -167,7 +168,7 @@ class PartsDirectory:
 
     def __init__(self, output_prefix: Path) -> None:
         self.output_prefix = output_prefix
-        self.root = output_prefix.with_name(f"{output_prefix.name}.parts")
+        self.root = parts_directory(output_prefix)
         self.units = self.root / "units"
 
     def create(self) -> None:

@@ -35,6 +35,7 @@ from megatron_lns.config import ConfigError
 from megatron_lns.config.cluster import valid_job_name
 from megatron_lns.config.sections.cluster import ClusterConfig
 from megatron_lns.config.submission_layout import SCRIPT_FILE, SUBMISSIONS_DIR
+from megatron_lns.data.output_files import parts_directory
 
 PREPROCESS_TEMPLATE = TEMPLATE.with_name("preprocess.sbatch.template")
 # The public command line: written scripts outlive upgrades, and it stays the same.
@@ -76,7 +77,7 @@ class PreprocessJob:
     @property
     def parts_dir(self) -> Path:
         """``PREFIX.parts/``: the home of the job's submissions, beside the output's units."""
-        return self.output_prefix.with_name(f"{self.output_prefix.name}.parts")
+        return parts_directory(self.output_prefix)
 
     @property
     def folder(self) -> Path:
