@@ -12,7 +12,6 @@ re-exported below.
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from megatron_lns.training.checkpoint_dirs import (
     CheckpointError,
     TrainingState,
     checkpoint_problem,
+    read_marker,
 )
 from megatron_lns.training.checkpoint_io import (
     commit,
@@ -232,11 +232,8 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, strategy=None
     path = Path(path)
     if problem := checkpoint_problem(path):
         raise CheckpointError(f"{path} is not a complete checkpoint: it {problem}")
-    try:
-        marker = json.loads((path / COMPLETE_MARKER).read_text() or "{}")
-    except ValueError as err:
-        raise CheckpointError(f"{path / COMPLETE_MARKER} is not valid JSON: {err}") from err
-    if isinstance(marker, dict) and marker.get(WEIGHTS_ONLY):
+    marker = read_marker(path)
+    if marker.get(WEIGHTS_ONLY):
         load_model_weights(model, path)
         return TrainingState(marker.get("iteration", 0), marker.get("consumed_samples", 0))
     read_index(path)  # before torch logs its own tracebacks of an unreadable one
