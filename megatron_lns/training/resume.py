@@ -51,7 +51,6 @@ from pathlib import Path
 from megatron.core import dist_checkpointing
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lns.config import ExperimentConfig, to_yaml
 from megatron_lns.config.settings import (
@@ -76,8 +75,8 @@ from megatron_lns.training.checkpoint import (
     load_checkpoint,
     load_strategy,
 )
-from megatron_lns.training.checkpoint_damage import read_failure, read_index
 from megatron_lns.training.checkpoint_dirs import is_checkpoint_dir
+from megatron_lns.training.checkpoint_io import read_common_state
 from megatron_lns.training.data_change import (
     OVERRIDE_KEY,
     DataChangedError,
@@ -178,17 +177,13 @@ def _run_hint(holder: Path) -> str:
     )
 
 
-def _saved_schedule(path: Path) -> dict | None:
-    """The checkpoint's scheduler state; None for a weights-only checkpoint (import-hf)."""
+def _common_state(path: Path) -> dict:
+    """The checkpoint's common state, read once: its scheduler state (none in a
+    weights-only checkpoint, import-hf's) is compared before anything is loaded, and
+    :func:`load_checkpoint` takes it from here."""
     if problem := checkpoint_problem(path):
         raise CheckpointError(f"checkpoint {path} {problem}")
-    read_index(path)  # before torch logs its own tracebacks of an unreadable one
-    try:
-        return dist_checkpointing.load_common_state_dict(str(path)).get("scheduler")
-    except (Exception, CheckpointException) as err:
-        raise CheckpointError(
-            f"could not load checkpoint {path}: {read_failure(path, err)}"
-        ) from None
+    return read_common_state(path)
 
 
 def schedule_changes(saved: dict | None, scheduler: OptimizerParamScheduler) -> list[str]:
@@ -219,7 +214,8 @@ def resume(
     override = cfg.exp_manager.override_opt_param_scheduler
     for index, path in enumerate(candidates):
         try:
-            saved = _saved_schedule(path)
+            common = _common_state(path)
+            saved = common.get("scheduler")
             # Each change the override allows is said: the token files' and the settings'.
             data_notes = [
                 check_data(path, data, cfg.exp_manager.resume_with_changed_data),
@@ -246,6 +242,7 @@ def resume(
                     optimizer,
                     scheduler,
                     load_strategy(cfg.model.dist_ckpt_parallel_load),
+                    common,
                 )
             except CheckpointError as err:
                 raise named_by_config_keys(err, path, cfg) from err
