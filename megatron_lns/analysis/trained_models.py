@@ -47,6 +47,7 @@ from megatron_lns.convert.hf_export import resolve_checkpoint
 from megatron_lns.convert.hf_import import import_hf
 from megatron_lns.convert.output import check_apart, check_output_dir, staged_output_dir
 from megatron_lns.runtime.launcher_env import launcher_environment
+from megatron_lns.training.checkpoint_dirs import MarkerError, read_marker
 from megatron_lns.training.machine import check_environment
 
 REPORT_NAME = "analysis.json"
@@ -264,8 +265,8 @@ def block_split_by_pipeline(m) -> int | None:
 
 def _iteration(checkpoint: Path) -> int | None:
     try:
-        return json.loads((checkpoint / "complete.json").read_text()).get("iteration")
-    except (OSError, ValueError, AttributeError):
+        return read_marker(checkpoint).get("iteration")
+    except MarkerError:
         return None
 
 

@@ -12,28 +12,26 @@ re-exported below.
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
-from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lns.runtime.fault_injection import inject_fault
 from megatron_lns.training import architecture_checkpoint as architecture
 from megatron_lns.training import provenance
-from megatron_lns.training.checkpoint_damage import read_failure, read_index
 from megatron_lns.training.checkpoint_dirs import (
     COMPLETE_MARKER,
     WEIGHTS_ONLY,
     CheckpointError,
     TrainingState,
     checkpoint_problem,
+    read_marker,
 )
 from megatron_lns.training.checkpoint_io import (
     commit,
@@ -44,6 +42,7 @@ from megatron_lns.training.checkpoint_io import (
     metadata_write_failures_kept,
     model_sharded_state_dict,
     prepare_partial,
+    read_common_state,
     save_sharded,
     sharded_state_dict_metadata,
     start_sharded_save,
@@ -221,31 +220,26 @@ def start_checkpoint_save(
     return final, request
 
 
-def load_checkpoint(path: str | Path, model, optimizer, scheduler, strategy=None) -> TrainingState:
+def load_checkpoint(
+    path: str | Path, model, optimizer, scheduler, strategy=None, common: dict | None = None
+) -> TrainingState:
     """Restore model, optimizer, scheduler, RNG (same layout only) and data position.
 
     A weights-only checkpoint (``WEIGHTS_ONLY`` in its marker) restores the weights and
     the data position and leaves optimizer, scheduler and RNG as they are. ``strategy``:
     megatron's reader (:func:`load_strategy`); the default reads everything each rank
-    needs itself.
+    needs itself. ``common``: the checkpoint's common state (:func:`read_common_state`)
+    where the caller has read it already, as a resume has to compare schedules.
     """
     path = Path(path)
     if problem := checkpoint_problem(path):
         raise CheckpointError(f"{path} is not a complete checkpoint: it {problem}")
-    try:
-        marker = json.loads((path / COMPLETE_MARKER).read_text() or "{}")
-    except ValueError as err:
-        raise CheckpointError(f"{path / COMPLETE_MARKER} is not valid JSON: {err}") from err
-    if isinstance(marker, dict) and marker.get(WEIGHTS_ONLY):
-        load_model_weights(model, path)
+    marker = read_marker(path)
+    if marker.get(WEIGHTS_ONLY):
+        load_model_weights(model, path, common)
         return TrainingState(marker.get("iteration", 0), marker.get("consumed_samples", 0))
-    read_index(path)  # before torch logs its own tracebacks of an unreadable one
-    try:
-        common = dist_checkpointing.load_common_state_dict(str(path))
-    except (Exception, CheckpointException) as err:
-        raise CheckpointError(
-            f"could not load checkpoint {path}: {read_failure(path, err)}"
-        ) from err
+    if common is None:
+        common = read_common_state(path)
     same_layout = common.get("parallel_layout") == layout_record()
     check_optimizer_parts(path, common.get("optimizer"), optimizer)
     allocate_distributed_optimizer_state(optimizer)

@@ -45,6 +45,15 @@ class ArchitectureMismatchError(CheckpointMismatchError):
     message says which setting to change."""
 
 
+class MarkerError(CheckpointError):
+    """A commit marker that cannot be read as the JSON object it is; ``problem`` says
+    why in a few words (``is not valid JSON (...)``), the message names the file too."""
+
+    def __init__(self, marker: Path, problem: str) -> None:
+        super().__init__(f"{marker} {problem}")
+        self.problem = problem
+
+
 @dataclass
 class TrainingState:
     """What a checkpoint restores besides weights and optimizer."""
@@ -82,21 +91,27 @@ def checkpoint_problem(path: Path) -> str | None:
     missing = [name for name in DIST_CHECKPOINT_FILES if not (path / name).is_file()]
     if missing:
         return f"is damaged: {' and '.join(missing)} missing"
-    if marker_problem := _marker_problem(path / COMPLETE_MARKER):
-        return f"is damaged: {COMPLETE_MARKER} {marker_problem}"
+    try:
+        read_marker(path)
+    except MarkerError as err:
+        return f"is damaged: {COMPLETE_MARKER} {err.problem}"
     return None
 
 
-def _marker_problem(marker: Path) -> str | None:
-    """Why a commit marker cannot be read as the JSON object it is; None if it can (an
-    empty one counts as ``{}``)."""
+def read_marker(checkpoint: Path) -> dict:
+    """The record in ``checkpoint``'s commit marker: its step, data position, data and id
+    (an empty marker counts as ``{}``). Every reader of a marker reads it here, so each
+    takes the same file for damaged; a :class:`MarkerError` where it cannot be read."""
+    marker = checkpoint / COMPLETE_MARKER
     try:
         record = json.loads(marker.read_text() or "{}")
     except OSError as err:
-        return f"cannot be read ({err.strerror or err})"
+        raise MarkerError(marker, f"cannot be read ({err.strerror or err})") from err
     except ValueError as err:  # UnicodeDecodeError too
-        return f"is not valid JSON ({str(err).splitlines()[0]})"
-    return None if isinstance(record, dict) else "is not a JSON object"
+        raise MarkerError(marker, f"is not valid JSON ({str(err).splitlines()[0]})") from err
+    if not isinstance(record, dict):
+        raise MarkerError(marker, "is not a JSON object")
+    return record
 
 
 def holds_checkpoints(path: Path) -> str | None:

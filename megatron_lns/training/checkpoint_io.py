@@ -59,7 +59,7 @@ from megatron_lns.base.errors import UserError, last_line
 from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.model.language_model import unwrap
 from megatron_lns.training import provenance
-from megatron_lns.training.checkpoint_damage import read_failure
+from megatron_lns.training.checkpoint_damage import read_failure, read_index
 from megatron_lns.training.checkpoint_dirs import (
     COMPLETE_MARKER,
     DATA,
@@ -336,6 +336,19 @@ def check_shapes_match(template: dict, directory: str | Path) -> None:
                 f"checkpoint {directory}: '{tensor.key}' has shape {saved_shape}, this model "
                 f"expects {tuple(tensor.global_shape)} (different architecture or vocabulary)"
             )
+
+
+def read_common_state(directory: str | Path) -> dict:
+    """megatron's common state of checkpoint ``directory`` (scheduler, parallel layout,
+    architecture, provenance): what every load reads first. torch's index of the shards
+    is read before it (``checkpoint_damage.read_index``): finding that unreadable, torch
+    would log two tracebacks of its own before it raised. Any failure is one line."""
+    read_index(directory)
+    try:
+        return dist_checkpointing.load_common_state_dict(str(directory))
+    except (Exception, CheckpointException) as err:
+        cause = read_failure(directory, err)
+        raise CheckpointError(f"could not load checkpoint {directory}: {cause}") from err
 
 
 def load_sharded(

@@ -15,13 +15,11 @@ from pathlib import Path
 
 import torch
 from megatron.core import dist_checkpointing
-from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.model.language_model import unwrap
 from megatron_lns.training import architecture_checkpoint as architecture
 from megatron_lns.training import provenance
-from megatron_lns.training.checkpoint_damage import read_failure, read_index
 from megatron_lns.training.checkpoint_dirs import (
     COMPLETE_MARKER,
     WEIGHTS_ONLY,
@@ -36,6 +34,7 @@ from megatron_lns.training.checkpoint_io import (
     key_filter,
     load_sharded,
     model_sharded_state_dict,
+    read_common_state,
     save_sharded,
 )
 from megatron_lns.training.rewind import CHECKPOINT_ID, new_checkpoint_id
@@ -76,17 +75,16 @@ def load_chunks(
             )
 
 
-def load_model_weights(model: Sequence[torch.nn.Module], directory: str | Path) -> None:
+def load_model_weights(
+    model: Sequence[torch.nn.Module], directory: str | Path, common: dict | None = None
+) -> None:
     """Load weights saved at any parallel layout, and by GPT into the hybrid model
-    (``architecture_checkpoint.py``), into this rank's chunks (strict)."""
+    (``architecture_checkpoint.py``), into this rank's chunks (strict). ``common``: the
+    checkpoint's common state where the caller has read it already (a resume has)."""
     if not dist_checkpointing.check_is_distributed_checkpoint(str(directory)):
         raise CheckpointError(f"{directory} is not a megatron distributed checkpoint")
-    read_index(directory)  # before torch logs its own tracebacks of an unreadable one
-    try:
-        common = dist_checkpointing.load_common_state_dict(str(directory))
-    except (Exception, CheckpointException) as err:
-        cause = read_failure(directory, err)
-        raise CheckpointError(f"could not load checkpoint {directory}: {cause}") from err
+    if common is None:
+        common = read_common_state(directory)
     template = model_sharded_state_dict(model)
     translate_architecture(template, model, directory, common)
     extra_state = extra_state_may_differ(common, model)

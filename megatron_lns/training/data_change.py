@@ -19,14 +19,13 @@ Torch-free: reading a marker and hashing index files needs no model.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_lns.data.blend import DataBlend
 from megatron_lns.data.metadata import dataset_identity, same_data
-from megatron_lns.training.checkpoint_dirs import COMPLETE_MARKER, DATA, CheckpointError
+from megatron_lns.training.checkpoint_dirs import DATA, CheckpointError, read_marker
 
 OVERRIDE_KEY = "exp_manager.resume_with_changed_data"
 
@@ -61,18 +60,10 @@ def data_record(data: Sequence[DataInUse]) -> dict[str, str]:
     return {entry.name: entry.identity for entry in data}
 
 
-def _marker(path: Path) -> dict:
-    try:
-        marker = json.loads((path / COMPLETE_MARKER).read_text() or "{}")
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"cannot read {path / COMPLETE_MARKER}: {err}") from None
-    return marker if isinstance(marker, dict) else {}
-
-
 def changed_data(path: Path, data: Sequence[DataInUse]) -> tuple[list[DataInUse], int]:
     """The entries of ``data`` whose files are not those the checkpoint ``path`` recorded,
     and the checkpoint's step; none for a checkpoint that recorded no data."""
-    marker = _marker(path)
+    marker = read_marker(path)
     recorded = marker.get(DATA)
     if not isinstance(recorded, dict):
         return [], 0

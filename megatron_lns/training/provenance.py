@@ -20,7 +20,7 @@ import functools
 import hashlib
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -111,14 +111,15 @@ def flat_config(config_yaml: str) -> dict[str, object]:
 
 
 def changed_values(
-    saved_yaml: str,
-    current_yaml: str,
+    saved: str | Mapping[str, object],
+    current: str | Mapping[str, object],
     keys: Sequence[str],
     same: Callable[[str, object, object], bool] = lambda key, saved, current: saved == current,
 ) -> list[str]:
     """``key: saved -> current`` for each of the dotted ``keys`` whose values differ
-    (``same(key, saved, current)`` false)."""
-    saved, current = flat_config(saved_yaml), flat_config(current_yaml)
+    (``same(key, saved, current)`` false). ``saved`` and ``current``: each config's YAML,
+    or its :func:`flat_config` where the caller compares the pair more than once."""
+    saved, current = (flat_config(c) if isinstance(c, str) else c for c in (saved, current))
     return [
         f"{key}: {_shown(saved, key)} -> {_shown(current, key)}"
         for key in keys
@@ -126,7 +127,7 @@ def changed_values(
     ]
 
 
-def _shown(flat: dict[str, object], key: str) -> str:
+def _shown(flat: Mapping[str, object], key: str) -> str:
     """A config value as the YAML says it: ``null``, or ``unset`` where the key is absent
     (a config of an older version)."""
     if key not in flat:

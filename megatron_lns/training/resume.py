@@ -51,9 +51,8 @@ from pathlib import Path
 from megatron.core import dist_checkpointing
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_lns.config import ExperimentConfig, to_yaml
+from megatron_lns.config import ExperimentConfig
 from megatron_lns.config.settings import (
     MODEL_TARGETS,
     OPTIMIZER_TARGETS,
@@ -63,7 +62,6 @@ from megatron_lns.config.settings import (
     declared_settings,
     shaping_keys,
 )
-from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.training import provenance
 from megatron_lns.training.checkpoint import (
     ArchitectureMismatchError,
@@ -76,8 +74,8 @@ from megatron_lns.training.checkpoint import (
     load_checkpoint,
     load_strategy,
 )
-from megatron_lns.training.checkpoint_damage import read_failure, read_index
 from megatron_lns.training.checkpoint_dirs import is_checkpoint_dir
+from megatron_lns.training.checkpoint_io import read_common_state
 from megatron_lns.training.data_change import (
     OVERRIDE_KEY,
     DataChangedError,
@@ -85,7 +83,7 @@ from megatron_lns.training.data_change import (
     check_data,
     data_record,
 )
-from megatron_lns.training.resume_settings import changed_settings
+from megatron_lns.training.resume_settings import SavedSettings
 from megatron_lns.training.rewind import branch_to_continue
 
 # megatron scheduler state -> the config keys that set it.
@@ -178,17 +176,13 @@ def _run_hint(holder: Path) -> str:
     )
 
 
-def _saved_schedule(path: Path) -> dict | None:
-    """The checkpoint's scheduler state; None for a weights-only checkpoint (import-hf)."""
+def _common_state(path: Path) -> dict:
+    """The checkpoint's common state, read once: its scheduler state (none in a
+    weights-only checkpoint, import-hf's) is compared before anything is loaded, and
+    :func:`load_checkpoint` takes it from here."""
     if problem := checkpoint_problem(path):
         raise CheckpointError(f"checkpoint {path} {problem}")
-    read_index(path)  # before torch logs its own tracebacks of an unreadable one
-    try:
-        return dist_checkpointing.load_common_state_dict(str(path)).get("scheduler")
-    except (Exception, CheckpointException) as err:
-        raise CheckpointError(
-            f"could not load checkpoint {path}: {read_failure(path, err)}"
-        ) from None
+    return read_common_state(path)
 
 
 def schedule_changes(saved: dict | None, scheduler: OptimizerParamScheduler) -> list[str]:
@@ -219,12 +213,12 @@ def resume(
     override = cfg.exp_manager.override_opt_param_scheduler
     for index, path in enumerate(candidates):
         try:
-            saved = _saved_schedule(path)
+            common = _common_state(path)
+            saved = common.get("scheduler")
             # Each change the override allows is said: the token files' and the settings'.
-            data_notes = [
-                check_data(path, data, cfg.exp_manager.resume_with_changed_data),
-                _check_settings(path, cfg, saved is None),
-            ]
+            data_notes = [check_data(path, data, cfg.exp_manager.resume_with_changed_data)]
+            settings = SavedSettings.read(path, cfg)
+            data_notes.append(_check_settings(path, settings, saved is None))
             changes = schedule_changes(saved, scheduler)
             if changes and not override:
                 raise ScheduleChangedError(
@@ -246,9 +240,10 @@ def resume(
                     optimizer,
                     scheduler,
                     load_strategy(cfg.model.dist_ckpt_parallel_load),
+                    common,
                 )
             except CheckpointError as err:
-                raise named_by_config_keys(err, path, cfg) from err
+                raise named_by_config_keys(err, path, cfg, settings) from err
         except CheckpointError as err:
             if isinstance(err, (ScheduleChangedError, CheckpointMismatchError, DataChangedError)):
                 raise
@@ -275,27 +270,27 @@ def _another_model(path: Path, changes: list[str]) -> CheckpointMismatchError:
     )
 
 
-def _check_settings(path: Path, cfg: ExperimentConfig, weights_only: bool) -> str | None:
+def _check_settings(path: Path, settings: SavedSettings, weights_only: bool) -> str | None:
     """Refuse a resume from ``path`` with another model, optimizer state, or (without the
     override) sequence length or seed (``resume_settings.py``); the line that says the
     samples changed where the override allows it. A weights-only checkpoint (import-hf)
     holds no optimizer state and no data position: only its model counts."""
-    if changes := changed_settings(path, cfg, RESUME_MODEL):
+    if changes := settings.changed(RESUME_MODEL):
         raise _another_model(path, changes)
     if weights_only:
         return None
-    if changes := changed_settings(path, cfg, RESUME_OPTIMIZER):
+    if changes := settings.changed(RESUME_OPTIMIZER):
         raise CheckpointMismatchError(
             f"checkpoint {path} was written with another optimizer state ({'; '.join(changes)})"
             ": its Adam moments, fp32 main weights and param groups load only into the "
             "optimizer that wrote them; restore those values, or start a new run (another "
             "exp_manager.name)"
         )
-    changes = changed_settings(path, cfg, RESUME_DATA)
+    changes = settings.changed(RESUME_DATA)
     if not changes:
         return None
     changed = "; ".join(changes)
-    if cfg.exp_manager.resume_with_changed_data:
+    if settings.cfg.exp_manager.resume_with_changed_data:
         return (
             f"the samples changed since checkpoint {path.name} ({changed}); training "
             f"continues on the samples they give ({OVERRIDE_KEY}=true)"
@@ -309,25 +304,28 @@ def _check_settings(path: Path, cfg: ExperimentConfig, weights_only: bool) -> st
 
 
 def named_by_config_keys(
-    err: CheckpointError, path: Path, cfg: ExperimentConfig
+    err: CheckpointError, path: Path, cfg: ExperimentConfig, settings: SavedSettings | None = None
 ) -> CheckpointError:
     """A checkpoint that did not load, named by the keys that shape parameters and changed
     since it was written, when any did: megatron's error names its tensors (a kilobyte of
     them for a changed layer_variant), not the key. Failing that, by the config keys that
     changed, if any did, and so not skipped as unreadable. ``err`` as it is otherwise, and
-    when it names the setting to change already (another architecture)."""
-    stored = path / RUN_CONFIG
-    if isinstance(err, ArchitectureMismatchError) or not stored.is_file():
+    when it names the setting to change already (another architecture). ``settings``:
+    the checkpoint's and ``cfg``'s, where the resume has read them already."""
+    if isinstance(err, ArchitectureMismatchError):
         return err
-    saved_yaml, config_yaml = stored.read_text(), to_yaml(cfg)
-    if changes := provenance.changed_values(saved_yaml, config_yaml, shaping_keys(type(cfg))):
+    if settings is None:
+        settings = SavedSettings.read(path, cfg)
+    if settings.saved is None:
+        return err
+    if changes := settings.changed_values(shaping_keys(type(cfg))):
         return _another_model(path, changes)
     built = [
         item.key
         for item in declared_settings(type(cfg))
         if item.setting.target_class in MODEL_TARGETS + OPTIMIZER_TARGETS
     ]
-    if changes := provenance.changed_values(saved_yaml, config_yaml, built):
+    if changes := settings.changed_values(built):
         # Not skipped as unreadable: it may load under the settings it was written with.
         return CheckpointMismatchError(
             f"{err}; it was written with other settings of the model or optimizer "

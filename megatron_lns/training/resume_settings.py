@@ -11,6 +11,8 @@ compared. Torch-free.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,17 +36,43 @@ def _as_built(cfg: ExperimentConfig, item: Declared, value: Any) -> Any:
         return value
 
 
-def changed_settings(path: Path, cfg: ExperimentConfig, resume: Resume) -> list[str]:
-    """``key: saved -> current`` for each key declared ``resume`` whose value differs
-    from the one checkpoint ``path`` was written with; none when it keeps no config."""
-    stored = path / RUN_CONFIG
-    if not stored.is_file():
-        return []
-    saved_yaml = stored.read_text()
-    saved = provenance.flat_config(saved_yaml)
-    items = {item.key: item for item in keys_on_resume(type(cfg), resume) if item.key in saved}
+@dataclass(frozen=True)
+class SavedSettings:
+    """The config a checkpoint was written with beside this run's, each read and
+    flattened once (``provenance.flat_config``): a resume compares the pair for the
+    model, the optimizer state and the samples before it loads anything, and again to
+    name a load that failed. ``saved`` is None where the checkpoint keeps no config
+    (nothing is compared then)."""
 
-    def same(key: str, old: Any, new: Any) -> bool:
-        return old == new or _as_built(cfg, items[key], old) == _as_built(cfg, items[key], new)
+    cfg: ExperimentConfig
+    saved: dict[str, object] | None
+    current: dict[str, object]
 
-    return provenance.changed_values(saved_yaml, to_yaml(cfg), list(items), same)
+    @classmethod
+    def read(cls, path: Path, cfg: ExperimentConfig) -> SavedSettings:
+        """The settings of checkpoint ``path`` (its ``config.yaml``) and of ``cfg``."""
+        stored = path / RUN_CONFIG
+        if not stored.is_file():
+            return cls(cfg, None, {})
+        saved = provenance.flat_config(stored.read_text())
+        return cls(cfg, saved, provenance.flat_config(to_yaml(cfg)))
+
+    def changed(self, resume: Resume) -> list[str]:
+        """``key: saved -> current`` for each key declared ``resume`` whose value differs
+        as megatron-core gets it (:func:`_as_built`)."""
+        if self.saved is None:
+            return []
+        cfg = self.cfg
+        keys = keys_on_resume(type(cfg), resume)
+        items = {item.key: item for item in keys if item.key in self.saved}
+
+        def same(key: str, old: Any, new: Any) -> bool:
+            return old == new or _as_built(cfg, items[key], old) == _as_built(cfg, items[key], new)
+
+        return provenance.changed_values(self.saved, self.current, list(items), same)
+
+    def changed_values(self, keys: Sequence[str]) -> list[str]:
+        """``key: saved -> current`` for each of ``keys`` whose value differs as written."""
+        if self.saved is None:
+            return []
+        return provenance.changed_values(self.saved, self.current, keys)

@@ -58,6 +58,7 @@ from pathlib import Path
 
 from megatron_lns.base.disk import WriteError, disk_full_reported, write_text_atomically
 from megatron_lns.base.errors import UserError
+from megatron_lns.training.checkpoint_dirs import COMPLETE_MARKER, MarkerError, read_marker
 
 ABANDONED_PREFIX = "abandoned-"
 JOURNAL = "moving.json"
@@ -74,10 +75,9 @@ def new_checkpoint_id() -> str:
 def checkpoint_id(checkpoint: Path) -> str | None:
     """The id in ``checkpoint``'s complete.json; None for one written before ids were."""
     try:
-        marker = json.loads((checkpoint / "complete.json").read_text() or "{}")
-    except (OSError, ValueError):
+        found = read_marker(checkpoint).get(CHECKPOINT_ID)
+    except MarkerError:
         return None
-    found = marker.get(CHECKPOINT_ID) if isinstance(marker, dict) else None
     return found if isinstance(found, str) else None
 
 
@@ -182,7 +182,7 @@ class RewindRecord:
         newer = [
             entry
             for entry in (sorted(checkpoint_dir.iterdir()) if checkpoint_dir.is_dir() else [])
-            if (_step(entry) or -1) > step and (entry / "complete.json").is_file()
+            if (_step(entry) or -1) > step and (entry / COMPLETE_MARKER).is_file()
         ]
         return cls(
             checkpoint.resolve(),
@@ -254,7 +254,7 @@ def branch_to_continue(checkpoint_dir: Path, requested: Path, complete: list[Pat
     newer = [path for path in complete if (_step(path) or -1) > step]
     if record.predating is None:  # a record of an older version: its time tells
         recorded_ns = RewindRecord.path(checkpoint_dir).stat().st_mtime_ns
-        return [p for p in newer if (p / "complete.json").stat().st_mtime_ns >= recorded_ns]
+        return [p for p in newer if (p / COMPLETE_MARKER).stat().st_mtime_ns >= recorded_ns]
     predating = set(record.predating)
     return [p for p in newer if (p.name, checkpoint_id(p)) not in predating]
 

@@ -10,7 +10,6 @@ run trains.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from collections.abc import Callable
@@ -26,11 +25,12 @@ from megatron_lns.base.timestamps import local_time
 from megatron_lns.config.sources import RUN_CONFIG, runs_inside_hint
 from megatron_lns.runtime.progress_file import RUN_PROGRESS_FILE, ProgressEvent, read_progress
 from megatron_lns.training.checkpoint_dirs import (
-    COMPLETE_MARKER,
+    MarkerError,
     checkpoint_step,
     complete_checkpoints,
     is_checkpoint_dir,
     latest_complete_checkpoint,
+    read_marker,
 )
 from megatron_lns.training.goodput import Goodput, account, duration, goodput_table
 from megatron_lns.training.run_dir import LOCK_NAME, read_lock
@@ -249,11 +249,17 @@ def _checkpointed_tokens(checkpoints: Path, samples: int | None) -> tuple[int, i
     checkpoint whose records cannot be read adds nothing (its stretch counts with the
     next)."""
     counted = (0, 0)
+    # Each distinct config.yaml parsed once (~10 ms a parse): a run's checkpoints mostly
+    # keep the same one, and a long run keeps every one it saved.
+    lengths: dict[str, int | None] = {}
     for checkpoint in reversed(complete_checkpoints(checkpoints)):  # oldest first
         try:
-            at = json.loads((checkpoint / COMPLETE_MARKER).read_text())["consumed_samples"]
-            length = _seq_length(yaml.safe_load((checkpoint / RUN_CONFIG).read_text()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, yaml.YAMLError):
+            at = read_marker(checkpoint)["consumed_samples"]
+            config = (checkpoint / RUN_CONFIG).read_text()
+            if config not in lengths:
+                lengths[config] = _seq_length(yaml.safe_load(config))
+            length = lengths[config]
+        except (MarkerError, OSError, ValueError, KeyError, yaml.YAMLError):
             continue
         if not isinstance(at, int) or length is None or samples is None or at > samples:
             break
