@@ -283,13 +283,20 @@ def _check_out_apart(out_dir: Path, item: Input, config: str | Path | None) -> N
         check_apart(out_dir, Path(config))
 
 
-def _files_read(cfg) -> list[Path]:
-    """The held-out data files and the local tokenizer files a config reads."""
+def _data_prefixes(cfg) -> tuple[str, ...]:
+    """The token files' prefixes of ``cfg``'s blend, a built-in corpus's prepared ones
+    included (``data.blend``): what analyze holds out, checks and keeps apart."""
     from megatron_lns.data.blend import DataBlend
 
-    m, tok = cfg.model, cfg.model.tokenizer
-    blend = DataBlend.parse(m.data.data_prefix).resolved(tok.library, tok.type, tok.model)
-    files = [Path(f"{prefix}{ext}") for prefix in blend.prefixes for ext in (".bin", ".idx")]
+    tok = cfg.model.tokenizer
+    blend = DataBlend.parse(cfg.model.data.data_prefix)
+    return blend.resolved(tok.library, tok.type, tok.model).prefixes
+
+
+def _files_read(cfg) -> list[Path]:
+    """The held-out data files and the local tokenizer files a config reads."""
+    tok = cfg.model.tokenizer
+    files = [Path(f"{prefix}{ext}") for prefix in _data_prefixes(cfg) for ext in (".bin", ".idx")]
     return files + [Path(p) for p in (tok.type, tok.model) if p and Path(p).exists()]
 
 
@@ -411,13 +418,12 @@ def _capped_to_the_split(item: Input, batches: int) -> int:
     """``--batches``, or the global batches the validation split holds where it holds
     fewer (said): megatron repeats a split to fill what is asked, so more batches measured
     the same sequences again, for minutes or hours."""
-    from megatron_lns.data.blend import DataBlend
     from megatron_lns.data.splits import samples_in_split
 
     m = item.cfg.model
-    tok = m.tokenizer
-    blend = DataBlend.parse(m.data.data_prefix).resolved(tok.library, tok.type, tok.model)
-    samples = samples_in_split(blend.prefixes, m.data.splits_string, "valid", m.data.seq_length)
+    samples = samples_in_split(
+        _data_prefixes(item.cfg), m.data.splits_string, "valid", m.data.seq_length
+    )
     held = max(1, samples // m.global_batch_size)
     if batches <= held:
         return batches
@@ -559,11 +565,8 @@ def analysis_job(
     finally:
         if bar is not None:
             bar.close()
-    from megatron_lns.data.blend import DataBlend
-
-    prefixes = DataBlend.parse(m.data.data_prefix).resolved(*tokenizer_spec(cfg)).prefixes
     scored = document_batches(
-        held_out_documents(prefixes, m.data.splits_string, tokenizer.eod),
+        held_out_documents(_data_prefixes(cfg), m.data.splits_string, tokenizer.eod),
         tokenizer.eod,
         m.data.seq_length,
         num_batches * m.global_batch_size,
