@@ -51,7 +51,7 @@ def submit_preprocess(args: argparse.Namespace, options: list[argparse.Action]) 
     from megatron_lns.config.cluster import validate_cluster_settings
     from megatron_lns.config.submission_layout import new_submission_dir
     from megatron_lns.data.corpus_inputs import PreprocessError, expand_inputs
-    from megatron_lns.data.output_files import check_output_place
+    from megatron_lns.data.output_files import check_output_place, parts_directory
 
     config, overrides = args.submit[0], [*args.submit[1:], *args.overrides]
     if args.task is not None or args.plan_only:
@@ -68,8 +68,8 @@ def submit_preprocess(args: argparse.Namespace, options: list[argparse.Action]) 
     prefix = Path(os.path.abspath(args.output_prefix))
     inputs = [os.path.abspath(text) for text in args.input]
     expand_inputs(inputs, prefix)  # a missing input is refused now, not after the queue
-    if not args.dry_run:  # (which creates the output's directory)
-        check_output_place(prefix)
+    if not args.dry_run:
+        check_output_place(prefix, create=False)
     arguments, tokenizer_files = _arguments(args, options, inputs, prefix)
     job = PreprocessJob(
         cluster=cluster,
@@ -83,9 +83,8 @@ def submit_preprocess(args: argparse.Namespace, options: list[argparse.Action]) 
         ),
         workdir=workdir,
         python="python" if cluster.container_image else sys.executable,
-        stamp=time.strftime("%Y%m%d-%H%M%S"),
+        stamp=new_submission_dir(parts_directory(prefix), time.strftime("%Y%m%d-%H%M%S")).name,
     )
-    job = dataclasses.replace(job, stamp=new_submission_dir(job.parts_dir, job.stamp).name)
     script = render_preprocess_sbatch(job)
     if args.dry_run:
         print(script, end="")

@@ -111,17 +111,27 @@ def _location(path: Path) -> Path:
     return path.absolute().parent.resolve() / path.name
 
 
-def check_output_place(output_prefix: Path) -> None:
+def check_output_place(output_prefix: Path, create: bool = True) -> None:
+    """Refuse an output the run could not write, before it tokenizes anything. The output's
+    directory is made (``create``), or else only found makeable: a job submitted to write
+    it makes it itself, and a refused submission leaves nothing behind."""
     check_output_prefix(output_prefix)
     for suffix in OUTPUT_SUFFIXES:
         if Path(f"{output_prefix}{suffix}").is_dir():  # found before tokenizing, not after
             raise PreprocessError(f"cannot write {output_prefix}{suffix}: it is a directory")
-    try:
-        output_prefix.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise PreprocessError(f"cannot create {output_prefix.parent}: {err.strerror}") from None
-    if not os.access(output_prefix.parent, os.W_OK | os.X_OK):
-        raise PreprocessError(f"cannot write to {output_prefix.parent}: permission denied")
+    directory = output_prefix.parent
+    if create:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise PreprocessError(f"cannot create {directory}: {err.strerror}") from None
+    else:
+        while not directory.exists() and directory != directory.parent:
+            directory = directory.parent  # where the job will make the rest
+        if not directory.is_dir():
+            raise PreprocessError(f"cannot create {output_prefix.parent}: {directory} is a file")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise PreprocessError(f"cannot write to {directory}: permission denied")
 
 
 def temporary_prefix(output_prefix: Path) -> str:

@@ -11,7 +11,8 @@ import pytest
 from helpers import DEMO_CONFIG
 
 from megatron_lns.cli import main
-from megatron_lns.cluster.slurm.sbatch import submit_script
+from megatron_lns.cluster.slurm import sbatch as sbatch_step
+from megatron_lns.cluster.slurm.sbatch import SubmitError, submit_script
 
 TINY = ["trainer.max_steps=4", "model.num_layers=2", "model.optim.sched.warmup_steps=1"]
 
@@ -54,7 +55,7 @@ def test_a_refused_submission_leaves_the_run_directory_as_it_was(fake_sbatch, ca
 def _preprocess_submission(work):
     """``preprocess --submit`` of a one-shard corpus beside ``work`` into ``work/corpus``."""
     data = work.parent / "data"
-    data.mkdir(exist_ok=True)
+    data.mkdir(parents=True, exist_ok=True)
     (data / "s0.jsonl.gz").write_bytes(gzip.compress(json.dumps({"text": "doc"}).encode()))
     (work.parent / "cluster.yaml").write_text("cluster: {}\n")
     command = ["preprocess", "--input", str(data / "*.jsonl.gz")]
@@ -97,18 +98,37 @@ def test_a_refused_preprocess_submission_leaves_no_submission_folder(
         "slurm/logs",
         "slurm/logs/old.log",
     ]
+    # An output in a directory not made yet: the refusal leaves none of it either.
+    unmade = fake_sbatch / "new" / "dir"
+    assert main(_preprocess_submission(unmade)) == 2
+    assert not unmade.exists()
 
 
 def test_a_submission_into_a_folder_that_is_there_leaves_it_alone(fake_sbatch, monkeypatch):
-    """The rollback removes only what the submission made: an earlier one's folder stays."""
+    """The rollback removes only what the submission made: a folder another submission of
+    the same second made, before this one looked or after, stays with what it holds."""
     monkeypatch.setenv("FAKE_SBATCH", "accept")
     folder = fake_sbatch / "slurm" / "earlier"
     folder.mkdir(parents=True)
     (folder / "job.sbatch").write_text("earlier")
-    with pytest.raises(FileExistsError):
+    with pytest.raises(SubmitError, match="File exists"):
         submit_script(folder, "#!/bin/bash\n", fake_sbatch, fake_sbatch / "logs")
     assert (folder / "job.sbatch").read_text() == "earlier"
     assert sorted(p.name for p in fake_sbatch.rglob("*")) == ["earlier", "job.sbatch", "slurm"]
+
+    racing = fake_sbatch / "slurm" / "racing"
+    looked = sbatch_step._missing_directories
+
+    def made_meanwhile(*paths):
+        missing = looked(*paths)
+        racing.mkdir()
+        (racing / "config.yaml").write_text("the other job's")
+        return missing
+
+    monkeypatch.setattr(sbatch_step, "_missing_directories", made_meanwhile)
+    with pytest.raises(SubmitError, match="File exists"):
+        submit_script(racing, "#!/bin/bash\n", fake_sbatch, fake_sbatch / "logs")
+    assert (racing / "config.yaml").read_text() == "the other job's"
 
 
 def test_status_of_a_run_submitted_but_not_started_says_so_with_its_job_id(

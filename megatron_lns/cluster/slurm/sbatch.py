@@ -40,15 +40,22 @@ def submit_script(
     (:func:`~megatron_lns.config.submission_layout.new_submission_dir` names one).
 
     If anything fails before sbatch accepts the job (above all sbatch refusing it), the
-    disk is left as it was: ``folder``, and each directory made for it or the logs, are
-    removed, and the error goes on."""
+    disk is left as it was: ``folder``, once this call has made it, and each directory
+    made above it or for the logs, are removed, and the error goes on. A ``folder`` that
+    is there already (a submission of the same second) is another's, and stays."""
     require_sbatch()
-    made = _missing_directories(folder, log_dir)
+    made = _missing_directories(folder.parent, log_dir)
+    owned = False
     try:
-        write_script(folder, script, log_dir, beside)
+        try:
+            folder.mkdir(parents=True)  # FileExistsError where another submission made it
+            owned = True
+            _write_files(folder, script, log_dir, beside)
+        except OSError as err:
+            raise SubmitError(f"cannot write {folder}: {err.strerror or err}") from err
         job_id = _sbatch(folder / SCRIPT_FILE, workdir)
     except BaseException:
-        if folder in made:  # (one that was there is another submission's: it stays)
+        if owned:
             shutil.rmtree(folder, ignore_errors=True)
         for directory in made:  # the deepest first; one something else wrote to stays
             with contextlib.suppress(OSError):
@@ -63,6 +70,12 @@ def write_script(
 ) -> None:
     """What :func:`submit_script` writes before it runs sbatch (the tests read it)."""
     folder.mkdir(parents=True)
+    _write_files(folder, script, log_dir, beside)
+
+
+def _write_files(
+    folder: Path, script: str, log_dir: Path, beside: Mapping[str, str] | None
+) -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     for name, text in (beside or {}).items():
         (folder / name).write_text(text)
