@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_lns.config import ExperimentConfig, to_yaml
+from megatron_lns.config import ConfigError, ExperimentConfig, to_yaml
+from megatron_lns.config.loader import read_yaml_config
 from megatron_lns.config.settings import Declared, Resume, keys_on_resume, section
 from megatron_lns.config.sources import RUN_CONFIG
 from megatron_lns.training import provenance
+from megatron_lns.training.checkpoint_dirs import CheckpointError
 
 
 def _as_built(cfg: ExperimentConfig, item: Declared, value: Any) -> Any:
@@ -50,10 +52,16 @@ class SavedSettings:
 
     @classmethod
     def read(cls, path: Path, cfg: ExperimentConfig) -> SavedSettings:
-        """The settings of checkpoint ``path`` (its ``config.yaml``) and of ``cfg``."""
+        """The settings of checkpoint ``path`` (its ``config.yaml``) and of ``cfg``. A
+        ``config.yaml`` that is not a YAML mapping makes the checkpoint damaged: nothing
+        could be compared with it."""
         stored = path / RUN_CONFIG
         if not stored.is_file():
             return cls(cfg, None, {})
+        try:
+            read_yaml_config(stored, holding="the settings the checkpoint was written with")
+        except ConfigError as err:
+            raise CheckpointError(f"checkpoint {path} is damaged: {err}") from None
         saved = provenance.flat_config(stored.read_text())
         return cls(cfg, saved, provenance.flat_config(to_yaml(cfg)))
 

@@ -246,6 +246,24 @@ def test_a_resume_with_another_model_or_optimizer_state_is_refused_by_name(
     )
 
 
+def test_a_checkpoint_whose_config_is_unreadable_is_damaged_in_one_line(
+    tmp_path, straight_tiny_run
+):
+    """Resume's setting checks read the checkpoint's config.yaml unguarded: YAML that does
+    not parse, or is not UTF-8, ended in a traceback; a list was compared with nothing."""
+    shutil.copytree(straight_tiny_run["run_dir"], tmp_path / "lns")
+    newest = tmp_path / "lns" / "checkpoints" / "iter_0000006"
+    damaged = f"checkpoint {newest} is damaged: config file {newest / 'config.yaml'}"
+    for text, problem in (
+        (b"model: [\n", ": line 2, column 1: expected the node content"),
+        (b"\xff\xfe", " is not UTF-8 text"),
+        (b"- 1\n", " must be a mapping with the settings the checkpoint was written with"),
+    ):
+        (newest / "config.yaml").write_bytes(text)
+        error = _run(tmp_path, tiny_run_config(tmp_path))["error"]
+        assert error.startswith(damaged + problem) and "\n" not in error, error
+
+
 def test_another_sequence_length_is_refused_as_changed_data_or_counted(tmp_path, straight_tiny_run):
     """The samples after the resume are cut at the new length: refused as changed data
     is, naming the key; with the override, ``status`` counts each stretch's tokens at the
