@@ -156,3 +156,7 @@ def test_status_of_a_run_submitted_but_not_started_says_so_with_its_job_id(
         job_id.unlink()
     assert main(["status", str(run_dir), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["job_id"] is None
+    # A job_id that is not text is no id either (it was a traceback).
+    (script.parent / "job_id").write_bytes(b"\xff\xfe")
+    assert main(["status", str(run_dir)]) == 0
+    assert "a SLURM job whose id was not recorded" in capsys.readouterr().out

@@ -23,7 +23,7 @@ def queued_submission(run_dir: Path) -> tuple[Path, str | None] | None:
     newest = scripts[-1]
     try:
         return newest, (newest.parent / JOB_ID_FILE).read_text().split()[0]
-    except (OSError, IndexError):
+    except (OSError, ValueError, IndexError):  # ValueError: not UTF-8, not written by sbatch
         return newest, None
 
 
