@@ -26,6 +26,7 @@ from megatron_lns.config.sources import RUN_CONFIG, runs_inside_hint
 from megatron_lns.runtime.progress_file import RUN_PROGRESS_FILE, ProgressEvent, read_progress
 from megatron_lns.training.checkpoint_dirs import (
     MarkerError,
+    checkpoint_problem,
     checkpoint_step,
     complete_checkpoints,
     is_checkpoint_dir,
@@ -59,6 +60,8 @@ class RunReport:
     step: int
     samples: int | None
     newest_checkpoint: Path | None
+    # What a resume would refuse the newest checkpoint for (``checkpoint_problem``).
+    newest_checkpoint_damage: str | None
     state: str  # finished / stopped / running / ended without a record
     goodput: Goodput
     last_record_at: float | None
@@ -124,6 +127,7 @@ class RunReport:
             "newest_checkpoint": None if self.newest_checkpoint is None else str(
                 self.newest_checkpoint
             ),
+            "newest_checkpoint_damage": self.newest_checkpoint_damage,
             "attempts": len(g.attempts),
             "restarts": max(0, len(g.attempts) - 1),
             "in_job_restarts": self.in_job_restarts,
@@ -155,6 +159,11 @@ class RunReport:
         lines = [f"run {self.run_dir}: {self.state}", f"step {self.step}{of}{tokens}"]
         newest = self.newest_checkpoint
         lines.append(f"newest complete checkpoint: {newest.name if newest else 'none yet'}")
+        if self.newest_checkpoint_damage:
+            lines[-1] += (
+                f", which {self.newest_checkpoint_damage}: a resume refuses it unless "
+                "exp_manager.resume_past_unreadable=true"
+            )
         ends = self.endings()
         said = ", ".join(f"{ends.count(e)} {e}" for e in dict.fromkeys(ends))
         restarts = max(0, len(g.attempts) - 1)
@@ -337,6 +346,7 @@ def run_report(run_dir: str | Path) -> RunReport:
         step=max(last.last_step if last else 0, newest_step),
         samples=samples,
         newest_checkpoint=newest,
+        newest_checkpoint_damage=checkpoint_problem(newest) if newest else None,
         state=_state(run_dir, goodput, holder),
         goodput=goodput,
         last_record_at=max((a.last_at for a in attempts), default=None),

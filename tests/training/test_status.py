@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import socket
 import subprocess
 import sys
@@ -39,7 +40,8 @@ def _run_dir(tmp_path, *checkpoints: int):
     for step in checkpoints:
         checkpoint = run / "checkpoints" / f"iter_{step:07d}"
         checkpoint.mkdir(parents=True)
-        (checkpoint / "complete.json").write_text("{}")
+        for name in ("complete.json", "metadata.json", ".metadata"):  # whole, as status sees
+            (checkpoint / name).write_text("{}")
     return run
 
 
@@ -108,6 +110,25 @@ def test_what_is_no_run_directory_is_said_in_one_line(tmp_path, capsys):
     assert cli_error_of(capsys, "status", str(tmp_path)).startswith(
         f"error: cannot read {tmp_path / 'config.yaml'}: "
     )
+
+
+def test_a_damaged_newest_checkpoint_is_said_as_a_resume_would_refuse_it(
+    tmp_path, straight_tiny_run, capsys
+):
+    """status named a checkpoint whose complete.json train refuses as the newest complete
+    one, without a word."""
+    run = tmp_path / "lns"
+    shutil.copytree(straight_tiny_run["run_dir"], run)
+    (run / "checkpoints" / "iter_0000006" / "complete.json").write_text("[1]")
+    assert main(["status", str(run)]) == 0
+    assert (
+        "newest complete checkpoint: iter_0000006, which is damaged: complete.json is not a "
+        "JSON object: a resume refuses it unless exp_manager.resume_past_unreadable=true"
+    ) in capsys.readouterr().out.splitlines()
+    assert run_report(run).to_json()["newest_checkpoint_damage"] == (
+        "is damaged: complete.json is not a JSON object"
+    )
+    assert run_report(straight_tiny_run["run_dir"]).newest_checkpoint_damage is None
 
 
 def test_a_real_tiny_run_accounts_its_wall_time(straight_tiny_run):
