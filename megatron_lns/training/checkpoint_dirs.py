@@ -99,12 +99,16 @@ def checkpoint_problem(path: Path) -> str | None:
 
 
 def read_marker(checkpoint: Path) -> dict:
-    """The record in ``checkpoint``'s commit marker: its step, data position, data and id
-    (an empty marker counts as ``{}``). Every reader of a marker reads it here, so each
-    takes the same file for damaged; a :class:`MarkerError` where it cannot be read."""
+    """The record in ``checkpoint``'s commit marker: its step, data position, data and id.
+    Every reader of a marker reads it here, so each takes the same file for damaged; a
+    :class:`MarkerError` where it cannot be read. Every version wrote a JSON object, so an
+    empty marker is damage too (a file system that lost what a crash had not flushed)."""
     marker = checkpoint / COMPLETE_MARKER
     try:
-        record = json.loads(marker.read_text() or "{}")
+        text = marker.read_text()
+        if not text:
+            raise MarkerError(marker, "is empty")
+        record = json.loads(text)
     except OSError as err:
         raise MarkerError(marker, f"cannot be read ({err.strerror or err})") from err
     except ValueError as err:  # UnicodeDecodeError too

@@ -128,6 +128,9 @@ def test_a_damaged_newest_checkpoint_is_said_as_a_resume_would_refuse_it(
     assert run_report(run).to_json()["newest_checkpoint_damage"] == (
         "is damaged: complete.json is not a JSON object"
     )
+    # An empty marker was read as {}: train resumed from it without its data check.
+    (run / "checkpoints" / "iter_0000006" / "complete.json").write_text("")
+    assert run_report(run).newest_checkpoint_damage == "is damaged: complete.json is empty"
     assert run_report(straight_tiny_run["run_dir"]).newest_checkpoint_damage is None
 
 
