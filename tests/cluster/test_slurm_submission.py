@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import signal
+import subprocess
+import sys
 
 import pytest
-from helpers import DEMO_CONFIG
+from helpers import DEMO_CONFIG, wait_while_running
 
 from megatron_lns.cli import main
 from megatron_lns.cluster.slurm import sbatch as sbatch_step
@@ -26,6 +29,7 @@ def fake_sbatch(tmp_path, monkeypatch):
     sbatch.write_text(
         "#!/bin/bash\nif [[ $FAKE_SBATCH == refuse ]]; then\n"
         '    echo "sbatch: error: invalid partition specified: nope" >&2; exit 1\nfi\n'
+        'if [[ $FAKE_SBATCH == hang ]]; then touch "$FAKE_SBATCH_STARTED"; exec sleep 60; fi\n'
         "echo 4242\n"
     )
     sbatch.chmod(0o755)
@@ -73,6 +77,24 @@ def test_an_accepted_preprocess_submission_keeps_its_script_and_job_id(
     assert out[0] == f"submitted job 4242: {script}"
     assert (script.parent / "job_id").read_text() == "4242\n"
     assert out[1].startswith(f"job log: {fake_sbatch}/corpus.parts/slurm/logs/"), out
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP], ids=["term", "hup"])
+def test_a_stop_while_sbatch_runs_takes_the_submission_back(fake_sbatch, monkeypatch, stop):
+    """A SIGTERM, or the SIGHUP of a closed terminal, while sbatch waited on the controller
+    ended the command by default action: its script stayed without a job id, which
+    ``status`` then called a job submitted."""
+    started = fake_sbatch.parent / "sbatch started"
+    monkeypatch.setenv("FAKE_SBATCH", "hang")
+    monkeypatch.setenv("FAKE_SBATCH_STARTED", str(started))
+    command = ["submit", str(DEMO_CONFIG), *TINY, "exp_manager.exp_dir=runs"]
+    submit = subprocess.Popen(
+        [sys.executable, "-m", "megatron_lns.cli", *command], stderr=subprocess.PIPE, text=True
+    )
+    wait_while_running(submit, started.exists, 120, "sbatch was not run")
+    submit.send_signal(stop)
+    assert submit.wait(timeout=60) == -stop, submit.stderr.read()
+    assert list(fake_sbatch.iterdir()) == []
 
 
 def test_a_refused_preprocess_submission_leaves_no_submission_folder(

@@ -1,22 +1,39 @@
 """Handing a batch script to sbatch: the one step of every submission (training's
 ``submit``, ``preprocess ... --submit``), so that what a refused one leaves behind cannot
 differ between them. It leaves nothing: the submission's folder and every directory
-written for it are removed, and the user reads one line with what sbatch said."""
+written for it are removed, and the user reads one line with what sbatch said. A
+SIGTERM or SIGHUP (a closed terminal) while sbatch runs takes the submission back as
+Ctrl-C does, then ends the command as the signal would have."""
 
 from __future__ import annotations
 
 import contextlib
 import shutil
+import signal
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from megatron_lns.base.errors import UserError
+from megatron_lns.base.signal_handlers import handled
 from megatron_lns.config.submission_layout import JOB_ID_FILE, SCRIPT_FILE
 
 
 class SubmitError(UserError, RuntimeError):
     """sbatch is missing or refused the job; the message is one line."""
+
+
+class _Stopped(BaseException):
+    """A stop signal during the submission, raised so that the rollback runs first."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise _Stopped(signum)
 
 
 def require_sbatch() -> None:
@@ -44,6 +61,20 @@ def submit_script(
     made above it or for the logs, are removed, and the error goes on. A ``folder`` that
     is there already (a submission of the same second) is another's, and stays."""
     require_sbatch()
+    # Not one the user has ignored (nohup ignores SIGHUP).
+    stops = [s for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) != signal.SIG_IGN]
+    try:
+        with handled(stops, _stop):
+            return _submit(folder, script, workdir, log_dir, beside)
+    except _Stopped as stop:  # rolled back; now what the signal does by default
+        signal.raise_signal(stop.signum)
+        name = signal.Signals(stop.signum).name
+        raise SubmitError(f"{name} while sbatch ran: the submission was taken back") from None
+
+
+def _submit(
+    folder: Path, script: str, workdir: Path, log_dir: Path, beside: Mapping[str, str] | None
+) -> str:
     made = _missing_directories(folder.parent, log_dir)
     owned = False
     try:
