@@ -74,6 +74,9 @@ class HuggingFaceTokenizer(_Identified):
     def __init__(self, path: str) -> None:
         if problem := not_a_directory(path):
             raise FileNotFoundError(f"Hugging Face tokenizer directory {path} {problem}")
+        # Its own lines for what it finds: transformers' error of an empty directory is a
+        # paragraph whose first line names nothing.
+        check_hugging_face_directory(path)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoTokenizer
 

@@ -20,7 +20,7 @@ from megatron_lns.data.preprocess import (
     preprocess,
     read_documents,
 )
-from megatron_lns.data.tokenizer import ByteTokenizer, build_tokenizer
+from megatron_lns.data.tokenizer import ByteTokenizer, TokenizerError, build_tokenizer
 
 DOCS = demo_documents()[:200]
 
@@ -131,6 +131,13 @@ def test_data_passes_the_config_checks_with_its_own_tokenizer_only(
     other = "sentencepiece" if library == "byte" else "byte"
     with pytest.raises(ConfigError, match=rf"^model.data.data_prefix: dataset .* with {library}"):
         validate(config(other))
+
+
+def test_an_empty_hugging_face_directory_is_named_as_such(tmp_path):
+    """transformers' error of an empty directory begins "Couldn't instantiate the backend
+    tokenizer from one of:", and its first line was all preprocess said."""
+    with pytest.raises(TokenizerError, match=f"^{tmp_path} holds no tokenizer files "):
+        build_tokenizer("huggingface", str(tmp_path))
 
 
 def test_ids_beyond_model_vocab_are_refused_even_without_metadata(tmp_path, hf_tokenizer_dir):
