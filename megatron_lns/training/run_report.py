@@ -312,6 +312,11 @@ def run_report(run_dir: str | Path) -> RunReport:
     """Read ``run_dir`` (module doc); :class:`NotARunDirectory` when it is none."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
+        if run_dir.exists():
+            raise NotARunDirectory(
+                f"{run_dir} is a file, not a run directory: give "
+                "<exp_manager.exp_dir>/<exp_manager.name>"
+            )
         raise NotARunDirectory(f"{run_dir}: no such directory")
     if is_checkpoint_dir(run_dir):  # it holds a config.yaml too
         run = _run_around(run_dir)

@@ -106,6 +106,11 @@ def test_what_is_no_run_directory_is_said_in_one_line(tmp_path, capsys):
         f"error: {tmp_path} is not a run directory (no config.yaml or run_progress): give "
         "<exp_manager.exp_dir>/<exp_manager.name>"
     )
+    (tmp_path / "run.yaml").write_text("trainer: {}\n")  # was "no such directory"
+    assert cli_error_of(capsys, "status", str(tmp_path / "run.yaml")) == (
+        f"error: {tmp_path / 'run.yaml'} is a file, not a run directory: give "
+        "<exp_manager.exp_dir>/<exp_manager.name>"
+    )
     (tmp_path / "config.yaml").write_text("trainer: [unclosed\n")
     assert cli_error_of(capsys, "status", str(tmp_path)).startswith(
         f"error: cannot read {tmp_path / 'config.yaml'}: "
