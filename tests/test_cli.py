@@ -96,6 +96,11 @@ def test_preprocess_refuses_outputs_it_could_not_write_as_named(tmp_path, capsys
     assert cli_error_of(capsys, *prep, str(tmp_path / "taken")) == (
         f"error: cannot write {tmp_path / 'taken.idx'}: it is a directory"
     )
+    # Under a file: it said "cannot create ...: File exists".
+    under_a_file = corpus / "sub" / "out"
+    assert cli_error_of(capsys, *prep, str(under_a_file)) == (
+        f"error: cannot write {under_a_file}.bin: {corpus} is a file, not a directory"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "taken.idx"]
     library = (*prep, str(tmp_path / "x"), "--tokenizer-library")
     assert cli_error_of(capsys, *library, "huggingface") == (

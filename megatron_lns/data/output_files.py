@@ -119,19 +119,21 @@ def check_output_place(output_prefix: Path, create: bool = True) -> None:
     for suffix in OUTPUT_SUFFIXES:
         if Path(f"{output_prefix}{suffix}").is_dir():  # found before tokenizing, not after
             raise PreprocessError(f"cannot write {output_prefix}{suffix}: it is a directory")
-    directory = output_prefix.parent
+    directory = existing = output_prefix.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent  # where the rest is made
+    if not existing.is_dir():
+        raise PreprocessError(
+            f"cannot write {output_prefix}.bin: {existing} is a file, not a directory"
+        )
     if create:
         try:
             directory.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise PreprocessError(f"cannot create {directory}: {err.strerror}") from None
-    else:
-        while not directory.exists() and directory != directory.parent:
-            directory = directory.parent  # where the job will make the rest
-        if not directory.is_dir():
-            raise PreprocessError(f"cannot create {output_prefix.parent}: {directory} is a file")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise PreprocessError(f"cannot write to {directory}: permission denied")
+        existing = directory
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PreprocessError(f"cannot write to {existing}: permission denied")
 
 
 def temporary_prefix(output_prefix: Path) -> str:
