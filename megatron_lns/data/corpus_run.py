@@ -177,10 +177,11 @@ class _Runner:
             inputs=tuple(str(p.resolve()) for p in files),
         )
         units = plan_units(files, run.unit_bytes)
-        check_output_place(self.prefix)
-        self.parts.create()
+        # A task makes nothing before it has found the plan that --plan-only wrote.
+        check_output_place(self.prefix, create=run.task is None)
         if run.task is not None:
             return self._task(settings, units)
+        self.parts.create()
         lock = FileLock(self.parts.root / "lock")
         if not lock.acquire():
             raise PreprocessError(
@@ -380,6 +381,7 @@ class _Runner:
                 f"--task {task}/{tasks}: the plan {self.parts.root}/plan.json {why}: run the "
                 "same command with --plan-only first (the SLURM job does)"
             )
+        self.parts.create()
         share = task_share(units, task, tasks)
         todo = [u for u in share if self.parts.receipt(u) is None]
         outcomes = self._tokenize(todo, f"task {task}/{tasks}")

@@ -335,7 +335,8 @@ def test_inputs_from_directories_and_globs_in_sorted_order(tmp_path, shards, cap
         PreprocessError,
         match=r"--task 0/2: the plan .*plan.json is missing: run the same command with --plan-only first",
     ):
-        preprocess_corpus(_corpus(inputs, tmp_path / "notask", task=(0, 2)))
+        preprocess_corpus(_corpus(inputs, tmp_path / "new" / "notask", task=(0, 2)))
+    assert not (tmp_path / "new").exists()  # it left new/notask.parts/units/
 
 
 def _children(pid: int) -> list[int]:
