@@ -178,7 +178,21 @@ def claim_run_dir(
     elsewhere: str = ELSEWHERE,
 ) -> RunDirLock:
     """Create and lock ``run_dir`` for a new or resumed run of ``job`` (default: a
-    :class:`~megatron_lns.runtime.job.LocalJob`; see module doc)."""
+    :class:`~megatron_lns.runtime.job.LocalJob`; see module doc), and remove how the last
+    run there ended."""
+    lock = lock_run_dir(run_dir, resume_if_exists, job, elsewhere)
+    forget_how_the_last_run_ended(run_dir)
+    return lock
+
+
+def lock_run_dir(
+    run_dir: Path,
+    resume_if_exists: bool,
+    job: JobEnvironment | None = None,
+    elsewhere: str = ELSEWHERE,
+) -> RunDirLock:
+    """:func:`claim_run_dir` without touching what the last run left: for a start that
+    reads it first, to put it back should the start fail (``run_claim.py``)."""
     try:
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -197,10 +211,14 @@ def claim_run_dir(
     if problem := unreplaceable_run_file(run_dir):
         lock.release()
         raise RunDirError(problem)
-    # How the last run ended is no longer news; removed only by the lock's holder, so
-    # that a second job of this run directory cannot remove the line of the first.
-    (run_dir / RUN_STATUS_FILE).unlink(missing_ok=True)
     return lock
+
+
+def forget_how_the_last_run_ended(run_dir: Path) -> None:
+    """Remove ``run_status``: how the last run ended is no longer news once a new one has
+    started. Call it holding the lock alone, so that a second job of this run directory
+    cannot remove the line of the first."""
+    (run_dir / RUN_STATUS_FILE).unlink(missing_ok=True)
 
 
 def unreplaceable_run_file(run_dir: Path) -> str | None:
