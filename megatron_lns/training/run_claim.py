@@ -63,18 +63,16 @@ def _holds(path: Path, content: bytes) -> bool:
         return False
 
 
+@dataclass
 class RunClaim:
     """The lock on a run directory (rank 0's) and what the last run left there, put back
-    by :meth:`release` unless :meth:`commit` came first."""
+    by :meth:`release` unless :meth:`commit` came first; ``say``: where a warning goes."""
 
-    def __init__(
-        self, lock: RunDirLock, run_dir: Path, last: LastRunFiles, say: Callable[[str], None]
-    ) -> None:
-        self.lock = lock
-        self.run_dir = run_dir
-        self.last = last
-        self.say = say
-        self.committed = False
+    lock: RunDirLock
+    run_dir: Path
+    last: LastRunFiles
+    say: Callable[[str], None]
+    committed: bool = False
 
     def commit(self) -> None:
         """The start got past resume: its config and the absent ``run_status`` now

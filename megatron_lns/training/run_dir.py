@@ -180,26 +180,23 @@ def claim_run_dir(
     """Create and lock ``run_dir`` for a new or resumed run of ``job`` (default: a
     :class:`~megatron_lns.runtime.job.LocalJob`; see module doc), and remove how the last
     run there ended."""
-    lock = lock_run_dir(run_dir, resume_if_exists, job, elsewhere)
+    lock = RunDirLock(run_dir, job or LocalJob(), elsewhere)
+    lock_run_dir(lock, resume_if_exists)
     forget_how_the_last_run_ended(run_dir)
     return lock
 
 
-def lock_run_dir(
-    run_dir: Path,
-    resume_if_exists: bool,
-    job: JobEnvironment | None = None,
-    elsewhere: str = ELSEWHERE,
-) -> RunDirLock:
-    """:func:`claim_run_dir` without touching what the last run left: for a start that
-    reads it first, to put it back should the start fail (``run_claim.py``)."""
+def lock_run_dir(lock: RunDirLock, resume_if_exists: bool) -> None:
+    """:func:`claim_run_dir` with a lock of the caller's, touching nothing the last run
+    left: for a start that reads it first, to put it back should the start fail
+    (``run_claim.py``)."""
+    run_dir = lock.path.parent
     try:
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise RunDirError(f"cannot create the run directory {run_dir}: {err.strerror}") from None
     if not os.access(run_dir, os.W_OK) or not os.access(run_dir / "checkpoints", os.W_OK):
         raise RunDirError(f"the run directory {run_dir} (or its checkpoints/) is not writable")
-    lock = RunDirLock(run_dir, job or LocalJob(), elsewhere)
     lock.acquire()
     if not resume_if_exists and holds_a_run(run_dir):
         lock.release()
@@ -211,7 +208,6 @@ def lock_run_dir(
     if problem := unreplaceable_run_file(run_dir):
         lock.release()
         raise RunDirError(problem)
-    return lock
 
 
 def forget_how_the_last_run_ended(run_dir: Path) -> None:

@@ -32,6 +32,7 @@ from megatron_lns.training.run_claim import LastRunFiles, RunClaim
 from megatron_lns.training.run_dir import (
     ELSEWHERE,
     RunDirError,
+    RunDirLock,
     forget_how_the_last_run_ended,
     lock_run_dir,
 )
@@ -60,7 +61,8 @@ def claim_run_directory(
     lock, claim, error = None, None, None
     if dist.get_rank() == 0:
         try:
-            lock = lock_run_dir(run_dir, resume_if_exists, job, elsewhere)
+            lock = RunDirLock(run_dir, job, elsewhere)
+            lock_run_dir(lock, resume_if_exists)  # released by it where it refuses
             claim = RunClaim(lock, run_dir, LastRunFiles.read(run_dir), say)
             forget_how_the_last_run_ended(run_dir)
             _prepare_run_dir(run_dir, config_yaml, say)
