@@ -149,13 +149,14 @@ def as_user_error(err: BaseException) -> UserError | None:
 
 
 def write_text_atomically(
-    path: str | Path, text: str, then: str = "", temporary: Path | None = None
+    path: str | Path, text: str | bytes, then: str = "", temporary: Path | None = None
 ) -> None:
     """Replace ``path`` with ``text`` whole or not at all: a write the filesystem refuses
     leaves the old file (no truncated one) and no temporary file, and raises
     :class:`DiskFullError` for a full disk, else :class:`WriteError` (``then``: what that
     means for the reader of ``path``). ``temporary``: the name written first (default
-    ``PATH.tmp-PID``)."""
+    ``PATH.tmp-PID``). Bytes are written as they are: a file put back as it was read,
+    whatever its encoding."""
     path = Path(path)
     temporary = temporary or path.with_name(f"{path.name}.tmp-{os.getpid()}")
 
@@ -165,7 +166,10 @@ def write_text_atomically(
 
     with disk_full_reported(path, then=then, cleanup=remove_temporary):
         try:
-            temporary.write_text(text)
+            if isinstance(text, bytes):
+                temporary.write_bytes(text)
+            else:
+                temporary.write_text(text)
             os.replace(temporary, path)
         except OSError as err:
             if is_disk_full(err):

@@ -178,14 +178,25 @@ def claim_run_dir(
     elsewhere: str = ELSEWHERE,
 ) -> RunDirLock:
     """Create and lock ``run_dir`` for a new or resumed run of ``job`` (default: a
-    :class:`~megatron_lns.runtime.job.LocalJob`; see module doc)."""
+    :class:`~megatron_lns.runtime.job.LocalJob`; see module doc), and remove how the last
+    run there ended."""
+    lock = RunDirLock(run_dir, job or LocalJob(), elsewhere)
+    lock_run_dir(lock, resume_if_exists)
+    forget_how_the_last_run_ended(run_dir)
+    return lock
+
+
+def lock_run_dir(lock: RunDirLock, resume_if_exists: bool) -> None:
+    """:func:`claim_run_dir` with a lock of the caller's, touching nothing the last run
+    left: for a start that reads it first, to put it back should the start fail
+    (``run_claim.py``)."""
+    run_dir = lock.path.parent
     try:
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise RunDirError(f"cannot create the run directory {run_dir}: {err.strerror}") from None
     if not os.access(run_dir, os.W_OK) or not os.access(run_dir / "checkpoints", os.W_OK):
         raise RunDirError(f"the run directory {run_dir} (or its checkpoints/) is not writable")
-    lock = RunDirLock(run_dir, job or LocalJob(), elsewhere)
     lock.acquire()
     if not resume_if_exists and holds_a_run(run_dir):
         lock.release()
@@ -197,10 +208,13 @@ def claim_run_dir(
     if problem := unreplaceable_run_file(run_dir):
         lock.release()
         raise RunDirError(problem)
-    # How the last run ended is no longer news; removed only by the lock's holder, so
-    # that a second job of this run directory cannot remove the line of the first.
+
+
+def forget_how_the_last_run_ended(run_dir: Path) -> None:
+    """Remove ``run_status``: how the last run ended is no longer news once a new one has
+    started. Call it holding the lock alone, so that a second job of this run directory
+    cannot remove the line of the first."""
     (run_dir / RUN_STATUS_FILE).unlink(missing_ok=True)
-    return lock
 
 
 def unreplaceable_run_file(run_dir: Path) -> str | None:

@@ -1,10 +1,12 @@
 """What rank 0 does to the run directory before a run writes into it, every rank agreeing.
 
 It locks the directory for the run's job and stores the resolved config
-(:func:`claim_run_directory`), finishes moving checkpoints aside that a killed run began
-to move, and, once resume has chosen a checkpoint, sets aside the checkpoints newer than
-it (:func:`set_abandoned_branch_aside`, ``rewind.py``). A failure on rank 0 is raised on
-every rank, with rank 0's message, so that no rank waits for the others forever.
+(:func:`claim_run_directory`; the last run's config and status are put back should the
+start fail before resume accepts it, ``run_claim.py``), finishes moving checkpoints
+aside that a killed run began to move, and, once resume has chosen a checkpoint, sets
+aside the checkpoints newer than it (:func:`set_abandoned_branch_aside`, ``rewind.py``).
+A failure on rank 0 is raised on every rank, with rank 0's message, so that no rank
+waits for the others forever.
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ from megatron_lns.training.rewind import (
     finish_interrupted_moves,
     set_aside_newer_checkpoints,
 )
-from megatron_lns.training.run_dir import ELSEWHERE, RunDirError, RunDirLock, claim_run_dir
+from megatron_lns.training.run_claim import LastRunFiles, RunClaim
+from megatron_lns.training.run_dir import (
+    ELSEWHERE,
+    RunDirError,
+    RunDirLock,
+    forget_how_the_last_run_ended,
+    lock_run_dir,
+)
 
 
 def _raise_on_every_rank(error: str | None, device: torch.device) -> None:
@@ -44,24 +53,30 @@ def claim_run_directory(
     device: torch.device,
     say: Callable[[str], None],
     elsewhere: str = ELSEWHERE,
-) -> RunDirLock | None:
+) -> RunClaim | None:
     """Rank 0 locks ``run_dir`` for ``job`` (None elsewhere); every rank raises the same
     error if it cannot. Whatever fails here releases the lock: one left behind would
-    refuse every later run."""
-    lock, error = None, None
+    refuse every later run. The claim puts back what the last run left unless it is
+    committed once resume has accepted the start (``run_claim.py``)."""
+    lock, claim, error = None, None, None
     if dist.get_rank() == 0:
         try:
-            lock = claim_run_dir(run_dir, resume_if_exists, job, elsewhere)
+            lock = RunDirLock(run_dir, job, elsewhere)
+            lock_run_dir(lock, resume_if_exists)  # released by it where it refuses
+            claim = RunClaim(lock, run_dir, LastRunFiles.read(run_dir), say)
+            forget_how_the_last_run_ended(run_dir)
             _prepare_run_dir(run_dir, config_yaml, say)
         except BaseException as err:
-            if lock is not None:
+            if claim is not None:
+                claim.release()  # puts back what the start replaced
+            elif lock is not None:
                 lock.release()
-                lock = None
+            claim = None
             if not isinstance(err, (RunDirError, WriteError)):
                 raise
             error = str(err)  # raised on every rank, not rank 0 alone
     _raise_on_every_rank(error, device)
-    return lock
+    return claim
 
 
 def _prepare_run_dir(run_dir: Path, config_yaml: str, say: Callable[[str], None]) -> None:

@@ -5,7 +5,9 @@ STEP`` (max_steps reached) or ``stopped STEP`` (a stop request or exit_interval:
 checkpoint saved, resumable); with asynchronous saves, only after the last one is
 committed on every rank. A plain-text line so that a shell (SLURM's batch
 script, outside any container) can read it with ``read -r state step``. A crash
-writes nothing; the trainer removes the file once it holds the run's lock.
+writes nothing; the trainer removes the file once it holds the run's lock, and puts it
+back if the start fails before resume has accepted it (``run_claim.py``): the line then
+still tells of the run that last trained there.
 
 A launcher that must know what its own run wrote (SLURM's batch script: another job of
 the same run directory, which fails on the lock, must not take the winner's line for

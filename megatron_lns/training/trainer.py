@@ -130,8 +130,9 @@ class Trainer:
         self.stop_request = StopRequest(self.job.stop_signals())
         self.cfg = cfg
         self.log_label = log_label or cfg.exp_manager.name
-        self.run_lock = None
-        # A failure from here on releases what was taken (the run's lock, signal handlers).
+        self.run_claim = None
+        # A failure from here on releases what was taken (the run's lock, signal handlers)
+        # and, before resume accepts the start, puts back the last run's config and status.
         try:
             self.run_dir = run_directory(cfg)
             self.checkpoint_dir = self.run_dir / "checkpoints"
@@ -145,7 +146,7 @@ class Trainer:
             )
             self.is_rank0 = dist.get_rank() == 0
             self.config_yaml = to_yaml(cfg)
-            self.run_lock = claim_run_directory(
+            self.run_claim = claim_run_directory(
                 self.run_dir,
                 cfg.exp_manager.resume_if_exists,
                 self.config_yaml,
@@ -255,6 +256,8 @@ class Trainer:
                 self._print,
             )
         self.resumed_from = self.state.iteration
+        if self.run_claim is not None:  # rank 0: from here on the run directory is this run's
+            self.run_claim.commit()
         set_abandoned_branch_aside(
             self.checkpoint_dir,
             self.resumed_path,
@@ -323,8 +326,8 @@ class Trainer:
             made = getattr(self, part, None)  # None where __init__ failed before making it
             if made is not None:
                 getattr(made, finish)()
-        if self.run_lock is not None:
-            self.run_lock.release()
+        if self.run_claim is not None:
+            self.run_claim.release()
 
     def _attempt_ended(self, summary: RunSummary, how: str) -> None:
         """Write ``run_status`` (which tells a launcher, a scheduler's batch script, whether

@@ -264,6 +264,20 @@ def test_a_checkpoint_whose_config_is_unreadable_is_damaged_in_one_line(
         assert error.startswith(damaged + problem) and "\n" not in error, error
 
 
+def test_a_refused_resume_leaves_the_last_runs_config_and_status(tmp_path, straight_tiny_run):
+    """The refused start had replaced config.yaml with its own config and removed
+    run_status: `status` contradicted itself, and `train RUN_DIR` took up the refused
+    settings."""
+    shutil.copytree(straight_tiny_run["run_dir"], tmp_path / "lns")
+    run = tmp_path / "lns"
+    before = {name: (run / name).read_bytes() for name in ("config.yaml", "run_status")}
+    assert before["run_status"] == b"finished 6\n"
+    refused = _run(tmp_path, tiny_run_config(tmp_path, "trainer.precision=bf16"))
+    assert "with another optimizer state (trainer.precision: 32 -> bf16)" in refused["error"]
+    assert {name: (run / name).read_bytes() for name in before} == before
+    assert not (run / ".lock").exists()
+
+
 def test_another_sequence_length_is_refused_as_changed_data_or_counted(tmp_path, straight_tiny_run):
     """The samples after the resume are cut at the new length: refused as changed data
     is, naming the key; with the override, ``status`` counts each stretch's tokens at the
