@@ -30,6 +30,8 @@ def fake_sbatch(tmp_path, monkeypatch):
         "#!/bin/bash\nif [[ $FAKE_SBATCH == refuse ]]; then\n"
         '    echo "sbatch: error: invalid partition specified: nope" >&2; exit 1\nfi\n'
         'if [[ $FAKE_SBATCH == hang ]]; then touch "$FAKE_SBATCH_STARTED"; exec sleep 60; fi\n'
+        "if [[ $FAKE_SBATCH == silent ]]; then exit 0; fi\n"
+        'if [[ $FAKE_SBATCH == banner ]]; then echo "site: job sent to the gpu partition"; fi\n'
         "echo 4242\n"
     )
     sbatch.chmod(0o755)
@@ -77,6 +79,26 @@ def test_an_accepted_preprocess_submission_keeps_its_script_and_job_id(
     assert out[0] == f"submitted job 4242: {script}"
     assert (script.parent / "job_id").read_text() == "4242\n"
     assert out[1].startswith(f"job log: {fake_sbatch}/corpus.parts/slurm/logs/"), out
+
+
+def test_a_job_id_is_read_from_sbatchs_last_line_or_its_absence_said(
+    fake_sbatch, capsys, monkeypatch
+):
+    """An sbatch that printed no id was taken at its word: "submitted job :" and an empty
+    job_id; a site's wrapper printing a line before the id made that line the id."""
+    command = ["submit", str(DEMO_CONFIG), *TINY, "exp_manager.exp_dir=runs"]
+    monkeypatch.setenv("FAKE_SBATCH", "banner")
+    assert main(command) == 0
+    assert capsys.readouterr().out.startswith("submitted job 4242: ")
+    monkeypatch.setenv("FAKE_SBATCH", "silent")
+    assert main([*command, "exp_manager.name=silent"]) == 2
+    [error] = capsys.readouterr().err.splitlines()
+    (script,) = (fake_sbatch / "runs" / "silent").glob("slurm/*/job.sbatch")
+    assert error == (
+        f"error: sbatch accepted {script} but printed no job id (nothing): squeue shows "
+        "whether the job is queued"
+    )
+    assert not (script.parent / "job_id").exists()  # the job may run: its files stay
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP], ids=["term", "hup"])

@@ -84,7 +84,7 @@ def _submit(
             _write_files(folder, script, log_dir, beside)
         except OSError as err:
             raise SubmitError(f"cannot write {folder}: {err.strerror or err}") from err
-        job_id = _sbatch(folder / SCRIPT_FILE, workdir)
+        printed = _sbatch(folder / SCRIPT_FILE, workdir)
     except BaseException:
         if owned:
             shutil.rmtree(folder, ignore_errors=True)
@@ -92,6 +92,12 @@ def _submit(
             with contextlib.suppress(OSError):
                 directory.rmdir()
         raise
+    if (job_id := _job_id(printed)) is None:  # accepted: what it wrote stays for the job
+        shown = " ".join(printed.split())[:200] or "nothing"
+        raise SubmitError(
+            f"sbatch accepted {folder / SCRIPT_FILE} but printed no job id ({shown}): squeue "
+            "shows whether the job is queued"
+        )
     (folder / JOB_ID_FILE).write_text(f"{job_id}\n")
     return job_id
 
@@ -126,7 +132,8 @@ def _missing_directories(*paths: Path) -> list[Path]:
 
 
 def _sbatch(script_path: Path, workdir: Path) -> str:
-    """``sbatch`` a written script from ``workdir``; the job id (a refusal is one line)."""
+    """``sbatch`` a written script from ``workdir``; what it printed (a refusal is one
+    line)."""
     result = subprocess.run(
         ["sbatch", "--parsable", str(script_path)],
         cwd=workdir,
@@ -137,4 +144,12 @@ def _sbatch(script_path: Path, workdir: Path) -> str:
     if result.returncode != 0:
         message = " ".join(result.stderr.split()) or f"exit status {result.returncode}"
         raise SubmitError(f"sbatch refused {script_path}: {message}")
-    return result.stdout.strip().split(";")[0]  # "<id>" or "<id>;<cluster>"
+    return result.stdout
+
+
+def _job_id(printed: str) -> str | None:
+    """The id on sbatch --parsable's last line (``<id>`` or ``<id>;<cluster>``), which a
+    site's wrapper of sbatch may precede with lines of its own; None without one."""
+    lines = printed.strip().splitlines()
+    job_id = lines[-1].split(";")[0].strip() if lines else ""
+    return job_id if job_id.isdigit() else None
