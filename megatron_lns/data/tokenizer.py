@@ -74,15 +74,15 @@ class HuggingFaceTokenizer(_Identified):
     def __init__(self, path: str) -> None:
         if problem := not_a_directory(path):
             raise FileNotFoundError(f"Hugging Face tokenizer directory {path} {problem}")
-        # Its own lines for what it finds: transformers' error of an empty directory is a
-        # paragraph whose first line names nothing.
-        check_hugging_face_directory(path)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoTokenizer
 
         try:
             self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as err:
+            # Its own line where it finds the cause: transformers' error of an empty
+            # directory is a paragraph whose first line names nothing.
+            check_hugging_face_directory(path)
             first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
             raise TokenizerError(
                 f"cannot load a Hugging Face tokenizer from {path}: {first_line}"
