@@ -316,8 +316,6 @@ def named_by_config_keys(
         return err
     if settings is None:
         settings = SavedSettings.read(path, cfg)
-    if settings.saved is None:
-        return err
     if changes := settings.changed_values(shaping_keys(type(cfg))):
         return _another_model(path, changes)
     built = [

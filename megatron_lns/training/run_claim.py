@@ -17,19 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_lns.base.disk import WriteError, write_text_atomically
-from megatron_lns.config.sources import RUN_CONFIG
-from megatron_lns.training.run_dir import RunDirLock
-from megatron_lns.training.run_status import RUN_STATUS_FILE
-
-# The files of the last run that a start replaces or removes before resume.
-_KEPT_FILES = (RUN_CONFIG, RUN_STATUS_FILE)
+from megatron_lns.training.run_dir import REPLACED_RUN_FILES, RunDirLock
 
 
 @dataclass(frozen=True)
 class LastRunFiles:
-    """The bytes of each file of :data:`_KEPT_FILES` that the last run left and could be
-    read; a file absent (a new run: its config stays, as a record of what was tried) or
-    unreadable is not put back."""
+    """The bytes of each of the run files a start replaces (``run_dir.REPLACED_RUN_FILES``)
+    that the last run left and could be read; a file absent (a new run: its config stays,
+    as a record of what was tried) or unreadable is not put back."""
 
     contents: dict[str, bytes]
 
@@ -37,7 +32,7 @@ class LastRunFiles:
     def read(cls, run_dir: Path) -> LastRunFiles:
         """What ``run_dir`` holds now; read holding the lock, before the start writes."""
         contents = {}
-        for name in _KEPT_FILES:
+        for name in REPLACED_RUN_FILES:
             try:
                 contents[name] = (run_dir / name).read_bytes()
             except OSError:  # absent, or unreadable: nothing to put back

@@ -34,8 +34,9 @@ LOCK_NAME = ".lock"
 # The largest process id there can be (pid_t); os.kill overflows past it.
 _MAX_PID = 2**31 - 1
 # The files a run replaces whole and cannot do without, and what it keeps there: its
-# config at the start, and at the end how it ended (for whatever restarts it).
-_REPLACED_RUN_FILES = {RUN_CONFIG: "its config", RUN_STATUS_FILE: "how it ended"}
+# config at the start, and at the end how it ended (for whatever restarts it). A start
+# keeps the last run's until resume accepts it (run_claim.py).
+REPLACED_RUN_FILES = {RUN_CONFIG: "its config", RUN_STATUS_FILE: "how it ended"}
 
 
 class RunDirError(UserError):
@@ -224,7 +225,7 @@ def unreplaceable_run_file(run_dir: Path) -> str | None:
     fail on its last write (``run_status``). The files it appends to (``metrics.jsonl``,
     ``run_progress``) are not asked about: a write they refuse costs their records, not
     the run."""
-    for name, what in _REPLACED_RUN_FILES.items():
+    for name, what in REPLACED_RUN_FILES.items():
         path = run_dir / name
         if path.is_symlink() or not path.exists():  # a link is replaced, not followed
             continue
